@@ -1,0 +1,45 @@
+"""The training pipeline: prepare-data -> distributed-fit -> register-model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from pydantic import BaseModel, ConfigDict
+
+from raytrain_tasks.config import TrainingConfig, new_run_key
+from raytrain_tasks.data import DatasetRef
+from tasks.data import prepare_data
+from tasks.fit import FitResult, distributed_fit
+from tasks.register import ModelRef, register_model
+
+
+class PipelineResult(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    run_key: str
+    config: TrainingConfig
+    dataset: DatasetRef
+    fit: FitResult
+    model: ModelRef | None
+
+
+@flow(name="training-pipeline")
+def training_pipeline(config: TrainingConfig = TrainingConfig()) -> PipelineResult:  # noqa: B008
+    """Train a model on Ray and register it in MLflow; `resume` continues an interrupted run."""
+    config = config.resolved(Path.cwd(), os.environ)
+    run_key = config.resume or new_run_key()
+    get_run_logger().info("run key %s (after a crash, continue it with resume=%s)", run_key, run_key)
+    dataset = prepare_data(config)
+    fit = distributed_fit.with_options(
+        retries=config.fit_retries, retry_delay_seconds=config.retry_delay_seconds
+    )(config, dataset, run_key)
+    model = register_model(config, dataset, fit) if config.register else None
+    return PipelineResult(run_key=run_key, config=config, dataset=dataset, fit=fit, model=model)
+
+
+if __name__ == "__main__":
+    from flows.cli import main
+
+    raise SystemExit(main(training_pipeline))

@@ -1,0 +1,222 @@
+"""The one typed configuration of a training run.
+
+It is the flow's parameter set (Prefect renders it as a form), the CLI's flag set, and it crosses into Ray
+as ``train_loop_config`` where each worker validates it again before doing anything.
+"""
+
+from __future__ import annotations
+
+import secrets
+import warnings
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from raytrain_tasks.datasets import BUILTIN_DATASETS, SUPPORTED_FILE_SUFFIXES
+from raytrain_tasks.models import MODELS
+
+DEFAULT_STATE_DIR = ".pipeline"
+
+
+# `register` is the public flag name (--register/--no-register); it only shadows ABCMeta.register.
+warnings.filterwarnings("ignore", message='Field name "register"', category=UserWarning)
+
+
+class TrainingConfig(BaseModel):
+    """Everything that defines one training pipeline run; no secrets live here."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # --- data ---
+    dataset: str = Field(
+        default="digits",
+        title="Dataset",
+        description=(
+            "'digits' (scikit-learn's bundled 8x8 handwritten digits), 'synthetic' (a generated "
+            "classification problem), or a path/URI to a .csv or .parquet file with a label column."
+        ),
+    )
+    label_column: str = Field(
+        default="label",
+        min_length=1,
+        title="Label column",
+        description="Name of the class-label column in a CSV/Parquet dataset.",
+    )
+    synthetic_samples: int = Field(
+        default=4000, ge=100, le=10_000_000, title="Synthetic samples", description="Rows of 'synthetic'."
+    )
+    synthetic_features: int = Field(
+        default=20, ge=2, le=10_000, title="Synthetic features", description="Feature columns of 'synthetic'."
+    )
+    val_fraction: float = Field(
+        default=0.2, gt=0.0, lt=0.9, title="Validation fraction", description="Share of rows held out."
+    )
+
+    # --- compute ---
+    num_workers: int = Field(
+        default=2, ge=1, le=1024, title="Workers", description="Ray Train DDP workers (one process each)."
+    )
+    use_gpu: bool = Field(
+        default=False,
+        title="Use GPU",
+        description="One GPU per worker and the NCCL backend; gloo on CPUs otherwise.",
+    )
+    cpus_per_worker: float = Field(
+        default=1.0, gt=0.0, le=256, title="CPUs per worker", description="CPU cores reserved per worker."
+    )
+
+    # --- training ---
+    model: Literal[tuple(MODELS)] = Field(  # type: ignore[valid-type]
+        default="mlp", title="Model", description="Model architecture from raytrain_tasks/models.py."
+    )
+    hidden_sizes: list[int] = Field(
+        default=[128, 64],
+        min_length=1,
+        max_length=16,
+        title="Hidden layer sizes",
+        description="Widths of the hidden layers, e.g. [128, 64].",
+    )
+    epochs: int = Field(default=3, ge=1, le=10_000, title="Epochs")
+    batch_size: int = Field(
+        default=32, ge=1, le=65_536, title="Batch size", description="Per worker, per step."
+    )
+    learning_rate: float = Field(default=3e-3, gt=0.0, le=10.0, title="Learning rate", description="Adam.")
+    seed: int = Field(default=42, ge=0, title="Seed", description="Seeds split, init and shuffling.")
+
+    # --- storage and services ---
+    storage_path: str = Field(
+        default=f"{DEFAULT_STATE_DIR}/storage",
+        min_length=1,
+        title="Storage path",
+        description="Shared storage for datasets and checkpoints: a local directory (every node must see it).",
+    )
+    ray_address: str = Field(
+        default="",
+        title="Ray address",
+        description="Empty: start a local Ray. Otherwise a cluster address, e.g. '127.0.0.1:6379' or 'ray://h:10001'.",
+    )
+    mlflow_tracking_uri: str = Field(
+        default="",
+        title="MLflow tracking URI",
+        description=f"Empty: a SQLite store under ./{DEFAULT_STATE_DIR}/. Or e.g. 'http://127.0.0.1:5000'.",
+    )
+    experiment_name: str = Field(default="prefect-raytrain", min_length=1, title="MLflow experiment")
+    model_name: str = Field(
+        default="digits-classifier", min_length=1, title="Registered model name"
+    )
+
+    # --- fault tolerance ---
+    max_failures: int = Field(
+        default=2,
+        ge=0,
+        le=100,
+        title="Max worker failures",
+        description="Worker-group restarts Ray Train makes, each resuming from the last checkpoint.",
+    )
+    checkpoints_to_keep: int = Field(
+        default=2, ge=1, le=1000, title="Checkpoints to keep", description="Best ones by val_accuracy."
+    )
+    fit_retries: int = Field(
+        default=1,
+        ge=0,
+        le=20,
+        title="Fit retries",
+        description="Prefect retries of the distributed-fit task; each resumes from the last checkpoint.",
+    )
+    retry_delay_seconds: float = Field(default=5.0, ge=0, le=3600, title="Retry delay (s)")
+    resume: str = Field(
+        default="",
+        title="Resume run key",
+        description="Run key of an interrupted run to continue (printed at start, tagged in MLflow).",
+    )
+
+    # --- registry ---
+    register: bool = Field(default=True, title="Register model", description="Register a model version.")
+    promote: bool = Field(
+        default=True, title="Promote", description="Move 'champion' when the new version is better."
+    )
+    min_improvement: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        title="Minimum improvement",
+        description="val_accuracy a candidate must gain over the champion to take the 'champion' alias.",
+    )
+
+    @field_validator("dataset")
+    @classmethod
+    def _known_dataset(cls, value: str) -> str:
+        if value in BUILTIN_DATASETS:
+            return value
+        if value.lower().endswith(SUPPORTED_FILE_SUFFIXES):
+            return value
+        raise ValueError(
+            f"unknown dataset {value!r}: use one of {sorted(BUILTIN_DATASETS)} "
+            f"or a path/URI ending in {', '.join(SUPPORTED_FILE_SUFFIXES)}"
+        )
+
+    @field_validator("hidden_sizes")
+    @classmethod
+    def _positive_sizes(cls, value: list[int]) -> list[int]:
+        if any(size < 1 for size in value):
+            raise ValueError(f"every hidden layer size must be >= 1, got {value}")
+        return value
+
+    @field_validator("storage_path")
+    @classmethod
+    def _supported_storage(cls, value: str) -> str:
+        if "://" in value and not value.startswith("file://"):
+            scheme = value.split("://", 1)[0]
+            raise ValueError(
+                f"storage scheme {scheme!r} is not supported yet: use a local or shared directory path"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _resume_is_run_key(self) -> TrainingConfig:
+        if self.resume and not _looks_like_run_key(self.resume):
+            raise ValueError(f"resume: {self.resume!r} is not a run key (expected e.g. 20261122-101500-a1b2c3)")
+        return self
+
+    def resolved(self, base_dir: Path, environ: Mapping[str, str]) -> TrainingConfig:
+        """A copy with an absolute storage path and a concrete tracking URI, as every Ray process needs."""
+        storage = self.storage_path.removeprefix("file://")
+        if not Path(storage).is_absolute():
+            storage = str((base_dir / storage).resolve())
+        tracking = self.mlflow_tracking_uri or environ.get("MLFLOW_TRACKING_URI", "")
+        if not tracking:
+            tracking = f"sqlite:///{(base_dir / DEFAULT_STATE_DIR / 'mlflow.db').resolve()}"
+        return self.model_copy(update={"storage_path": storage, "mlflow_tracking_uri": tracking})
+
+    def public_params(self) -> dict[str, Any]:
+        """The config as flat MLflow params: lists joined, nothing secret (the model holds none)."""
+        params: dict[str, Any] = {}
+        for key, value in self.model_dump().items():
+            params[key] = ",".join(map(str, value)) if isinstance(value, list) else value
+        return params
+
+
+def new_run_key(now: datetime | None = None) -> str:
+    """A fresh key naming one logical run: its Ray Train run, its checkpoints and its MLflow run."""
+    now = now or datetime.now(UTC)
+    return f"{now:%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
+
+
+def _looks_like_run_key(value: str) -> bool:
+    parts = value.split("-")
+    return len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit() and len(parts[2]) >= 4
+
+
+def describe_validation_error(exc: Exception) -> str:
+    """One line per invalid field, naming it the way the CLI and the Prefect form do."""
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):
+        return str(exc)
+    lines = []
+    for err in errors():
+        field = ".".join(str(p) for p in err.get("loc", ())) or "config"
+        lines.append(f"{field} (--{field.replace('_', '-')}): {err.get('msg')}; got {err.get('input')!r}")
+    return "invalid training config:\n  " + "\n  ".join(lines)

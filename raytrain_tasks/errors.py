@@ -1,0 +1,33 @@
+"""The pipeline's errors: one root, one class per thing a user has to fix.
+
+Each message names what failed, where, the likely cause and the setting to change. They carry only a
+message, so they pickle across Ray workers unchanged.
+"""
+
+
+class PipelineError(Exception):
+    """Root of every error the pipeline raises on purpose."""
+
+
+class DatasetError(PipelineError):
+    """The dataset cannot be loaded or does not fit the config (missing file, missing label column)."""
+
+
+class StorageError(PipelineError):
+    """Shared storage is missing, unreachable or not writable."""
+
+
+class CheckpointError(PipelineError):
+    """A checkpoint is incomplete, corrupted or does not match the model."""
+
+
+class ClusterError(PipelineError):
+    """Ray is unreachable or lacks the resources the config asks for."""
+
+
+class TrackingError(PipelineError):
+    """MLflow is unreachable or refused a write."""
+
+
+class TrainingError(PipelineError):
+    """Training failed beyond what Ray Train's restarts could recover."""

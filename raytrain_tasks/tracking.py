@@ -1,0 +1,68 @@
+"""Per-epoch MLflow logging from the Ray Train controller.
+
+Workers never talk to MLflow. The controller calls ``after_report`` once all ranks have reported and the
+checkpoint is persisted and registered, so an epoch reaches MLflow only when it can also be resumed from.
+Steps already in the run's history are skipped: a restarted or retried run never logs an epoch twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from ray.train import Checkpoint, UserCallback
+
+logger = logging.getLogger(__name__)
+
+EPOCH_METRICS = ("train_loss", "val_loss", "val_accuracy", "epoch_seconds", "samples_per_second")
+STEP_KEY = "val_accuracy"
+LAST_CHECKPOINT_TAG = "prefect_raytrain.last_checkpoint"
+
+
+def logged_steps(client: Any, run_id: str) -> set[int]:
+    """Epochs already in the run's metric history."""
+    return {int(m.step) for m in client.get_metric_history(run_id, STEP_KEY)}
+
+
+def log_epoch(client: Any, run_id: str, metrics: dict[str, Any], checkpoint_path: str | None) -> None:
+    """One batched write per epoch: the metrics at ``step=epoch`` and the latest checkpoint's location."""
+    from mlflow.entities import Metric, RunTag
+
+    step = int(metrics["epoch"])
+    timestamp = int(time.time() * 1000)
+    batch = [Metric(key, float(metrics[key]), timestamp, step) for key in EPOCH_METRICS if key in metrics]
+    tags = [RunTag(LAST_CHECKPOINT_TAG, checkpoint_path)] if checkpoint_path else []
+    client.log_batch(run_id, metrics=batch, tags=tags)
+
+
+class MlflowEpochLogger(UserCallback):
+    """Logs each committed epoch of rank 0 to one MLflow run."""
+
+    def __init__(self, tracking_uri: str, run_id: str) -> None:
+        self.tracking_uri = tracking_uri
+        self.run_id = run_id
+        self._client: Any = None
+        self._logged: set[int] | None = None
+
+    def after_report(
+        self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Checkpoint | None
+    ) -> None:
+        if checkpoint is None or not metrics:
+            # Only epochs with a persisted checkpoint count; anything else would be redone on resume.
+            return
+        epoch_metrics = metrics[0]
+        try:
+            if self._client is None:
+                from mlflow import MlflowClient
+
+                self._client = MlflowClient(self.tracking_uri)
+                self._logged = logged_steps(self._client, self.run_id)
+            assert self._logged is not None
+            step = int(epoch_metrics["epoch"])
+            if step in self._logged:
+                return
+            log_epoch(self._client, self.run_id, epoch_metrics, checkpoint.path)
+            self._logged.add(step)
+        except Exception:  # noqa: BLE001 - tracking must never kill training; the driver reconciles at the end
+            logger.exception("could not log epoch metrics to MLflow run %s; the driver will retry", self.run_id)

@@ -1,0 +1,198 @@
+"""``train_loop_per_worker``: what each Ray Train worker runs.
+
+Every epoch ends in ``ray.train.report`` on all ranks (it is a barrier); rank 0 attaches the checkpoint.
+A restarted worker group resumes from ``ray.train.get_checkpoint()``: model, optimizer, RNG state and the
+epoch to start from, so a resumed run follows the same trajectory as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+import ray.train
+import ray.train.torch
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from raytrain_tasks.checkpoint import (
+    ModelSpec,
+    TrainingState,
+    capture_rng_state,
+    load_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+)
+from raytrain_tasks.config import TrainingConfig
+from raytrain_tasks.data import DatasetRef, read_split
+from raytrain_tasks.models import build_model
+
+logger = logging.getLogger(__name__)
+
+
+
+class WorkerSpec(BaseModel):
+    """What crosses into Ray as ``train_loop_config``; validated again on every worker."""
+
+    model_config = ConfigDict(frozen=True)
+
+    config: TrainingConfig
+    dataset: DatasetRef
+
+
+def checkpoint_dir_name(epoch: int) -> str:
+    return f"epoch-{epoch:04d}"
+
+
+def model_spec(config: TrainingConfig, dataset: DatasetRef) -> ModelSpec:
+    return ModelSpec(
+        model=config.model,
+        in_features=dataset.num_features,
+        num_classes=dataset.num_classes,
+        hidden_sizes=tuple(config.hidden_sizes),
+        feature_names=dataset.feature_names,
+        class_labels=dataset.class_labels,
+    )
+
+
+def train_loop_per_worker(train_loop_config: dict[str, Any]) -> None:
+    spec = WorkerSpec.model_validate(train_loop_config)
+    config, dataset = spec.config, spec.dataset
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    device = ray.train.torch.get_device()
+    # Ray does not cap intra-op threads the way torchrun does; oversubscribed cores slow every rank.
+    torch.set_num_threads(max(1, int(config.cpus_per_worker)))
+    _seed_everything(config.seed)
+
+    x_train, y_train = read_split(dataset, "train")
+    x_val, y_val = read_split(dataset, "val")
+    train_set = TensorDataset(torch.from_numpy(x_train), torch.from_numpy(y_train))
+    # Seeded sampler, re-seeded each epoch by set_epoch: the shuffle order depends on (seed, epoch) alone,
+    # so an epoch replayed after a restart sees the same batches.
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=config.seed)
+    train_loader = ray.train.torch.prepare_data_loader(
+        DataLoader(train_set, batch_size=config.batch_size, sampler=sampler, pin_memory=config.use_gpu)
+    )
+    # Validation shards are disjoint and unpadded (a DistributedSampler would repeat rows), so the
+    # all-reduced sums give the exact accuracy over the whole validation split.
+    val_x = torch.from_numpy(x_val[rank::world_size]).to(device)
+    val_y = torch.from_numpy(y_val[rank::world_size]).to(device)
+
+    net = build_model(config.model, dataset.num_features, dataset.num_classes, config.hidden_sizes)
+    start_epoch, history, rng_state, optimizer_state = 0, [], None, None
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as checkpoint_dir:
+            loaded = load_checkpoint(checkpoint_dir)
+        net.load_state_dict(loaded.model_state)
+        start_epoch, history = loaded.state.epoch + 1, list(loaded.state.history)
+        rng_state, optimizer_state = loaded.rng_state, loaded.optimizer_state
+        if rank == 0:
+            logger.info("resuming from %s: next epoch %d", checkpoint.path, start_epoch)
+
+    model = ray.train.torch.prepare_model(net)
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate)
+    if optimizer_state is not None:
+        optimizer.load_state_dict(optimizer_state)
+    if rng_state is not None:
+        restore_rng_state(rng_state)
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+
+    for epoch in range(start_epoch, config.epochs):
+        started = time.perf_counter()
+        sampler.set_epoch(epoch)
+        model.train()
+        train_sums = torch.zeros(2, dtype=torch.float64, device=device)
+        for features, labels in train_loader:
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(model(features), labels)
+            (loss / labels.shape[0]).backward()
+            optimizer.step()
+            train_sums += torch.tensor([loss.item(), labels.shape[0]], dtype=torch.float64, device=device)
+
+        model.eval()
+        with torch.no_grad():
+            logits = model(val_x) if len(val_y) else torch.empty(0, dataset.num_classes, device=device)
+            val_sums = torch.tensor(
+                [loss_fn(logits, val_y).item(), (logits.argmax(1) == val_y).sum().item(), len(val_y)],
+                dtype=torch.float64,
+                device=device,
+            )
+        sums = torch.cat([train_sums, val_sums])
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(sums)
+        train_loss_sum, train_count, val_loss_sum, val_correct, val_count = sums.tolist()
+        seconds = time.perf_counter() - started
+        metrics = {
+            "epoch": epoch,
+            "train_loss": train_loss_sum / train_count,
+            "val_loss": val_loss_sum / val_count,
+            "val_accuracy": val_correct / val_count,
+            "epoch_seconds": seconds,
+            "samples_per_second": train_count / seconds if seconds > 0 else math.nan,
+        }
+        history.append({k: float(v) for k, v in metrics.items()})
+        _report(config, dataset, epoch, metrics, history, model, optimizer, rank)
+
+
+def _report(
+    config: TrainingConfig,
+    dataset: DatasetRef,
+    epoch: int,
+    metrics: dict[str, float],
+    history: list[dict[str, float]],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rank: int,
+) -> None:
+    if rank != 0:
+        # report() is a barrier: every rank calls it, only rank 0 carries the checkpoint.
+        ray.train.report(metrics, checkpoint=None)
+        return
+    logger.info(
+        "epoch %d/%d train_loss=%.4f val_loss=%.4f val_accuracy=%.4f (%.1fs, %.0f samples/s)",
+        epoch + 1,
+        config.epochs,
+        metrics["train_loss"],
+        metrics["val_loss"],
+        metrics["val_accuracy"],
+        metrics["epoch_seconds"],
+        metrics["samples_per_second"],
+    )
+    net = getattr(model, "module", model)
+    state = TrainingState(
+        epoch=epoch,
+        metrics={k: float(v) for k, v in metrics.items()},
+        spec=model_spec(config, dataset),
+        history=history,
+    )
+    with tempfile.TemporaryDirectory(prefix="prt-ckpt-") as tmp:
+        save_checkpoint(
+            tmp,
+            state=state,
+            model_state={k: v.detach().cpu() for k, v in net.state_dict().items()},
+            optimizer_state=optimizer.state_dict(),
+            rng_state=capture_rng_state(),
+        )
+        ray.train.report(
+            metrics,
+            checkpoint=ray.train.Checkpoint.from_directory(tmp),
+            checkpoint_dir_name=checkpoint_dir_name(epoch),
+        )
+
+
+def _seed_everything(seed: int) -> None:
+    os.environ.setdefault("PYTHONHASHSEED", str(seed))
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

@@ -1,0 +1,169 @@
+"""prepare-data: load a dataset, split and standardise it, and store it as a content-addressed version."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from prefect import get_run_logger, task
+from prefect.cache_policies import NONE
+
+from raytrain_tasks.config import TrainingConfig
+from raytrain_tasks.data import LABEL_INDEX_COLUMN, MANIFEST_NAME, DatasetRef
+from raytrain_tasks.datasets import BUILTIN_DATASETS, DatasetRequest
+from raytrain_tasks.errors import DatasetError
+from tasks.storage import DATASETS_DIR, StorageLocation, check_writable, locate
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+# Bump when the prepared layout changes, so old versions are never read as new ones.
+PREPARED_FORMAT = 1
+
+
+@task(name="prepare-data", cache_policy=NONE)
+def prepare_data(config: TrainingConfig) -> DatasetRef:
+    """Write (or reuse) the prepared dataset version for this config and return where it is."""
+    logger = get_run_logger()
+    dataset = prepare_dataset(config)
+    logger.info(
+        "dataset %s: %d train / %d val rows, %d features, %d classes at %s",
+        dataset.content_hash,
+        dataset.train_rows,
+        dataset.val_rows,
+        dataset.num_features,
+        dataset.num_classes,
+        dataset.uri,
+    )
+    return dataset
+
+
+def prepare_dataset(config: TrainingConfig) -> DatasetRef:
+    frame = load_raw_frame(config)
+    content_hash = dataset_hash(frame, config)
+    root = locate(config.storage_path)
+    check_writable(root)
+    target = root.child(DATASETS_DIR, content_hash)
+    manifest = target.child(MANIFEST_NAME)
+    if manifest.exists():
+        return DatasetRef.model_validate_json(manifest.read_text())
+    return _write_version(frame, config, target, content_hash)
+
+
+def load_raw_frame(config: TrainingConfig) -> pd.DataFrame:
+    """The dataset as loaded, with the label column present and numeric features only."""
+    if config.dataset in BUILTIN_DATASETS:
+        request = DatasetRequest(
+            label_column=config.label_column,
+            samples=config.synthetic_samples,
+            features=config.synthetic_features,
+            seed=config.seed,
+        )
+        frame = BUILTIN_DATASETS[config.dataset](request)
+    else:
+        frame = _read_table_file(config.dataset)
+    if config.label_column not in frame.columns:
+        raise DatasetError(
+            f"label column {config.label_column!r} is not in dataset {config.dataset!r} "
+            f"(columns: {', '.join(map(str, frame.columns[:20]))}); set `label_column`"
+        )
+    features = frame.drop(columns=[config.label_column])
+    non_numeric = [str(c) for c in features.columns if not np.issubdtype(features[c].dtype, np.number)]
+    if non_numeric:
+        raise DatasetError(
+            f"dataset {config.dataset!r} has non-numeric feature columns {non_numeric}; encode them first"
+        )
+    if features.shape[1] == 0 or len(frame) < 10:
+        raise DatasetError(f"dataset {config.dataset!r} needs at least one feature column and 10 rows")
+    if frame[config.label_column].nunique() < 2:
+        raise DatasetError(f"dataset {config.dataset!r}: `label_column` {config.label_column!r} has one class")
+    return frame
+
+
+def dataset_hash(frame: pd.DataFrame, config: TrainingConfig) -> str:
+    """Content hash of the data and of everything that shapes the prepared splits."""
+    import pandas as pd
+
+    digest = hashlib.sha256()
+    digest.update(json.dumps([[str(c), str(t)] for c, t in frame.dtypes.items()]).encode())
+    digest.update(pd.util.hash_pandas_object(frame, index=False).to_numpy().tobytes())
+    split_params = {
+        "label_column": config.label_column,
+        "val_fraction": config.val_fraction,
+        "seed": config.seed,
+        "format": PREPARED_FORMAT,
+    }
+    digest.update(json.dumps(split_params, sort_keys=True).encode())
+    return digest.hexdigest()[:16]
+
+
+def _read_table_file(uri: str) -> pd.DataFrame:
+    import pyarrow.csv as pacsv
+
+    location = locate(uri)
+    if not location.exists():
+        raise DatasetError(f"dataset file {uri!r} does not exist; set `dataset` to an existing CSV/Parquet file")
+    try:
+        if uri.lower().endswith(".csv"):
+            with location.filesystem.open_input_stream(location.path) as stream:
+                table = pacsv.read_csv(stream)
+        else:
+            table = pq.read_table(location.path, filesystem=location.filesystem)
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise DatasetError(f"cannot parse dataset file {uri!r}: {exc}") from exc
+    return table.to_pandas()
+
+
+def _write_version(
+    frame: pd.DataFrame, config: TrainingConfig, target: StorageLocation, content_hash: str
+) -> DatasetRef:
+    from sklearn.model_selection import train_test_split
+
+    labels = frame[config.label_column]
+    class_values = sorted(labels.unique(), key=str)
+    class_index = {value: i for i, value in enumerate(class_values)}
+    y = labels.map(class_index).to_numpy(dtype=np.int64)
+    features = frame.drop(columns=[config.label_column])
+    feature_names = tuple(str(c) for c in features.columns)
+    x = features.to_numpy(dtype=np.float32)
+
+    counts = np.bincount(y)
+    stratify = y if counts.min() >= 2 else None
+    x_train, x_val, y_train, y_val = train_test_split(
+        x, y, test_size=config.val_fraction, random_state=config.seed, stratify=stratify
+    )
+    mean = x_train.mean(axis=0)
+    std = x_train.std(axis=0)
+    # Constant columns (digits has some all-zero pixels) would divide by zero.
+    std = np.where(std > 1e-8, std, 1.0).astype(np.float32)
+
+    target.filesystem.create_dir(target.path, recursive=True)
+    for split, xs, ys in (("train", x_train, y_train), ("val", x_val, y_val)):
+        standardised = ((xs - mean) / std).astype(np.float32)
+        columns = {name: standardised[:, i] for i, name in enumerate(feature_names)}
+        columns[LABEL_INDEX_COLUMN] = ys
+        buffer = io.BytesIO()
+        pq.write_table(pa.table(columns), buffer)
+        with target.filesystem.open_output_stream(target.child(f"{split}.parquet").path) as stream:
+            stream.write(buffer.getvalue())
+
+    dataset = DatasetRef(
+        uri=target.uri,
+        content_hash=content_hash,
+        source=config.dataset,
+        label_column=config.label_column,
+        feature_names=feature_names,
+        class_labels=tuple(str(v) for v in class_values),
+        train_rows=len(y_train),
+        val_rows=len(y_val),
+        feature_mean=tuple(float(v) for v in mean),
+        feature_std=tuple(float(v) for v in std),
+    )
+    # The manifest goes last: a version folder without it is incomplete and gets rewritten.
+    target.child(MANIFEST_NAME).write_text(dataset.model_dump_json(indent=1))
+    return dataset

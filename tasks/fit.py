@@ -1,0 +1,235 @@
+"""distributed-fit: run Ray Train's TorchTrainer for one run key, checkpointing every epoch to storage.
+
+The run key names the Ray Train run (``<storage>/runs/<run key>``) and tags the MLflow run. Calling this
+again with the same key (a Prefect retry, or ``resume``) continues from the latest registered checkpoint
+in the same MLflow run.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import ray.train
+from prefect import get_run_logger, task
+from prefect.cache_policies import NONE
+from pydantic import BaseModel, ConfigDict
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from raytrain_tasks.checkpoint import STATE_FILE
+from raytrain_tasks.config import TrainingConfig
+from raytrain_tasks.data import DatasetRef
+from raytrain_tasks.errors import CheckpointError, ClusterError, TrackingError, TrainingError
+from raytrain_tasks.tracking import STEP_KEY, MlflowEpochLogger
+from raytrain_tasks.train_loop import WorkerSpec, train_loop_per_worker
+from tasks import tracking
+from tasks.cluster import check_resources, ray_session
+from tasks.storage import RUNS_DIR, StorageLocation, locate
+
+# Failures that another attempt cannot fix: the config or the environment must change first.
+NOT_RETRYABLE = (ClusterError, CheckpointError, TrackingError)
+
+
+class FitResult(BaseModel):
+    """What a finished fit left behind, and where."""
+
+    model_config = ConfigDict(frozen=True)
+
+    run_key: str
+    run_uri: str
+    mlflow_run_id: str
+    mlflow_experiment_id: str
+    backend: str
+    epochs_completed: int
+    best_epoch: int
+    best_checkpoint_uri: str
+    best_metrics: dict[str, float]
+    final_metrics: dict[str, float]
+    history: list[dict[str, float]]
+    reopened_mlflow_run: bool
+
+
+def is_retryable(task: Any, task_run: Any, state: Any) -> bool:
+    """Prefect retry condition: retry training failures, not configuration problems."""
+    error = state.result(raise_on_failure=False)
+    return not isinstance(error, NOT_RETRYABLE)
+
+
+@task(
+    name="distributed-fit",
+    task_run_name="fit-{run_key}",
+    cache_policy=NONE,
+    retry_condition_fn=is_retryable,
+)
+def distributed_fit(config: TrainingConfig, dataset: DatasetRef, run_key: str) -> FitResult:
+    """Train (or continue training) run ``run_key`` and return its best checkpoint and metrics."""
+    logger = get_run_logger()
+    runs = locate(config.storage_path).child(RUNS_DIR)
+    run_dir = runs.child(run_key)
+    if config.resume and not run_dir.child("checkpoint_manager_snapshot.json").exists():
+        raise CheckpointError(
+            f"cannot resume run {run_key}: no checkpoints under {run_dir.uri}; check `resume` and "
+            "`storage_path` (they must match the interrupted run)"
+        )
+    client = tracking.connect(config.mlflow_tracking_uri)
+    experiment_id = tracking.ensure_experiment(client, config.experiment_name, config.mlflow_tracking_uri)
+    backend = "nccl" if config.use_gpu else "gloo"
+    run_id, reopened = tracking.start_or_reopen_run(
+        client,
+        experiment_id,
+        run_key,
+        run_name=_mlflow_run_name(run_key),
+        tags=_run_tags(config, dataset, run_key, run_dir, backend),
+        params=config.public_params(),
+    )
+    logger.info(
+        "run key %s: %s MLflow run %s; checkpoints in %s",
+        run_key,
+        "continuing" if reopened else "new",
+        run_id,
+        run_dir.uri,
+    )
+    trainer = build_trainer(config, dataset, run_key, runs, MlflowEpochLogger(config.mlflow_tracking_uri, run_id))
+    try:
+        with ray_session(config):
+            import ray
+
+            check_resources(config, ray.cluster_resources())
+            result = trainer.fit()
+    except BaseException as exc:
+        tracking.finish_run(client, run_id, error=exc)
+        if isinstance(exc, ray.train.TrainingFailedError):
+            raise TrainingError(
+                f"training run {run_key} failed after {config.max_failures} worker-group restarts: {exc}. "
+                f"It can continue from its last checkpoint with `resume={run_key}`"
+            ) from exc
+        raise
+
+    fit = summarize(result, config, run_key, run_dir, run_id, experiment_id, backend, reopened)
+    added = tracking.reconcile_epochs(client, run_id, fit.history)
+    if added:
+        logger.warning("logged %d epoch(s) to MLflow that the controller could not log live", added)
+    tracking.log_summary(client, run_id, fit.history)
+    tracking.finish_run(client, run_id)
+    for entry in fit.history:
+        logger.info(
+            "epoch %d/%d: train_loss=%.4f val_loss=%.4f val_accuracy=%.4f (%.1f s)",
+            int(entry["epoch"]) + 1,
+            config.epochs,
+            entry["train_loss"],
+            entry["val_loss"],
+            entry["val_accuracy"],
+            entry["epoch_seconds"],
+        )
+    logger.info("best epoch %d: val_accuracy=%.4f at %s", fit.best_epoch, fit.best_metrics[STEP_KEY], fit.best_checkpoint_uri)
+    return fit
+
+
+def build_trainer(
+    config: TrainingConfig,
+    dataset: DatasetRef,
+    run_key: str,
+    runs: StorageLocation,
+    *callbacks: ray.train.UserCallback,
+) -> TorchTrainer:
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=WorkerSpec(config=config, dataset=dataset).model_dump(mode="json"),
+        torch_config=TorchConfig(backend="nccl" if config.use_gpu else "gloo"),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=config.num_workers,
+            use_gpu=config.use_gpu,
+            resources_per_worker={"CPU": config.cpus_per_worker, **({"GPU": 1} if config.use_gpu else {})},
+        ),
+        run_config=ray.train.RunConfig(
+            name=run_key,
+            storage_path=runs.path,
+            storage_filesystem=runs.filesystem,
+            failure_config=ray.train.FailureConfig(
+                max_failures=config.max_failures,
+                # Ray's default (-1) retries a worker group that cannot start forever.
+                controller_failure_limit=max(1, config.max_failures),
+            ),
+            checkpoint_config=ray.train.CheckpointConfig(
+                num_to_keep=config.checkpoints_to_keep,
+                checkpoint_score_attribute=STEP_KEY,
+                checkpoint_score_order="max",
+            ),
+            callbacks=list(callbacks),
+        ),
+    )
+
+
+def summarize(
+    result: ray.train.Result,
+    config: TrainingConfig,
+    run_key: str,
+    run_dir: StorageLocation,
+    run_id: str,
+    experiment_id: str,
+    backend: str,
+    reopened: bool,
+) -> FitResult:
+    latest = result.checkpoint
+    if latest is None:
+        raise TrainingError(f"training run {run_key} finished without a checkpoint; nothing to register")
+    history = _read_history(latest)
+    scored = [(metrics.get(STEP_KEY, float("-inf")), checkpoint) for checkpoint, metrics in result.best_checkpoints]
+    best_checkpoint = max(scored, key=lambda pair: pair[0])[1] if scored else latest
+    best = _read_state(best_checkpoint)
+    return FitResult(
+        run_key=run_key,
+        run_uri=run_dir.uri,
+        mlflow_run_id=run_id,
+        mlflow_experiment_id=experiment_id,
+        backend=backend,
+        epochs_completed=len(history),
+        best_epoch=int(best["epoch"]),
+        best_checkpoint_uri=_checkpoint_uri(run_dir, best_checkpoint),
+        best_metrics={k: float(v) for k, v in best["metrics"].items()},
+        final_metrics=history[-1] if history else {},
+        history=history,
+        reopened_mlflow_run=reopened,
+    )
+
+
+def _read_state(checkpoint: ray.train.Checkpoint) -> dict[str, Any]:
+    path = f"{checkpoint.path.rstrip('/')}/{STATE_FILE}"
+    with checkpoint.filesystem.open_input_stream(path) as stream:
+        return json.loads(stream.read())
+
+
+def _read_history(checkpoint: ray.train.Checkpoint) -> list[dict[str, float]]:
+    return [{k: float(v) for k, v in entry.items()} for entry in _read_state(checkpoint)["history"]]
+
+
+def _checkpoint_uri(run_dir: StorageLocation, checkpoint: ray.train.Checkpoint) -> str:
+    return run_dir.child(checkpoint.path.rstrip("/").rsplit("/", 1)[-1]).uri
+
+
+def _mlflow_run_name(run_key: str) -> str:
+    from prefect.runtime import flow_run
+
+    name = flow_run.get_name()
+    return f"{name}-{run_key}" if name else run_key
+
+
+def _run_tags(
+    config: TrainingConfig, dataset: DatasetRef, run_key: str, run_dir: StorageLocation, backend: str
+) -> dict[str, str]:
+    from prefect.runtime import flow_run
+
+    tags = {
+        "prefect_raytrain.ray_run_name": run_key,
+        "prefect_raytrain.storage": run_dir.uri,
+        "prefect_raytrain.dataset_hash": dataset.content_hash,
+        "prefect_raytrain.dataset_uri": dataset.uri,
+        "prefect_raytrain.num_workers": str(config.num_workers),
+        "prefect_raytrain.use_gpu": str(config.use_gpu).lower(),
+        "prefect_raytrain.backend": backend,
+        "mlflow.source.git.commit": tracking.code_version(),
+    }
+    if flow_run.get_id():
+        tags["prefect.flow_run_id"] = str(flow_run.get_id())
+    return tags
+

@@ -1,0 +1,186 @@
+"""The MLflow run of a pipeline run: found by its run key, so retries and resumes reuse it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
+
+from raytrain_tasks.errors import TrackingError
+from raytrain_tasks.tracking import EPOCH_METRICS, STEP_KEY, log_epoch
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
+RUN_KEY_TAG = "prefect_raytrain.run_key"
+# Settings that steer the run, not what it trains: a resumed run may change them.
+MAY_CHANGE_ON_RESUME = frozenset(
+    {"resume", "register", "promote", "min_improvement", "fit_retries", "retry_delay_seconds", "max_failures"}
+)
+ERROR_TAG = "prefect_raytrain.error"
+
+
+def connect(tracking_uri: str) -> MlflowClient:
+    """A client for ``tracking_uri`` that has answered one request, or a TrackingError naming the setting."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    # Fail in seconds, not after MLflow's default minutes of retries against a dead server.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+    local_db = _sqlite_path(tracking_uri)
+    if local_db is not None:
+        local_db.parent.mkdir(parents=True, exist_ok=True)
+    client = MlflowClient(tracking_uri)
+    try:
+        client.search_experiments(max_results=1)
+    except (MlflowException, OSError) as exc:
+        raise TrackingError(
+            f"MLflow at {_redact(tracking_uri)} is unreachable or refused the request ({exc}); "
+            "check `mlflow_tracking_uri` (empty uses a local SQLite store)"
+        ) from exc
+    return client
+
+
+def default_artifact_location(tracking_uri: str) -> str | None:
+    """Local stores keep artifacts beside the database; servers choose their own."""
+    local_db = _sqlite_path(tracking_uri)
+    return (local_db.parent / "mlartifacts").as_uri() if local_db is not None else None
+
+
+def ensure_experiment(client: MlflowClient, name: str, tracking_uri: str) -> str:
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        if experiment.lifecycle_stage == "deleted":
+            raise TrackingError(
+                f"MLflow experiment {name!r} is deleted; restore it in the UI or set `experiment_name`"
+            )
+        return str(experiment.experiment_id)
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return str(client.create_experiment(name, artifact_location=default_artifact_location(tracking_uri)))
+    except MlflowException:
+        # Another pipeline created it between our lookup and create.
+        experiment = client.get_experiment_by_name(name)
+        if experiment is None:
+            raise
+        return str(experiment.experiment_id)
+
+
+def find_run(client: MlflowClient, experiment_id: str, run_key: str) -> Any | None:
+    runs = client.search_runs(
+        [experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'", max_results=2
+    )
+    return runs[0] if runs else None
+
+
+def start_or_reopen_run(
+    client: MlflowClient,
+    experiment_id: str,
+    run_key: str,
+    run_name: str,
+    tags: dict[str, str],
+    params: dict[str, Any],
+) -> tuple[str, bool]:
+    """The run for ``run_key``, RUNNING, with params and tags set; True when it already existed."""
+    existing = find_run(client, experiment_id, run_key)
+    if existing is None:
+        run = client.create_run(experiment_id, run_name=run_name, tags={RUN_KEY_TAG: run_key, **tags})
+        run_id, reopened = run.info.run_id, False
+        _log_params(client, run_id, params)
+    else:
+        run_id, reopened = existing.info.run_id, True
+        client.update_run(run_id, status="RUNNING")
+        for key, value in tags.items():
+            client.set_tag(run_id, key, value)
+        _check_params_unchanged(existing.data.params, params, run_key)
+        new = {k: v for k, v in params.items() if k not in existing.data.params}
+        _log_params(client, run_id, new)
+    return run_id, reopened
+
+
+def reconcile_epochs(client: MlflowClient, run_id: str, history: list[dict[str, float]]) -> int:
+    """Log epochs the committed checkpoint holds but the run lacks; returns how many were added."""
+    from raytrain_tasks.tracking import logged_steps
+
+    present = logged_steps(client, run_id)
+    missing = [entry for entry in history if int(entry["epoch"]) not in present]
+    for entry in missing:
+        log_epoch(client, run_id, entry, checkpoint_path=None)
+    return len(missing)
+
+
+def log_summary(client: MlflowClient, run_id: str, history: list[dict[str, float]]) -> None:
+    from mlflow.entities import Metric
+
+    if not history:
+        return
+    last = history[-1]
+    best = max(history, key=lambda entry: entry[STEP_KEY])
+    summary = {f"final_{key}": last[key] for key in EPOCH_METRICS if key in last}
+    summary["best_val_accuracy"] = best[STEP_KEY]
+    summary["best_epoch"] = best["epoch"]
+    step = int(last["epoch"])
+    client.log_batch(run_id, metrics=[Metric(k, float(v), 0, step) for k, v in summary.items()])
+
+
+def finish_run(client: MlflowClient, run_id: str, *, error: BaseException | None = None) -> None:
+    if error is not None:
+        client.set_tag(run_id, ERROR_TAG, f"{type(error).__name__}: {error}"[:4000])
+        client.set_terminated(run_id, status="FAILED")
+    else:
+        client.set_terminated(run_id, status="FINISHED")
+
+
+def code_version() -> str:
+    """The git commit the pipeline runs from, when it runs from a checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 else "unknown"
+
+
+def _log_params(client: MlflowClient, run_id: str, params: dict[str, Any]) -> None:
+    from mlflow.entities import Param
+
+    items = [Param(k, str(v)) for k, v in sorted(params.items())]
+    for start in range(0, len(items), 100):
+        client.log_batch(run_id, params=items[start : start + 100])
+
+
+def _check_params_unchanged(logged: dict[str, str], params: dict[str, Any], run_key: str) -> None:
+    # A resumed run must train what it started with, or its checkpoints and metrics would not add up.
+    changed = {
+        key: (logged[key], str(value))
+        for key, value in params.items()
+        if key in logged and key not in MAY_CHANGE_ON_RESUME and logged[key] != str(value)
+    }
+    if changed:
+        details = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in sorted(changed.items()))
+        raise TrackingError(
+            f"run {run_key} was started with other settings ({details}); resume with the same config, "
+            "or start a new run without `resume`"
+        )
+
+
+def _sqlite_path(tracking_uri: str) -> Path | None:
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    return Path(tracking_uri.removeprefix("sqlite:///"))
+
+
+def _redact(uri: str) -> str:
+    parsed = urlparse(uri)
+    if parsed.password:
+        return uri.replace(f":{parsed.password}@", ":***@")
+    return uri
