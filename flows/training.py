@@ -32,9 +32,9 @@ def training_pipeline(config: TrainingConfig = TrainingConfig()) -> PipelineResu
     run_key = config.resume or new_run_key()
     get_run_logger().info("run key %s (after a crash, continue it with resume=%s)", run_key, run_key)
     dataset = prepare_data(config)
-    fit = distributed_fit.with_options(
-        retries=config.fit_retries, retry_delay_seconds=config.retry_delay_seconds
-    )(config, dataset, run_key)
+    fit = distributed_fit.with_options(retries=config.fit_retries, retry_delay_seconds=config.retry_delay_seconds)(
+        config, dataset, run_key
+    )
     model = register_model(config, dataset, fit) if config.register else None
     return PipelineResult(run_key=run_key, config=config, dataset=dataset, fit=fit, model=model)
 

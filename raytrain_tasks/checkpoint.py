@@ -12,12 +12,14 @@ import json
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from raytrain_tasks.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
 
 MODEL_FILE = "model.pt"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -58,6 +60,8 @@ class LoadedCheckpoint:
 
 
 def capture_rng_state() -> dict[str, Any]:
+    import torch
+
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "numpy": np.random.get_state(),
@@ -69,6 +73,8 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
+    import torch
+
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
@@ -85,6 +91,8 @@ def save_checkpoint(
     rng_state: dict[str, Any] | None = None,
 ) -> Path:
     """Write a complete checkpoint into ``directory`` (created if missing)."""
+    import torch
+
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     torch.save(model_state, directory / MODEL_FILE)
@@ -99,9 +107,7 @@ def save_checkpoint(
         if path.name != MANIFEST_FILE
     }
     # Written last: a directory without it is an incomplete checkpoint.
-    (directory / MANIFEST_FILE).write_text(
-        json.dumps({"format_version": FORMAT_VERSION, "files": files}, indent=1)
-    )
+    (directory / MANIFEST_FILE).write_text(json.dumps({"format_version": FORMAT_VERSION, "files": files}, indent=1))
     return directory
 
 
@@ -131,6 +137,8 @@ def verify_checkpoint(directory: str | Path) -> None:
 
 def load_checkpoint(directory: str | Path, map_location: str | torch.device = "cpu") -> LoadedCheckpoint:
     """Verify, then load a checkpoint written by ``save_checkpoint``."""
+    import torch
+
     directory = Path(directory)
     verify_checkpoint(directory)
     state = _state_from_json(json.loads((directory / STATE_FILE).read_text()))

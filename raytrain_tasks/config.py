@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from raytrain_tasks.datasets import BUILTIN_DATASETS, SUPPORTED_FILE_SUFFIXES
 from raytrain_tasks.models import MODELS
@@ -80,9 +80,7 @@ class TrainingConfig(BaseModel):
         description="Widths of the hidden layers, e.g. [128, 64].",
     )
     epochs: int = Field(default=3, ge=1, le=10_000, title="Epochs")
-    batch_size: int = Field(
-        default=32, ge=1, le=65_536, title="Batch size", description="Per worker, per step."
-    )
+    batch_size: int = Field(default=32, ge=1, le=65_536, title="Batch size", description="Per worker, per step.")
     learning_rate: float = Field(default=3e-3, gt=0.0, le=10.0, title="Learning rate", description="Adam.")
     seed: int = Field(default=42, ge=0, title="Seed", description="Seeds split, init and shuffling.")
 
@@ -104,9 +102,7 @@ class TrainingConfig(BaseModel):
         description=f"Empty: a SQLite store under ./{DEFAULT_STATE_DIR}/. Or e.g. 'http://127.0.0.1:5000'.",
     )
     experiment_name: str = Field(default="prefect-raytrain", min_length=1, title="MLflow experiment")
-    model_name: str = Field(
-        default="digits-classifier", min_length=1, title="Registered model name"
-    )
+    model_name: str = Field(default="digits-classifier", min_length=1, title="Registered model name")
 
     # --- fault tolerance ---
     max_failures: int = Field(
@@ -135,9 +131,7 @@ class TrainingConfig(BaseModel):
 
     # --- registry ---
     register: bool = Field(default=True, title="Register model", description="Register a model version.")
-    promote: bool = Field(
-        default=True, title="Promote", description="Move 'champion' when the new version is better."
-    )
+    promote: bool = Field(default=True, title="Promote", description="Move 'champion' when the new version is better.")
     min_improvement: float = Field(
         default=0.0,
         ge=0.0,
@@ -170,16 +164,15 @@ class TrainingConfig(BaseModel):
     def _supported_storage(cls, value: str) -> str:
         if "://" in value and not value.startswith("file://"):
             scheme = value.split("://", 1)[0]
-            raise ValueError(
-                f"storage scheme {scheme!r} is not supported yet: use a local or shared directory path"
-            )
+            raise ValueError(f"storage scheme {scheme!r} is not supported yet: use a local or shared directory path")
         return value
 
-    @model_validator(mode="after")
-    def _resume_is_run_key(self) -> TrainingConfig:
-        if self.resume and not _looks_like_run_key(self.resume):
-            raise ValueError(f"resume: {self.resume!r} is not a run key (expected e.g. 20261122-101500-a1b2c3)")
-        return self
+    @field_validator("resume")
+    @classmethod
+    def _resume_is_run_key(cls, value: str) -> str:
+        if value and not _looks_like_run_key(value):
+            raise ValueError(f"{value!r} is not a run key (expected the form 20261122-101500-a1b2c3)")
+        return value
 
     def resolved(self, base_dir: Path, environ: Mapping[str, str]) -> TrainingConfig:
         """A copy with an absolute storage path and a concrete tracking URI, as every Ray process needs."""

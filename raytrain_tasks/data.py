@@ -58,5 +58,6 @@ def read_split(dataset: DatasetRef, split: Split) -> tuple[np.ndarray, np.ndarra
     features = np.column_stack(
         [table.column(name).to_numpy().astype(np.float32, copy=False) for name in dataset.feature_names]
     )
-    labels = table.column(LABEL_INDEX_COLUMN).to_numpy().astype(np.int64, copy=False)
+    # A writable copy: Arrow's buffers are read-only, which torch.from_numpy warns about.
+    labels = table.column(LABEL_INDEX_COLUMN).to_numpy().astype(np.int64, copy=True)
     return features, labels

@@ -45,9 +45,7 @@ class MlflowEpochLogger(UserCallback):
         self._client: Any = None
         self._logged: set[int] | None = None
 
-    def after_report(
-        self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Checkpoint | None
-    ) -> None:
+    def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Checkpoint | None) -> None:
         if checkpoint is None or not metrics:
             # Only epochs with a persisted checkpoint count; anything else would be redone on resume.
             return

@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import random
+import sys
 import tempfile
 import time
 from typing import Any
@@ -37,7 +38,6 @@ from raytrain_tasks.data import DatasetRef, read_split
 from raytrain_tasks.models import build_model
 
 logger = logging.getLogger(__name__)
-
 
 
 class WorkerSpec(BaseModel):
@@ -67,6 +67,7 @@ def model_spec(config: TrainingConfig, dataset: DatasetRef) -> ModelSpec:
 def train_loop_per_worker(train_loop_config: dict[str, Any]) -> None:
     spec = WorkerSpec.model_validate(train_loop_config)
     config, dataset = spec.config, spec.dataset
+    _configure_logging()
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     device = ray.train.torch.get_device()
@@ -189,6 +190,17 @@ def _report(
             checkpoint=ray.train.Checkpoint.from_directory(tmp),
             checkpoint_dir_name=checkpoint_dir_name(epoch),
         )
+
+
+def _configure_logging() -> None:
+    # Ray forwards worker stdout to the driver; Ray Train's own logging config does not cover our logger.
+    package_logger = logging.getLogger("raytrain_tasks")
+    package_logger.setLevel(logging.INFO)
+    if not package_logger.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        package_logger.addHandler(handler)
+        package_logger.propagate = False
 
 
 def _seed_everything(seed: int) -> None:

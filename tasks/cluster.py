@@ -26,7 +26,9 @@ class ResourceRequest:
 def worker_env() -> dict[str, str]:
     """Environment every Ray process of the run needs (controller and workers)."""
     env = {
-        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", HEALTH_CHECK_INTERVAL_S),
+        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ.get(
+            "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", HEALTH_CHECK_INTERVAL_S
+        ),
         "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": os.environ.get(
             "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", WORKER_GROUP_START_TIMEOUT_S
         ),
@@ -53,13 +55,10 @@ def ray_session(config: TrainingConfig) -> Iterator[None]:
         if config.ray_address:
             ray.init(address=config.ray_address, runtime_env=runtime_env, logging_level=logging.WARNING)
         else:
-            # address="local" always starts a fresh cluster, never joins one left by `ray start`.
-            ray.init(
-                address="local",
-                runtime_env=runtime_env,
-                include_dashboard=False,
-                logging_level=logging.WARNING,
-            )
+            # address="local" always starts a fresh cluster, never joins one left by `ray start`. The
+            # dashboard stays on: Ray Train's placement-group cleaner polls the State API it serves, and
+            # warns every second without it.
+            ray.init(address="local", runtime_env=runtime_env, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         where = f"at {config.ray_address!r}" if config.ray_address else "locally"
         raise ClusterError(

@@ -73,7 +73,9 @@ def load_raw_frame(config: TrainingConfig) -> pd.DataFrame:
             f"(columns: {', '.join(map(str, frame.columns[:20]))}); set `label_column`"
         )
     features = frame.drop(columns=[config.label_column])
-    non_numeric = [str(c) for c in features.columns if not np.issubdtype(features[c].dtype, np.number)]
+    from pandas.api.types import is_numeric_dtype
+
+    non_numeric = [str(c) for c in features.columns if not is_numeric_dtype(features[c])]
     if non_numeric:
         raise DatasetError(
             f"dataset {config.dataset!r} has non-numeric feature columns {non_numeric}; encode them first"

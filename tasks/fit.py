@@ -8,23 +8,24 @@ in the same MLflow run.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray.train
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 from pydantic import BaseModel, ConfigDict
-from ray.train.torch import TorchConfig, TorchTrainer
 
 from raytrain_tasks.checkpoint import STATE_FILE
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.errors import CheckpointError, ClusterError, TrackingError, TrainingError
 from raytrain_tasks.tracking import STEP_KEY, MlflowEpochLogger
-from raytrain_tasks.train_loop import WorkerSpec, train_loop_per_worker
 from tasks import tracking
 from tasks.cluster import check_resources, ray_session
 from tasks.storage import RUNS_DIR, StorageLocation, locate
+
+if TYPE_CHECKING:
+    from ray.train.torch import TorchTrainer
 
 # Failures that another attempt cannot fix: the config or the environment must change first.
 NOT_RETRYABLE = (ClusterError, CheckpointError, TrackingError)
@@ -121,7 +122,9 @@ def distributed_fit(config: TrainingConfig, dataset: DatasetRef, run_key: str) -
             entry["val_accuracy"],
             entry["epoch_seconds"],
         )
-    logger.info("best epoch %d: val_accuracy=%.4f at %s", fit.best_epoch, fit.best_metrics[STEP_KEY], fit.best_checkpoint_uri)
+    logger.info(
+        "best epoch %d: val_accuracy=%.4f at %s", fit.best_epoch, fit.best_metrics[STEP_KEY], fit.best_checkpoint_uri
+    )
     return fit
 
 
@@ -132,6 +135,11 @@ def build_trainer(
     runs: StorageLocation,
     *callbacks: ray.train.UserCallback,
 ) -> TorchTrainer:
+    # torch loads here, not when the flow module is imported: a Prefect worker needs no CUDA to plan runs.
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from raytrain_tasks.train_loop import WorkerSpec, train_loop_per_worker
+
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config=WorkerSpec(config=config, dataset=dataset).model_dump(mode="json"),
@@ -232,4 +240,3 @@ def _run_tags(
     if flow_run.get_id():
         tags["prefect.flow_run_id"] = str(flow_run.get_id())
     return tags
-

@@ -33,9 +33,7 @@ def decide_promotion(
     if not promote:
         return PromotionDecision(Promotion.NOT_REQUESTED, "promotion switched off", candidate_score, champion_score)
     if champion_score is None:
-        return PromotionDecision(
-            Promotion.PROMOTE, "no comparable champion", candidate_score, champion_score
-        )
+        return PromotionDecision(Promotion.PROMOTE, "no comparable champion", candidate_score, champion_score)
     gain = candidate_score - champion_score if higher_is_better else champion_score - candidate_score
     if gain > 0 and gain >= min_improvement:
         return PromotionDecision(
@@ -44,9 +42,8 @@ def decide_promotion(
             candidate_score,
             champion_score,
         )
-    return PromotionDecision(
-        Promotion.KEEP_CHAMPION,
-        f"gain {gain:+.4f} over champion is not a strict improvement of at least {min_improvement:.4f}",
-        candidate_score,
-        champion_score,
-    )
+    if gain <= 0:
+        reason = f"does not beat the champion ({candidate_score:.4f} vs {champion_score:.4f})"
+    else:
+        reason = f"gain {gain:.4f} is below min_improvement {min_improvement:.4f}"
+    return PromotionDecision(Promotion.KEEP_CHAMPION, reason, candidate_score, champion_score)

@@ -12,11 +12,9 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 from pydantic import BaseModel, ConfigDict
 
-from raytrain_tasks.checkpoint import load_checkpoint
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DatasetRef, read_split
 from raytrain_tasks.errors import TrackingError
-from raytrain_tasks.models import build_model
 from tasks import tracking
 from tasks.fit import FitResult
 from tasks.promotion import Promotion, PromotionDecision, decide_promotion
@@ -101,6 +99,9 @@ def register_model(config: TrainingConfig, dataset: DatasetRef, fit: FitResult) 
 
 
 def _model_from_checkpoint(checkpoint_dir: Path) -> Any:
+    from raytrain_tasks.checkpoint import load_checkpoint
+    from raytrain_tasks.models import build_model
+
     loaded = load_checkpoint(checkpoint_dir)
     spec = loaded.state.spec
     model = build_model(spec.model, spec.in_features, spec.num_classes, spec.hidden_sizes)

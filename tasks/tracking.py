@@ -54,9 +54,7 @@ def ensure_experiment(client: MlflowClient, name: str, tracking_uri: str) -> str
     experiment = client.get_experiment_by_name(name)
     if experiment is not None:
         if experiment.lifecycle_stage == "deleted":
-            raise TrackingError(
-                f"MLflow experiment {name!r} is deleted; restore it in the UI or set `experiment_name`"
-            )
+            raise TrackingError(f"MLflow experiment {name!r} is deleted; restore it in the UI or set `experiment_name`")
         return str(experiment.experiment_id)
     from mlflow.exceptions import MlflowException
 
@@ -71,9 +69,7 @@ def ensure_experiment(client: MlflowClient, name: str, tracking_uri: str) -> str
 
 
 def find_run(client: MlflowClient, experiment_id: str, run_key: str) -> Any | None:
-    runs = client.search_runs(
-        [experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'", max_results=2
-    )
+    runs = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'", max_results=2)
     return runs[0] if runs else None
 
 

@@ -1,0 +1,67 @@
+"""Shared fixtures: real local Ray, the Prefect test harness, MLflow on SQLite files, small real configs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# Before Prefect is imported anywhere: a private Prefect home, and no telemetry from an offline machine.
+_PREFECT_HOME = tempfile.mkdtemp(prefix="prt-prefect-home-")
+os.environ["PREFECT_HOME"] = _PREFECT_HOME
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.pop("MLFLOW_TRACKING_URI", None)
+os.environ.pop("PREFECT_API_URL", None)
+
+from raytrain_tasks.config import TrainingConfig  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    shutil.rmtree(_PREFECT_HOME, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[dict[str, float]]:
+    """One local Ray for the whole session (2 CPUs, as on CI); the pipeline uses it and leaves it running."""
+    import ray
+
+    from tasks.cluster import worker_env
+
+    ray.init(address="local", num_cpus=2, runtime_env={"env_vars": worker_env()}, logging_level="WARNING")
+    try:
+        yield ray.cluster_resources()
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def prefect_api() -> Iterator[None]:
+    """A real, temporary Prefect API (SQLite) for flows and tasks run in this session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def small_config(workdir: Path, **overrides: Any) -> TrainingConfig:
+    """The real default config, shrunk to what a 2-core CI machine trains in seconds."""
+    values: dict[str, Any] = {
+        "num_workers": 2,
+        "epochs": 3,
+        "storage_path": str(workdir / "storage"),
+        "mlflow_tracking_uri": f"sqlite:///{workdir / 'mlflow.db'}",
+        "experiment_name": "tests",
+        "model_name": "digits-test",
+        "retry_delay_seconds": 0,
+    }
+    values.update(overrides)
+    return TrainingConfig(**values)

@@ -1,0 +1,103 @@
+"""The config and the CLI reject bad values at once, naming the field and its flag."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from flows.cli import parse_config
+from raytrain_tasks.config import TrainingConfig, describe_validation_error, new_run_key
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("num_workers", 0),
+        ("learning_rate", -0.1),
+        ("learning_rate", 0),
+        ("epochs", 0),
+        ("batch_size", 0),
+        ("dataset", "imagenet"),
+        ("dataset", "data.txt"),
+        ("hidden_sizes", [64, 0]),
+        ("hidden_sizes", []),
+        ("val_fraction", 1.5),
+        ("label_column", ""),
+        ("resume", "last-tuesday"),
+        ("storage_path", "gs://bucket/prefix"),
+        ("model", "transformer"),
+        ("checkpoints_to_keep", 0),
+    ],
+)
+def test_invalid_value_is_rejected_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValidationError) as info:
+        TrainingConfig(**{field: value})
+    message = describe_validation_error(info.value)
+    assert field in message
+    assert f"--{field.replace('_', '-')}" in message
+
+
+def test_unknown_field_is_rejected() -> None:
+    with pytest.raises(ValidationError, match="num_gpus"):
+        TrainingConfig(num_gpus=2)  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize("dataset", ["digits", "synthetic", "data/train.csv", "s3://b/k/data.parquet", "x.PQ"])
+def test_accepted_datasets(dataset: str) -> None:
+    assert TrainingConfig(dataset=dataset).dataset == dataset
+
+
+def test_resolved_makes_paths_absolute_and_defaults_mlflow_under_state_dir(tmp_path: Path) -> None:
+    resolved = TrainingConfig().resolved(tmp_path, environ={})
+    assert resolved.storage_path == str(tmp_path / ".pipeline" / "storage")
+    assert resolved.mlflow_tracking_uri == f"sqlite:///{tmp_path / '.pipeline' / 'mlflow.db'}"
+
+
+def test_resolved_prefers_explicit_uri_then_environment(tmp_path: Path) -> None:
+    from_env = TrainingConfig().resolved(tmp_path, environ={"MLFLOW_TRACKING_URI": "http://127.0.0.1:5000"})
+    assert from_env.mlflow_tracking_uri == "http://127.0.0.1:5000"
+    explicit = TrainingConfig(mlflow_tracking_uri="sqlite:////x/db").resolved(
+        tmp_path, environ={"MLFLOW_TRACKING_URI": "http://127.0.0.1:5000"}
+    )
+    assert explicit.mlflow_tracking_uri == "sqlite:////x/db"
+
+
+def test_new_run_keys_are_unique_and_accepted_by_resume() -> None:
+    keys = {new_run_key() for _ in range(50)}
+    assert len(keys) == 50
+    for key in list(keys)[:3]:
+        assert TrainingConfig(resume=key).resume == key
+
+
+def test_public_params_are_flat_strings_or_scalars() -> None:
+    params = TrainingConfig(hidden_sizes=[32, 16]).public_params()
+    assert params["hidden_sizes"] == "32,16"
+    assert set(params) == set(TrainingConfig.model_fields)
+    assert all(isinstance(v, str | int | float | bool) for v in params.values())
+
+
+def test_cli_flags_map_to_fields() -> None:
+    config = parse_config(
+        ["--num-workers", "3", "--epochs", "5", "--hidden-sizes", "64,32", "--no-register", "--learning-rate", "0.01"]
+    )
+    assert (config.num_workers, config.epochs, config.hidden_sizes) == (3, 5, [64, 32])
+    assert config.register is False and config.learning_rate == 0.01
+    assert parse_config([]) == TrainingConfig()
+
+
+def test_every_field_has_a_flag() -> None:
+    from flows.cli import build_parser
+
+    flags = {option for action in build_parser()._actions for option in action.option_strings}
+    for name in TrainingConfig.model_fields:
+        assert f"--{name.replace('_', '-')}" in flags
+
+
+def test_cli_rejects_bad_value_with_exit_2_and_field_named(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_config(["--num-workers", "0", "--epochs", "0"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "num_workers (--num-workers)" in err and "epochs (--epochs)" in err
