@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+import ray
 import ray.train
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
@@ -72,39 +73,39 @@ def distributed_fit(config: TrainingConfig, dataset: DatasetRef, run_key: str) -
             f"cannot resume run {run_key}: no checkpoints under {run_dir.uri}; check `resume` and "
             "`storage_path` (they must match the interrupted run)"
         )
+    # Pre-flight, cheapest first: MLflow answers, Ray is reachable and can host the workers. Nothing is
+    # created (no MLflow run, no checkpoint folder) until all three hold.
     client = tracking.connect(config.mlflow_tracking_uri)
-    experiment_id = tracking.ensure_experiment(client, config.experiment_name, config.mlflow_tracking_uri)
-    backend = "nccl" if config.use_gpu else "gloo"
-    run_id, reopened = tracking.start_or_reopen_run(
-        client,
-        experiment_id,
-        run_key,
-        run_name=_mlflow_run_name(run_key),
-        tags=_run_tags(config, dataset, run_key, run_dir, backend),
-        params=config.public_params(),
-    )
-    logger.info(
-        "run key %s: %s MLflow run %s; checkpoints in %s",
-        run_key,
-        "continuing" if reopened else "new",
-        run_id,
-        run_dir.uri,
-    )
-    trainer = build_trainer(config, dataset, run_key, runs, MlflowEpochLogger(config.mlflow_tracking_uri, run_id))
-    try:
-        with ray_session(config):
-            import ray
-
-            check_resources(config, ray.cluster_resources())
+    with ray_session(config):
+        check_resources(config, ray.cluster_resources())
+        experiment_id = tracking.ensure_experiment(client, config.experiment_name, config.mlflow_tracking_uri)
+        backend = "nccl" if config.use_gpu else "gloo"
+        run_id, reopened = tracking.start_or_reopen_run(
+            client,
+            experiment_id,
+            run_key,
+            run_name=_mlflow_run_name(run_key),
+            tags=_run_tags(config, dataset, run_key, run_dir, backend),
+            params=config.public_params(),
+        )
+        logger.info(
+            "run key %s: %s MLflow run %s; checkpoints in %s",
+            run_key,
+            "continuing" if reopened else "new",
+            run_id,
+            run_dir.uri,
+        )
+        trainer = build_trainer(config, dataset, run_key, runs, MlflowEpochLogger(config.mlflow_tracking_uri, run_id))
+        try:
             result = trainer.fit()
-    except BaseException as exc:
-        tracking.finish_run(client, run_id, error=exc)
-        if isinstance(exc, ray.train.TrainingFailedError):
-            raise TrainingError(
-                f"training run {run_key} failed after {config.max_failures} worker-group restarts: {exc}. "
-                f"It can continue from its last checkpoint with `resume={run_key}`"
-            ) from exc
-        raise
+        except BaseException as exc:
+            tracking.finish_run(client, run_id, error=exc)
+            if isinstance(exc, ray.train.TrainingFailedError):
+                raise TrainingError(
+                    f"training run {run_key} failed after {config.max_failures} worker-group restarts: {exc}. "
+                    f"It can continue from its last checkpoint with `resume={run_key}`"
+                ) from exc
+            raise
 
     fit = summarize(result, config, run_key, run_dir, run_id, experiment_id, backend, reopened)
     added = tracking.reconcile_epochs(client, run_id, fit.history)

@@ -1,0 +1,99 @@
+"""The whole flow on real components: local Ray (2 workers), the Prefect API, MLflow on SQLite."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from mlflow import MlflowClient
+
+from flows.training import PipelineResult, training_pipeline
+from raytrain_tasks.checkpoint import verify_checkpoint
+from raytrain_tasks.data import LABEL_INDEX_COLUMN
+from raytrain_tasks.tracking import EPOCH_METRICS
+from tests.conftest import small_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster", "prefect_api")]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("pipeline")
+
+
+@pytest.fixture(scope="module")
+def first_run(workdir: Path, ray_cluster: object, prefect_api: None) -> PipelineResult:
+    return training_pipeline(config=small_config(workdir))
+
+
+@pytest.fixture(scope="module")
+def client(first_run: PipelineResult) -> MlflowClient:
+    return MlflowClient(first_run.config.mlflow_tracking_uri)
+
+
+def test_two_workers_three_epochs_reach_accuracy(first_run: PipelineResult) -> None:
+    assert first_run.fit.epochs_completed == 3
+    assert first_run.fit.backend == "gloo"
+    assert first_run.fit.final_metrics["val_accuracy"] >= 0.90
+
+
+def test_every_epoch_checkpointed_in_storage_keeping_the_best(first_run: PipelineResult, workdir: Path) -> None:
+    run_dir = workdir / "storage" / "runs" / first_run.run_key
+    kept = sorted(p.name for p in run_dir.glob("epoch-*"))
+    # checkpoints_to_keep=2: the two best by val_accuracy survive (the latest always does).
+    assert kept == ["epoch-0001", "epoch-0002"]
+    for name in kept:
+        verify_checkpoint(run_dir / name)
+    assert Path(first_run.fit.best_checkpoint_uri) == run_dir / f"epoch-{first_run.fit.best_epoch:04d}"
+
+
+def test_mlflow_run_has_each_epoch_exactly_once(first_run: PipelineResult, client: MlflowClient) -> None:
+    run = client.get_run(first_run.fit.mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["prefect_raytrain.run_key"] == first_run.run_key
+    assert run.data.params["num_workers"] == "2" and run.data.params["epochs"] == "3"
+    for key in EPOCH_METRICS:
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
+        assert sorted(steps) == [0, 1, 2], key
+    history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val_accuracy")}
+    assert history[2] == pytest.approx(first_run.fit.final_metrics["val_accuracy"])
+    assert run.data.metrics["best_val_accuracy"] == pytest.approx(max(history.values()))
+
+
+def test_champion_loads_and_reproduces_logged_accuracy(first_run: PipelineResult, client: MlflowClient) -> None:
+    import mlflow
+
+    assert first_run.model is not None and first_run.model.aliases == ("champion",)
+    mlflow.set_tracking_uri(first_run.config.mlflow_tracking_uri)
+    model = mlflow.pyfunc.load_model(f"models:/{first_run.model.name}@champion")
+    val = pd.read_parquet(Path(first_run.dataset.uri) / "val.parquet")
+    features = np.array(val[list(first_run.dataset.feature_names)], dtype=np.float32)
+    predicted = np.asarray(model.predict(features)).argmax(axis=1)
+    accuracy = float((predicted == val[LABEL_INDEX_COLUMN].to_numpy()).mean())
+    logged = {
+        m.step: m.value for m in client.get_metric_history(first_run.fit.mlflow_run_id, "val_accuracy")
+    }
+    assert accuracy == pytest.approx(logged[first_run.fit.best_epoch], abs=1e-9)
+
+
+def test_champion_moves_only_for_a_better_model(
+    first_run: PipelineResult, client: MlflowClient, workdir: Path
+) -> None:
+    assert first_run.model is not None
+    name, first_version = first_run.model.name, first_run.model.version
+
+    worse = training_pipeline(config=small_config(workdir, epochs=1, learning_rate=1e-4))
+    assert worse.model is not None and worse.model.decision == "keep_champion"
+    assert str(client.get_model_version_by_alias(name, "champion").version) == first_version
+    assert str(client.get_model_version_by_alias(name, "challenger").version) == worse.model.version
+    tags = client.get_model_version(name, worse.model.version).tags
+    assert tags["promotion.decision"] == "keep_champion"
+    assert float(tags["promotion.champion_score"]) == pytest.approx(first_run.model.val_accuracy)
+
+    better = training_pipeline(config=small_config(workdir, epochs=8))
+    assert better.model is not None and better.model.decision == "promote", better.model.reason
+    assert better.model.val_accuracy > first_run.model.val_accuracy
+    assert str(client.get_model_version_by_alias(name, "champion").version) == better.model.version
+    assert str(client.get_model_version_by_alias(name, "previous_champion").version) == first_version
