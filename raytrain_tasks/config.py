@@ -79,9 +79,9 @@ class TrainingConfig(BaseModel):
         title="Hidden layer sizes",
         description="Widths of the hidden layers, e.g. [128, 64].",
     )
-    epochs: int = Field(default=3, ge=1, le=10_000, title="Epochs")
+    epochs: int = Field(default=3, ge=1, le=10_000, title="Epochs", description="Passes over the training split.")
     batch_size: int = Field(default=32, ge=1, le=65_536, title="Batch size", description="Per worker, per step.")
-    learning_rate: float = Field(default=3e-3, gt=0.0, le=10.0, title="Learning rate", description="Adam.")
+    learning_rate: float = Field(default=3e-3, gt=0.0, le=10.0, title="Learning rate", description="Adam step size.")
     seed: int = Field(default=42, ge=0, title="Seed", description="Seeds split, init and shuffling.")
 
     # --- storage and services ---
@@ -101,8 +101,15 @@ class TrainingConfig(BaseModel):
         title="MLflow tracking URI",
         description=f"Empty: a SQLite store under ./{DEFAULT_STATE_DIR}/. Or e.g. 'http://127.0.0.1:5000'.",
     )
-    experiment_name: str = Field(default="prefect-raytrain", min_length=1, title="MLflow experiment")
-    model_name: str = Field(default="digits-classifier", min_length=1, title="Registered model name")
+    experiment_name: str = Field(
+        default="prefect-raytrain", min_length=1, title="MLflow experiment", description="Created if missing."
+    )
+    model_name: str = Field(
+        default="digits-classifier",
+        min_length=1,
+        title="Registered model name",
+        description="MLflow registered model that receives a new version per run.",
+    )
 
     # --- fault tolerance ---
     max_failures: int = Field(
@@ -113,7 +120,11 @@ class TrainingConfig(BaseModel):
         description="Worker-group restarts Ray Train makes, each resuming from the last checkpoint.",
     )
     checkpoints_to_keep: int = Field(
-        default=2, ge=1, le=1000, title="Checkpoints to keep", description="Best ones by val_accuracy."
+        default=2,
+        ge=1,
+        le=1000,
+        title="Checkpoints to keep",
+        description="Checkpoints kept per run: the best by val_accuracy, plus always the latest.",
     )
     fit_retries: int = Field(
         default=1,
@@ -122,7 +133,9 @@ class TrainingConfig(BaseModel):
         title="Fit retries",
         description="Prefect retries of the distributed-fit task; each resumes from the last checkpoint.",
     )
-    retry_delay_seconds: float = Field(default=5.0, ge=0, le=3600, title="Retry delay (s)")
+    retry_delay_seconds: float = Field(
+        default=5.0, ge=0, le=3600, title="Retry delay (s)", description="Wait before a distributed-fit retry."
+    )
     resume: str = Field(
         default="",
         title="Resume run key",

@@ -80,7 +80,9 @@ def train_loop_per_worker(train_loop_config: dict[str, Any]) -> None:
     train_set = TensorDataset(torch.from_numpy(x_train), torch.from_numpy(y_train))
     # Seeded sampler, re-seeded each epoch by set_epoch: the shuffle order depends on (seed, epoch) alone,
     # so an epoch replayed after a restart sees the same batches.
-    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=config.seed)
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=config.seed
+    )
     train_loader = ray.train.torch.prepare_data_loader(
         DataLoader(train_set, batch_size=config.batch_size, sampler=sampler, pin_memory=config.use_gpu)
     )

@@ -84,10 +84,10 @@ def check_resources(config: TrainingConfig, available: dict[str, float]) -> None
     if request.gpus and gpus < request.gpus:
         raise ClusterError(
             f"use_gpu=True needs {request.gpus:g} GPUs ({config.num_workers} workers x 1) but the Ray cluster "
-            f"has {gpus:g}; set `use_gpu` to false or lower `num_workers`"
+            f"has {gpus:g} GPUs; set `use_gpu` to false or lower `num_workers`"
         )
     if cpus < request.cpus:
         raise ClusterError(
             f"{config.num_workers} workers x {config.cpus_per_worker:g} CPUs need {request.cpus:g} CPUs but the "
-            f"Ray cluster has {cpus:g}; lower `num_workers` or `cpus_per_worker`"
+            f"Ray cluster has {cpus:g} CPUs; lower `num_workers` or `cpus_per_worker`"
         )

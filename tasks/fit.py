@@ -158,13 +158,13 @@ def build_trainer(
                 max_failures=config.max_failures,
                 # Ray's default (-1) retries a worker group that cannot start forever.
                 controller_failure_limit=max(1, config.max_failures),
-            ),
+            ),  # type: ignore[call-arg]  # mypy resolves ray.train to the V1 classes; V2 is used at runtime
             checkpoint_config=ray.train.CheckpointConfig(
                 num_to_keep=config.checkpoints_to_keep,
                 checkpoint_score_attribute=STEP_KEY,
                 checkpoint_score_order="max",
             ),
-            callbacks=list(callbacks),
+            callbacks=list(callbacks),  # type: ignore[arg-type]  # V2 UserCallbacks, see above
         ),
     )
 
@@ -183,7 +183,9 @@ def summarize(
     if latest is None:
         raise TrainingError(f"training run {run_key} finished without a checkpoint; nothing to register")
     history = _read_history(latest)
-    scored = [(metrics.get(STEP_KEY, float("-inf")), checkpoint) for checkpoint, metrics in result.best_checkpoints]
+    scored = [
+        (metrics.get(STEP_KEY, float("-inf")), checkpoint) for checkpoint, metrics in result.best_checkpoints or []
+    ]
     best_checkpoint = max(scored, key=lambda pair: pair[0])[1] if scored else latest
     best = _read_state(best_checkpoint)
     return FitResult(
@@ -204,6 +206,7 @@ def summarize(
 
 def _read_state(checkpoint: ray.train.Checkpoint) -> dict[str, Any]:
     path = f"{checkpoint.path.rstrip('/')}/{STATE_FILE}"
+    assert checkpoint.filesystem is not None  # Ray Train always attaches the storage filesystem
     with checkpoint.filesystem.open_input_stream(path) as stream:
         return json.loads(stream.read())
 

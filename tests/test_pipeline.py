@@ -72,15 +72,11 @@ def test_champion_loads_and_reproduces_logged_accuracy(first_run: PipelineResult
     features = np.array(val[list(first_run.dataset.feature_names)], dtype=np.float32)
     predicted = np.asarray(model.predict(features)).argmax(axis=1)
     accuracy = float((predicted == val[LABEL_INDEX_COLUMN].to_numpy()).mean())
-    logged = {
-        m.step: m.value for m in client.get_metric_history(first_run.fit.mlflow_run_id, "val_accuracy")
-    }
+    logged = {m.step: m.value for m in client.get_metric_history(first_run.fit.mlflow_run_id, "val_accuracy")}
     assert accuracy == pytest.approx(logged[first_run.fit.best_epoch], abs=1e-9)
 
 
-def test_champion_moves_only_for_a_better_model(
-    first_run: PipelineResult, client: MlflowClient, workdir: Path
-) -> None:
+def test_champion_moves_only_for_a_better_model(first_run: PipelineResult, client: MlflowClient, workdir: Path) -> None:
     assert first_run.model is not None
     name, first_version = first_run.model.name, first_run.model.version
 

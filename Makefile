@@ -1,0 +1,42 @@
+# Two commands do all set-up on a fresh machine:
+#   make run   - create .venv if missing, install, run the pipeline end to end on embedded defaults
+#   make test  - same bootstrap, then the test suite
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU-only torch unless this machine has an NVIDIA driver (then pip picks the CUDA build).
+CONSTRAINTS ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,-c constraints-cpu.txt)
+ARGS ?=
+PYTEST_ARGS ?=
+
+# Keep all state of a local run under ./.pipeline, and keep an offline machine quiet.
+export PREFECT_HOME ?= $(CURDIR)/.pipeline/prefect
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+export RAY_USAGE_STATS_ENABLED ?= 0
+
+.PHONY: install run test lint typecheck clean
+
+$(VENV)/.installed: pyproject.toml constraints-cpu.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(CONSTRAINTS) -e '.[dev]'
+	@touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(PY) -m flows.training $(ARGS)
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: install
+	$(VENV)/bin/mypy flows tasks raytrain_tasks
+
+clean:
+	rm -rf .pipeline

@@ -1,0 +1,58 @@
+"""The seeds' quick start, run as a user would: `python -m flows.training ...` in a fresh directory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from tests.conftest import REPO_ROOT
+
+
+def _cli_env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_API"))}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    return env
+
+
+@pytest.mark.slow
+def test_cli_runs_the_pipeline_on_embedded_defaults(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.training", "--num-workers", "2", "--epochs", "2"],
+        cwd=tmp_path,
+        env=_cli_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "training pipeline finished" in proc.stdout
+    summary = proc.stdout[proc.stdout.index("training pipeline finished") :]
+    assert "-> champion" in summary and "val_accuracy=" in summary
+    state = tmp_path / ".pipeline"
+    assert (state / "mlflow.db").is_file()
+    runs = list((state / "storage" / "runs").iterdir())
+    assert len(runs) == 1 and sorted(p.name for p in runs[0].glob("epoch-*")) == ["epoch-0000", "epoch-0001"]
+    client = MlflowClient(f"sqlite:///{state / 'mlflow.db'}")
+    version = client.get_model_version_by_alias("digits-classifier", "champion")
+    assert version.tags["run_key"] == runs[0].name
+    assert runs[0].name in summary
+
+
+def test_cli_rejects_bad_flags_before_doing_anything(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.training", "--num-workers", "0", "--dataset", "imagenet"],
+        cwd=tmp_path,
+        env=_cli_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "num_workers (--num-workers)" in proc.stderr and "dataset (--dataset)" in proc.stderr
+    assert not (tmp_path / ".pipeline").exists()

@@ -1,0 +1,78 @@
+"""Bad input fails before any worker starts, names the setting to change, and leaves nothing behind."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from flows.training import training_pipeline
+from raytrain_tasks.errors import CheckpointError, ClusterError, TrackingError
+from tests.conftest import small_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster", "prefect_api")]
+
+
+def _run_failing(config: object) -> tuple[BaseException, float]:
+    started = time.monotonic()
+    state = training_pipeline(config=config, return_state=True)
+    elapsed = time.monotonic() - started
+    assert state.is_failed()
+    error = state.result(raise_on_failure=False)
+    assert isinstance(error, BaseException)
+    return error, elapsed
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _mlflow_runs(workdir: Path) -> list[object]:
+    client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("tests")
+    return [] if experiment is None else client.search_runs([experiment.experiment_id])
+
+
+def test_gpu_requested_on_a_cluster_without_gpus(tmp_path: Path, ray_cluster: dict[str, float]) -> None:
+    if ray_cluster.get("GPU"):
+        pytest.skip("this cluster has GPUs; the check is for clusters without")
+    error, elapsed = _run_failing(small_config(tmp_path, use_gpu=True))
+    assert isinstance(error, ClusterError)
+    assert "use_gpu" in str(error) and "has 0 GPUs" in str(error)
+    assert elapsed < 60  # Ray Train alone would retry the worker-group start for minutes
+    assert not (tmp_path / "storage" / "runs").exists()
+    assert _mlflow_runs(tmp_path) == []
+
+
+def test_more_workers_than_cpus(tmp_path: Path) -> None:
+    error, _ = _run_failing(small_config(tmp_path, num_workers=8))
+    assert isinstance(error, ClusterError) and "num_workers" in str(error)
+    assert not (tmp_path / "storage" / "runs").exists()
+
+
+def test_unreachable_mlflow_server(tmp_path: Path) -> None:
+    uri = f"http://127.0.0.1:{_closed_port()}"
+    error, elapsed = _run_failing(small_config(tmp_path, mlflow_tracking_uri=uri))
+    assert isinstance(error, TrackingError)
+    assert "mlflow_tracking_uri" in str(error) and uri in str(error)
+    assert elapsed < 60
+    assert not (tmp_path / "storage" / "runs").exists()
+
+
+def test_resume_of_an_unknown_run(tmp_path: Path) -> None:
+    error, _ = _run_failing(small_config(tmp_path, resume="20200101-000000-abcdef"))
+    assert isinstance(error, CheckpointError)
+    assert "resume" in str(error) and "20200101-000000-abcdef" in str(error)
+    assert _mlflow_runs(tmp_path) == []
+
+
+def test_unwritable_storage(tmp_path: Path) -> None:
+    blocker = tmp_path / "file-not-dir"
+    blocker.write_text("")
+    error, _ = _run_failing(small_config(tmp_path, storage_path=str(blocker / "storage")))
+    assert "storage_path" in str(error)

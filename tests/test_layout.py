@@ -1,0 +1,28 @@
+"""Import boundaries: workers need no Prefect, and planning a run needs no torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+
+def _loaded_after_import(module: str, probe: str) -> bool:
+    code = f"import sys, {module}; print({probe!r} in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    return out.stdout.strip() == "True"
+
+
+@pytest.mark.parametrize(
+    "module", ["raytrain_tasks.train_loop", "raytrain_tasks.tracking", "raytrain_tasks.checkpoint"]
+)
+def test_worker_code_imports_without_prefect(module: str) -> None:
+    assert not _loaded_after_import(module, "prefect")
+
+
+@pytest.mark.parametrize("module", ["flows.training", "tasks.fit", "tasks.register", "tasks.data"])
+def test_flow_and_task_modules_do_not_load_torch(module: str) -> None:
+    assert not _loaded_after_import(module, "torch")
