@@ -145,12 +145,17 @@ class TrainingConfig(BaseModel):
     # --- registry ---
     register: bool = Field(default=True, title="Register model", description="Register a model version.")
     promote: bool = Field(default=True, title="Promote", description="Move 'champion' when the new version is better.")
+    promotion_metric: Literal["val_accuracy", "val_loss"] = Field(
+        default="val_accuracy",
+        title="Promotion metric",
+        description="Compared on this run's validation split: higher val_accuracy or lower val_loss wins.",
+    )
     min_improvement: float = Field(
         default=0.0,
         ge=0.0,
         le=1.0,
         title="Minimum improvement",
-        description="val_accuracy a candidate must gain over the champion to take the 'champion' alias.",
+        description="How much a candidate must beat the champion by on `promotion_metric` to take 'champion'.",
     )
 
     @field_validator("dataset")

@@ -29,13 +29,13 @@ from raytrain_tasks.checkpoint import (
     ModelSpec,
     TrainingState,
     capture_rng_state,
-    load_checkpoint,
     restore_rng_state,
     save_checkpoint,
 )
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DatasetRef, read_split
 from raytrain_tasks.models import build_model
+from raytrain_tasks.resume import checkpoint_dir_name, load_newest_intact
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +47,6 @@ class WorkerSpec(BaseModel):
 
     config: TrainingConfig
     dataset: DatasetRef
-
-
-def checkpoint_dir_name(epoch: int) -> str:
-    return f"epoch-{epoch:04d}"
 
 
 def model_spec(config: TrainingConfig, dataset: DatasetRef) -> ModelSpec:
@@ -95,8 +91,7 @@ def train_loop_per_worker(train_loop_config: dict[str, Any]) -> None:
     start_epoch, history, rng_state, optimizer_state = 0, [], None, None
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
-        with checkpoint.as_directory() as checkpoint_dir:
-            loaded = load_checkpoint(checkpoint_dir)
+        loaded, checkpoint = load_newest_intact(checkpoint, announce=rank == 0)
         net.load_state_dict(loaded.model_state)
         start_epoch, history = loaded.state.epoch + 1, list(loaded.state.history)
         rng_state, optimizer_state = loaded.rng_state, loaded.optimizer_state

@@ -21,7 +21,7 @@ from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.errors import CheckpointError, ClusterError, TrackingError, TrainingError
 from raytrain_tasks.tracking import STEP_KEY, MlflowEpochLogger
-from tasks import tracking
+from tasks import evaluation, tracking
 from tasks.cluster import check_resources, ray_session
 from tasks.storage import RUNS_DIR, StorageLocation, locate
 
@@ -88,6 +88,8 @@ def distributed_fit(config: TrainingConfig, dataset: DatasetRef, run_key: str) -
             tags=_run_tags(config, dataset, run_key, run_dir, backend),
             params=config.public_params(),
         )
+        if not reopened:
+            evaluation.log_dataset_input(client, run_id, dataset)
         logger.info(
             "run key %s: %s MLflow run %s; checkpoints in %s",
             run_key,
@@ -99,19 +101,24 @@ def distributed_fit(config: TrainingConfig, dataset: DatasetRef, run_key: str) -
         try:
             result = trainer.fit()
         except BaseException as exc:
-            tracking.finish_run(client, run_id, error=exc)
+            error: BaseException = exc
             if isinstance(exc, ray.train.TrainingFailedError):
-                raise TrainingError(
+                error = TrainingError(
                     f"training run {run_key} failed after {config.max_failures} worker-group restarts: {exc}. "
                     f"It can continue from its last checkpoint with `resume={run_key}`"
-                ) from exc
-            raise
+                )
+            tracking.finish_run(client, run_id, error=error)
+            if error is exc:
+                raise
+            raise error from exc
 
     fit = summarize(result, config, run_key, run_dir, run_id, experiment_id, backend, reopened)
     added = tracking.reconcile_epochs(client, run_id, fit.history)
     if added:
         logger.warning("logged %d epoch(s) to MLflow that the controller could not log live", added)
     tracking.log_summary(client, run_id, fit.history)
+    pointer = {"uri": fit.best_checkpoint_uri, "epoch": fit.best_epoch, "run_uri": fit.run_uri, "run_key": run_key}
+    evaluation.log_evaluation(client, run_id, dataset, fit.history, pointer)
     tracking.finish_run(client, run_id)
     for entry in fit.history:
         logger.info(
@@ -243,4 +250,7 @@ def _run_tags(
     }
     if flow_run.get_id():
         tags["prefect.flow_run_id"] = str(flow_run.get_id())
+        ui_url = flow_run.get_flow_run_ui_url()
+        if ui_url:
+            tags["prefect.flow_run_url"] = ui_url
     return tags

@@ -86,10 +86,10 @@ def test_champion_moves_only_for_a_better_model(first_run: PipelineResult, clien
     assert str(client.get_model_version_by_alias(name, "challenger").version) == worse.model.version
     tags = client.get_model_version(name, worse.model.version).tags
     assert tags["promotion.decision"] == "keep_champion"
-    assert float(tags["promotion.champion_score"]) == pytest.approx(first_run.model.val_accuracy)
+    assert float(tags["promotion.champion_score"]) == pytest.approx(first_run.model.score)
 
     better = training_pipeline(config=small_config(workdir, epochs=8))
     assert better.model is not None and better.model.decision == "promote", better.model.reason
-    assert better.model.val_accuracy > first_run.model.val_accuracy
+    assert better.model.score > first_run.model.score
     assert str(client.get_model_version_by_alias(name, "champion").version) == better.model.version
     assert str(client.get_model_version_by_alias(name, "previous_champion").version) == first_version

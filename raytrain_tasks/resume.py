@@ -1,0 +1,60 @@
+"""Which checkpoint a restarted worker group resumes from: the newest one that is intact.
+
+Ray Train hands workers its latest registered checkpoint. If that one fails verification (a truncated or
+corrupted file in storage), older checkpoints of the same run are tried, newest first. Nothing is deleted:
+the bad checkpoint stays where it is for Ray Train's own bookkeeping and for inspection.
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+
+import pyarrow.fs as pafs
+from ray.train import Checkpoint
+
+from raytrain_tasks.checkpoint import LoadedCheckpoint, load_checkpoint
+from raytrain_tasks.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_PREFIX = "epoch-"
+
+
+def checkpoint_dir_name(epoch: int) -> str:
+    return f"{CHECKPOINT_PREFIX}{epoch:04d}"
+
+
+def resume_order(latest: str, siblings: list[str]) -> list[str]:
+    """``latest`` first, then the run's older checkpoint folders, newest first."""
+    older = [name for name in siblings if name.startswith(CHECKPOINT_PREFIX) and name < latest]
+    return [latest, *sorted(older, reverse=True)]
+
+
+def load_newest_intact(latest: Checkpoint, *, announce: bool) -> tuple[LoadedCheckpoint, Checkpoint]:
+    """Load ``latest``, or the newest older checkpoint of its run that verifies; CheckpointError if none."""
+    filesystem = latest.filesystem
+    run_dir, latest_name = posixpath.split(latest.path.rstrip("/"))
+    siblings = [
+        info.base_name
+        for info in filesystem.get_file_info(pafs.FileSelector(run_dir))
+        if info.type == pafs.FileType.Directory
+    ]
+    problems = []
+    for name in resume_order(latest_name, siblings):
+        candidate = latest if name == latest_name else Checkpoint(posixpath.join(run_dir, name), filesystem)
+        try:
+            with candidate.as_directory() as directory:
+                loaded = load_checkpoint(directory)
+        except CheckpointError as exc:
+            problems.append(str(exc))
+            if announce:
+                logger.warning("not resuming from %s: %s", name, exc)
+            continue
+        if announce and name != latest_name:
+            logger.warning("falling back to the last intact checkpoint %s (epoch %d)", name, loaded.state.epoch)
+        return loaded, candidate
+    raise CheckpointError(
+        f"no intact checkpoint left in {run_dir}: {'; '.join(problems)}. Start a new run (without `resume`), "
+        "or restore the checkpoint files from a backup"
+    )

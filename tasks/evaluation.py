@@ -1,0 +1,99 @@
+"""The best checkpoint as a model: loaded on the driver, scored on the validation split, shown in MLflow."""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from raytrain_tasks.data import DatasetRef, read_split
+from tasks.reports import dataset_summary, evaluation_report, write_report_files
+from tasks.storage import download_dir, locate
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
+EVALUATION_ARTIFACT_DIR = "evaluation"
+
+
+@dataclass(frozen=True)
+class Scores:
+    """A model's scores on one validation split; comparable only with scores on the same split."""
+
+    val_accuracy: float
+    val_loss: float
+
+    def get(self, metric: str) -> float:
+        return float(getattr(self, metric))
+
+
+def load_checkpoint_model(checkpoint_uri: str) -> Any:
+    """Rebuild the network stored in a checkpoint (local or remote storage), in eval mode, on CPU."""
+    from raytrain_tasks.checkpoint import load_checkpoint
+    from raytrain_tasks.models import build_model
+
+    with tempfile.TemporaryDirectory(prefix="prt-model-") as tmp:
+        directory = download_dir(locate(checkpoint_uri), Path(tmp) / "checkpoint")
+        loaded = load_checkpoint(directory)
+    spec = loaded.state.spec
+    model = build_model(spec.model, spec.in_features, spec.num_classes, spec.hidden_sizes)
+    model.load_state_dict(loaded.model_state)
+    return model.eval()
+
+
+def predict_logits(model: Any, features: np.ndarray) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(torch.from_numpy(features)).numpy()
+
+
+def score(logits: np.ndarray, labels: np.ndarray) -> Scores:
+    """Accuracy and mean cross-entropy, computed the way the train loop computes them."""
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    loss = float(-log_probs[np.arange(len(labels)), labels].mean())
+    return Scores(val_accuracy=float((logits.argmax(axis=1) == labels).mean()), val_loss=loss)
+
+
+def log_dataset_input(client: MlflowClient, run_id: str, dataset: DatasetRef) -> None:
+    """Record the prepared dataset version as the run's training input (lineage in the MLflow UI)."""
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput, InputTag
+    from mlflow.types import ColSpec, DataType, Schema
+
+    schema = Schema([ColSpec(DataType.float, name) for name in dataset.feature_names])
+    meta = MetaDataset(
+        resolve_dataset_source(dataset.uri),
+        name=f"{dataset.source}-{dataset.content_hash}",
+        digest=dataset.content_hash,
+        schema=schema,
+    )
+    entity = DatasetInput(meta._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", "training")])
+    client.log_inputs(run_id, datasets=[entity])
+
+
+def log_evaluation(
+    client: MlflowClient, run_id: str, dataset: DatasetRef, history: list[dict[str, float]], checkpoint: dict[str, Any]
+) -> Scores:
+    """Score the best checkpoint on the validation split and log plots and reports as run artifacts."""
+    model = load_checkpoint_model(checkpoint["uri"])
+    _, y_train = read_split(dataset, "train")
+    x_val, y_val = read_split(dataset, "val")
+    logits = predict_logits(model, x_val)
+    evaluation = evaluation_report(logits, y_val, dataset.class_labels)
+    with tempfile.TemporaryDirectory(prefix="prt-report-") as tmp:
+        write_report_files(
+            Path(tmp),
+            history=history,
+            evaluation=evaluation,
+            summary=dataset_summary(dataset, y_train, y_val),
+            class_labels=dataset.class_labels,
+            checkpoint_pointer=checkpoint,
+        )
+        client.log_artifacts(run_id, tmp, artifact_path=EVALUATION_ARTIFACT_DIR)
+    return score(logits, y_val)

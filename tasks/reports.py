@@ -1,0 +1,126 @@
+"""What a person looks at in the MLflow UI: learning curves, confusion matrix, per-class report, data summary."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from raytrain_tasks.data import DatasetRef
+
+
+def evaluation_report(logits: np.ndarray, labels: np.ndarray, class_labels: tuple[str, ...]) -> dict[str, Any]:
+    """Accuracy, confusion matrix and per-class precision/recall/F1 on the validation split."""
+    from sklearn.metrics import confusion_matrix, precision_recall_fscore_support
+
+    predicted = logits.argmax(axis=1)
+    indices = list(range(len(class_labels)))
+    matrix = confusion_matrix(labels, predicted, labels=indices)
+    precision, recall, f1, support = precision_recall_fscore_support(labels, predicted, labels=indices, zero_division=0)
+    return {
+        "accuracy": float((predicted == labels).mean()),
+        "confusion_matrix": matrix.tolist(),
+        "per_class": {
+            class_labels[i]: {
+                "precision": float(precision[i]),
+                "recall": float(recall[i]),
+                "f1": float(f1[i]),
+                "support": int(support[i]),
+            }
+            for i in indices
+        },
+    }
+
+
+def dataset_summary(dataset: DatasetRef, train_labels: np.ndarray, val_labels: np.ndarray) -> dict[str, Any]:
+    def balance(labels: np.ndarray) -> dict[str, int]:
+        counts = np.bincount(labels, minlength=dataset.num_classes)
+        return {dataset.class_labels[i]: int(c) for i, c in enumerate(counts)}
+
+    return {
+        "source": dataset.source,
+        "uri": dataset.uri,
+        "content_hash": dataset.content_hash,
+        "rows": {"train": dataset.train_rows, "val": dataset.val_rows},
+        "features": len(dataset.feature_names),
+        "feature_names": list(dataset.feature_names),
+        "label_column": dataset.label_column,
+        "class_balance": {"train": balance(train_labels), "val": balance(val_labels)},
+    }
+
+
+def write_report_files(
+    directory: Path,
+    *,
+    history: list[dict[str, float]],
+    evaluation: dict[str, Any],
+    summary: dict[str, Any],
+    class_labels: tuple[str, ...],
+    checkpoint_pointer: dict[str, Any],
+) -> list[Path]:
+    """Write the PNGs and JSON files into ``directory``; returns the paths written."""
+    directory.mkdir(parents=True, exist_ok=True)
+    files = {
+        "learning_curves.png": lambda path: plot_learning_curves(history, path),
+        "confusion_matrix.png": lambda path: plot_confusion_matrix(evaluation["confusion_matrix"], class_labels, path),
+        "per_class_report.json": lambda path: path.write_text(json.dumps(evaluation, indent=1)),
+        "dataset_summary.json": lambda path: path.write_text(json.dumps(summary, indent=1)),
+        "checkpoint.json": lambda path: path.write_text(json.dumps(checkpoint_pointer, indent=1)),
+    }
+    written = []
+    for name, write in files.items():
+        path = directory / name
+        write(path)
+        written.append(path)
+    return written
+
+
+def plot_learning_curves(history: list[dict[str, float]], path: Path) -> None:
+    figure, (loss_axis, accuracy_axis) = _figure(ncols=2, size=(10, 4))
+    epochs = [int(entry["epoch"]) for entry in history]
+    loss_axis.plot(epochs, [e["train_loss"] for e in history], marker="o", label="train")
+    loss_axis.plot(epochs, [e["val_loss"] for e in history], marker="o", label="validation")
+    loss_axis.set(title="Loss", xlabel="epoch", ylabel="cross-entropy")
+    loss_axis.legend()
+    accuracy_axis.plot(epochs, [e["val_accuracy"] for e in history], marker="o", color="tab:green")
+    accuracy_axis.set(title="Validation accuracy", xlabel="epoch", ylabel="accuracy", ylim=(0, 1.02))
+    for axis in (loss_axis, accuracy_axis):
+        axis.grid(alpha=0.3)
+        axis.set_xticks(epochs)
+    _save(figure, path)
+
+
+def plot_confusion_matrix(matrix: list[list[int]], class_labels: tuple[str, ...], path: Path) -> None:
+    size = max(4.0, 0.5 * len(class_labels) + 2)
+    figure, (axis,) = _figure(ncols=1, size=(size, size))
+    values = np.asarray(matrix)
+    axis.imshow(values, cmap="Blues")
+    ticks = range(len(class_labels))
+    axis.set(xticks=ticks, yticks=ticks, xlabel="predicted", ylabel="true", title="Validation confusion matrix")
+    axis.set_xticklabels(class_labels, rotation=45, ha="right")
+    axis.set_yticklabels(class_labels)
+    if len(class_labels) <= 30:
+        threshold = values.max() / 2 if values.size else 0
+        for (row, col), count in np.ndenumerate(values):
+            axis.text(col, row, str(count), ha="center", va="center", color="white" if count > threshold else "black")
+    _save(figure, path)
+
+
+def _figure(ncols: int, size: tuple[float, float]) -> tuple[Any, list[Any]]:
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: no display on workers, CI or Prefect agents
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, ncols, figsize=size, squeeze=False)
+    return figure, list(axes[0])
+
+
+def _save(figure: Any, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)

@@ -1,0 +1,220 @@
+"""Recovery, for real: kill a Ray worker, fail the fit task, SIGKILL the whole CLI, corrupt a checkpoint.
+
+Each recovered run must end exactly where an uninterrupted run with the same seed ends (to 1e-6), in one
+MLflow run whose history has every epoch exactly once. Failures are injected from outside the product
+code: worker PIDs come from Ray's State API, the CLI is killed by its PID.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlflow import MlflowClient
+
+from flows.training import PipelineResult, training_pipeline
+from raytrain_tasks.checkpoint import MODEL_FILE
+from raytrain_tasks.tracking import EPOCH_METRICS
+from tests.conftest import REPO_ROOT, small_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.usefixtures("ray_cluster", "prefect_api")]
+
+EPOCHS = 4
+# Big enough that an epoch takes a few seconds on 2 cores, so a kill lands inside a chosen epoch.
+CHAOS = {
+    "dataset": "synthetic",
+    "synthetic_samples": 40_000,
+    "synthetic_features": 20,
+    "epochs": EPOCHS,
+    "batch_size": 64,
+    "checkpoints_to_keep": 10,
+    "register": False,
+}
+
+
+def chaos_config(workdir: Path, **overrides: Any) -> Any:
+    return small_config(workdir, **{**CHAOS, **overrides})
+
+
+def start_flow(pool: ThreadPoolExecutor, config: Any) -> Any:
+    """Run the flow in a thread that sees this thread's Prefect settings (they live in context variables)."""
+    return pool.submit(contextvars.copy_context().run, training_pipeline, config=config, return_state=True)
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def mlflow_client(workdir: Path) -> MlflowClient:
+    return MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+
+
+def only_run(workdir: Path) -> Any:
+    client = mlflow_client(workdir)
+    experiment = client.get_experiment_by_name("tests")
+    runs = [] if experiment is None else client.search_runs([experiment.experiment_id])
+    assert len(runs) <= 1, "one logical run must be one MLflow run"
+    return runs[0] if runs else None
+
+
+def committed_epochs(workdir: Path) -> set[int]:
+    """Epochs whose checkpoint Ray Train registered (the controller logs them to MLflow only then)."""
+    run = only_run(workdir)
+    if run is None:
+        return set()
+    return {int(m.step) for m in mlflow_client(workdir).get_metric_history(run.info.run_id, "val_accuracy")}
+
+
+def kill_one_train_worker() -> int:
+    from ray.util.state import list_actors
+
+    workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+    assert workers, "no live Ray Train worker to kill"
+    pid = int(workers[-1].pid)
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def assert_same_as_uninterrupted(workdir: Path, reference: PipelineResult) -> None:
+    run = only_run(workdir)
+    assert run is not None and run.info.status == "FINISHED"
+    client = mlflow_client(workdir)
+    expected = {int(e["epoch"]): e for e in reference.fit.history}
+    for key in ("train_loss", "val_loss", "val_accuracy"):
+        history = client.get_metric_history(run.info.run_id, key)
+        assert sorted(m.step for m in history) == list(range(EPOCHS)), f"{key}: each epoch exactly once"
+        for metric in history:
+            assert metric.value == pytest.approx(expected[metric.step][key], abs=1e-6), (key, metric.step)
+    for key in EPOCH_METRICS:
+        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == list(range(EPOCHS))
+
+
+def checkpoint_mtimes(workdir: Path) -> dict[str, float]:
+    (run_dir,) = (workdir / "storage" / "runs").iterdir()
+    return {p.name: (p / MODEL_FILE).stat().st_mtime for p in run_dir.glob("epoch-*")}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> PipelineResult:
+    """The uninterrupted run every recovered run must match."""
+    return training_pipeline(config=chaos_config(tmp_path_factory.mktemp("reference")))
+
+
+def test_worker_killed_mid_epoch_resumes_from_last_checkpoint(tmp_path: Path, reference: PipelineResult) -> None:
+    with ThreadPoolExecutor(1) as pool:
+        future = start_flow(pool, chaos_config(tmp_path, max_failures=2))
+        wait_for(lambda: 1 in committed_epochs(tmp_path), 300, "epoch 1 to be committed")
+        killed_at = time.time()
+        kill_one_train_worker()
+        state = future.result(timeout=600)
+    assert state.is_completed(), state.message
+    assert_same_as_uninterrupted(tmp_path, reference)
+    written = checkpoint_mtimes(tmp_path)
+    # Resumed, not restarted: the committed checkpoints were not rewritten, the later ones were written after.
+    assert written["epoch-0000"] < killed_at and written["epoch-0001"] < killed_at
+    assert written["epoch-0003"] > killed_at
+
+
+def test_fit_task_failure_is_retried_by_prefect_and_resumes(tmp_path: Path, reference: PipelineResult) -> None:
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    # No worker-group restarts: the kill fails the task, and only Prefect's retry can recover it.
+    config = chaos_config(tmp_path, max_failures=0, fit_retries=1, retry_delay_seconds=0)
+    with ThreadPoolExecutor(1) as pool:
+        future = start_flow(pool, config)
+        wait_for(lambda: 1 in committed_epochs(tmp_path), 300, "epoch 1 to be committed")
+        killed_at = time.time()
+        kill_one_train_worker()
+        state = future.result(timeout=600)
+    assert state.is_completed(), state.message
+    assert_same_as_uninterrupted(tmp_path, reference)
+    assert checkpoint_mtimes(tmp_path)["epoch-0000"] < killed_at
+
+    with get_client(sync_client=True) as client:
+        task_runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+        )
+    (fit_run,) = [run for run in task_runs if run.name.startswith("fit-")]
+    assert fit_run.run_count == 2 and fit_run.state is not None and fit_run.state.is_completed()
+
+
+def test_exhausted_retries_fail_the_flow_and_register_nothing(tmp_path: Path) -> None:
+    config = chaos_config(tmp_path, max_failures=0, fit_retries=0, register=True)
+    with ThreadPoolExecutor(1) as pool:
+        future = start_flow(pool, config)
+        wait_for(lambda: 0 in committed_epochs(tmp_path), 300, "epoch 0 to be committed")
+        kill_one_train_worker()
+        state = future.result(timeout=600)
+    assert state.is_failed()
+    error = state.result(raise_on_failure=False)
+    assert "resume=" in str(error)  # says how to continue
+    run = only_run(tmp_path)
+    assert run.info.status == "FAILED"
+    assert "TrainingError" in run.data.tags["prefect_raytrain.error"]
+    assert mlflow_client(tmp_path).search_model_versions(f"name = '{config.model_name}'") == []
+
+
+def _cli(workdir: Path, prefect_api_url: str, ray_address: str, *extra: str) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env.update(PREFECT_API_URL=prefect_api_url, PYTHONPATH=str(REPO_ROOT))
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in CHAOS.items() if not isinstance(v, bool)]
+    args += ["--no-register", "--storage-path", str(workdir / "storage"), "--experiment-name", "tests"]
+    args += ["--mlflow-tracking-uri", f"sqlite:///{workdir / 'mlflow.db'}", "--ray-address", ray_address]
+    return subprocess.Popen(
+        [sys.executable, "-m", "flows.training", *args, *extra],
+        cwd=workdir,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+@pytest.mark.parametrize("corrupt_latest", [False, True], ids=["resume", "resume-past-corrupted-checkpoint"])
+def test_cli_killed_then_resumed_continues_the_same_run(
+    tmp_path: Path, reference: PipelineResult, corrupt_latest: bool
+) -> None:
+    import ray
+    from prefect.settings import PREFECT_API_URL
+
+    api_url, ray_address = str(PREFECT_API_URL.value()), ray.get_runtime_context().gcs_address
+    first = _cli(tmp_path, api_url, ray_address)
+    try:
+        wait_for(lambda: 1 in committed_epochs(tmp_path), 300, "epoch 1 to be committed")
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.communicate(timeout=60)
+    run_before = only_run(tmp_path)
+    assert run_before.info.status == "RUNNING"  # a crash leaves no chance to close it
+    (run_dir,) = (tmp_path / "storage" / "runs").iterdir()
+    committed = sorted(committed_epochs(tmp_path))
+    if corrupt_latest:
+        model_file = run_dir / f"epoch-{committed[-1]:04d}" / MODEL_FILE
+        model_file.write_bytes(model_file.read_bytes()[:100])
+
+    resumed = _cli(tmp_path, api_url, ray_address, "--resume", run_dir.name)
+    output, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, output[-4000:]
+    assert f"run key        {run_dir.name}" in output
+    assert only_run(tmp_path).info.run_id == run_before.info.run_id
+    assert_same_as_uninterrupted(tmp_path, reference)
+    if corrupt_latest:
+        assert f"falling back to the last intact checkpoint epoch-{committed[-2]:04d}" in output
+    else:
+        assert f"next epoch {committed[-1] + 1}" in output

@@ -1,0 +1,66 @@
+"""Resuming picks the newest intact checkpoint of a run, never a corrupted one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import pytest
+import torch
+from ray.train import Checkpoint
+
+from raytrain_tasks.checkpoint import MODEL_FILE, ModelSpec, TrainingState, save_checkpoint
+from raytrain_tasks.errors import CheckpointError
+from raytrain_tasks.resume import checkpoint_dir_name, load_newest_intact, resume_order
+
+
+@pytest.mark.parametrize(
+    ("latest", "siblings", "expected"),
+    [
+        ("epoch-0003", ["epoch-0001", "epoch-0002", "epoch-0003"], ["epoch-0003", "epoch-0002", "epoch-0001"]),
+        ("epoch-0002", ["epoch-0001", "epoch-0002", "epoch-0003"], ["epoch-0002", "epoch-0001"]),  # newer unregistered
+        ("epoch-0000", ["epoch-0000", "checkpoint_manager_snapshot.json"], ["epoch-0000"]),
+        ("epoch-0010", ["epoch-0009", "epoch-0010", ".tmp"], ["epoch-0010", "epoch-0009"]),
+    ],
+)
+def test_resume_order(latest: str, siblings: list[str], expected: list[str]) -> None:
+    assert resume_order(latest, siblings) == expected
+
+
+def _run_with_checkpoints(run_dir: Path, epochs: int) -> None:
+    spec = ModelSpec(model="mlp", in_features=4, num_classes=2, hidden_sizes=(8,))
+    for epoch in range(epochs):
+        save_checkpoint(
+            run_dir / checkpoint_dir_name(epoch),
+            state=TrainingState(epoch=epoch, metrics={}, spec=spec),
+            model_state={"w": torch.full((2,), float(epoch))},
+        )
+
+
+def _latest(run_dir: Path, epoch: int) -> Checkpoint:
+    return Checkpoint(str(run_dir / checkpoint_dir_name(epoch)), pafs.LocalFileSystem())
+
+
+def test_intact_latest_is_used(tmp_path: Path) -> None:
+    _run_with_checkpoints(tmp_path, 3)
+    loaded, used = load_newest_intact(_latest(tmp_path, 2), announce=False)
+    assert loaded.state.epoch == 2 and used.path.endswith("epoch-0002")
+
+
+def test_truncated_latest_falls_back_to_previous_and_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    _run_with_checkpoints(tmp_path, 3)
+    model_file = tmp_path / "epoch-0002" / MODEL_FILE
+    model_file.write_bytes(model_file.read_bytes()[:10])
+    with caplog.at_level("WARNING"):
+        loaded, used = load_newest_intact(_latest(tmp_path, 2), announce=True)
+    assert loaded.state.epoch == 1 and used.path.endswith("epoch-0001")
+    assert "falling back to the last intact checkpoint epoch-0001" in caplog.text
+    assert model_file.exists()  # never deleted behind Ray Train's back
+
+
+def test_no_intact_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
+    _run_with_checkpoints(tmp_path, 2)
+    for epoch in range(2):
+        (tmp_path / checkpoint_dir_name(epoch) / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="no intact checkpoint left.*without `resume`"):
+        load_newest_intact(_latest(tmp_path, 1), announce=False)
