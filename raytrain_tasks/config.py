@@ -104,6 +104,11 @@ class TrainingConfig(BaseModel):
     experiment_name: str = Field(
         default="prefect-raytrain", min_length=1, title="MLflow experiment", description="Created if missing."
     )
+    system_metrics: bool = Field(
+        default=False,
+        title="Log system metrics",
+        description="Sample CPU, memory (and GPU when present) of the driver's node into the MLflow run every 5 s.",
+    )
     model_name: str = Field(
         default="digits-classifier",
         min_length=1,

@@ -99,7 +99,8 @@ def distributed_fit(config: TrainingConfig, dataset: DatasetRef, run_key: str) -
         )
         trainer = build_trainer(config, dataset, run_key, runs, MlflowEpochLogger(config.mlflow_tracking_uri, run_id))
         try:
-            result = trainer.fit()
+            with tracking.system_metrics(config.system_metrics, config.mlflow_tracking_uri, run_id, reopened):
+                result = trainer.fit()
         except BaseException as exc:
             error: BaseException = exc
             if isinstance(exc, ray.train.TrainingFailedError):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
@@ -129,6 +131,22 @@ def finish_run(client: MlflowClient, run_id: str, *, error: BaseException | None
         client.set_terminated(run_id, status="FAILED")
     else:
         client.set_terminated(run_id, status="FINISHED")
+
+
+@contextmanager
+def system_metrics(enabled: bool, tracking_uri: str, run_id: str, resumed: bool) -> Iterator[None]:
+    """Sample this node's CPU/memory/GPU into the run while the block runs (MLflow's own monitor)."""
+    if not enabled:
+        yield
+        return
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(run_id, sampling_interval=5, resume_logging=resumed, tracking_uri=tracking_uri)
+    monitor.start()
+    try:
+        yield
+    finally:
+        monitor.finish()
 
 
 def code_version() -> str:

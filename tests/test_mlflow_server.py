@@ -75,7 +75,13 @@ def served_run(
 ) -> PipelineResult:
     workdir = tmp_path_factory.mktemp("served")
     return training_pipeline(
-        config=small_config(workdir, mlflow_tracking_uri=mlflow_server, experiment_name=EXPERIMENT, model_name="served")
+        config=small_config(
+            workdir,
+            mlflow_tracking_uri=mlflow_server,
+            experiment_name=EXPERIMENT,
+            model_name="served",
+            system_metrics=True,
+        )
     )
 
 
@@ -104,6 +110,7 @@ def test_a_run_as_the_ui_shows_it(served_run: PipelineResult, mlflow_server: str
     for key in ("train_loss", "val_loss", "val_accuracy", "epoch_seconds", "samples_per_second"):
         assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == [0, 1, 2]
     assert run.data.metrics["best_val_accuracy"] >= 0.9
+    assert any(key.startswith("system/cpu_utilization") for key in run.data.metrics)  # system_metrics=True
 
     (dataset_input,) = run.inputs.dataset_inputs
     assert dataset_input.dataset.digest == served_run.dataset.content_hash
