@@ -15,7 +15,7 @@ export PREFECT_HOME ?= $(CURDIR)/.pipeline/prefect
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: install run test lint typecheck clean
+.PHONY: install run test lint typecheck s3 clean
 
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,9 @@ lint: install
 
 typecheck: install
 	$(VENV)/bin/mypy flows tasks raytrain_tasks
+
+s3: install  ## a local S3-compatible server on 127.0.0.1:8333 (SeaweedFS), data in .pipeline/s3
+	$(PY) -m devtools.s3_server --dir .pipeline/s3 --port 8333
 
 clean:
 	rm -rf .pipeline

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from raytrain_tasks.datasets import BUILTIN_DATASETS, SUPPORTED_FILE_SUFFIXES
+from raytrain_tasks.fs import StorageOptions, is_s3
 from raytrain_tasks.models import MODELS
 
 DEFAULT_STATE_DIR = ".pipeline"
@@ -89,7 +90,22 @@ class TrainingConfig(BaseModel):
         default=f"{DEFAULT_STATE_DIR}/storage",
         min_length=1,
         title="Storage path",
-        description="Shared storage for datasets and checkpoints: a local directory (every node must see it).",
+        description=(
+            "Shared storage for datasets and checkpoints: a local directory every Ray node sees, or "
+            "s3://bucket/prefix (credentials from the AWS chain: AWS_ACCESS_KEY_ID/..., AWS_PROFILE, roles)."
+        ),
+    )
+    s3_endpoint_url: str = Field(
+        default="",
+        title="S3 endpoint URL",
+        description="For S3-compatible stores, e.g. 'http://127.0.0.1:8333'. Empty: AWS_ENDPOINT_URL_S3, "
+        "AWS_ENDPOINT_URL, or AWS itself.",
+    )
+    s3_region: str = Field(
+        default="", title="S3 region", description="Empty: AWS_REGION / AWS_DEFAULT_REGION, else us-east-1."
+    )
+    create_bucket: bool = Field(
+        default=False, title="Create bucket", description="Create the storage bucket if it does not exist."
     )
     ray_address: str = Field(
         default="",
@@ -185,10 +201,23 @@ class TrainingConfig(BaseModel):
     @field_validator("storage_path")
     @classmethod
     def _supported_storage(cls, value: str) -> str:
-        if "://" in value and not value.startswith("file://"):
+        if "://" in value and not value.startswith(("file://", "s3://")):
             scheme = value.split("://", 1)[0]
-            raise ValueError(f"storage scheme {scheme!r} is not supported yet: use a local or shared directory path")
+            raise ValueError(f"storage scheme {scheme!r} is not supported: use a directory path or s3://bucket/prefix")
+        if value.startswith("s3://") and not value.removeprefix("s3://").split("/", 1)[0]:
+            raise ValueError(f"{value!r} names no bucket: use s3://bucket/prefix")
         return value
+
+    @field_validator("s3_endpoint_url")
+    @classmethod
+    def _endpoint_is_url(cls, value: str) -> str:
+        if value and not value.startswith(("http://", "https://")):
+            raise ValueError(f"{value!r} is not an http(s) URL, e.g. http://127.0.0.1:8333")
+        return value.rstrip("/")
+
+    @property
+    def storage_options(self) -> StorageOptions:
+        return StorageOptions(endpoint_url=self.s3_endpoint_url, region=self.s3_region)
 
     @field_validator("resume")
     @classmethod
@@ -200,12 +229,21 @@ class TrainingConfig(BaseModel):
     def resolved(self, base_dir: Path, environ: Mapping[str, str]) -> TrainingConfig:
         """A copy with an absolute storage path and a concrete tracking URI, as every Ray process needs."""
         storage = self.storage_path.removeprefix("file://")
-        if not Path(storage).is_absolute():
+        if not is_s3(storage) and not Path(storage).is_absolute():
             storage = str((base_dir / storage).resolve())
         tracking = self.mlflow_tracking_uri or environ.get("MLFLOW_TRACKING_URI", "")
         if not tracking:
             tracking = f"sqlite:///{(base_dir / DEFAULT_STATE_DIR / 'mlflow.db').resolve()}"
-        return self.model_copy(update={"storage_path": storage, "mlflow_tracking_uri": tracking})
+        endpoint = self.s3_endpoint_url or environ.get("AWS_ENDPOINT_URL_S3", "") or environ.get("AWS_ENDPOINT_URL", "")
+        region = self.s3_region or environ.get("AWS_REGION", "") or environ.get("AWS_DEFAULT_REGION", "")
+        return self.model_copy(
+            update={
+                "storage_path": storage,
+                "mlflow_tracking_uri": tracking,
+                "s3_endpoint_url": endpoint.rstrip("/"),
+                "s3_region": region,
+            }
+        )
 
     def public_params(self) -> dict[str, Any]:
         """The config as flat MLflow params: lists joined, nothing secret (the model holds none)."""

@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Literal
 
 import numpy as np
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict
 
 from raytrain_tasks.errors import DatasetError
+from raytrain_tasks.fs import StorageOptions, open_filesystem
 
 LABEL_INDEX_COLUMN = "__label_index__"
 MANIFEST_NAME = "dataset.json"
@@ -44,11 +44,13 @@ class DatasetRef(BaseModel):
         return f"{self.uri.rstrip('/')}/{split}.parquet"
 
 
-def read_split(dataset: DatasetRef, split: Split) -> tuple[np.ndarray, np.ndarray]:
+def read_split(
+    dataset: DatasetRef, split: Split, options: StorageOptions | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Features as float32 ``[N, F]`` and class indices as int64 ``[N]``, in stored order."""
     uri = dataset.split_uri(split)
     try:
-        filesystem, path = pafs.FileSystem.from_uri(uri)
+        filesystem, path = open_filesystem(uri, options or StorageOptions())
         table = pq.read_table(path, filesystem=filesystem)
     except (OSError, ValueError) as exc:
         raise DatasetError(

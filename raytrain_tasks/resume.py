@@ -34,6 +34,7 @@ def resume_order(latest: str, siblings: list[str]) -> list[str]:
 def load_newest_intact(latest: Checkpoint, *, announce: bool) -> tuple[LoadedCheckpoint, Checkpoint]:
     """Load ``latest``, or the newest older checkpoint of its run that verifies; CheckpointError if none."""
     filesystem = latest.filesystem
+    assert filesystem is not None  # Ray Train attaches the run's storage filesystem to every checkpoint
     run_dir, latest_name = posixpath.split(latest.path.rstrip("/"))
     siblings = [
         info.base_name

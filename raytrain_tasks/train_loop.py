@@ -71,8 +71,8 @@ def train_loop_per_worker(train_loop_config: dict[str, Any]) -> None:
     torch.set_num_threads(max(1, int(config.cpus_per_worker)))
     _seed_everything(config.seed)
 
-    x_train, y_train = read_split(dataset, "train")
-    x_val, y_val = read_split(dataset, "val")
+    x_train, y_train = read_split(dataset, "train", config.storage_options)
+    x_val, y_val = read_split(dataset, "val", config.storage_options)
     train_set = TensorDataset(torch.from_numpy(x_train), torch.from_numpy(y_train))
     # Seeded sampler, re-seeded each epoch by set_epoch: the shuffle order depends on (seed, epoch) alone,
     # so an epoch replayed after a restart sees the same batches.

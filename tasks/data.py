@@ -44,10 +44,11 @@ def prepare_data(config: TrainingConfig) -> DatasetRef:
 
 
 def prepare_dataset(config: TrainingConfig) -> DatasetRef:
+    # Storage first: a wrong bucket or bad credentials fail in seconds, before any data is loaded.
+    root = locate(config.storage_path, config.storage_options)
+    check_writable(root, create_bucket=config.create_bucket)
     frame = load_raw_frame(config)
     content_hash = dataset_hash(frame, config)
-    root = locate(config.storage_path)
-    check_writable(root)
     target = root.child(DATASETS_DIR, content_hash)
     manifest = target.child(MANIFEST_NAME)
     if manifest.exists():
@@ -66,7 +67,7 @@ def load_raw_frame(config: TrainingConfig) -> pd.DataFrame:
         )
         frame = BUILTIN_DATASETS[config.dataset](request)
     else:
-        frame = _read_table_file(config.dataset)
+        frame = _read_table_file(config.dataset, config)
     if config.label_column not in frame.columns:
         raise DatasetError(
             f"label column {config.label_column!r} is not in dataset {config.dataset!r} "
@@ -104,10 +105,10 @@ def dataset_hash(frame: pd.DataFrame, config: TrainingConfig) -> str:
     return digest.hexdigest()[:16]
 
 
-def _read_table_file(uri: str) -> pd.DataFrame:
+def _read_table_file(uri: str, config: TrainingConfig) -> pd.DataFrame:
     import pyarrow.csv as pacsv
 
-    location = locate(uri)
+    location = locate(uri, config.storage_options)
     if not location.exists():
         raise DatasetError(f"dataset file {uri!r} does not exist; set `dataset` to an existing CSV/Parquet file")
     try:

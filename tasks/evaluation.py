@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from raytrain_tasks.data import DatasetRef, read_split
+from raytrain_tasks.fs import StorageOptions
 from tasks.reports import dataset_summary, evaluation_report, write_report_files
 from tasks.storage import download_dir, locate
 
@@ -30,13 +31,13 @@ class Scores:
         return float(getattr(self, metric))
 
 
-def load_checkpoint_model(checkpoint_uri: str) -> Any:
+def load_checkpoint_model(checkpoint_uri: str, options: StorageOptions) -> Any:
     """Rebuild the network stored in a checkpoint (local or remote storage), in eval mode, on CPU."""
     from raytrain_tasks.checkpoint import load_checkpoint
     from raytrain_tasks.models import build_model
 
     with tempfile.TemporaryDirectory(prefix="prt-model-") as tmp:
-        directory = download_dir(locate(checkpoint_uri), Path(tmp) / "checkpoint")
+        directory = download_dir(locate(checkpoint_uri, options), Path(tmp) / "checkpoint")
         loaded = load_checkpoint(directory)
     spec = loaded.state.spec
     model = build_model(spec.model, spec.in_features, spec.num_classes, spec.hidden_sizes)
@@ -67,7 +68,7 @@ def log_dataset_input(client: MlflowClient, run_id: str, dataset: DatasetRef) ->
     from mlflow.types import ColSpec, DataType, Schema
 
     schema = Schema([ColSpec(DataType.float, name) for name in dataset.feature_names])
-    meta = MetaDataset(
+    meta = MetaDataset(  # type: ignore[abstract]  # concrete at runtime; the stub marks profile abstract
         resolve_dataset_source(dataset.uri),
         name=f"{dataset.source}-{dataset.content_hash}",
         digest=dataset.content_hash,
@@ -78,12 +79,17 @@ def log_dataset_input(client: MlflowClient, run_id: str, dataset: DatasetRef) ->
 
 
 def log_evaluation(
-    client: MlflowClient, run_id: str, dataset: DatasetRef, history: list[dict[str, float]], checkpoint: dict[str, Any]
+    client: MlflowClient,
+    run_id: str,
+    dataset: DatasetRef,
+    history: list[dict[str, float]],
+    checkpoint: dict[str, Any],
+    options: StorageOptions,
 ) -> Scores:
     """Score the best checkpoint on the validation split and log plots and reports as run artifacts."""
-    model = load_checkpoint_model(checkpoint["uri"])
-    _, y_train = read_split(dataset, "train")
-    x_val, y_val = read_split(dataset, "val")
+    model = load_checkpoint_model(checkpoint["uri"], options)
+    _, y_train = read_split(dataset, "train", options)
+    x_val, y_val = read_split(dataset, "val", options)
     logits = predict_logits(model, x_val)
     evaluation = evaluation_report(logits, y_val, dataset.class_labels)
     with tempfile.TemporaryDirectory(prefix="prt-report-") as tmp:

@@ -8,6 +8,7 @@ in the same MLflow run.
 from __future__ import annotations
 
 import json
+import traceback
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -66,7 +67,7 @@ def is_retryable(task: Any, task_run: Any, state: Any) -> bool:
 def distributed_fit(config: TrainingConfig, dataset: DatasetRef, run_key: str) -> FitResult:
     """Train (or continue training) run ``run_key`` and return its best checkpoint and metrics."""
     logger = get_run_logger()
-    runs = locate(config.storage_path).child(RUNS_DIR)
+    runs = locate(config.storage_path, config.storage_options).child(RUNS_DIR)
     run_dir = runs.child(run_key)
     if config.resume and not run_dir.child("checkpoint_manager_snapshot.json").exists():
         raise CheckpointError(
@@ -75,10 +76,12 @@ def distributed_fit(config: TrainingConfig, dataset: DatasetRef, run_key: str) -
         )
     # Pre-flight, cheapest first: MLflow answers, Ray is reachable and can host the workers. Nothing is
     # created (no MLflow run, no checkpoint folder) until all three hold.
-    client = tracking.connect(config.mlflow_tracking_uri)
+    client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
     with ray_session(config):
         check_resources(config, ray.cluster_resources())
-        experiment_id = tracking.ensure_experiment(client, config.experiment_name, config.mlflow_tracking_uri)
+        experiment_id = tracking.ensure_experiment(
+            client, config.experiment_name, config.mlflow_tracking_uri, config.storage_path
+        )
         backend = "nccl" if config.use_gpu else "gloo"
         run_id, reopened = tracking.start_or_reopen_run(
             client,
@@ -102,6 +105,9 @@ def distributed_fit(config: TrainingConfig, dataset: DatasetRef, run_key: str) -
             with tracking.system_metrics(config.system_metrics, config.mlflow_tracking_uri, run_id, reopened):
                 result = trainer.fit()
         except BaseException as exc:
+            # Ray's finished frames in the traceback hold the controller's actor handle; the failed state
+            # Prefect keeps would keep that actor (and its process) alive for as long as this process lives.
+            traceback.clear_frames(exc.__traceback__)
             error: BaseException = exc
             if isinstance(exc, ray.train.TrainingFailedError):
                 error = TrainingError(
@@ -119,7 +125,7 @@ def distributed_fit(config: TrainingConfig, dataset: DatasetRef, run_key: str) -
         logger.warning("logged %d epoch(s) to MLflow that the controller could not log live", added)
     tracking.log_summary(client, run_id, fit.history)
     pointer = {"uri": fit.best_checkpoint_uri, "epoch": fit.best_epoch, "run_uri": fit.run_uri, "run_key": run_key}
-    evaluation.log_evaluation(client, run_id, dataset, fit.history, pointer)
+    evaluation.log_evaluation(client, run_id, dataset, fit.history, pointer, config.storage_options)
     tracking.finish_run(client, run_id)
     for entry in fit.history:
         logger.info(

@@ -61,9 +61,9 @@ def register_model(config: TrainingConfig, dataset: DatasetRef, fit: FitResult) 
     import mlflow
 
     logger = get_run_logger()
-    client = tracking.connect(config.mlflow_tracking_uri)
-    x_val, y_val = read_split(dataset, "val")
-    model = load_checkpoint_model(fit.best_checkpoint_uri)
+    client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
+    x_val, y_val = read_split(dataset, "val", config.storage_options)
+    model = load_checkpoint_model(fit.best_checkpoint_uri, config.storage_options)
     candidate = score(predict_logits(model, x_val), y_val)
 
     mlflow.set_tracking_uri(config.mlflow_tracking_uri)

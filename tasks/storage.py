@@ -1,7 +1,9 @@
 """Shared storage: where datasets and checkpoints live, as a pyarrow filesystem plus a path in it.
 
 Every consumer (Parquet I/O, Ray Train's ``RunConfig``, checkpoint downloads) gets the same pair, so a
-local directory and an object store are handled by one code path.
+local directory and an S3 bucket are handled by one code path. boto3 is the S3 client for the project's own
+checks: before any worker starts, ``check_writable`` proves the bucket exists (or creates it), the
+credentials work, and a small write/read/delete round trip succeeds.
 """
 
 from __future__ import annotations
@@ -9,10 +11,12 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pyarrow.fs as pafs
 
 from raytrain_tasks.errors import StorageError
+from raytrain_tasks.fs import StorageOptions, is_s3, open_filesystem, split_s3
 
 DATASETS_DIR = "datasets"
 RUNS_DIR = "runs"
@@ -23,11 +27,12 @@ class StorageLocation:
     uri: str
     filesystem: pafs.FileSystem
     path: str
+    options: StorageOptions = StorageOptions()
 
     def child(self, *parts: str) -> StorageLocation:
         path = "/".join([self.path.rstrip("/"), *parts])
         uri = "/".join([self.uri.rstrip("/"), *parts])
-        return StorageLocation(uri, self.filesystem, path)
+        return StorageLocation(uri, self.filesystem, path, self.options)
 
     def exists(self) -> bool:
         return self.filesystem.get_file_info(self.path).type != pafs.FileType.NotFound
@@ -47,17 +52,23 @@ class StorageLocation:
         return sorted(info.base_name for info in infos)
 
 
-def locate(uri: str) -> StorageLocation:
-    """Resolve ``storage_path``-style strings: absolute local paths (or file:// URIs)."""
+def locate(uri: str, options: StorageOptions | None = None) -> StorageLocation:
+    """Resolve a ``storage_path``-style string: a local path, a file:// URI, or s3://bucket/prefix."""
+    options = options or StorageOptions()
     try:
-        filesystem, path = pafs.FileSystem.from_uri(uri if "://" in uri else str(Path(uri).absolute()))
+        filesystem, path = open_filesystem(uri, options)
     except (pafs.ArrowInvalid, OSError, ValueError) as exc:
         raise StorageError(f"cannot open storage {uri!r}: {exc}; check `storage_path`") from exc
-    return StorageLocation(uri.removeprefix("file://"), filesystem, path)
+    if not is_s3(uri):
+        uri = path
+    return StorageLocation(uri.rstrip("/"), filesystem, path, options)
 
 
-def check_writable(location: StorageLocation) -> None:
-    """Create the root if needed and prove a write/read/delete round trip works, before any worker starts."""
+def check_writable(location: StorageLocation, *, create_bucket: bool = False) -> None:
+    """Before any worker starts: the storage exists (or is created) and a write/read/delete round trip works."""
+    if is_s3(location.uri):
+        _check_s3(location, create_bucket=create_bucket)
+        return
     probe = location.child(f".write-probe-{uuid.uuid4().hex[:8]}")
     try:
         location.filesystem.create_dir(location.path, recursive=True)
@@ -70,6 +81,76 @@ def check_writable(location: StorageLocation) -> None:
             f"storage {location.uri} is not writable ({exc}); set `storage_path` to a directory "
             "this process and every Ray node can write"
         ) from exc
+
+
+def s3_client(options: StorageOptions) -> Any:
+    """A boto3 S3 client that fails in seconds, not after minutes of retries."""
+    import boto3
+    from botocore.config import Config
+
+    # A fresh session: boto3's default one caches the credentials it first resolved, so a long-lived
+    # process would keep using rotated-out keys.
+    return boto3.session.Session().client(
+        "s3",
+        endpoint_url=options.endpoint_url or None,
+        region_name=options.region or None,
+        config=Config(connect_timeout=3, read_timeout=10, retries={"max_attempts": 2, "mode": "standard"}),
+    )
+
+
+def _check_s3(location: StorageLocation, *, create_bucket: bool) -> None:
+    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+    bucket, prefix = split_s3(location.uri)
+    where = f"s3://{bucket} at {location.options.endpoint_url or 'AWS'}"
+    client = s3_client(location.options)
+    probe_key = "/".join(p for p in (prefix, f".write-probe-{uuid.uuid4().hex[:8]}") if p)
+    try:
+        try:
+            client.head_bucket(Bucket=bucket)
+        except ClientError as exc:
+            if _code(exc) not in ("404", "NoSuchBucket"):
+                raise
+            if not create_bucket:
+                raise StorageError(
+                    f"bucket {bucket!r} does not exist ({where}); create it, set `create_bucket` to true, "
+                    "or fix `storage_path`"
+                ) from exc
+            client.create_bucket(Bucket=bucket)
+        client.put_object(Bucket=bucket, Key=probe_key, Body=b"ok")
+        if client.get_object(Bucket=bucket, Key=probe_key)["Body"].read() != b"ok":
+            raise StorageError(f"{where} returned different bytes than were written")
+        client.delete_object(Bucket=bucket, Key=probe_key)
+    except NoCredentialsError as exc:
+        raise StorageError(
+            f"no AWS credentials found for {where}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+            "AWS_PROFILE, in the environment of this process and of the Ray nodes"
+        ) from exc
+    except ClientError as exc:
+        raise StorageError(_explain_client_error(exc, where, bucket, prefix)) from exc
+    except BotoCoreError as exc:
+        raise StorageError(
+            f"cannot reach {where} ({exc}); check `s3_endpoint_url` (or AWS_ENDPOINT_URL) and that the server is up"
+        ) from exc
+
+
+def _code(exc: Any) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+def _explain_client_error(exc: Any, where: str, bucket: str, prefix: str) -> str:
+    code = _code(exc)
+    if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidClientTokenId", "ExpiredToken"):
+        return (
+            f"{where} rejected the credentials ({code}); check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE"
+        )
+    if code in ("403", "AccessDenied", "Forbidden"):
+        return (
+            f"access denied on s3://{bucket}/{prefix} ({code}): the credentials are unknown or lack "
+            "s3:ListBucket/GetObject/PutObject/DeleteObject there; check AWS_ACCESS_KEY_ID / "
+            "AWS_SECRET_ACCESS_KEY or AWS_PROFILE, the bucket policy, or `storage_path`"
+        )
+    return f"{where} refused the storage check ({code}: {exc}); check `storage_path` and the S3 settings"
 
 
 def download_dir(location: StorageLocation, destination: Path) -> Path:

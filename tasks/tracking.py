@@ -24,7 +24,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
 ERROR_TAG = "prefect_raytrain.error"
 
 
-def connect(tracking_uri: str) -> MlflowClient:
+def connect(tracking_uri: str, s3_endpoint_url: str = "") -> MlflowClient:
     """A client for ``tracking_uri`` that has answered one request, or a TrackingError naming the setting."""
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
@@ -32,6 +32,9 @@ def connect(tracking_uri: str) -> MlflowClient:
     # Fail in seconds, not after MLflow's default minutes of retries against a dead server.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+    if s3_endpoint_url:
+        # MLflow's S3 artifact store reads its endpoint from here; artifacts share the pipeline's S3 store.
+        os.environ.setdefault("MLFLOW_S3_ENDPOINT_URL", s3_endpoint_url)
     local_db = _sqlite_path(tracking_uri)
     if local_db is not None:
         local_db.parent.mkdir(parents=True, exist_ok=True)
@@ -46,13 +49,18 @@ def connect(tracking_uri: str) -> MlflowClient:
     return client
 
 
-def default_artifact_location(tracking_uri: str) -> str | None:
-    """Local stores keep artifacts beside the database; servers choose their own."""
+def default_artifact_location(tracking_uri: str, storage_path: str) -> str | None:
+    """A local store keeps artifacts beside its database, or in the pipeline's bucket when storage is S3;
+    a tracking server chooses its own (its --artifacts-destination)."""
     local_db = _sqlite_path(tracking_uri)
-    return (local_db.parent / "mlartifacts").as_uri() if local_db is not None else None
+    if local_db is None:
+        return None
+    if storage_path.startswith("s3://"):
+        return f"{storage_path.rstrip('/')}/mlartifacts"
+    return (local_db.parent / "mlartifacts").as_uri()
 
 
-def ensure_experiment(client: MlflowClient, name: str, tracking_uri: str) -> str:
+def ensure_experiment(client: MlflowClient, name: str, tracking_uri: str, storage_path: str) -> str:
     experiment = client.get_experiment_by_name(name)
     if experiment is not None:
         if experiment.lifecycle_stage == "deleted":
@@ -61,7 +69,8 @@ def ensure_experiment(client: MlflowClient, name: str, tracking_uri: str) -> str
     from mlflow.exceptions import MlflowException
 
     try:
-        return str(client.create_experiment(name, artifact_location=default_artifact_location(tracking_uri)))
+        location = default_artifact_location(tracking_uri, storage_path)
+        return str(client.create_experiment(name, artifact_location=location))
     except MlflowException:
         # Another pipeline created it between our lookup and create.
         experiment = client.get_experiment_by_name(name)

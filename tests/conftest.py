@@ -18,6 +18,14 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.pop("MLFLOW_TRACKING_URI", None)
+# Test-only credentials of the local S3 server, set before Ray starts so its workers inherit them.
+from devtools.s3_server import ADMIN, LocalS3  # noqa: E402
+
+os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"] = ADMIN
+os.environ["AWS_REGION"] = "us-east-1"
+os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
+for _name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "MLFLOW_S3_ENDPOINT_URL"):
+    os.environ.pop(_name, None)
 os.environ.pop("PREFECT_API_URL", None)
 
 from raytrain_tasks.config import TrainingConfig  # noqa: E402
@@ -41,6 +49,16 @@ def ray_cluster() -> Iterator[dict[str, float]]:
         yield ray.cluster_resources()
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalS3]:
+    """A real S3-compatible server (SeaweedFS) on a free 127.0.0.1 port for the session."""
+    server = LocalS3(tmp_path_factory.mktemp("s3")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

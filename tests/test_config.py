@@ -27,6 +27,8 @@ from raytrain_tasks.config import TrainingConfig, describe_validation_error, new
         ("label_column", ""),
         ("resume", "last-tuesday"),
         ("storage_path", "gs://bucket/prefix"),
+        ("storage_path", "s3://"),
+        ("s3_endpoint_url", "127.0.0.1:8333"),
         ("model", "transformer"),
         ("checkpoints_to_keep", 0),
     ],
@@ -62,6 +64,15 @@ def test_resolved_prefers_explicit_uri_then_environment(tmp_path: Path) -> None:
         tmp_path, environ={"MLFLOW_TRACKING_URI": "http://127.0.0.1:5000"}
     )
     assert explicit.mlflow_tracking_uri == "sqlite:////x/db"
+
+
+def test_s3_settings_come_from_the_aws_environment_when_not_set(tmp_path: Path) -> None:
+    env = {"AWS_ENDPOINT_URL": "http://127.0.0.1:9000/", "AWS_DEFAULT_REGION": "eu-west-1"}
+    resolved = TrainingConfig(storage_path="s3://bucket/prefix").resolved(tmp_path, environ=env)
+    assert resolved.storage_path == "s3://bucket/prefix"
+    assert (resolved.s3_endpoint_url, resolved.s3_region) == ("http://127.0.0.1:9000", "eu-west-1")
+    explicit = TrainingConfig(s3_endpoint_url="https://s3.example.com").resolved(tmp_path, environ=env)
+    assert explicit.s3_endpoint_url == "https://s3.example.com"
 
 
 def test_new_run_keys_are_unique_and_accepted_by_resume() -> None:

@@ -32,7 +32,7 @@ EPOCHS = 4
 # Big enough that an epoch takes a few seconds on 2 cores, so a kill lands inside a chosen epoch.
 CHAOS = {
     "dataset": "synthetic",
-    "synthetic_samples": 40_000,
+    "synthetic_samples": 24_000,
     "synthetic_features": 20,
     "epochs": EPOCHS,
     "batch_size": 64,
@@ -168,6 +168,11 @@ def test_exhausted_retries_fail_the_flow_and_register_nothing(tmp_path: Path) ->
     assert run.info.status == "FAILED"
     assert "TrainingError" in run.data.tags["prefect_raytrain.error"]
     assert mlflow_client(tmp_path).search_model_versions(f"name = '{config.model_name}'") == []
+    # The failed run leaves no Ray Train controller behind in this (long-lived) process's cluster.
+    from ray.util.state import list_actors
+
+    alive = [("class_name", "=", "TrainController"), ("state", "=", "ALIVE")]
+    wait_for(lambda: not list_actors(filters=alive), 60, "the failed run's controller to exit")
 
 
 def _cli(workdir: Path, prefect_api_url: str, ray_address: str, *extra: str) -> subprocess.Popen[str]:
@@ -218,3 +223,36 @@ def test_cli_killed_then_resumed_continues_the_same_run(
         assert f"falling back to the last intact checkpoint epoch-{committed[-2]:04d}" in output
     else:
         assert f"next epoch {committed[-1] + 1}" in output
+
+
+def test_worker_killed_on_s3_storage_resumes_from_the_bucket(
+    tmp_path: Path, reference: PipelineResult, s3_server: Any
+) -> None:
+    from tasks.storage import s3_client
+
+    config = chaos_config(
+        tmp_path,
+        max_failures=2,
+        storage_path="s3://prt-chaos/run",
+        s3_endpoint_url=s3_server.endpoint_url,
+        create_bucket=True,
+    )
+    with ThreadPoolExecutor(1) as pool:
+        future = start_flow(pool, config)
+        wait_for(lambda: 1 in committed_epochs(tmp_path), 300, "epoch 1 to be committed")
+        killed_at = time.time()
+        kill_one_train_worker()
+        state = future.result(timeout=600)
+    assert state.is_completed(), state.message
+    assert_same_as_uninterrupted(tmp_path, reference)
+    result = state.result()
+    client = s3_client(config.storage_options)
+    prefix = f"run/runs/{result.run_key}/"
+    written = {
+        item["Key"][len(prefix) :].split("/")[0]: item["LastModified"].timestamp()
+        for item in client.list_objects_v2(Bucket="prt-chaos", Prefix=prefix)["Contents"]
+        if item["Key"].endswith("/model.pt")
+    }
+    # The restarted workers read epoch-0001 back from the bucket; it was not rewritten.
+    assert written["epoch-0001"] < killed_at < written["epoch-0003"]
+    assert not (tmp_path / "storage").exists()

@@ -1,0 +1,139 @@
+"""A local S3-compatible server for development and tests: SeaweedFS's `weed mini`, bound to 127.0.0.1.
+
+It persists to a directory (a restart keeps the data) and knows two identities: an admin that may do
+everything, and a reader that may only read and list (to exercise permission errors).
+
+    python -m devtools.s3_server --dir .pipeline/s3   # what `make s3` runs; Ctrl-C stops it
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+ADMIN = ("prt-admin", "prt-admin-secret")
+READER = ("prt-reader", "prt-reader-secret")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def weed_binary() -> str:
+    found = shutil.which("weed") or str(Path(sys.executable).with_name("weed"))
+    if not Path(found).exists():
+        raise RuntimeError("the `weed` binary is missing: install the dev extras (pip install -e '.[dev]')")
+    return found
+
+
+@dataclass
+class LocalS3:
+    """One `weed mini` process; `start()` returns once S3 answers, `stop()` ends it and its children."""
+
+    directory: Path
+    s3_port: int = 0
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self.s3_port}"
+
+    def start(self, timeout: float = 60.0) -> LocalS3:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.s3_port = self.s3_port or free_port()
+        config = self.directory / "s3-identities.json"
+        config.write_text(json.dumps(_identities()))
+        ports = {name: free_port() for name in ("master", "volume", "filer")}
+        command = [
+            weed_binary(),
+            "mini",
+            f"-dir={self.directory / 'data'}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            f"-s3.port={self.s3_port}",
+            f"-s3.port.grpc={free_port()}",
+            f"-s3.config={config}",
+            f"-master.port={ports['master']}",
+            f"-master.port.grpc={free_port()}",
+            f"-volume.port={ports['volume']}",
+            f"-volume.port.grpc={free_port()}",
+            f"-filer.port={ports['filer']}",
+            f"-filer.port.grpc={free_port()}",
+            "-webdav=false",
+            "-admin.ui=false",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+        ]
+        # Admin credentials in its environment too: without them weed runs anonymous and multipart
+        # uploads fail silently (../shared/STACK.md).
+        env = {**os.environ, "AWS_ACCESS_KEY_ID": ADMIN[0], "AWS_SECRET_ACCESS_KEY": ADMIN[1]}
+        log = (self.directory / "weed.log").open("ab")
+        self.process = subprocess.Popen(
+            command, cwd=self.directory, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"weed exited: {(self.directory / 'weed.log').read_text()[-2000:]}")
+            try:
+                urllib.request.urlopen(f"{self.endpoint_url}/status", timeout=1)  # noqa: S310 - loopback only
+                return self
+            except OSError as exc:
+                if getattr(exc, "code", None):  # any HTTP answer means the S3 gateway is up
+                    return self
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"weed did not answer on {self.endpoint_url} within {timeout:.0f}s")
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=20)
+
+
+def _identities() -> dict[str, object]:
+    def identity(name: str, keys: tuple[str, str], actions: list[str]) -> dict[str, object]:
+        return {"name": name, "credentials": [{"accessKey": keys[0], "secretKey": keys[1]}], "actions": actions}
+
+    return {
+        "identities": [
+            identity("admin", ADMIN, ["Admin", "Read", "List", "Tagging", "Write"]),
+            identity("reader", READER, ["Read", "List"]),
+        ]
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", default=".pipeline/s3", help="where the server keeps its data")
+    parser.add_argument("--port", type=int, default=8333, help="S3 port on 127.0.0.1")
+    args = parser.parse_args()
+    server = LocalS3(Path(args.dir).absolute(), s3_port=args.port).start()
+    print(f"S3 at {server.endpoint_url}, data in {server.directory}. Use it with:")
+    print(f"  export AWS_ACCESS_KEY_ID={ADMIN[0]} AWS_SECRET_ACCESS_KEY={ADMIN[1]} AWS_REGION=us-east-1")
+    print(f"  make run ARGS='--storage-path s3://pipeline/dev --s3-endpoint-url {server.endpoint_url} --create-bucket'")
+    try:
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Open a storage URI as a pyarrow filesystem: a local path, or ``s3://bucket/prefix``.
+
+Only the endpoint and region come from the config. Credentials always come from the standard AWS chain
+(environment, profile, instance role), on the driver and on every Ray worker alike, so no secret is ever
+part of the config, pickled into Ray, or written to a log.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pyarrow.fs as pafs
+from pydantic import BaseModel, ConfigDict
+
+DEFAULT_S3_REGION = "us-east-1"
+
+
+class StorageOptions(BaseModel):
+    """Where S3 is; empty means the AWS default."""
+
+    model_config = ConfigDict(frozen=True)
+
+    endpoint_url: str = ""
+    region: str = ""
+
+
+def is_s3(uri: str) -> bool:
+    return uri.startswith("s3://")
+
+
+def split_s3(uri: str) -> tuple[str, str]:
+    """``s3://bucket/a/b`` -> (``bucket``, ``a/b``)."""
+    parsed = urlparse(uri)
+    return parsed.netloc, parsed.path.strip("/")
+
+
+def open_filesystem(uri: str, options: StorageOptions) -> tuple[pafs.FileSystem, str]:
+    """The filesystem holding ``uri`` and the path of ``uri`` inside it."""
+    if is_s3(uri):
+        bucket, key = split_s3(uri)
+        kwargs: dict[str, object] = {"region": options.region or DEFAULT_S3_REGION}
+        if options.endpoint_url:
+            endpoint = urlparse(options.endpoint_url)
+            # pyarrow wants host:port without the scheme, and the scheme on its own.
+            kwargs["endpoint_override"] = endpoint.netloc or endpoint.path
+            kwargs["scheme"] = endpoint.scheme or "https"
+        return pafs.S3FileSystem(**kwargs), f"{bucket}/{key}".rstrip("/")
+    path = uri.removeprefix("file://")
+    return pafs.LocalFileSystem(), str(Path(path).absolute())

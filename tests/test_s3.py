@@ -1,0 +1,145 @@
+"""Storage on S3, against a real S3-compatible server on 127.0.0.1 (SeaweedFS): real HTTP, real multipart."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from mlflow import MlflowClient
+
+from devtools.s3_server import ADMIN, READER, LocalS3
+from flows.training import PipelineResult, training_pipeline
+from raytrain_tasks.errors import StorageError
+from raytrain_tasks.fs import StorageOptions
+from tasks.data import prepare_dataset
+from tasks.storage import s3_client
+from tests.conftest import small_config
+
+BUCKET = "prt-tests"
+
+
+def s3_config(workdir: Path, server: LocalS3, prefix: str, **overrides: Any) -> Any:
+    values = {"storage_path": f"s3://{BUCKET}/{prefix}", "s3_endpoint_url": server.endpoint_url, "create_bucket": True}
+    return small_config(workdir, **{**values, **overrides})
+
+
+def admin_client(server: LocalS3) -> Any:
+    return s3_client(StorageOptions(endpoint_url=server.endpoint_url))
+
+
+def list_buckets(server: LocalS3) -> list[str]:
+    return [bucket["Name"] for bucket in admin_client(server).list_buckets().get("Buckets", [])]
+
+
+def list_keys(server: LocalS3, prefix: str) -> list[str]:
+    client = admin_client(server)
+    keys: list[str] = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix):
+        keys += [item["Key"] for item in page.get("Contents", [])]
+    return keys
+
+
+@pytest.fixture(scope="module")
+def s3_run(
+    s3_server: LocalS3, tmp_path_factory: pytest.TempPathFactory, ray_cluster: object, prefect_api: None
+) -> tuple[PipelineResult, Path]:
+    workdir = tmp_path_factory.mktemp("s3-run")
+    return training_pipeline(config=s3_config(workdir, s3_server, "e2e", model_name="s3-model")), workdir
+
+
+@pytest.mark.slow
+def test_everything_lands_in_the_bucket(s3_run: tuple[PipelineResult, Path], s3_server: LocalS3) -> None:
+    result, workdir = s3_run
+    keys = list_keys(s3_server, "e2e/")
+    dataset_prefix = f"e2e/datasets/{result.dataset.content_hash}/"
+    assert {f"{dataset_prefix}{name}" for name in ("train.parquet", "val.parquet", "dataset.json")} <= set(keys)
+    run_prefix = f"e2e/runs/{result.run_key}/"
+    kept = sorted({key[len(run_prefix) :].split("/")[0] for key in keys if key.startswith(f"{run_prefix}epoch-")})
+    assert kept == ["epoch-0001", "epoch-0002"]
+    for name in kept:
+        assert f"{run_prefix}{name}/manifest.json" in keys and f"{run_prefix}{name}/model.pt" in keys
+    assert any(key.startswith("e2e/mlartifacts/") and key.endswith("/MLmodel") for key in keys)
+    assert any(key.endswith("evaluation/learning_curves.png") for key in keys)
+    assert result.fit.best_checkpoint_uri.startswith(f"s3://{BUCKET}/e2e/runs/")
+    assert not (workdir / "storage").exists()  # nothing fell back to local disk
+
+
+@pytest.mark.slow
+def test_champion_loads_from_s3_and_reproduces_accuracy(s3_run: tuple[PipelineResult, Path]) -> None:
+    import mlflow
+
+    from raytrain_tasks.data import read_split
+
+    result, _ = s3_run
+    assert result.model is not None
+    mlflow.set_tracking_uri(result.config.mlflow_tracking_uri)
+    model = mlflow.pyfunc.load_model("models:/s3-model@champion")
+    x_val, y_val = read_split(result.dataset, "val", result.config.storage_options)
+    accuracy = float((np.asarray(model.predict(x_val)).argmax(axis=1) == y_val).mean())
+    assert accuracy == pytest.approx(result.model.score, abs=1e-9)
+    assert result.model.score >= 0.9
+
+
+@pytest.mark.slow
+def test_no_secret_reaches_params_tags_artifacts_or_logs(s3_run: tuple[PipelineResult, Path], tmp_path: Path) -> None:
+    from prefect import get_client
+    from prefect.client.schemas.filters import LogFilter
+
+    result, _ = s3_run
+    secret = ADMIN[1]
+    client = MlflowClient(result.config.mlflow_tracking_uri)
+    run = client.get_run(result.fit.mlflow_run_id)
+    exposed = json.dumps([run.data.params, run.data.tags, result.model_dump(mode="json")])
+    for name in ("dataset_summary.json", "checkpoint.json", "per_class_report.json"):
+        exposed += Path(client.download_artifacts(run.info.run_id, f"evaluation/{name}", str(tmp_path))).read_text()
+    with get_client(sync_client=True) as prefect:
+        exposed += " ".join(log.message for log in prefect.read_logs(log_filter=LogFilter()))
+    assert secret not in exposed
+    assert result.config.s3_endpoint_url in run.data.params["s3_endpoint_url"]  # the endpoint is no secret
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("no-bucket", "bucket 'prt-missing' does not exist.*`create_bucket`"),
+        ("bad-credentials", "rejected the credentials|access denied.*AWS_ACCESS_KEY_ID"),
+        ("no-permission", "access denied on s3://prt-tests/readonly.*PutObject"),
+        ("unreachable", "cannot reach s3://prt-tests.*`s3_endpoint_url`"),
+    ],
+)
+def test_preflight_fails_fast_naming_the_setting(
+    case: str, expected: str, s3_server: LocalS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if BUCKET not in list_buckets(s3_server):
+        admin_client(s3_server).create_bucket(Bucket=BUCKET)
+    overrides: dict[str, Any] = {}
+    storage = f"s3://{BUCKET}/{case}"
+    if case == "no-bucket":
+        storage, overrides["create_bucket"] = "s3://prt-missing/data", False
+    elif case == "bad-credentials":
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    elif case == "no-permission":
+        storage = f"s3://{BUCKET}/readonly"
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", READER[0])
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", READER[1])
+    elif case == "unreachable":
+        overrides["s3_endpoint_url"] = f"http://127.0.0.1:{_closed_port()}"
+    config = s3_config(tmp_path, s3_server, "unused", storage_path=storage, **overrides)
+    started = time.monotonic()
+    with pytest.raises(StorageError, match=expected) as info:
+        prepare_dataset(config)
+    assert time.monotonic() - started < 15
+    assert "not-the-secret" not in str(info.value) and READER[1] not in str(info.value)
+    if case == "no-bucket":
+        assert "prt-missing" not in list_buckets(s3_server)  # nothing was created behind the user's back
