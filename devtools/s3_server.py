@@ -18,10 +18,11 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ADMIN = ("prt-admin", "prt-admin-secret")
+SOCKET_KINDS = ("s3", "s3-grpc", "filer", "filer-grpc", "master", "master-grpc", "volume", "volume-grpc", "admin-grpc")
 READER = ("prt-reader", "prt-reader-secret")
 
 
@@ -45,6 +46,7 @@ class LocalS3:
     directory: Path
     s3_port: int = 0
     process: subprocess.Popen[bytes] | None = None
+    ports: dict[str, int] = field(default_factory=dict)
 
     @property
     def endpoint_url(self) -> str:
@@ -55,22 +57,20 @@ class LocalS3:
         self.s3_port = self.s3_port or free_port()
         config = self.directory / "s3-identities.json"
         config.write_text(json.dumps(_identities()))
-        ports = {name: free_port() for name in ("master", "volume", "filer")}
+        # Every port pinned to a free one: several servers (tests, `make s3`) can run side by side.
+        self.ports = {"s3": self.s3_port}
+        for name in ("s3.port.grpc", "master", "master.port.grpc", "volume", "volume.port.grpc", "filer"):
+            self.ports[name] = free_port()
+        for name in ("filer.port.grpc", "admin", "admin.port.grpc"):
+            self.ports[name] = free_port()
         command = [
             weed_binary(),
             "mini",
             f"-dir={self.directory / 'data'}",
             "-ip=127.0.0.1",
             "-ip.bind=127.0.0.1",
-            f"-s3.port={self.s3_port}",
-            f"-s3.port.grpc={free_port()}",
             f"-s3.config={config}",
-            f"-master.port={ports['master']}",
-            f"-master.port.grpc={free_port()}",
-            f"-volume.port={ports['volume']}",
-            f"-volume.port.grpc={free_port()}",
-            f"-filer.port={ports['filer']}",
-            f"-filer.port.grpc={free_port()}",
+            *(f"-{name if '.' in name else name + '.port'}={port}" for name, port in self.ports.items()),
             "-webdav=false",
             "-admin.ui=false",
             "-s3.port.iceberg=0",
@@ -98,14 +98,17 @@ class LocalS3:
         raise RuntimeError(f"weed did not answer on {self.endpoint_url} within {timeout:.0f}s")
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=20)
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=20)
+        # weed leaves unix sockets in /tmp named after its ports; remove exactly the ones this server made.
+        for port in self.ports.values():
+            for kind in SOCKET_KINDS:
+                Path(f"/tmp/seaweedfs-{kind}-{port}.sock").unlink(missing_ok=True)
 
 
 def _identities() -> dict[str, object]:

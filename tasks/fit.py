@@ -8,7 +8,10 @@ in the same MLflow run.
 from __future__ import annotations
 
 import json
-import traceback
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -102,12 +105,12 @@ def distributed_fit(config: TrainingConfig, dataset: DatasetRef, run_key: str) -
         )
         trainer = build_trainer(config, dataset, run_key, runs, MlflowEpochLogger(config.mlflow_tracking_uri, run_id))
         try:
-            with tracking.system_metrics(config.system_metrics, config.mlflow_tracking_uri, run_id, reopened):
+            with (
+                tracking.system_metrics(config.system_metrics, config.mlflow_tracking_uri, run_id, reopened),
+                _keep_sigint_handler(),
+            ):
                 result = trainer.fit()
         except BaseException as exc:
-            # Ray's finished frames in the traceback hold the controller's actor handle; the failed state
-            # Prefect keeps would keep that actor (and its process) alive for as long as this process lives.
-            traceback.clear_frames(exc.__traceback__)
             error: BaseException = exc
             if isinstance(exc, ray.train.TrainingFailedError):
                 error = TrainingError(
@@ -141,6 +144,23 @@ def distributed_fit(config: TrainingConfig, dataset: DatasetRef, run_key: str) -
         "best epoch %d: val_accuracy=%.4f at %s", fit.best_epoch, fit.best_metrics[STEP_KEY], fit.best_checkpoint_uri
     )
     return fit
+
+
+@contextmanager
+def _keep_sigint_handler() -> Iterator[None]:
+    """Restore this process's Ctrl-C handler after ``fit()``.
+
+    On the main thread, Ray Train installs a SIGINT handler whose closure holds the run's controller actor,
+    so the controller process (~0.5 GiB) would live until the next fit replaces the handler.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def build_trainer(

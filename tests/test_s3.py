@@ -117,6 +117,7 @@ def _closed_port() -> int:
         ("no-permission", "access denied on s3://prt-tests/readonly.*PutObject"),
         ("unreachable", "cannot reach s3://prt-tests.*`s3_endpoint_url`"),
     ],
+    ids=lambda value: value if value in ("no-bucket", "bad-credentials", "no-permission", "unreachable") else "",
 )
 def test_preflight_fails_fast_naming_the_setting(
     case: str, expected: str, s3_server: LocalS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
