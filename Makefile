@@ -15,7 +15,7 @@ export PREFECT_HOME ?= $(CURDIR)/.pipeline/prefect
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: install run test lint typecheck s3 clean
+.PHONY: install run test lint typecheck s3 server serve bench clean
 
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,16 @@ typecheck: install
 
 s3: install  ## a local S3-compatible server on 127.0.0.1:8333 (SeaweedFS), data in .pipeline/s3
 	$(PY) -m devtools.s3_server --dir .pipeline/s3 --port 8333
+
+server: install  ## a local Prefect server and UI on http://127.0.0.1:4200
+	$(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200
+
+serve: install  ## serve the deployments of deployments/prefect.yaml from this process (schedules included)
+	PREFECT_API_URL=$${PREFECT_API_URL:-http://127.0.0.1:4200/api} $(PY) -m deployments.serve
+
+bench: install  ## benchmarks that print figures (not tests): checkpoint upload, recovery after a worker kill
+	$(PY) -m bench.checkpoint_upload
+	$(PY) -m bench.recovery
 
 clean:
 	rm -rf .pipeline

@@ -13,6 +13,7 @@ from raytrain_tasks.data import DatasetRef
 from tasks.data import prepare_data
 from tasks.fit import FitResult, distributed_fit
 from tasks.register import ModelRef, register_model
+from tasks.run_page import publish_run_summary
 
 
 class PipelineResult(BaseModel):
@@ -27,7 +28,11 @@ class PipelineResult(BaseModel):
 
 @flow(name="training-pipeline")
 def training_pipeline(config: TrainingConfig = TrainingConfig()) -> PipelineResult:  # noqa: B008
-    """Train a model on Ray and register it in MLflow; `resume` continues an interrupted run."""
+    """Train a model on Ray and register it in MLflow; `resume` continues an interrupted run.
+
+    Args:
+        config: Everything that defines the run: data, workers, training, storage, MLflow and registry settings.
+    """
     config = config.resolved(Path.cwd(), os.environ)
     run_key = config.resume or new_run_key()
     get_run_logger().info("run key %s (after a crash, continue it with resume=%s)", run_key, run_key)
@@ -36,7 +41,9 @@ def training_pipeline(config: TrainingConfig = TrainingConfig()) -> PipelineResu
         config, dataset, run_key
     )
     model = register_model(config, dataset, fit) if config.register else None
-    return PipelineResult(run_key=run_key, config=config, dataset=dataset, fit=fit, model=model)
+    result = PipelineResult(run_key=run_key, config=config, dataset=dataset, fit=fit, model=model)
+    publish_run_summary(result)
+    return result
 
 
 if __name__ == "__main__":

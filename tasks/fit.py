@@ -27,6 +27,7 @@ from raytrain_tasks.errors import CheckpointError, ClusterError, TrackingError, 
 from raytrain_tasks.tracking import STEP_KEY, MlflowEpochLogger
 from tasks import evaluation, tracking
 from tasks.cluster import check_resources, ray_session
+from tasks.run_page import EpochProgress
 from tasks.storage import RUNS_DIR, StorageLocation, locate
 
 if TYPE_CHECKING:
@@ -107,6 +108,7 @@ def distributed_fit(config: TrainingConfig, dataset: DatasetRef, run_key: str) -
         try:
             with (
                 tracking.system_metrics(config.system_metrics, config.mlflow_tracking_uri, run_id, reopened),
+                EpochProgress(client, run_id, config.epochs, logger),
                 _keep_sigint_handler(),
             ):
                 result = trainer.fit()
@@ -130,16 +132,6 @@ def distributed_fit(config: TrainingConfig, dataset: DatasetRef, run_key: str) -
     pointer = {"uri": fit.best_checkpoint_uri, "epoch": fit.best_epoch, "run_uri": fit.run_uri, "run_key": run_key}
     evaluation.log_evaluation(client, run_id, dataset, fit.history, pointer, config.storage_options)
     tracking.finish_run(client, run_id)
-    for entry in fit.history:
-        logger.info(
-            "epoch %d/%d: train_loss=%.4f val_loss=%.4f val_accuracy=%.4f (%.1f s)",
-            int(entry["epoch"]) + 1,
-            config.epochs,
-            entry["train_loss"],
-            entry["val_loss"],
-            entry["val_accuracy"],
-            entry["epoch_seconds"],
-        )
     logger.info(
         "best epoch %d: val_accuracy=%.4f at %s", fit.best_epoch, fit.best_metrics[STEP_KEY], fit.best_checkpoint_uri
     )

@@ -20,16 +20,20 @@ def _cli_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-@pytest.mark.slow
-def test_cli_runs_the_pipeline_on_embedded_defaults(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "flows.training", "--num-workers", "2", "--epochs", "2"],
+def _run_cli(tmp_path: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "flows.training", *args],
         cwd=tmp_path,
         env=_cli_env(tmp_path),
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
     )
+
+
+@pytest.mark.slow
+def test_cli_runs_the_pipeline_on_embedded_defaults(tmp_path: Path) -> None:
+    proc = _run_cli(tmp_path, "--num-workers", "2", "--epochs", "2", timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "training pipeline finished" in proc.stdout
     summary = proc.stdout[proc.stdout.index("training pipeline finished") :]
@@ -45,14 +49,7 @@ def test_cli_runs_the_pipeline_on_embedded_defaults(tmp_path: Path) -> None:
 
 
 def test_cli_rejects_bad_flags_before_doing_anything(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "flows.training", "--num-workers", "0", "--dataset", "imagenet"],
-        cwd=tmp_path,
-        env=_cli_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _run_cli(tmp_path, "--num-workers", "0", "--dataset", "imagenet", timeout=120)
     assert proc.returncode == 2
     assert "num_workers (--num-workers)" in proc.stderr and "dataset (--dataset)" in proc.stderr
     assert not (tmp_path / ".pipeline").exists()

@@ -93,3 +93,30 @@ def test_champion_moves_only_for_a_better_model(first_run: PipelineResult, clien
     assert better.model.score > first_run.model.score
     assert str(client.get_model_version_by_alias(name, "champion").version) == better.model.version
     assert str(client.get_model_version_by_alias(name, "previous_champion").version) == first_version
+
+
+def test_run_page_shows_progress_per_epoch_and_a_summary(first_run: PipelineResult, client: MlflowClient) -> None:
+    from uuid import UUID
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        LogFilter,
+        LogFilterFlowRunId,
+    )
+
+    flow_run_id = UUID(client.get_run(first_run.fit.mlflow_run_id).data.tags["prefect.flow_run_id"])
+    with get_client(sync_client=True) as prefect:
+        artifacts = prefect.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
+        logs = prefect.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    (progress,) = [a for a in artifacts if a.type == "progress"]
+    assert float(progress.data) == 100.0
+    (summary,) = [a for a in artifacts if a.type == "markdown"]
+    assert first_run.run_key in summary.data and first_run.fit.mlflow_run_id in summary.data
+    assert f"version **{first_run.model.version}** -> champion" in summary.data
+    messages = [log.message for log in logs]
+    for epoch in (1, 2, 3):
+        assert sum(m.startswith(f"epoch {epoch}/3 committed:") for m in messages) == 1, messages

@@ -90,6 +90,20 @@ def kill_one_train_worker() -> int:
     return pid
 
 
+def run_killing_a_worker(
+    workdir: Path, config: Any, after_epoch: int = 1, before_kill: Callable[[], None] | None = None
+) -> tuple[Any, float]:
+    """Run the flow, SIGKILL one Ray Train worker once ``after_epoch`` is committed; (final state, kill time)."""
+    with ThreadPoolExecutor(1) as pool:
+        future = start_flow(pool, config)
+        wait_for(lambda: after_epoch in committed_epochs(workdir), 300, f"epoch {after_epoch} to be committed")
+        if before_kill is not None:
+            before_kill()
+        killed_at = time.time()
+        kill_one_train_worker()
+        return future.result(timeout=600), killed_at
+
+
 def assert_same_as_uninterrupted(workdir: Path, reference: PipelineResult) -> None:
     run = only_run(workdir)
     assert run is not None and run.info.status == "FINISHED"
@@ -116,12 +130,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> PipelineResult:
 
 
 def test_worker_killed_mid_epoch_resumes_from_last_checkpoint(tmp_path: Path, reference: PipelineResult) -> None:
-    with ThreadPoolExecutor(1) as pool:
-        future = start_flow(pool, chaos_config(tmp_path, max_failures=2))
-        wait_for(lambda: 1 in committed_epochs(tmp_path), 300, "epoch 1 to be committed")
-        killed_at = time.time()
-        kill_one_train_worker()
-        state = future.result(timeout=600)
+    state, killed_at = run_killing_a_worker(tmp_path, chaos_config(tmp_path, max_failures=2))
     assert state.is_completed(), state.message
     assert_same_as_uninterrupted(tmp_path, reference)
     written = checkpoint_mtimes(tmp_path)
@@ -136,12 +145,7 @@ def test_fit_task_failure_is_retried_by_prefect_and_resumes(tmp_path: Path, refe
 
     # No worker-group restarts: the kill fails the task, and only Prefect's retry can recover it.
     config = chaos_config(tmp_path, max_failures=0, fit_retries=1, retry_delay_seconds=0)
-    with ThreadPoolExecutor(1) as pool:
-        future = start_flow(pool, config)
-        wait_for(lambda: 1 in committed_epochs(tmp_path), 300, "epoch 1 to be committed")
-        killed_at = time.time()
-        kill_one_train_worker()
-        state = future.result(timeout=600)
+    state, killed_at = run_killing_a_worker(tmp_path, config)
     assert state.is_completed(), state.message
     assert_same_as_uninterrupted(tmp_path, reference)
     assert checkpoint_mtimes(tmp_path)["epoch-0000"] < killed_at
@@ -156,11 +160,7 @@ def test_fit_task_failure_is_retried_by_prefect_and_resumes(tmp_path: Path, refe
 
 def test_exhausted_retries_fail_the_flow_and_register_nothing(tmp_path: Path) -> None:
     config = chaos_config(tmp_path, max_failures=0, fit_retries=0, register=True)
-    with ThreadPoolExecutor(1) as pool:
-        future = start_flow(pool, config)
-        wait_for(lambda: 0 in committed_epochs(tmp_path), 300, "epoch 0 to be committed")
-        kill_one_train_worker()
-        state = future.result(timeout=600)
+    state, _ = run_killing_a_worker(tmp_path, config, after_epoch=0)
     assert state.is_failed()
     error = state.result(raise_on_failure=False)
     assert "resume=" in str(error)  # says how to continue
@@ -217,15 +217,15 @@ def test_cli_killed_then_resumed_continues_the_same_run(tmp_path: Path, referenc
 
 
 def test_corrupted_latest_checkpoint_is_skipped_on_resume(tmp_path: Path, reference: PipelineResult) -> None:
-    with ThreadPoolExecutor(1) as pool:
-        future = start_flow(pool, chaos_config(tmp_path, max_failures=2))
-        wait_for(lambda: 1 in committed_epochs(tmp_path), 300, "epoch 1 to be committed")
+
+    def truncate_latest_checkpoint() -> None:
         (run_dir,) = (tmp_path / "storage" / "runs").iterdir()
         model_file = run_dir / "epoch-0001" / MODEL_FILE
-        model_file.write_bytes(model_file.read_bytes()[:100])  # truncated in storage
-        corrupted_at = time.time()
-        kill_one_train_worker()
-        state = future.result(timeout=600)
+        model_file.write_bytes(model_file.read_bytes()[:100])
+
+    state, corrupted_at = run_killing_a_worker(
+        tmp_path, chaos_config(tmp_path, max_failures=2), before_kill=truncate_latest_checkpoint
+    )
     assert state.is_completed(), state.message
     assert_same_as_uninterrupted(tmp_path, reference)
     written = checkpoint_mtimes(tmp_path)
@@ -245,12 +245,7 @@ def test_worker_killed_on_s3_storage_resumes_from_the_bucket(
         s3_endpoint_url=s3_server.endpoint_url,
         create_bucket=True,
     )
-    with ThreadPoolExecutor(1) as pool:
-        future = start_flow(pool, config)
-        wait_for(lambda: 1 in committed_epochs(tmp_path), 300, "epoch 1 to be committed")
-        killed_at = time.time()
-        kill_one_train_worker()
-        state = future.result(timeout=600)
+    state, killed_at = run_killing_a_worker(tmp_path, config)
     assert state.is_completed(), state.message
     assert_same_as_uninterrupted(tmp_path, reference)
     result = state.result()

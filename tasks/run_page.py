@@ -1,0 +1,125 @@
+"""What the Prefect run page shows: live epoch progress while training, and a summary at the end."""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+from raytrain_tasks.tracking import STEP_KEY
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
+POLL_SECONDS = 1.0
+
+
+class EpochProgress:
+    """Follows the epochs the controller commits to MLflow while ``fit()`` runs.
+
+    Each newly committed epoch becomes one log line in the task's Prefect log and advances a progress
+    artifact on the run page. Workers stay Prefect-free: the MLflow run is the only channel.
+    """
+
+    def __init__(
+        self, client: MlflowClient, run_id: str, epochs: int, logger: logging.Logger | logging.LoggerAdapter[Any]
+    ) -> None:
+        self.client, self.run_id, self.epochs, self.logger = client, run_id, epochs, logger
+        self._seen: set[int] = set()
+        self._stop = threading.Event()
+        self._artifact_id: Any = None
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> EpochProgress:
+        from prefect.artifacts import create_progress_artifact
+
+        self._seen = self._committed_steps()  # a resumed run starts where it left off
+        self._artifact_id = create_progress_artifact(
+            progress=self._percent(), description=f"Epochs committed (checkpointed) of {self.epochs}"
+        )
+        # Prefect's client settings live in context variables: the poller needs a copy of this context.
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(target=context.run, args=(self._poll_until_stopped,), daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self._poll_once()  # epochs committed in the last interval
+
+    def _poll_until_stopped(self) -> None:
+        while not self._stop.wait(POLL_SECONDS):
+            try:
+                self._poll_once()
+            except Exception:  # noqa: BLE001 - progress display must never fail the training task
+                self.logger.debug("progress poll failed", exc_info=True)
+
+    def _poll_once(self) -> None:
+        from prefect.artifacts import update_progress_artifact
+
+        new = sorted(self._committed_steps() - self._seen)
+        if not new:
+            return
+        histories = {
+            key: {int(m.step): m.value for m in self.client.get_metric_history(self.run_id, key)}
+            for key in ("train_loss", "val_loss", STEP_KEY, "epoch_seconds")
+        }
+        for step in new:
+            self.logger.info(
+                "epoch %d/%d committed: train_loss=%.4f val_loss=%.4f val_accuracy=%.4f (%.1f s)",
+                step + 1,
+                self.epochs,
+                histories["train_loss"].get(step, float("nan")),
+                histories["val_loss"].get(step, float("nan")),
+                histories[STEP_KEY].get(step, float("nan")),
+                histories["epoch_seconds"].get(step, float("nan")),
+            )
+            self._seen.add(step)
+        update_progress_artifact(self._artifact_id, progress=self._percent())
+
+    def _committed_steps(self) -> set[int]:
+        return {int(m.step) for m in self.client.get_metric_history(self.run_id, STEP_KEY)}
+
+    def _percent(self) -> float:
+        return round(100.0 * len(self._seen) / self.epochs, 1)
+
+
+def mlflow_run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    if tracking_uri.startswith(("http://", "https://")):
+        return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    return f"run `{run_id}` in `{tracking_uri}` (browse with `mlflow ui --backend-store-uri {tracking_uri}`)"
+
+
+def publish_run_summary(result: Any) -> None:
+    """A markdown artifact on the flow run: final metrics, where things are, what the registry decided."""
+    from prefect.artifacts import create_markdown_artifact
+
+    fit, model, config = result.fit, result.model, result.config
+    rows = "\n".join(
+        f"| {key} | {fit.final_metrics[key]:.4f} | {fit.best_metrics.get(key, float('nan')):.4f} |"
+        for key in ("train_loss", "val_loss", "val_accuracy")
+        if key in fit.final_metrics
+    )
+    if model is None:
+        registry = "not registered (`register` is off)"
+    else:
+        registry = (
+            f"`{model.name}` version **{model.version}** -> {', '.join(model.aliases)} "
+            f"({model.decision}: {model.reason})"
+        )
+    markdown = f"""# Training run `{result.run_key}`
+
+| metric | final (epoch {fit.epochs_completed - 1}) | best (epoch {fit.best_epoch}) |
+|---|---|---|
+{rows}
+
+- **MLflow**: {mlflow_run_link(config.mlflow_tracking_uri, fit.mlflow_experiment_id, fit.mlflow_run_id)}
+- **Model**: {registry}
+- **Checkpoints**: `{fit.run_uri}` (best: `{fit.best_checkpoint_uri}`)
+- **Dataset**: `{result.dataset.uri}` ({result.dataset.train_rows} train / {result.dataset.val_rows} val rows)
+- **Workers**: {config.num_workers} x {fit.backend}; continue an interrupted run with `resume={result.run_key}`
+"""
+    create_markdown_artifact(markdown, key="training-summary", description=f"Run {result.run_key}")
