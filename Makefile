@@ -42,6 +42,7 @@ s3: install  ## a local S3-compatible server on 127.0.0.1:8333 (SeaweedFS), data
 	$(PY) -m devtools.s3_server --dir .pipeline/s3 --port 8333
 
 server: install  ## a local Prefect server and UI on http://127.0.0.1:4200
+	@mkdir -p "$(PREFECT_HOME)"
 	$(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200
 
 serve: install  ## serve the deployments of deployments/prefect.yaml from this process (schedules included)

@@ -15,7 +15,8 @@ from tests.conftest import REPO_ROOT
 
 def _cli_env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_API"))}
-    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    # Nested and missing, as `make run` sets it (.pipeline/prefect): the CLI must create it.
+    env["PREFECT_HOME"] = str(tmp_path / ".pipeline" / "prefect")
     env["PYTHONPATH"] = str(REPO_ROOT)
     return env
 
@@ -52,4 +53,4 @@ def test_cli_rejects_bad_flags_before_doing_anything(tmp_path: Path) -> None:
     proc = _run_cli(tmp_path, "--num-workers", "0", "--dataset", "imagenet", timeout=120)
     assert proc.returncode == 2
     assert "num_workers (--num-workers)" in proc.stderr and "dataset (--dataset)" in proc.stderr
-    assert not (tmp_path / ".pipeline").exists()
+    assert not (tmp_path / ".pipeline" / "storage").exists() and not (tmp_path / ".pipeline" / "mlflow.db").exists()
