@@ -270,6 +270,6 @@ def _run_tags(
     if flow_run.get_id():
         tags["prefect.flow_run_id"] = str(flow_run.get_id())
         ui_url = flow_run.get_flow_run_ui_url()
-        if ui_url:
+        if ui_url and ui_url.startswith(("http://", "https://")):  # the temporary server has no UI URL
             tags["prefect.flow_run_url"] = ui_url
     return tags

@@ -54,6 +54,8 @@ def test_mlflow_run_has_each_epoch_exactly_once(first_run: PipelineResult, clien
     assert run.info.status == "FINISHED"
     assert run.data.tags["prefect_raytrain.run_key"] == first_run.run_key
     assert run.data.params["num_workers"] == "2" and run.data.params["epochs"] == "3"
+    assert run.data.tags["prefect.flow_run_id"]
+    assert run.data.tags.get("prefect.flow_run_url", "http").startswith("http")  # a link, or none at all
     for key in EPOCH_METRICS:
         steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
         assert sorted(steps) == [0, 1, 2], key
