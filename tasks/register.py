@@ -71,9 +71,7 @@ def register_model(config: TrainingConfig, dataset: DatasetRef, fit: FitResult) 
         info = _log_model(model, x_val, dataset, fit)
     # Only now, with the artifacts uploaded, does a version exist: it can never point at missing files.
     version = str(
-        mlflow.register_model(
-            info.model_uri, config.model_name, tags=_version_tags(config, dataset, fit, candidate)
-        ).version
+        mlflow.register_model(info.model_uri, config.model_name, tags=_version_tags(dataset, fit, candidate)).version
     )
     client.update_model_version(config.model_name, version, description=_description(config, dataset, fit, candidate))
 
@@ -233,7 +231,7 @@ def _log_model(model: Any, x_val: np.ndarray, dataset: DatasetRef, fit: FitResul
     )
 
 
-def _version_tags(config: TrainingConfig, dataset: DatasetRef, fit: FitResult, scores: Scores) -> dict[str, str]:
+def _version_tags(dataset: DatasetRef, fit: FitResult, scores: Scores) -> dict[str, str]:
     from prefect.runtime import flow_run
 
     tags = {
