@@ -1,13 +1,17 @@
 """Serve the deployments of deployments/prefect.yaml from this one process, schedules included.
 
-    python -m deployments.serve      # needs PREFECT_API_URL pointing at a Prefect server
+    python -m deployments.serve [--replace]     # needs PREFECT_API_URL pointing at a Prefect server
 
 For users without a work pool. While it runs, scheduled runs and runs triggered from the UI execute here.
-When it stops, Prefect pauses its deployments' schedules (no runs pile up); serving again resumes them.
+When it stops, Prefect pauses its deployments and drops their scheduled runs (none pile up); serving again
+resumes them. Served deployments have the same names as those `prefect deploy` makes for the work pool; a
+server holds one or the other, and `--replace` deletes work-pool ones before serving.
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +45,56 @@ def build_deployments(specs: list[dict[str, Any]]) -> list[Any]:
     return deployments
 
 
-def main() -> None:
+def work_pool_deployments(names: list[str]) -> list[str]:
+    """Which of these deployments already exist on the server bound to a work pool (made by `prefect deploy`)."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    found = []
+    with get_client(sync_client=True) as client:
+        for name in names:
+            try:
+                deployment = client.read_deployment_by_name(f"{training_pipeline.name}/{name}")
+            except ObjectNotFound:
+                continue
+            if deployment.work_pool_name:
+                found.append(f"{training_pipeline.name}/{name}")
+    return found
+
+
+def delete_deployments(full_names: list[str]) -> None:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        for full_name in full_names:
+            client.delete_deployment(client.read_deployment_by_name(full_name).id)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deployments.serve", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--replace", action="store_true", help="delete deployments of the same names that a work pool runs"
+    )
+    args = parser.parse_args(argv)
+    specs = load_deployment_specs()
+    taken = work_pool_deployments([spec["name"] for spec in specs])
+    if taken and not args.replace:
+        print(
+            f"error: {', '.join(taken)} already exist(s) on this server for a work pool (made by `prefect deploy`);"
+            " serving would take them over and their worker could no longer run them. Pass --replace to delete"
+            " them and serve instead, or keep using the work pool.",
+            file=sys.stderr,
+        )
+        return 2
+    if taken:
+        delete_deployments(taken)
+        print(f"deleted work-pool deployments {', '.join(taken)}", file=sys.stderr)
+
     from prefect import serve
 
-    serve(*build_deployments(load_deployment_specs()))
+    serve(*build_deployments(specs))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -198,6 +198,13 @@ def _configure_logging() -> None:
         handler.setFormatter(logging.Formatter("%(message)s"))
         package_logger.addHandler(handler)
         package_logger.propagate = False
+    # Ray Train logs every report as a raw dict dump (its logger is named after the file) and every persisted
+    # checkpoint; our one line per epoch says the same, readably.
+    from ray.train.v2._internal.execution import context as train_context
+    from ray.train.v2._internal.execution import storage as train_storage
+
+    for name in (train_context.__file__, train_storage.__name__):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def _seed_everything(seed: int) -> None:

@@ -256,6 +256,7 @@ def _run_tags(
     config: TrainingConfig, dataset: DatasetRef, run_key: str, run_dir: StorageLocation, backend: str
 ) -> dict[str, str]:
     from prefect.runtime import flow_run
+    from prefect.utilities.urls import url_for
 
     tags = {
         "prefect_raytrain.ray_run_name": run_key,
@@ -269,7 +270,7 @@ def _run_tags(
     }
     if flow_run.get_id():
         tags["prefect.flow_run_id"] = str(flow_run.get_id())
-        ui_url = flow_run.get_flow_run_ui_url()
+        ui_url = url_for("flow-run", obj_id=str(flow_run.get_id()))  # the UI's route, as Prefect's "View at" log
         if ui_url and ui_url.startswith(("http://", "https://")):  # the temporary server has no UI URL
             tags["prefect.flow_run_url"] = ui_url
     return tags

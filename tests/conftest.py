@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import socket
+import subprocess
 import tempfile
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -68,6 +73,42 @@ def prefect_api() -> Iterator[None]:
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for_http(url: str, process: subprocess.Popen[Any], log: Path, timeout: float = 120) -> None:
+    """Until `url` answers 200; fail with the log's tail if the process exits or the time runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{process.args!r} did not come up at {url}: {log.read_text()[-3000:]}")
+        time.sleep(0.5)
+
+
+def stop_process_group(process: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: float = 30) -> None:
+    """Stop a process started with start_new_session=True and all its children; SIGKILL if it lingers."""
+    if process.poll() is None:
+        os.killpg(process.pid, sig)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=timeout)
+    try:  # children left behind by a process that exited on its own
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def small_config(workdir: Path, **overrides: Any) -> TrainingConfig:

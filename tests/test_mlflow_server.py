@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,23 +18,17 @@ from mlflow import MlflowClient
 from flows.training import PipelineResult, training_pipeline
 from raytrain_tasks.data import read_split
 from tasks.register import LOCK_SUFFIX, promotion_lock
-from tests.conftest import small_config
+from tests.conftest import free_port, small_config, stop_process_group, wait_for_http
 
 EXPERIMENT = "server-tests"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`mlflow server` with a SQLite backend and a local artifact root, on a free port; stopped afterwards."""
     root = tmp_path_factory.mktemp("mlflow-server")
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     log = (root / "server.log").open("w")
     command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port)]
@@ -46,26 +37,11 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"mlflow server did not start: {(root / 'server.log').read_text()[-2000:]}")
-            time.sleep(0.5)
+        wait_for_http(f"{url}/health", server, root / "server.log", timeout=90)
         yield url
     finally:
         # The server runs its web workers as children in its own session: stop the whole group we started.
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(timeout=30)
+        stop_process_group(server)
         log.close()
 
 

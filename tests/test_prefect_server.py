@@ -1,0 +1,297 @@
+"""The deployments against a real `prefect server`: schedules, a triggered run with overrides, the UI's custom run.
+
+One server for the module, on a free 127.0.0.1 port with its own PREFECT_HOME. The deployments are made from a
+copy of the project (as from a user's checkout), so every run writes its `.pipeline/` state there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+from zoneinfo import ZoneInfo
+
+import pytest
+from mlflow import MlflowClient
+
+from deployments.serve import load_deployment_specs
+from tests.conftest import REPO_ROOT, free_port, stop_process_group, wait_for_http
+
+pytestmark = pytest.mark.slow
+
+PREFECT = str(Path(sys.executable).with_name("prefect"))
+SPECS = {spec["name"]: spec for spec in load_deployment_specs()}
+FINAL_STATES = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+@dataclass(frozen=True)
+class PrefectServer:
+    url: str
+    checkout: Path  # the project copy deployments are made from and run in
+    env: dict[str, str]  # for clients, workers and serve processes
+
+    @property
+    def api_url(self) -> str:
+        return f"{self.url}/api"
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
+    root = tmp_path_factory.mktemp("prefect-server")
+    checkout = root / "checkout"
+    for package in ("flows", "tasks", "raytrain_tasks", "deployments"):
+        shutil.copytree(REPO_ROOT / package, checkout / package, ignore=shutil.ignore_patterns("__pycache__"))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(root / "home"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_UI_API_URL": f"{url}/api",  # the UI calls the API at this address, not at the default :4200
+    }
+    (root / "home").mkdir()
+    log_path = root / "server.log"
+    with log_path.open("w") as log:
+        server = subprocess.Popen(
+            [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        wait_for_http(f"{url}/api/health", server, log_path, timeout=120)
+        yield PrefectServer(url=url, checkout=checkout, env={**env, "PREFECT_API_URL": f"{url}/api"})
+    finally:
+        stop_process_group(server)
+
+
+def _prefect_cli(server: PrefectServer, *args: str) -> str:
+    done = subprocess.run(
+        [PREFECT, "--no-prompt", *args],
+        cwd=server.checkout,
+        env={**server.env, "PWD": str(server.checkout)},  # as a shell in the checkout sets it: {{ $PWD }}
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, f"prefect {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def _api(server: PrefectServer, work: Any) -> Any:
+    """`work(client)` with a synchronous client of the test server (playwright's sync API owns an event loop)."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: server.api_url}), get_client(sync_client=True) as client:
+        return work(client)
+
+
+def _deployment_runs(server: PrefectServer, name: str) -> list[Any]:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId
+
+    def work(client: Any) -> list[Any]:
+        deployment = client.read_deployment_by_name(f"training-pipeline/{name}")
+        flow_filter = FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[deployment.id]))
+        runs = client.read_flow_runs(flow_run_filter=flow_filter)
+        return sorted(runs, key=lambda run: run.expected_start_time)
+
+    return list(_api(server, work))
+
+
+def _wait_for_scheduled_runs(server: PrefectServer, name: str, count: int = 3, timeout: float = 90) -> list[Any]:
+    deadline = time.monotonic() + timeout
+    while len(runs := [r for r in _deployment_runs(server, name) if r.state_name == "Scheduled"]) < count:
+        assert time.monotonic() < deadline, f"{len(runs)} runs of {name} scheduled after {timeout} s"
+        time.sleep(1)
+    return runs
+
+
+def _wait_for_final_state(server: PrefectServer, flow_run_id: UUID, timeout: float = 480) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        flow_run = _api(server, lambda client: client.read_flow_run(flow_run_id))
+        if flow_run.state_type.value in FINAL_STATES or time.monotonic() > deadline:
+            return flow_run
+        time.sleep(2)
+
+
+def _next_nightly_times(now: datetime, count: int) -> list[datetime]:
+    """The next `count` 02:00 Europe/Berlin instants after `now`, in UTC: what the cron schedule must produce."""
+    berlin = ZoneInfo("Europe/Berlin")
+    today = now.astimezone(berlin).date()
+    candidates = (datetime.combine(today + timedelta(days=d), datetime.min.time(), berlin) for d in range(count + 2))
+    times = [(c.replace(hour=2)).astimezone(UTC) for c in candidates]
+    return [t for t in times if t > now][:count]
+
+
+def _assert_run_is_tracked_and_published(server: PrefectServer, flow_run: Any, epochs: int) -> str:
+    """Checks the run's artifacts and its MLflow run; returns the Prefect UI link the MLflow run carries."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    assert flow_run.state_type.value == "COMPLETED", flow_run.state
+    artifact_filter = ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]))
+    artifacts = _api(server, lambda client: client.read_artifacts(artifact_filter=artifact_filter))
+    by_type = {artifact.type: artifact for artifact in artifacts}
+    assert by_type["progress"].data == 100.0
+    summary = next(a for a in artifacts if a.key == "training-summary")
+    assert "val_accuracy" in summary.data and "champion" in summary.data
+
+    # The run wrote its state into the checkout it was deployed from: MLflow has it, tagged with the flow run.
+    tracking = MlflowClient(f"sqlite:///{server.checkout / '.pipeline' / 'mlflow.db'}")
+    experiment = tracking.get_experiment_by_name("prefect-raytrain")
+    (run,) = tracking.search_runs([experiment.experiment_id], f"tags.`prefect.flow_run_id` = '{flow_run.id}'")
+    assert run.info.status == "FINISHED"
+    assert run.data.params["epochs"] == str(epochs)
+    assert run.data.tags["prefect.flow_run_url"] == f"{server.url}/runs/flow-run/{flow_run.id}"
+    assert [m.step for m in tracking.get_metric_history(run.info.run_id, "val_accuracy")] == list(range(epochs))
+    return str(run.data.tags["prefect.flow_run_url"])
+
+
+def test_deploy_schedules_nightly_runs_and_a_worker_runs_an_override(prefect_server: PrefectServer) -> None:
+    _prefect_cli(prefect_server, "work-pool", "create", "raytrain-process", "--type", "process")
+    _prefect_cli(prefect_server, "deploy", "--all", "--prefect-file", "deployments/prefect.yaml")
+
+    # The scheduler fills in the next nightly runs within seconds, at 02:00 Berlin time, with the nightly parameters.
+    scheduled = _wait_for_scheduled_runs(prefect_server, "nightly-retrain")
+    expected = _next_nightly_times(datetime.now(UTC), len(scheduled))
+    assert [run.expected_start_time for run in scheduled] == expected
+    assert all(run.state_name == "Scheduled" for run in scheduled)
+    assert scheduled[0].parameters == SPECS["nightly-retrain"]["parameters"]
+    print("\nnext nightly-retrain runs:", ", ".join(f"{t:%Y-%m-%d %H:%M %Z}" for t in expected))
+
+    worker_log = prefect_server.checkout.parent / "worker.log"
+    with worker_log.open("w") as log:
+        worker = subprocess.Popen(
+            [PREFECT, "worker", "start", "--pool", "raytrain-process"],
+            cwd=prefect_server.checkout,
+            env=prefect_server.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        # What a user types; a flow parameter that is a model takes a JSON object.
+        overrides = {"config": {"epochs": 2, "num_workers": 2}}
+        output = _prefect_cli(
+            prefect_server, "deployment", "run", "training-pipeline/ad-hoc", "--params", json.dumps(overrides)
+        )
+        match = re.search(r"UUID:\s*([0-9a-f-]{36})", output)
+        assert match, output
+        flow_run = _wait_for_final_state(prefect_server, UUID(match.group(1)))
+        assert flow_run.state_type.value == "COMPLETED", worker_log.read_text()[-5000:]
+    finally:
+        stop_process_group(worker, signal.SIGINT)
+
+    assert flow_run.parameters == overrides
+    _assert_run_is_tracked_and_published(prefect_server, flow_run, epochs=2)
+    latency = (flow_run.start_time - flow_run.created).total_seconds()
+    print(f"ad-hoc run via worker: {latency:.1f} s from trigger to start, state {flow_run.state_name}")
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    """Debian's chromium: installed here when missing (as CI does, as root); no browser download."""
+    path = shutil.which("chromium")
+    if path is None and os.geteuid() == 0 and shutil.which("apt-get"):
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        for command in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "chromium"]):
+            subprocess.run(command, env=env, check=True, capture_output=True, timeout=900)
+        path = shutil.which("chromium")
+    if path is None:
+        pytest.skip("needs Debian's chromium: run `apt-get install -y chromium` (as root) to run the browser tests")
+    return path
+
+
+@pytest.mark.browser
+def test_serve_and_a_custom_run_from_the_ui(prefect_server: PrefectServer, chromium: str) -> None:
+    from playwright.sync_api import sync_playwright
+
+    serve_log = prefect_server.checkout.parent / "serve.log"
+    with serve_log.open("w") as log:
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "deployments.serve", "--replace"],
+            cwd=prefect_server.checkout,
+            env=prefect_server.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while "being served" not in serve_log.read_text():
+            assert serve.poll() is None and time.monotonic() < deadline, serve_log.read_text()[-3000:]
+            time.sleep(0.5)
+        _wait_for_scheduled_runs(prefect_server, "nightly-retrain")  # serving keeps the schedule
+        before = {run.id for run in _deployment_runs(prefect_server, "ad-hoc")}
+        deployment = _api(prefect_server, lambda client: client.read_deployment_by_name("training-pipeline/ad-hoc"))
+
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(
+                executable_path=chromium,
+                args=[
+                    "--no-sandbox",
+                    "--disable-gpu",
+                    "--disable-background-networking",
+                    "--disable-component-update",
+                    "--disable-sync",
+                ],
+            )
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                page.goto(f"{prefect_server.url}/deployments/deployment/{deployment.id}")
+                page.get_by_role("button", name="Run", exact=True).click()
+                page.get_by_text("Custom run").click()
+                # The form is built from the flow's schema: every field titled and described.
+                epochs_field = page.locator(
+                    "xpath=//*[normalize-space(text())='Passes over the training split.']/ancestor::div[.//input][1]"
+                )
+                epochs_input = epochs_field.locator("input").first
+                epochs_input.wait_for(timeout=30_000)
+                assert epochs_input.input_value() == "3"  # the deployment's default
+                epochs_input.fill("1")
+                page.get_by_role("button", name="Submit").click()
+
+                deadline = time.monotonic() + 60
+                while not (new := [r for r in _deployment_runs(prefect_server, "ad-hoc") if r.id not in before]):
+                    assert time.monotonic() < deadline, "the custom run was not created"
+                    time.sleep(1)
+                (created,) = new
+                flow_run = _wait_for_final_state(prefect_server, created.id)
+                assert flow_run.state_type.value == "COMPLETED", serve_log.read_text()[-5000:]
+
+                assert flow_run.parameters["config"]["epochs"] == 1
+                link = _assert_run_is_tracked_and_published(prefect_server, flow_run, epochs=1)
+
+                # From the MLflow run, its Prefect link opens the run page: completed, with the summary artifact.
+                page.goto(link)
+                try:
+                    page.get_by_text("Completed").first.wait_for(timeout=30_000)
+                    page.get_by_text("Artifacts", exact=True).first.click()
+                    page.get_by_text("training-summary").first.wait_for(timeout=30_000)
+                finally:
+                    page.screenshot(path=prefect_server.checkout.parent / "flow-run-page.png", full_page=True)
+            finally:
+                browser.close()
+    finally:
+        stop_process_group(serve, signal.SIGTERM, timeout=60)
+
+    latency = (flow_run.start_time - flow_run.created).total_seconds()
+    print(f"custom run from the UI via serve: {latency:.1f} s from submit to start")
+
+    # When serve stops, Prefect pauses its deployments and drops their scheduled runs; serving again resumes.
+    nightly = _api(prefect_server, lambda client: client.read_deployment_by_name("training-pipeline/nightly-retrain"))
+    assert nightly.paused
+    assert not [r for r in _deployment_runs(prefect_server, "nightly-retrain") if r.state_name == "Scheduled"]
