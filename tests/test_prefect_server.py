@@ -170,6 +170,12 @@ def test_deploy_schedules_nightly_runs_and_a_worker_runs_an_override(prefect_ser
     assert [run.expected_start_time for run in scheduled] == expected
     assert all(run.state_name == "Scheduled" for run in scheduled)
     assert scheduled[0].parameters == SPECS["nightly-retrain"]["parameters"]
+    # What the UI form submits is validated by the server against the flow's schema: no run is created.
+    ad_hoc = _api(prefect_server, lambda client: client.read_deployment_by_name("training-pipeline/ad-hoc"))
+    invalid = {"config": {"num_workers": 0}}
+    with pytest.raises(Exception, match="num_workers|minimum|greater"):
+        _api(prefect_server, lambda client: client.create_flow_run_from_deployment(ad_hoc.id, parameters=invalid))
+    assert _deployment_runs(prefect_server, "ad-hoc") == []
     print("\nnext nightly-retrain runs:", ", ".join(f"{t:%Y-%m-%d %H:%M %Z}" for t in expected))
 
     worker_log = prefect_server.checkout.parent / "worker.log"
