@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from raytrain_tasks.datasets import BUILTIN_DATASETS, SUPPORTED_FILE_SUFFIXES
 from raytrain_tasks.fs import StorageOptions, is_s3
@@ -60,6 +60,17 @@ class TrainingConfig(BaseModel):
     num_workers: int = Field(
         default=2, ge=1, le=1024, title="Workers", description="Ray Train DDP workers (one process each)."
     )
+    max_workers: int = Field(
+        default=0,
+        ge=0,
+        le=1024,
+        title="Max workers (elastic)",
+        description=(
+            "0: exactly num_workers. Above num_workers: elastic, Ray Train starts with whatever fits between "
+            "num_workers and max_workers and resizes the group (restarting from the last checkpoint) as "
+            "nodes join or leave."
+        ),
+    )
     use_gpu: bool = Field(
         default=False,
         title="Use GPU",
@@ -67,6 +78,16 @@ class TrainingConfig(BaseModel):
     )
     cpus_per_worker: float = Field(
         default=1.0, gt=0.0, le=256, title="CPUs per worker", description="CPU cores reserved per worker."
+    )
+
+    data_loader: Literal["torch", "ray_data"] = Field(
+        default="torch",
+        title="Data loader",
+        description=(
+            "'torch': every worker reads the split and a DistributedSampler shards it. 'ray_data': Ray Data "
+            "reads the Parquet split and standardises it on CPU tasks, streaming a disjoint shard to each worker "
+            "(leave CPUs free for it beside the workers)."
+        ),
     )
 
     # --- training ---
@@ -191,6 +212,19 @@ class TrainingConfig(BaseModel):
             f"or a path/URI ending in {', '.join(SUPPORTED_FILE_SUFFIXES)}"
         )
 
+    @model_validator(mode="after")
+    def _elastic_range(self) -> TrainingConfig:
+        if self.max_workers and self.max_workers < self.num_workers:
+            raise ValueError(
+                f"max_workers ({self.max_workers}) must be 0 (fixed size) or at least num_workers ({self.num_workers})"
+            )
+        return self
+
+    @property
+    def worker_range(self) -> tuple[int, int]:
+        """(minimum, maximum) workers: equal unless elastic."""
+        return self.num_workers, max(self.num_workers, self.max_workers)
+
     @field_validator("hidden_sizes")
     @classmethod
     def _positive_sizes(cls, value: list[int]) -> list[int]:
@@ -271,6 +305,9 @@ def describe_validation_error(exc: Exception) -> str:
         return str(exc)
     lines = []
     for err in errors():
-        field = ".".join(str(p) for p in err.get("loc", ())) or "config"
+        field = ".".join(str(p) for p in err.get("loc", ()))
+        if not field:  # a rule across fields: its message names them
+            lines.append(str(err.get("msg")).removeprefix("Value error, "))
+            continue
         lines.append(f"{field} (--{field.replace('_', '-')}): {err.get('msg')}; got {err.get('input')!r}")
     return "invalid training config:\n  " + "\n  ".join(lines)

@@ -12,6 +12,9 @@ from raytrain_tasks.errors import DatasetError
 from raytrain_tasks.fs import StorageOptions, open_filesystem
 
 LABEL_INDEX_COLUMN = "__label_index__"
+ROW_INDEX_COLUMN = "__row__"  # position within its split: lets a reader tell which rows it saw
+# Part of every dataset's content hash: a change of what the Parquet files hold makes new versions.
+STORAGE_LAYOUT = 2  # 2: raw features, standardised by readers
 MANIFEST_NAME = "dataset.json"
 Split = Literal["train", "val"]
 
@@ -45,9 +48,9 @@ class DatasetRef(BaseModel):
 
 
 def read_split(
-    dataset: DatasetRef, split: Split, options: StorageOptions | None = None
+    dataset: DatasetRef, split: Split, options: StorageOptions | None = None, *, standardised: bool = True
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Features as float32 ``[N, F]`` and class indices as int64 ``[N]``, in stored order."""
+    """Features as float32 ``[N, F]`` (standardised, or raw as stored) and class indices as int64 ``[N]``."""
     uri = dataset.split_uri(split)
     try:
         filesystem, path = open_filesystem(uri, options or StorageOptions())
@@ -62,4 +65,21 @@ def read_split(
     )
     # A writable copy: Arrow's buffers are read-only, which torch.from_numpy warns about.
     labels = table.column(LABEL_INDEX_COLUMN).to_numpy().astype(np.int64, copy=True)
-    return features, labels
+    return (standardise(features, dataset) if standardised else features), labels
+
+
+def standardise(features: np.ndarray, dataset: DatasetRef) -> np.ndarray:
+    """Features scaled by the train split's mean and deviation, in float32 (the model's input)."""
+    mean = np.asarray(dataset.feature_mean, dtype=np.float32)
+    std = np.asarray(dataset.feature_std, dtype=np.float32)
+    return ((features - mean) / std).astype(np.float32, copy=False)
+
+
+def standardise_batch(batch: dict[str, np.ndarray], dataset: DatasetRef) -> dict[str, np.ndarray]:
+    """Ray Data ``map_batches`` step: raw feature columns -> ``features`` [B, F] float32, ``label`` [B] int64."""
+    raw = np.column_stack([batch[name].astype(np.float32, copy=False) for name in dataset.feature_names])
+    return {
+        "features": standardise(raw, dataset),
+        "label": batch[LABEL_INDEX_COLUMN].astype(np.int64, copy=False),
+        "row": batch[ROW_INDEX_COLUMN].astype(np.int64, copy=False),
+    }

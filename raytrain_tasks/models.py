@@ -31,6 +31,26 @@ MODELS: dict[str, Callable[[int, int, Sequence[int]], nn.Module]] = {
 }
 
 
+def with_standardisation(net: nn.Module, mean: Sequence[float], std: Sequence[float]) -> nn.Module:
+    """``net`` behind a fixed standardisation layer: the served model takes raw features."""
+    import torch
+    from torch import nn
+
+    class Standardise(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("mean", torch.tensor(list(mean), dtype=torch.float32))
+            self.register_buffer("std", torch.tensor(list(std), dtype=torch.float32))
+
+        mean: torch.Tensor
+        std: torch.Tensor
+
+        def forward(self, features: torch.Tensor) -> torch.Tensor:
+            return (features - self.mean) / self.std
+
+    return nn.Sequential(Standardise(), net)
+
+
 def build_model(name: str, in_features: int, num_classes: int, hidden_sizes: Sequence[int]) -> nn.Module:
     try:
         builder = MODELS[name]

@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from raytrain_tasks.checkpoint import (
     ModelSpec,
@@ -33,7 +32,8 @@ from raytrain_tasks.checkpoint import (
     save_checkpoint,
 )
 from raytrain_tasks.config import TrainingConfig
-from raytrain_tasks.data import DatasetRef, read_split
+from raytrain_tasks.data import DatasetRef
+from raytrain_tasks.ingest import TrainBatches, validation_slice
 from raytrain_tasks.models import build_model
 from raytrain_tasks.resume import checkpoint_dir_name, load_newest_intact
 
@@ -71,21 +71,11 @@ def train_loop_per_worker(train_loop_config: dict[str, Any]) -> None:
     torch.set_num_threads(max(1, int(config.cpus_per_worker)))
     _seed_everything(config.seed)
 
-    x_train, y_train = read_split(dataset, "train", config.storage_options)
-    x_val, y_val = read_split(dataset, "val", config.storage_options)
-    train_set = TensorDataset(torch.from_numpy(x_train), torch.from_numpy(y_train))
-    # Seeded sampler, re-seeded each epoch by set_epoch: the shuffle order depends on (seed, epoch) alone,
-    # so an epoch replayed after a restart sees the same batches.
-    sampler: DistributedSampler[Any] = DistributedSampler(
-        train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=config.seed
-    )
-    train_loader = ray.train.torch.prepare_data_loader(
-        DataLoader(train_set, batch_size=config.batch_size, sampler=sampler, pin_memory=config.use_gpu)
-    )
-    # Validation shards are disjoint and unpadded (a DistributedSampler would repeat rows), so the
+    batches = TrainBatches(config, dataset, rank, world_size)
+    # Validation slices are disjoint and unpadded (a DistributedSampler would repeat rows), so the
     # all-reduced sums give the exact accuracy over the whole validation split.
-    val_x = torch.from_numpy(x_val[rank::world_size]).to(device)
-    val_y = torch.from_numpy(y_val[rank::world_size]).to(device)
+    x_val, y_val = validation_slice(config, dataset, rank, world_size)
+    val_x, val_y = torch.from_numpy(x_val).to(device), torch.from_numpy(y_val).to(device)
 
     net = build_model(config.model, dataset.num_features, dataset.num_classes, config.hidden_sizes)
     start_epoch, history, rng_state, optimizer_state = 0, [], None, None
@@ -108,10 +98,9 @@ def train_loop_per_worker(train_loop_config: dict[str, Any]) -> None:
 
     for epoch in range(start_epoch, config.epochs):
         started = time.perf_counter()
-        sampler.set_epoch(epoch)
         model.train()
         train_sums = torch.zeros(2, dtype=torch.float64, device=device)
-        for features, labels in train_loader:
+        for features, labels, _ in batches.epoch(epoch):
             optimizer.zero_grad(set_to_none=True)
             loss = loss_fn(model(features), labels)
             (loss / labels.shape[0]).backward()

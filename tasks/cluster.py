@@ -70,7 +70,13 @@ def ray_session(config: TrainingConfig) -> Iterator[None]:
         ray.shutdown()
 
 
+# What Ray Data's read/preprocess tasks reserve beside the workers (raytrain_tasks.ingest.DATA_TASK_CPUS; not
+# imported from there: that module loads torch).
+DATA_TASK_CPUS = 0.5
+
+
 def requested_resources(config: TrainingConfig) -> ResourceRequest:
+    """What the smallest worker group needs (an elastic group starts with at least `num_workers`)."""
     return ResourceRequest(
         cpus=config.num_workers * config.cpus_per_worker,
         gpus=float(config.num_workers) if config.use_gpu else 0.0,
@@ -90,4 +96,11 @@ def check_resources(config: TrainingConfig, available: dict[str, float]) -> None
         raise ClusterError(
             f"{config.num_workers} workers x {config.cpus_per_worker:g} CPUs need {request.cpus:g} CPUs but the "
             f"Ray cluster has {cpus:g} CPUs; lower `num_workers` or `cpus_per_worker`"
+        )
+    if config.data_loader == "ray_data" and cpus < request.cpus + DATA_TASK_CPUS:
+        raise ClusterError(
+            f"data_loader='ray_data' runs its read and preprocessing tasks on CPUs beside the workers, but "
+            f"{config.num_workers} workers x {config.cpus_per_worker:g} CPUs take all {cpus:g} CPUs of the Ray "
+            f"cluster; leave {DATA_TASK_CPUS:g} CPU free (lower `cpus_per_worker` or `num_workers`), or use "
+            "data_loader='torch'"
         )

@@ -14,7 +14,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from raytrain_tasks.config import TrainingConfig
-from raytrain_tasks.data import LABEL_INDEX_COLUMN, MANIFEST_NAME, DatasetRef
+from raytrain_tasks.data import LABEL_INDEX_COLUMN, MANIFEST_NAME, ROW_INDEX_COLUMN, STORAGE_LAYOUT, DatasetRef
 from raytrain_tasks.datasets import BUILTIN_DATASETS, DatasetRequest
 from raytrain_tasks.errors import DatasetError
 from tasks.storage import DATASETS_DIR, StorageLocation, check_writable, locate
@@ -96,6 +96,7 @@ def dataset_hash(frame: pd.DataFrame, config: TrainingConfig) -> str:
     digest.update(json.dumps([[str(c), str(t)] for c, t in frame.dtypes.items()]).encode())
     digest.update(pd.util.hash_pandas_object(frame, index=False).to_numpy().tobytes())
     split_params = {
+        "layout": STORAGE_LAYOUT,
         "label_column": config.label_column,
         "val_fraction": config.val_fraction,
         "seed": config.seed,
@@ -146,10 +147,12 @@ def _write_version(
     std = np.where(std > 1e-8, std, 1.0).astype(np.float32)
 
     target.filesystem.create_dir(target.path, recursive=True)
+    # Raw features are stored; readers standardise with the train statistics of the manifest (numpy in
+    # read_split, map_batches on Ray Data's CPU workers), so both loaders see the same numbers.
     for split, xs, ys in (("train", x_train, y_train), ("val", x_val, y_val)):
-        standardised = ((xs - mean) / std).astype(np.float32)
-        columns = {name: standardised[:, i] for i, name in enumerate(feature_names)}
+        columns: dict[str, np.ndarray] = {name: xs[:, i] for i, name in enumerate(feature_names)}
         columns[LABEL_INDEX_COLUMN] = ys
+        columns[ROW_INDEX_COLUMN] = np.arange(len(ys), dtype=np.int64)
         buffer = io.BytesIO()
         pq.write_table(pa.table(columns), buffer)
         with target.filesystem.open_output_stream(target.child(f"{split}.parquet").path) as stream:

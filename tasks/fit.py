@@ -167,12 +167,20 @@ def build_trainer(
 
     from raytrain_tasks.train_loop import WorkerSpec, train_loop_per_worker
 
+    data: dict[str, Any] = {}
+    if config.data_loader == "ray_data":
+        from raytrain_tasks.ingest import data_config, ray_datasets
+
+        data = {"datasets": ray_datasets(config, dataset), "dataset_config": data_config()}
+    low, high = config.worker_range
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config=WorkerSpec(config=config, dataset=dataset).model_dump(mode="json"),
         torch_config=TorchConfig(backend="nccl" if config.use_gpu else "gloo"),
+        **data,
         scaling_config=ray.train.ScalingConfig(
-            num_workers=config.num_workers,
+            # A (min, max) pair makes the worker group elastic (Ray Train V2).
+            num_workers=(low, high) if high > low else low,  # type: ignore[arg-type]
             use_gpu=config.use_gpu,
             resources_per_worker={"CPU": config.cpus_per_worker, **({"GPU": 1} if config.use_gpu else {})},
         ),

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DatasetRef, read_split
 from raytrain_tasks.errors import TrackingError
+from raytrain_tasks.models import with_standardisation
 from tasks import tracking
 from tasks.evaluation import Scores, load_checkpoint_model, predict_logits, score
 from tasks.fit import FitResult
@@ -62,8 +63,13 @@ def register_model(config: TrainingConfig, dataset: DatasetRef, fit: FitResult) 
 
     logger = get_run_logger()
     client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
-    x_val, y_val = read_split(dataset, "val", config.storage_options)
-    model = load_checkpoint_model(fit.best_checkpoint_uri, config.storage_options)
+    # The registered model takes raw features (it standardises them itself), as a user's data comes.
+    x_val, y_val = read_split(dataset, "val", config.storage_options, standardised=False)
+    model = with_standardisation(
+        load_checkpoint_model(fit.best_checkpoint_uri, config.storage_options),
+        dataset.feature_mean,
+        dataset.feature_std,
+    ).eval()
     candidate = score(predict_logits(model, x_val), y_val)
 
     mlflow.set_tracking_uri(config.mlflow_tracking_uri)
@@ -218,6 +224,7 @@ def _log_model(model: Any, x_val: np.ndarray, dataset: DatasetRef, fit: FitResul
         "feature_mean": dataset.feature_mean,
         "feature_std": dataset.feature_std,
         "class_labels": dataset.class_labels,
+        "input": "raw features in feature_names order; the model applies (x - feature_mean) / feature_std",
         "output": "logits; argmax is the index into class_labels",
     }
     mlflow.log_text(json.dumps(preprocessing, indent=1), "preprocessing.json")
@@ -250,6 +257,6 @@ def _description(config: TrainingConfig, dataset: DatasetRef, fit: FitResult, sc
     return (
         f"{config.model} {config.hidden_sizes} trained on dataset {dataset.content_hash} ({dataset.source}) by "
         f"run {fit.run_key}: val_accuracy {scores.val_accuracy:.4f}, val_loss {scores.val_loss:.4f} at epoch "
-        f"{fit.best_epoch}. Input: standardised float32 features (means and deviations in the run's "
-        "preprocessing.json); output: logits over class_labels."
+        f"{fit.best_epoch}. Input: raw float32 features in feature_names order (the model standardises them "
+        "with the train statistics in the run's preprocessing.json); output: logits over class_labels."
     )

@@ -1,0 +1,105 @@
+"""Both ways of feeding workers (torch DataLoader, Ray Data shards): what each worker sees, and what it learns."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray.train
+from ray.train.torch import TorchTrainer
+
+from flows.training import training_pipeline
+from raytrain_tasks.config import TrainingConfig
+from raytrain_tasks.data import DatasetRef
+from tasks.data import prepare_data
+from tests.conftest import small_config
+
+pytestmark = pytest.mark.slow
+WORLD_SIZE = 2
+
+
+def _record_rows(loop_config: dict[str, Any]) -> None:
+    """On each worker: the rows of every batch of epochs 0 and 1, and of epoch 0 a second time."""
+    from raytrain_tasks.ingest import TrainBatches
+
+    config = TrainingConfig.model_validate(loop_config["config"])
+    dataset = DatasetRef.model_validate(loop_config["dataset"])
+    context = ray.train.get_context()
+    rank = context.get_world_rank()
+    batches = TrainBatches(config, dataset, rank, context.get_world_size())
+    seen = {name: [batch[2].tolist() for batch in batches.epoch(epoch)] for name, epoch in [("0", 0), ("1", 1)]}
+    seen["0 again"] = [batch[2].tolist() for batch in batches.epoch(0)]
+    sizes = {name: [len(rows) for rows in epoch] for name, epoch in seen.items()}
+    Path(loop_config["out"], f"rank{rank}.json").write_text(json.dumps({"rows": seen, "sizes": sizes}))
+    ray.train.report({"done": 1})
+
+
+@pytest.mark.parametrize("loader", ["torch", "ray_data"])
+def test_each_worker_sees_a_disjoint_shard_that_covers_the_data_once_per_epoch(
+    loader: str, tmp_path: Path, ray_cluster: object, prefect_api: None
+) -> None:
+    config = small_config(tmp_path, data_loader=loader, cpus_per_worker=0.5, batch_size=64).resolved(tmp_path, {})
+    dataset = prepare_data(config)
+    datasets: dict[str, Any] = {}
+    if loader == "ray_data":
+        from raytrain_tasks.ingest import data_config, ray_datasets
+
+        datasets = {"datasets": ray_datasets(config, dataset), "dataset_config": data_config()}
+    out = tmp_path / "rows"
+    out.mkdir()
+    TorchTrainer(
+        _record_rows,
+        train_loop_config={"config": config.model_dump(), "dataset": dataset.model_dump(), "out": str(out)},
+        scaling_config=ray.train.ScalingConfig(num_workers=WORLD_SIZE, resources_per_worker={"CPU": 0.5}),
+        run_config=ray.train.RunConfig(name=f"rows-{loader}", storage_path=str(tmp_path / "runs")),
+        **datasets,
+    ).fit()
+
+    workers = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
+    for epoch in ("0", "1"):
+        shards = [[row for batch in worker["rows"][epoch] for row in batch] for worker in workers]
+        seen = [row for shard in shards for row in shard]
+        assert len(seen) == len(set(seen)), f"epoch {epoch}: a row reached two workers or one worker twice"
+        assert set(seen) <= set(range(dataset.train_rows))
+        # Equal shards (DDP steps in lockstep): fewer than world_size rows sit out an epoch.
+        assert dataset.train_rows - len(seen) < WORLD_SIZE
+        assert len(shards[0]) == len(shards[1])
+        assert all(size <= config.batch_size for worker in workers for size in worker["sizes"][epoch])
+    for worker in workers:
+        # Shuffled per epoch, and by the seed alone: replaying an epoch gives the same batches.
+        assert worker["rows"]["0"] != worker["rows"]["1"]
+        assert worker["rows"]["0 again"] == worker["rows"]["0"]
+
+
+def test_torch_and_ray_data_loaders_reach_the_same_accuracy(
+    tmp_path: Path, ray_cluster: object, prefect_api: None
+) -> None:
+    results = {}
+    for loader in ("torch", "ray_data"):
+        config = small_config(tmp_path / loader, data_loader=loader, cpus_per_worker=0.5, register=False, epochs=4)
+        results[loader] = training_pipeline(config=config).fit
+    torch_run, ray_data_run = results["torch"], results["ray_data"]
+    assert torch_run.final_metrics["val_accuracy"] >= 0.9
+    assert ray_data_run.final_metrics["val_accuracy"] >= 0.9
+    # Same data, model and seed; only which rows share a batch differs.
+    assert ray_data_run.final_metrics["val_accuracy"] == pytest.approx(
+        torch_run.final_metrics["val_accuracy"], abs=0.03
+    )
+    assert [m["epoch"] for m in ray_data_run.history] == [0, 1, 2, 3]
+    for loader, fit in results.items():
+        print(
+            f"\n{loader}: val_accuracy {fit.final_metrics['val_accuracy']:.4f}, "
+            f"{fit.final_metrics['samples_per_second']:.0f} samples/s in the last epoch"
+        )
+
+
+def test_ray_data_needs_cpus_beside_the_workers(tmp_path: Path, ray_cluster: dict[str, float]) -> None:
+    from raytrain_tasks.errors import ClusterError
+    from tasks.cluster import check_resources
+
+    config = small_config(tmp_path, data_loader="ray_data", num_workers=2, cpus_per_worker=1.0)
+    with pytest.raises(ClusterError, match="data_loader='ray_data'.*cpus_per_worker"):
+        check_resources(config, ray_cluster)
+    check_resources(config.model_copy(update={"cpus_per_worker": 0.5}), ray_cluster)
