@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import ClusterError
+from raytrain_tasks.fs import is_s3
 
 # Faster than Ray's 2 s default: checkpoints register sooner after report() and a 3-epoch fit of a small
 # model finishes ~30% sooner (../shared/STACK.md); the controller's polling stays cheap.
@@ -37,37 +39,167 @@ def worker_env() -> dict[str, str]:
     return env
 
 
+# Forwarded to a cluster's Ray processes when set here: what S3 storage (pyarrow, boto3) and MLflow (the
+# controller logs epochs; artifacts may go to S3) read. A local Ray inherits them from this process.
+FORWARDED_ENV = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_EC2_METADATA_DISABLED",
+    "MLFLOW_S3_ENDPOINT_URL",
+    "MLFLOW_TRACKING_USERNAME",
+    "MLFLOW_TRACKING_PASSWORD",
+    "MLFLOW_TRACKING_TOKEN",
+    "MLFLOW_TRACKING_INSECURE_TLS",
+)
+
+
+def cluster_runtime_env() -> dict[str, object]:
+    """What a cluster this driver connects to needs: our worker code and the environment it reads."""
+    import raytrain_tasks
+
+    env = worker_env()
+    env.update({name: os.environ[name] for name in FORWARDED_ENV if os.environ.get(name)})
+    # Only raytrain_tasks runs on the cluster (train loop, ingest, the controller's MLflow callback); its
+    # third-party imports (torch, ray[train,data], mlflow, pyarrow) must be installed in the cluster's image.
+    return {"py_modules": [raytrain_tasks], "env_vars": env}
+
+
 @contextmanager
 def ray_session(config: TrainingConfig) -> Iterator[None]:
     """Yield with Ray initialised by this call, or as the caller already had it.
 
-    A Ray the caller initialised is left alone. On exit, a local Ray we started is stopped; for a cluster
-    reached by `ray_address`, ``ray.shutdown()`` only disconnects this driver and the cluster keeps running.
+    A Ray the caller initialised is left alone. A local Ray this call started is stopped on exit. A cluster
+    reached by `ray_address` is never shut down or disconnected: the next run of this process reuses the
+    connection (a Prefect worker or serve process trains many runs).
     """
     import ray
 
     if ray.is_initialized():
+        _check_same_cluster(config)
         yield
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    runtime_env = {"env_vars": worker_env()}
+    if config.ray_address:
+        check_reachable(config.ray_address)
     try:
         if config.ray_address:
-            ray.init(address=config.ray_address, runtime_env=runtime_env, logging_level=logging.WARNING)
+            ray.init(
+                address=config.ray_address,
+                runtime_env=cluster_runtime_env(),
+                logging_level=logging.WARNING,
+            )
         else:
             # address="local" always starts a fresh cluster, never joins one left by `ray start`. The
             # dashboard stays on: Ray Train's placement-group cleaner polls the State API it serves, and
             # warns every second without it.
-            ray.init(address="local", runtime_env=runtime_env, logging_level=logging.WARNING)
+            ray.init(address="local", runtime_env={"env_vars": worker_env()}, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         where = f"at {config.ray_address!r}" if config.ray_address else "locally"
+        if "AuthToken" in repr(exc.__cause__) or "AuthenticationError" in type(exc.__cause__).__name__:
+            raise ClusterError(
+                f"the Ray cluster {where} refused this driver's authentication token. Ray clusters use token "
+                "authentication by default: set RAY_AUTH_MODE=token and the cluster's token (RAY_AUTH_TOKEN, or "
+                "RAY_AUTH_TOKEN_PATH / ~/.ray/auth_token) in this process's environment, or check `ray_address`"
+            ) from exc
         raise ClusterError(
             f"cannot start or reach Ray {where}: {exc}; check `ray_address` (empty starts a local Ray)"
         ) from exc
+    if config.ray_address:
+        yield
+        return
     try:
         yield
     finally:
         ray.shutdown()
+
+
+def check_reachable(address: str, timeout_s: float = 3.0) -> None:
+    """Fail in seconds on an address nothing listens at: ray.init() would retry for minutes."""
+    if address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ClusterError(
+            f"ray_address {address!r} is not host:port or ray://host:port; set `ray_address` (empty starts a local Ray)"
+        )
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise ClusterError(
+            f"no Ray cluster answers at {address!r} ({exc}); check `ray_address` and that the head node is "
+            "up (`ray status --address ...`), or leave `ray_address` empty to start a local Ray"
+        ) from exc
+
+
+def _check_same_cluster(config: TrainingConfig) -> None:
+    """A process connected to one cluster cannot train a run meant for another."""
+    import ray
+
+    if not config.ray_address or config.ray_address.startswith("ray://"):
+        return
+    connected = ray.get_runtime_context().gcs_address
+    if _normalise(connected) != _normalise(config.ray_address):
+        raise ClusterError(
+            f"this process is already connected to the Ray cluster at {connected}; `ray_address` asks for "
+            f"{config.ray_address!r}. Run it from a fresh process, or set `ray_address` to {connected!r}"
+        )
+
+
+def _normalise(address: str) -> str:
+    host, _, port = address.rpartition(":")
+    return f"{'127.0.0.1' if host in ('localhost', '0.0.0.0') else host}:{port}"
+
+
+def storage_shared_with_nodes(storage_path: str, node_count: int, mounts: str) -> None:
+    """Fail when several Ray nodes would each see their own local `storage_path` (checkpoints lost)."""
+    if node_count <= 1 or is_s3(storage_path):
+        return
+    fstype = _mount_fstype(storage_path, mounts)
+    if fstype and fstype.split(".")[0] in SHARED_FILESYSTEMS:
+        return
+    raise ClusterError(
+        f"storage_path {storage_path!r} is a local directory ({fstype or 'unknown'} filesystem) but the Ray "
+        f"cluster has {node_count} nodes, and each would write its own copy; set `storage_path` to "
+        "s3://bucket/prefix, or to a shared filesystem (NFS, EFS, Lustre, ...) mounted at the same path on every node"
+    )
+
+
+SHARED_FILESYSTEMS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "ceph", "glusterfs", "beegfs", "fuse"}
+
+
+def _mount_fstype(path: str, mounts: str) -> str:
+    """The filesystem type of the longest mount point containing `path`, from /proc/mounts text."""
+    best, fstype = "", ""
+    target = os.path.abspath(path)
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        mount_point = fields[1]
+        inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
+        if inside and len(mount_point) >= len(best):
+            best, fstype = mount_point, fields[2]
+    return fstype
+
+
+def alive_node_count() -> int:
+    import ray
+
+    return sum(1 for node in ray.nodes() if node.get("Alive"))
+
+
+def read_mounts() -> str:
+    try:
+        with open("/proc/mounts") as mounts:
+            return mounts.read()
+    except OSError:
+        return ""
 
 
 # What Ray Data's read/preprocess tasks reserve beside the workers (raytrain_tasks.ingest.DATA_TASK_CPUS; not

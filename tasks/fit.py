@@ -26,7 +26,7 @@ from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.errors import CheckpointError, ClusterError, TrackingError, TrainingError
 from raytrain_tasks.tracking import STEP_KEY, MlflowEpochLogger
 from tasks import evaluation, tracking
-from tasks.cluster import check_resources, ray_session
+from tasks.cluster import alive_node_count, check_resources, ray_session, read_mounts, storage_shared_with_nodes
 from tasks.run_page import EpochProgress
 from tasks.storage import RUNS_DIR, StorageLocation, locate
 
@@ -83,6 +83,7 @@ def distributed_fit(config: TrainingConfig, dataset: DatasetRef, run_key: str) -
     client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
     with ray_session(config):
         check_resources(config, ray.cluster_resources())
+        storage_shared_with_nodes(config.storage_path, alive_node_count(), read_mounts())
         experiment_id = tracking.ensure_experiment(
             client, config.experiment_name, config.mlflow_tracking_uri, config.storage_path
         )
@@ -274,6 +275,8 @@ def _run_tags(
         "prefect_raytrain.num_workers": str(config.num_workers),
         "prefect_raytrain.use_gpu": str(config.use_gpu).lower(),
         "prefect_raytrain.backend": backend,
+        "prefect_raytrain.data_loader": config.data_loader,
+        "prefect_raytrain.ray_cluster": ray.get_runtime_context().gcs_address,
         "mlflow.source.git.commit": tracking.code_version(),
     }
     if flow_run.get_id():

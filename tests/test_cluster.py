@@ -1,0 +1,192 @@
+"""Training on a Ray cluster reached by address: a separate `ray start --head` cluster on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from raytrain_tasks.errors import ClusterError
+from tasks.cluster import check_reachable, storage_shared_with_nodes
+from tests.conftest import REPO_ROOT, free_port, stop_process_group, wait_for_http
+
+RAY = str(Path(sys.executable).with_name("ray"))
+# Ray rewrites 127.0.0.1 in an address to the machine's own IP unless told to stay on loopback, where this
+# test's cluster listens. Clusters use token auth by default: a client must say so (the token is the
+# machine's ~/.ray/auth_token, shared by the head here).
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+CLIENT_ENV = {**LOOPBACK_ENV, "RAY_AUTH_MODE": "token"}
+
+
+@dataclass(frozen=True)
+class ExternalCluster:
+    address: str
+    dashboard_url: str
+    temp_dir: Path
+
+
+@pytest.fixture(scope="module")
+def external_cluster() -> Iterator[ExternalCluster]:
+    """`ray start --head --block` on free 127.0.0.1 ports with its own temp dir; only its processes are stopped."""
+    ports = [free_port() for _ in range(9)]
+    # Short: Ray's socket paths live under the temp dir and must stay under the OS's 107-byte limit.
+    temp_dir = Path(tempfile.mkdtemp(prefix="ray-prt-"))
+    command = [RAY, "start", "--head", "--block", "--disable-usage-stats", "--num-cpus", "2"]
+    command += ["--node-ip-address", "127.0.0.1", "--dashboard-host", "127.0.0.1", "--temp-dir", str(temp_dir)]
+    for flag, port in zip(
+        [
+            "--port",
+            "--dashboard-port",
+            "--ray-client-server-port",
+            "--dashboard-agent-listen-port",
+            "--dashboard-agent-grpc-port",
+            "--metrics-export-port",
+            "--runtime-env-agent-port",
+            "--node-manager-port",
+            "--object-manager-port",
+        ],
+        ports,
+        strict=True,
+    ):
+        command += [flag, str(port)]
+    log_path = temp_dir / "ray-start.log"
+    with log_path.open("w") as log:
+        head = subprocess.Popen(
+            command,
+            env={**os.environ, **LOOPBACK_ENV},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    dashboard_url = f"http://127.0.0.1:{ports[1]}"
+    try:
+        wait_for_http(dashboard_url, head, log_path, timeout=180)
+        yield ExternalCluster(f"127.0.0.1:{ports[0]}", dashboard_url, temp_dir)
+    finally:
+        # The head's process group holds this cluster's processes (not the session's local Ray): `ray stop`
+        # would stop every Ray on the machine.
+        stop_process_group(head, signal.SIGTERM, timeout=20)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_the_pipeline_trains_on_a_cluster_by_address_and_leaves_it_running(
+    external_cluster: ExternalCluster, tmp_path: Path, prefect_api: None
+) -> None:
+    from prefect.settings import PREFECT_API_URL
+
+    tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    # Run from a directory outside the checkout, as a Prefect worker would: the cluster's workers get the
+    # project's code only through runtime_env py_modules.
+    command = [sys.executable, "-m", "flows.training", "--ray-address", external_cluster.address]
+    command += ["--storage-path", str(tmp_path / "storage"), "--mlflow-tracking-uri", tracking_uri]
+    command += ["--epochs", "2", "--num-workers", "2", "--experiment-name", "cluster", "--no-register"]
+    env = {**os.environ, **CLIENT_ENV, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=480)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+
+    client = MlflowClient(tracking_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("cluster").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["prefect_raytrain.ray_cluster"] == external_cluster.address
+    assert run.data.metrics["val_accuracy"] > 0.8
+
+    # On that cluster: the run's training workers ran there, and the cluster is still up for the next run.
+    probe = textwrap.dedent(
+        f"""
+        import ray
+        from ray.util.state import list_actors
+        ray.init(address="{external_cluster.address}", logging_level="ERROR")
+        workers = list_actors(filters=[("class_name", "=", "RayTrainWorker")], limit=100)
+        print("WORKERS", len(workers), sorted({{w.state for w in workers}}))
+        """
+    )
+    seen = subprocess.run(
+        [sys.executable, "-c", probe], env={**os.environ, **CLIENT_ENV}, capture_output=True, text=True, timeout=120
+    )
+    assert seen.returncode == 0, seen.stderr[-3000:]
+    assert "WORKERS 2 ['DEAD']" in seen.stdout, seen.stdout
+    # The driver shipped raytrain_tasks (runtime_env py_modules): the cluster unpacked it for its workers.
+    resources = external_cluster.temp_dir / "session_latest" / "runtime_resources"
+    shipped = list(resources.glob("py_modules_files/*/raytrain_tasks/train_loop.py"))
+    assert shipped, sorted(str(p.relative_to(resources)) for p in resources.rglob("*"))[:50]
+
+
+def test_connecting_never_shuts_the_cluster_down(external_cluster: ExternalCluster) -> None:
+    code = textwrap.dedent(
+        f"""
+        import ray
+        from raytrain_tasks.config import TrainingConfig
+        from tasks.cluster import ray_session
+        config = TrainingConfig(ray_address="{external_cluster.address}")
+        with ray_session(config):
+            first = ray.get_runtime_context().get_job_id()
+        assert ray.is_initialized(), "disconnected from a cluster it did not start"
+        with ray_session(config):  # the next run of this process reuses the connection
+            assert ray.get_runtime_context().get_job_id() == first
+        print("OK")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        env={**os.environ, **CLIENT_ENV},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.stdout.strip().endswith("OK"), done.stdout[-2000:] + done.stderr[-3000:]
+
+
+def test_a_driver_without_the_cluster_token_is_told_how_to_authenticate(external_cluster: ExternalCluster) -> None:
+    code = textwrap.dedent(
+        f"""
+        from raytrain_tasks.config import TrainingConfig
+        from tasks.cluster import ray_session
+        with ray_session(TrainingConfig(ray_address="{external_cluster.address}")):
+            pass
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")} | LOOPBACK_ENV
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0
+    assert "ClusterError" in done.stderr and "RAY_AUTH_MODE=token" in done.stderr, done.stderr[-3000:]
+
+
+def test_an_unreachable_address_fails_in_seconds_naming_the_setting() -> None:
+    started = time.monotonic()
+    with pytest.raises(ClusterError, match="ray_address"):
+        check_reachable(f"127.0.0.1:{free_port()}")
+    assert time.monotonic() - started < 10
+    with pytest.raises(ClusterError, match="ray_address"):
+        check_reachable("not-an-address")
+
+
+MOUNTS = """\
+/dev/sda1 / ext4 rw 0 0
+nfs-server:/export /mnt/shared nfs4 rw 0 0
+tmpfs /tmp tmpfs rw 0 0
+"""
+
+
+def test_local_storage_on_a_multi_node_cluster_fails_early() -> None:
+    storage_shared_with_nodes("/tmp/storage", node_count=1, mounts=MOUNTS)  # one node: any directory works
+    storage_shared_with_nodes("s3://bucket/prefix", node_count=3, mounts=MOUNTS)
+    storage_shared_with_nodes("/mnt/shared/runs", node_count=3, mounts=MOUNTS)  # NFS: shared
+    with pytest.raises(ClusterError, match="storage_path.*3 nodes.*s3://"):
+        storage_shared_with_nodes("/tmp/storage", node_count=3, mounts=MOUNTS)
+    with pytest.raises(ClusterError, match="ext4"):
+        storage_shared_with_nodes("/home/me/runs", node_count=2, mounts=MOUNTS)
