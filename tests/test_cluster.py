@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import ClusterError
 from tasks.cluster import check_reachable, storage_shared_with_nodes
 from tests.conftest import REPO_ROOT, free_port, stop_process_group, wait_for_http
@@ -190,3 +191,27 @@ def test_local_storage_on_a_multi_node_cluster_fails_early() -> None:
         storage_shared_with_nodes("/tmp/storage", node_count=3, mounts=MOUNTS)
     with pytest.raises(ClusterError, match="ext4"):
         storage_shared_with_nodes("/home/me/runs", node_count=2, mounts=MOUNTS)
+
+
+def test_max_workers_makes_the_worker_group_elastic(tmp_path: Path) -> None:
+    from raytrain_tasks.data import DatasetRef
+    from tasks.fit import build_trainer
+    from tasks.storage import locate
+
+    dataset = DatasetRef(
+        uri=str(tmp_path),
+        content_hash="0" * 16,
+        source="digits",
+        label_column="label",
+        feature_names=("a",),
+        class_labels=("0", "1"),
+        train_rows=10,
+        val_rows=2,
+        feature_mean=(0.0,),
+        feature_std=(1.0,),
+    )
+    runs = locate(str(tmp_path / "runs"), TrainingConfig().storage_options)
+    elastic = build_trainer(TrainingConfig(num_workers=2, max_workers=4), dataset, "k", runs)
+    fixed = build_trainer(TrainingConfig(num_workers=2), dataset, "k", runs)
+    assert elastic.scaling_config.num_workers == (2, 4)
+    assert fixed.scaling_config.num_workers == 2
