@@ -15,7 +15,7 @@ export PREFECT_HOME ?= $(CURDIR)/.pipeline/prefect
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: install run test lint typecheck s3 server serve bench clean
+.PHONY: install run test lint typecheck s3 server serve bench bench-smoke clean
 
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,9 +48,13 @@ server: install  ## a local Prefect server and UI on http://127.0.0.1:4200
 serve: install  ## serve the deployments of deployments/prefect.yaml from this process (schedules included)
 	PREFECT_API_URL=$${PREFECT_API_URL:-http://127.0.0.1:4200/api} $(PY) -m deployments.serve
 
-bench: install  ## benchmarks that print figures (not tests): checkpoint upload, recovery after a worker kill
+bench: install  ## benchmarks that print figures (not tests); results in bench/results/
+	$(PY) -m bench.overhead
 	$(PY) -m bench.checkpoint_upload
 	$(PY) -m bench.recovery
+
+bench-smoke: install  ## the overhead benchmark at tiny sizes, one repetition (CI runs it so it never rots)
+	$(PY) -m bench.overhead --smoke
 
 clean:
 	rm -rf .pipeline

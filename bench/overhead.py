@@ -1,0 +1,484 @@
+"""What the orchestration costs, side by side: prints a table, writes bench/results/overhead.{json,md}.
+
+    python -m bench.overhead            # full (about 8-10 minutes on 2 cores)
+    python -m bench.overhead --smoke    # one repetition, tiny sizes (CI, so it never rots)
+
+1. In-loop parity: the same epoch loop, model and data at world size 2, under plain torch.distributed (gloo,
+   torch.multiprocessing) and under Ray Train (prepare_model / prepare_data_loader). Time inside the loop.
+2. Scaling: samples/s of the Ray Train contender with 1 and 2 workers.
+3. Ingest: rows/s of the torch DataLoader and of the Ray Data pipeline (read_parquet + map_batches) over the
+   same prepared split, iterated without training.
+4. Orchestration: the whole flow (CLI: prepare + fit + register + MLflow, temporary Prefect API) against a bare
+   TorchTrainer.fit() of the same job; fixed cost = wall - time in the training loop; a breakdown from the
+   flow's log timestamps, and the peak RSS of each process tree.
+Contenders alternate within each repetition; medians are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+RESULTS = Path(__file__).with_name("results")
+
+
+@dataclass(frozen=True)
+class Workload:
+    rows: int
+    features: int
+    classes: int
+    hidden: tuple[int, ...]
+    batch_size: int
+    epochs: int
+    seed: int = 0
+
+
+FULL = Workload(rows=120_000, features=64, classes=10, hidden=(256, 256), batch_size=128, epochs=3)
+SMOKE = Workload(rows=4_000, features=16, classes=4, hidden=(32,), batch_size=64, epochs=1)
+
+
+# --- the shared training loop -------------------------------------------------------------------------------
+def make_data(w: Workload) -> tuple[Any, Any]:
+    import numpy as np
+
+    rng = np.random.default_rng(w.seed)
+    centers = rng.normal(0, 2, size=(w.classes, w.features)).astype(np.float32)
+    y = rng.integers(0, w.classes, size=w.rows)
+    x = (centers[y] + rng.normal(0, 1, size=(w.rows, w.features))).astype(np.float32)
+    return x, y.astype(np.int64)
+
+
+def epoch_loop(model: Any, loader: Any, sampler: Any, w: Workload) -> list[float]:
+    """The loop both contenders run: seconds per epoch."""
+    import torch
+
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    seconds = []
+    for epoch in range(w.epochs):
+        sampler.set_epoch(epoch)
+        started = time.perf_counter()
+        for features, labels in loader:
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(model(features), labels).backward()
+            optimizer.step()
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
+def _loader(w: Workload, rank: int, world: int) -> tuple[Any, Any]:
+    import torch
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    x, y = make_data(w)
+    data = TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
+    sampler: Any = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=w.seed, drop_last=True)
+    return DataLoader(data, batch_size=w.batch_size, sampler=sampler), sampler
+
+
+def _model(w: Workload) -> Any:
+    import torch
+
+    from raytrain_tasks.models import build_mlp
+
+    torch.manual_seed(w.seed)
+    return build_mlp(w.features, w.classes, w.hidden)
+
+
+# --- contender (a): plain torch.distributed ----------------------------------------------------------------
+def _plain_worker(rank: int, world: int, port: int, w: Workload, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    torch.set_num_threads(1)  # what torchrun sets (OMP_NUM_THREADS=1) and what our workers use
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    loader, sampler = _loader(w, rank, world)
+    model = DistributedDataParallel(_model(w))
+    seconds = epoch_loop(model, loader, sampler, w)
+    if rank == 0:
+        Path(out).write_text(json.dumps(seconds))
+    dist.destroy_process_group()
+
+
+def run_plain(w: Workload, world: int, tmp: Path) -> dict[str, float]:
+    import torch.multiprocessing as mp
+
+    out = tmp / f"plain-{time.monotonic_ns()}.json"
+    started = time.perf_counter()
+    mp.start_processes(_plain_worker, args=(world, _free_port(), w, str(out)), nprocs=world, start_method="spawn")
+    wall = time.perf_counter() - started
+    return _figures(json.loads(out.read_text()), wall, w, world)
+
+
+# --- contender (b): Ray Train --------------------------------------------------------------------------------
+def _ray_loop(config: dict[str, Any]) -> None:
+    import ray.train
+    import ray.train.torch
+    import torch
+
+    w = Workload(**{**config["workload"], "hidden": tuple(config["workload"]["hidden"])})
+    context = ray.train.get_context()
+    torch.set_num_threads(1)
+    loader, sampler = _loader(w, context.get_world_rank(), context.get_world_size())
+    loader = ray.train.torch.prepare_data_loader(loader)
+    model = ray.train.torch.prepare_model(_model(w))
+    seconds = epoch_loop(model, loader, sampler, w)
+    if context.get_world_rank() == 0:
+        Path(config["out"]).write_text(json.dumps(seconds))
+    ray.train.report({"done": 1})
+
+
+def run_ray(w: Workload, world: int, tmp: Path) -> dict[str, float]:
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    out = tmp / f"ray-{time.monotonic_ns()}.json"
+    started = time.perf_counter()
+    TorchTrainer(
+        _ray_loop,
+        train_loop_config={"workload": asdict(w), "out": str(out)},
+        scaling_config=ray.train.ScalingConfig(num_workers=world),
+        run_config=ray.train.RunConfig(name=out.stem, storage_path=str(tmp / "ray")),
+    ).fit()
+    wall = time.perf_counter() - started
+    return _figures(json.loads(out.read_text()), wall, w, world)
+
+
+def _figures(seconds: list[float], wall: float, w: Workload, world: int) -> dict[str, float]:
+    in_loop = sum(seconds)
+    trained = (w.rows // world) * world * w.epochs
+    return {"in_loop_s": in_loop, "samples_per_s": trained / in_loop, "wall_s": wall}
+
+
+# --- ingest ---------------------------------------------------------------------------------------------------
+def run_ingest(w: Workload, tmp: Path) -> dict[str, float]:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+
+    from raytrain_tasks.config import TrainingConfig
+    from raytrain_tasks.data import LABEL_INDEX_COLUMN, ROW_INDEX_COLUMN, DatasetRef, read_split
+    from raytrain_tasks.ingest import ray_datasets
+
+    x, y = make_data(w)
+    folder = tmp / "ingest"
+    folder.mkdir(exist_ok=True)
+    names = tuple(f"f{i}" for i in range(w.features))
+    columns: dict[str, Any] = {n: x[:, i] for i, n in enumerate(names)}
+    columns[LABEL_INDEX_COLUMN], columns[ROW_INDEX_COLUMN] = y, np.arange(len(y))
+    for split in ("train", "val"):
+        pq.write_table(pa.table(columns), folder / f"{split}.parquet")
+    ref = DatasetRef(
+        uri=str(folder),
+        content_hash="bench",
+        source="bench",
+        label_column="label",
+        feature_names=names,
+        class_labels=tuple(str(c) for c in range(w.classes)),
+        train_rows=w.rows,
+        val_rows=w.rows,
+        feature_mean=tuple(float(v) for v in x.mean(0)),
+        feature_std=tuple(float(v) for v in x.std(0)),
+    )
+    figures = {}
+    started = time.perf_counter()
+    features, labels = read_split(ref, "train")
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.from_numpy(features), torch.from_numpy(labels)),
+        batch_size=w.batch_size,
+        shuffle=True,
+    )
+    rows = sum(len(batch[1]) for batch in loader)
+    figures["torch_rows_per_s"] = rows / (time.perf_counter() - started)
+    pipeline = ray_datasets(TrainingConfig(batch_size=w.batch_size), ref)["train"]
+    started = time.perf_counter()
+    rows = sum(len(b["label"]) for b in pipeline.iter_torch_batches(batch_size=w.batch_size))
+    figures["ray_data_rows_per_s"] = rows / (time.perf_counter() - started)
+    return figures
+
+
+# --- orchestration: the whole flow vs a bare fit ------------------------------------------------------------
+LOG_TIME = re.compile(r"^(\d\d:\d\d:\d\d\.\d{3}) \| \w+\s*\| (.*)$")
+
+
+def run_flow(tmp: Path, epochs: int) -> dict[str, float]:
+    """The CLI on embedded defaults in a fresh directory; breakdown from its log timestamps."""
+    workdir = tmp / f"flow-{time.monotonic_ns()}"
+    workdir.mkdir()
+    env = {**os.environ, "PREFECT_HOME": str(workdir / "prefect")}
+    env.pop("PREFECT_API_URL", None)
+    command = [sys.executable, "-m", "flows.training", "--epochs", str(epochs), "--experiment-name", "bench"]
+    started_at = datetime.now()
+    wall, peak, output = _run_measured(command, workdir, env)
+    marks = _log_marks(output, started_at)
+    in_loop = _mlflow_in_loop(f"sqlite:///{workdir / '.pipeline' / 'mlflow.db'}", "bench")
+    figures = {"wall_s": wall, "in_loop_s": in_loop, "fixed_s": wall - in_loop, "peak_rss_gib": peak}
+    figures.update(marks)
+    if "fit_s" in marks:
+        figures["fit_outside_loop_s"] = marks["fit_s"] - in_loop
+    return figures
+
+
+def run_bare(tmp: Path, epochs: int) -> dict[str, float]:
+    workdir = tmp / f"bare-{time.monotonic_ns()}"
+    workdir.mkdir()
+    # The dataset version the flow runs prepared: the bare contender trains on the same files.
+    manifest = next(tmp.glob("flow-*/.pipeline/storage/datasets/*/dataset.json"))
+    command = [sys.executable, "-m", "bench.overhead", "--bare-fit", str(workdir), "--epochs", str(epochs)]
+    command += ["--dataset", str(manifest)]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    wall, peak, output = _run_measured(command, workdir, env)
+    in_loop = float(re.findall(r"IN_LOOP ([0-9.]+)", output)[-1])
+    ray_start = float(re.findall(r"RAY_START ([0-9.]+)", output)[-1])
+    return {
+        "wall_s": wall,
+        "in_loop_s": in_loop,
+        "fixed_s": wall - in_loop,
+        "peak_rss_gib": peak,
+        "ray_start_s": ray_start,
+    }
+
+
+def bare_fit(workdir: Path, epochs: int, manifest: Path) -> None:
+    """Child process: ray.init + TorchTrainer.fit() of our train loop on the flow's dataset; no Prefect, MLflow."""
+    import ray
+
+    from raytrain_tasks.config import TrainingConfig
+    from raytrain_tasks.data import DatasetRef
+    from tasks.cluster import worker_env
+    from tasks.fit import _read_history, build_trainer
+    from tasks.storage import locate
+
+    config = TrainingConfig(epochs=epochs, storage_path=str(workdir / "storage"))
+    dataset = DatasetRef.model_validate_json(manifest.read_text())
+    started = time.perf_counter()
+    ray.init(address="local", runtime_env={"env_vars": worker_env()}, logging_level="ERROR")
+    print(f"RAY_START {time.perf_counter() - started:.3f}")
+    runs = locate(config.storage_path, config.storage_options).child("runs")
+    result = build_trainer(config, dataset, "bare", runs).fit()
+    history = _read_history(result.checkpoint)
+    print(f"IN_LOOP {sum(h['epoch_seconds'] for h in history):.4f}")
+    ray.shutdown()
+
+
+def _run_measured(command: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, float, str]:
+    """Wall seconds, peak RSS (GiB) of the whole process tree, and the output."""
+    import psutil
+
+    log = cwd / "output.log"
+    started = time.perf_counter()
+    with log.open("w") as sink:
+        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=sink, stderr=subprocess.STDOUT)
+        peak = 0
+        root = psutil.Process(process.pid)
+        seen: dict[int, psutil.Process] = {}
+        while process.poll() is None:
+            try:
+                for child in [root, *root.children(recursive=True)]:
+                    seen.setdefault(child.pid, child)
+            except psutil.Error:
+                pass
+            total = 0
+            for member in list(seen.values()):
+                try:
+                    total += member.memory_info().rss
+                except psutil.Error:
+                    seen.pop(member.pid, None)
+            peak = max(peak, total)
+            time.sleep(0.2)
+    wall = time.perf_counter() - started
+    output = log.read_text()
+    if process.returncode != 0:
+        raise RuntimeError(f"{command} failed:\n{output[-3000:]}")
+    return wall, peak / 2**30, output
+
+
+def _log_marks(output: str, started_at: datetime) -> dict[str, float]:
+    """Seconds of each stage, from Prefect's log timestamps (HH:MM:SS.mmm) relative to the process start."""
+    events: list[tuple[float, str]] = []
+    for line in output.splitlines():
+        match = LOG_TIME.match(line.strip())
+        if match:
+            stamp = datetime.combine(started_at.date(), datetime.strptime(match.group(1), "%H:%M:%S.%f").time())
+            events.append(((stamp - started_at).total_seconds(), match.group(2)))
+
+    def first(pattern: str) -> float | None:
+        return next((t for t, text in events if re.search(pattern, text)), None)
+
+    begin = first(r"Beginning flow run")
+    prepared = first(r"Task run 'prepare-data.*Finished")
+    fitted = first(r"Task run 'fit-.*Finished")
+    registered = first(r"Task run 'register-.*Finished")
+    done = first(r"Flow run .* Finished")
+    marks: dict[str, float] = {}
+    if begin is not None:
+        marks["start_to_flow_s"] = begin  # imports + the temporary Prefect API
+    if None not in (begin, prepared, fitted, registered, done):
+        marks["prepare_s"] = prepared - begin  # type: ignore[operator]
+        marks["fit_s"] = fitted - prepared  # type: ignore[operator]
+        marks["register_s"] = registered - fitted  # type: ignore[operator]
+        marks["flow_end_s"] = done  # type: ignore[assignment]
+    return {k: v for k, v in marks.items() if v is not None}
+
+
+def _mlflow_in_loop(tracking_uri: str, experiment: str) -> float:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    return sum(m.value for m in client.get_metric_history(run.info.run_id, "epoch_seconds"))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
+    keys = set.intersection(*(set(r) for r in runs))
+    return {k: statistics.median(r[k] for r in runs) for k in sorted(keys)}
+
+
+def machine() -> dict[str, str]:
+    import ray
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return {
+        "cpus": str(os.cpu_count()),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ray": ray.__version__,
+        "device": "GPU " + gpu if gpu != "none" else "CPU",
+        "platform": platform.platform(),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="one repetition, tiny sizes")
+    parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--bare-fit", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--dataset", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.bare_fit:
+        bare_fit(args.bare_fit, args.epochs, args.dataset)
+        return
+    workload, reps = (SMOKE, 1) if args.smoke else (FULL, args.repetitions)
+    flow_epochs = 1 if args.smoke else 3
+
+    import ray
+
+    from tasks.cluster import worker_env
+
+    results: dict[str, Any] = {"machine": machine(), "workload": asdict(workload), "repetitions": reps}
+    print("machine:", ", ".join(f"{k}={v}" for k, v in results["machine"].items()), flush=True)
+    with tempfile.TemporaryDirectory(prefix="prt-bench-") as tmp_name:
+        tmp = Path(tmp_name)
+        plain, ray_2, ray_1 = [], [], []
+        ray.init(address="local", runtime_env={"env_vars": worker_env()}, logging_level="ERROR")
+        try:
+            for rep in range(reps):
+                plain.append(run_plain(workload, 2, tmp))
+                ray_2.append(run_ray(workload, 2, tmp))
+                ray_1.append(run_ray(workload, 1, tmp))
+                print(
+                    f"  parity rep {rep + 1}/{reps}: plain {plain[-1]['in_loop_s']:.2f} s, "
+                    f"ray {ray_2[-1]['in_loop_s']:.2f} s in the loop",
+                    flush=True,
+                )
+            results["parity"] = {"plain_ddp": median_of(plain), "ray_train": median_of(ray_2)}
+            results["scaling"] = {"1_worker": median_of(ray_1), "2_workers": median_of(ray_2)}
+            results["ingest"] = median_of([run_ingest(workload, tmp) for _ in range(reps)])
+        finally:
+            ray.shutdown()
+        flows, bares = [], []
+        for rep in range(reps):
+            flows.append(run_flow(tmp, flow_epochs))
+            bares.append(run_bare(tmp, flow_epochs))
+            print(
+                f"  orchestration rep {rep + 1}/{reps}: flow {flows[-1]['wall_s']:.1f} s, "
+                f"bare fit {bares[-1]['wall_s']:.1f} s",
+                flush=True,
+            )
+        results["orchestration"] = {"flow": median_of(flows), "bare_fit": median_of(bares)}
+
+    markdown = render(results)
+    print(markdown)
+    RESULTS.mkdir(exist_ok=True)
+    name = "overhead-smoke" if args.smoke else "overhead"
+    (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=1))
+    (RESULTS / f"{name}.md").write_text(markdown)
+    print(f"written: {RESULTS / name}.json, .md")
+
+
+def render(r: dict[str, Any]) -> str:
+    p, s, o = r["parity"], r["scaling"], r["orchestration"]
+    plain, rt = p["plain_ddp"], p["ray_train"]
+    flow, bare = o["flow"], o["bare_fit"]
+    w = r["workload"]
+    lines = [
+        f"Machine: {', '.join(f'{k} {v}' for k, v in r['machine'].items())}. Medians of {r['repetitions']}.",
+        f"Workload: {w['rows']} rows x {w['features']} features, MLP {w['hidden']}, batch {w['batch_size']}, "
+        f"{w['epochs']} epochs.",
+        "",
+        "| benchmark | contender A | contender B | B / A | target |",
+        "|---|---|---|---|---|",
+        f"| in-loop time, 2 workers | plain DDP {plain['in_loop_s']:.2f} s | Ray Train {rt['in_loop_s']:.2f} s "
+        f"| {rt['in_loop_s'] / plain['in_loop_s']:.3f}x | <= 1.03x |",
+        f"| samples/s, 2 workers | plain DDP {plain['samples_per_s']:.0f} | Ray Train {rt['samples_per_s']:.0f} "
+        f"| {rt['samples_per_s'] / plain['samples_per_s']:.3f}x | |",
+        f"| wall incl. start-up | plain DDP {plain['wall_s']:.1f} s | Ray Train fit {rt['wall_s']:.1f} s "
+        f"| {rt['wall_s'] / plain['wall_s']:.2f}x | |",
+        f"| scaling (Ray Train samples/s) | 1 worker {s['1_worker']['samples_per_s']:.0f} "
+        f"| 2 workers {s['2_workers']['samples_per_s']:.0f} "
+        f"| {s['2_workers']['samples_per_s'] / s['1_worker']['samples_per_s']:.2f}x | |",
+        f"| ingest rows/s (no training) | torch {r['ingest']['torch_rows_per_s']:.0f} "
+        f"| Ray Data {r['ingest']['ray_data_rows_per_s']:.0f} "
+        f"| {r['ingest']['ray_data_rows_per_s'] / r['ingest']['torch_rows_per_s']:.2f}x | |",
+        f"| fixed cost (wall - in-loop), digits | bare fit {bare['fixed_s']:.1f} s "
+        f"| whole flow {flow['fixed_s']:.1f} s "
+        f"| {flow['fixed_s'] / bare['fixed_s']:.2f}x | <= 1.3x |",
+        f"| peak RSS of the process tree | bare fit {bare['peak_rss_gib']:.2f} GiB "
+        f"| whole flow {flow['peak_rss_gib']:.2f} GiB | | flow <= 3 GiB |",
+        "",
+        "Whole flow, where the fixed seconds go (from its log timestamps): "
+        + ", ".join(
+            f"{label} {flow[key]:.1f} s"
+            for label, key in [
+                ("start-up to flow begin (imports, temporary Prefect API)", "start_to_flow_s"),
+                ("prepare-data", "prepare_s"),
+                ("fit outside the loop (Ray start, worker group, MLflow run, evaluation)", "fit_outside_loop_s"),
+                ("register-model", "register_s"),
+            ]
+            if key in flow
+        )
+        + (f", after the flow (teardown) {flow['wall_s'] - flow['flow_end_s']:.1f} s" if "flow_end_s" in flow else "")
+        + f". Bare fit: Ray start {bare['ray_start_s']:.1f} s of {bare['fixed_s']:.1f} s fixed.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
