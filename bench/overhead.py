@@ -2,6 +2,7 @@
 
     python -m bench.overhead            # full (about 8-10 minutes on 2 cores)
     python -m bench.overhead --smoke    # one repetition, tiny sizes (CI, so it never rots)
+    python -m bench.overhead --workers 8 --use-gpu   # a bigger machine or a GPU node: NCCL, one GPU per worker
 
 1. In-loop parity: the same epoch loop, model and data at world size 2, under plain torch.distributed (gloo,
    torch.multiprocessing) and under Ray Train (prepare_model / prepare_data_loader). Time inside the loop.
@@ -47,6 +48,7 @@ class Workload:
     batch_size: int
     epochs: int
     seed: int = 0
+    use_gpu: bool = False
 
 
 FULL = Workload(rows=120_000, features=64, classes=10, hidden=(256, 256), batch_size=128, epochs=3)
@@ -64,8 +66,8 @@ def make_data(w: Workload) -> tuple[Any, Any]:
     return x, y.astype(np.int64)
 
 
-def epoch_loop(model: Any, loader: Any, sampler: Any, w: Workload) -> list[float]:
-    """The loop both contenders run: seconds per epoch."""
+def epoch_loop(model: Any, loader: Any, sampler: Any, w: Workload, device: Any) -> list[float]:
+    """The loop both contenders run: seconds per epoch (on GPU, synchronised before the clock stops)."""
     import torch
 
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -75,9 +77,12 @@ def epoch_loop(model: Any, loader: Any, sampler: Any, w: Workload) -> list[float
         sampler.set_epoch(epoch)
         started = time.perf_counter()
         for features, labels in loader:
+            features, labels = features.to(device, non_blocking=True), labels.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
             loss_fn(model(features), labels).backward()
             optimizer.step()
+        if w.use_gpu:
+            torch.cuda.synchronize()
         seconds.append(time.perf_counter() - started)
     return seconds
 
@@ -89,7 +94,7 @@ def _loader(w: Workload, rank: int, world: int) -> tuple[Any, Any]:
     x, y = make_data(w)
     data = TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
     sampler: Any = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=w.seed, drop_last=True)
-    return DataLoader(data, batch_size=w.batch_size, sampler=sampler), sampler
+    return DataLoader(data, batch_size=w.batch_size, sampler=sampler, pin_memory=w.use_gpu), sampler
 
 
 def _model(w: Workload) -> Any:
@@ -109,10 +114,16 @@ def _plain_worker(rank: int, world: int, port: int, w: Workload, out: str) -> No
 
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(1)  # what torchrun sets (OMP_NUM_THREADS=1) and what our workers use
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("nccl" if w.use_gpu else "gloo", rank=rank, world_size=world)
     loader, sampler = _loader(w, rank, world)
-    model = DistributedDataParallel(_model(w))
-    seconds = epoch_loop(model, loader, sampler, w)
+    if w.use_gpu:
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        model = DistributedDataParallel(_model(w).to(device), device_ids=[rank])
+    else:
+        device = torch.device("cpu")
+        model = DistributedDataParallel(_model(w))
+    seconds = epoch_loop(model, loader, sampler, w, device)
     if rank == 0:
         Path(out).write_text(json.dumps(seconds))
     dist.destroy_process_group()
@@ -140,7 +151,7 @@ def _ray_loop(config: dict[str, Any]) -> None:
     loader, sampler = _loader(w, context.get_world_rank(), context.get_world_size())
     loader = ray.train.torch.prepare_data_loader(loader)
     model = ray.train.torch.prepare_model(_model(w))
-    seconds = epoch_loop(model, loader, sampler, w)
+    seconds = epoch_loop(model, loader, sampler, w, ray.train.torch.get_device())
     if context.get_world_rank() == 0:
         Path(config["out"]).write_text(json.dumps(seconds))
     ray.train.report({"done": 1})
@@ -155,7 +166,7 @@ def run_ray(w: Workload, world: int, tmp: Path) -> dict[str, float]:
     TorchTrainer(
         _ray_loop,
         train_loop_config={"workload": asdict(w), "out": str(out)},
-        scaling_config=ray.train.ScalingConfig(num_workers=world),
+        scaling_config=ray.train.ScalingConfig(num_workers=world, use_gpu=w.use_gpu),
         run_config=ray.train.RunConfig(name=out.stem, storage_path=str(tmp / "ray")),
     ).fit()
     wall = time.perf_counter() - started
@@ -378,6 +389,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="one repetition, tiny sizes")
     parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=2, help="world size of the parity runs (default 2)")
+    parser.add_argument("--use-gpu", action="store_true", help="NCCL and one GPU per worker in both contenders")
     parser.add_argument("--bare-fit", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--dataset", type=Path, help=argparse.SUPPRESS)
@@ -386,6 +399,8 @@ def main(argv: list[str] | None = None) -> None:
         bare_fit(args.bare_fit, args.epochs, args.dataset)
         return
     workload, reps = (SMOKE, 1) if args.smoke else (FULL, args.repetitions)
+    workload = Workload(**{**asdict(workload), "use_gpu": args.use_gpu})
+    world = args.workers
     flow_epochs = 1 if args.smoke else 3
 
     import ray
@@ -400,8 +415,8 @@ def main(argv: list[str] | None = None) -> None:
         ray.init(address="local", runtime_env={"env_vars": worker_env()}, logging_level="ERROR")
         try:
             for rep in range(reps):
-                plain.append(run_plain(workload, 2, tmp))
-                ray_2.append(run_ray(workload, 2, tmp))
+                plain.append(run_plain(workload, world, tmp))
+                ray_2.append(run_ray(workload, world, tmp))
                 ray_1.append(run_ray(workload, 1, tmp))
                 print(
                     f"  parity rep {rep + 1}/{reps}: plain {plain[-1]['in_loop_s']:.2f} s, "
@@ -409,7 +424,8 @@ def main(argv: list[str] | None = None) -> None:
                     flush=True,
                 )
             results["parity"] = {"plain_ddp": median_of(plain), "ray_train": median_of(ray_2)}
-            results["scaling"] = {"1_worker": median_of(ray_1), "2_workers": median_of(ray_2)}
+            results["scaling"] = {"1_worker": median_of(ray_1), f"{world}_workers": median_of(ray_2)}
+            results["world_size"] = world
             results["ingest"] = median_of([run_ingest(workload, tmp) for _ in range(reps)])
         finally:
             ray.shutdown()
@@ -435,6 +451,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def render(r: dict[str, Any]) -> str:
     p, s, o = r["parity"], r["scaling"], r["orchestration"]
+    n = r["world_size"]
     plain, rt = p["plain_ddp"], p["ray_train"]
     flow, bare = o["flow"], o["bare_fit"]
     w = r["workload"]
@@ -445,15 +462,15 @@ def render(r: dict[str, Any]) -> str:
         "",
         "| benchmark | contender A | contender B | B / A | target |",
         "|---|---|---|---|---|",
-        f"| in-loop time, 2 workers | plain DDP {plain['in_loop_s']:.2f} s | Ray Train {rt['in_loop_s']:.2f} s "
+        f"| in-loop time, {n} workers | plain DDP {plain['in_loop_s']:.2f} s | Ray Train {rt['in_loop_s']:.2f} s "
         f"| {rt['in_loop_s'] / plain['in_loop_s']:.3f}x | <= 1.03x |",
-        f"| samples/s, 2 workers | plain DDP {plain['samples_per_s']:.0f} | Ray Train {rt['samples_per_s']:.0f} "
+        f"| samples/s, {n} workers | plain DDP {plain['samples_per_s']:.0f} | Ray Train {rt['samples_per_s']:.0f} "
         f"| {rt['samples_per_s'] / plain['samples_per_s']:.3f}x | |",
         f"| wall incl. start-up | plain DDP {plain['wall_s']:.1f} s | Ray Train fit {rt['wall_s']:.1f} s "
         f"| {rt['wall_s'] / plain['wall_s']:.2f}x | |",
         f"| scaling (Ray Train samples/s) | 1 worker {s['1_worker']['samples_per_s']:.0f} "
-        f"| 2 workers {s['2_workers']['samples_per_s']:.0f} "
-        f"| {s['2_workers']['samples_per_s'] / s['1_worker']['samples_per_s']:.2f}x | |",
+        f"| {n} workers {s[f'{n}_workers']['samples_per_s']:.0f} "
+        f"| {s[f'{n}_workers']['samples_per_s'] / s['1_worker']['samples_per_s']:.2f}x | |",
         f"| ingest rows/s (no training) | torch {r['ingest']['torch_rows_per_s']:.0f} "
         f"| Ray Data {r['ingest']['ray_data_rows_per_s']:.0f} "
         f"| {r['ingest']['ray_data_rows_per_s'] / r['ingest']['torch_rows_per_s']:.2f}x | |",

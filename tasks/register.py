@@ -72,28 +72,30 @@ def register_model(config: TrainingConfig, dataset: DatasetRef, fit: FitResult) 
     ).eval()
     candidate = score(predict_logits(model, x_val), y_val)
 
-    mlflow.set_tracking_uri(config.mlflow_tracking_uri)
-    with mlflow.start_run(run_id=fit.mlflow_run_id):
-        info = _log_model(model, x_val, dataset, fit)
-    # Only now, with the artifacts uploaded, does a version exist: it can never point at missing files.
-    version = str(
-        mlflow.register_model(info.model_uri, config.model_name, tags=_version_tags(dataset, fit, candidate)).version
-    )
-    client.update_model_version(config.model_name, version, description=_description(config, dataset, fit, candidate))
+    # MLflow's fluent API (log_model, register_model, pyfunc) reads a process-wide URI that set_tracking_uri
+    # also exports as MLFLOW_TRACKING_URI: scoped here, so a later run in this process is not redirected.
+    with tracking.using_tracking_uri(config.mlflow_tracking_uri):
+        with mlflow.start_run(run_id=fit.mlflow_run_id):
+            info = _log_model(model, x_val, dataset, fit)
+        # Only now, with the artifacts uploaded, does a version exist: it can never point at missing files.
+        tags = _version_tags(dataset, fit, candidate)
+        version = str(mlflow.register_model(info.model_uri, config.model_name, tags=tags).version)
+        description = _description(config, dataset, fit, candidate)
+        client.update_model_version(config.model_name, version, description=description)
 
-    with promotion_lock(client, config.model_name, owner=fit.run_key):
-        champion_version = _champion_version(client, config.model_name)
-        champion = _score_version(config.model_name, champion_version, x_val, y_val) if champion_version else None
-        decision = decide_promotion(
-            candidate.get(config.promotion_metric),
-            None if champion is None else champion.get(config.promotion_metric),
-            min_improvement=config.min_improvement,
-            promote=config.promote,
-            higher_is_better=config.promotion_metric != "val_loss",
-        )
-        aliases = apply_decision(
-            client, config.model_name, version, champion_version, decision, config.promotion_metric
-        )
+        with promotion_lock(client, config.model_name, owner=fit.run_key):
+            champion_version = _champion_version(client, config.model_name)
+            champion = _score_version(config.model_name, champion_version, x_val, y_val) if champion_version else None
+            decision = decide_promotion(
+                candidate.get(config.promotion_metric),
+                None if champion is None else champion.get(config.promotion_metric),
+                min_improvement=config.min_improvement,
+                promote=config.promote,
+                higher_is_better=config.promotion_metric != "val_loss",
+            )
+            aliases = apply_decision(
+                client, config.model_name, version, champion_version, decision, config.promotion_metric
+            )
     logger.info(
         "registered %s version %s (%s %.4f): %s, %s",
         config.model_name,

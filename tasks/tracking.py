@@ -143,6 +143,23 @@ def finish_run(client: MlflowClient, run_id: str, *, error: BaseException | None
 
 
 @contextmanager
+def using_tracking_uri(uri: str) -> Iterator[None]:
+    """MLflow's fluent API pointed at `uri` for the block; the previous URI and environment come back after."""
+    from mlflow.tracking._tracking_service import utils as tracking_utils
+
+    previous, previous_env = tracking_utils._tracking_uri, os.environ.get("MLFLOW_TRACKING_URI")
+    tracking_utils.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        tracking_utils.set_tracking_uri(previous)  # type: ignore[arg-type]  # None unsets it, as at start
+        if previous_env is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = previous_env
+
+
+@contextmanager
 def system_metrics(enabled: bool, tracking_uri: str, run_id: str, resumed: bool) -> Iterator[None]:
     """Sample this node's CPU/memory/GPU into the run while the block runs (MLflow's own monitor)."""
     if not enabled:

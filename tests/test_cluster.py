@@ -109,7 +109,9 @@ def test_the_pipeline_trains_on_a_cluster_by_address_and_leaves_it_running(
         import ray
         from ray.util.state import list_actors
         ray.init(address="{external_cluster.address}", logging_level="ERROR")
-        workers = list_actors(filters=[("class_name", "=", "RayTrainWorker")], limit=100)
+        workers = list_actors(
+            address="{external_cluster.address}", filters=[("class_name", "=", "RayTrainWorker")], limit=100
+        )
         print("WORKERS", len(workers), sorted({{w.state for w in workers}}))
         """
     )

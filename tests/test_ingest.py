@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ def test_each_worker_sees_a_disjoint_shard_that_covers_the_data_once_per_epoch(
         datasets = {"datasets": ray_datasets(config, dataset), "dataset_config": data_config()}
     out = tmp_path / "rows"
     out.mkdir()
+    previous_handler = signal.getsignal(signal.SIGINT)
     TorchTrainer(
         _record_rows,
         train_loop_config={"config": config.model_dump(), "dataset": dataset.model_dump(), "out": str(out)},
@@ -56,6 +58,9 @@ def test_each_worker_sees_a_disjoint_shard_that_covers_the_data_once_per_epoch(
         run_config=ray.train.RunConfig(name=f"rows-{loader}", storage_path=str(tmp_path / "runs")),
         **datasets,
     ).fit()
+    # fit() on the main thread installs a SIGINT handler that keeps its controller actor alive until the next
+    # fit; the flow's fit task restores the handler, and so does this test.
+    signal.signal(signal.SIGINT, previous_handler)
 
     workers = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
     for epoch in ("0", "1"):

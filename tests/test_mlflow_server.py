@@ -115,7 +115,7 @@ def test_champion_over_http_loads_and_predicts(served_run: PipelineResult, mlflo
     assert "champion" in client.get_registered_model("served").aliases
     mlflow.set_tracking_uri(mlflow_server)
     model = mlflow.pyfunc.load_model("models:/served@champion")
-    x_val, y_val = read_split(served_run.dataset, "val")
+    x_val, y_val = read_split(served_run.dataset, "val", standardised=False)  # the model takes raw features
     accuracy = float((np.asarray(model.predict(x_val)).argmax(axis=1) == y_val).mean())
     assert accuracy == pytest.approx(served_run.model.score, abs=1e-9)
 

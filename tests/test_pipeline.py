@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,11 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def first_run(workdir: Path, ray_cluster: object, prefect_api: None) -> PipelineResult:
-    return training_pipeline(config=small_config(workdir))
+    exported = os.environ.get("MLFLOW_TRACKING_URI")
+    result = training_pipeline(config=small_config(workdir))
+    # A run leaves the process's MLflow settings as it found them: the next run's default is not redirected.
+    assert os.environ.get("MLFLOW_TRACKING_URI") == exported
+    return result
 
 
 @pytest.fixture(scope="module")

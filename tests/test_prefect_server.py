@@ -54,8 +54,11 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prefect
         shutil.copytree(REPO_ROOT / package, checkout / package, ignore=shutil.ignore_patterns("__pycache__"))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    # Not inherited from this test process: a tracking URI earlier tests exported (mlflow.set_tracking_uri does)
+    # or the test harness's API. Runs must use their checkout's defaults and this server.
+    inherited = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")}
     env = {
-        **os.environ,
+        **inherited,
         "PREFECT_HOME": str(root / "home"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_UI_API_URL": f"{url}/api",  # the UI calls the API at this address, not at the default :4200
