@@ -38,9 +38,7 @@ def ray_datasets(config: TrainingConfig, dataset: DatasetRef) -> dict[str, ray.d
     pipelines = {}
     for split in ("train", "val"):
         filesystem, path = open_filesystem(dataset.split_uri(split), config.storage_options)
-        pipelines[split] = ray.data.read_parquet(
-            path, filesystem=filesystem, ray_remote_args={"num_cpus": DATA_TASK_CPUS}
-        ).map_batches(
+        pipelines[split] = ray.data.read_parquet(path, filesystem=filesystem, num_cpus=DATA_TASK_CPUS).map_batches(
             standardise_batch,  # type: ignore[arg-type]  # extra keyword argument via fn_kwargs
             fn_kwargs={"dataset": dataset},
             batch_format="numpy",

@@ -80,6 +80,16 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prefect
         stop_process_group(server)
 
 
+def _start_in_checkout(server: PrefectServer, command: list[str]) -> tuple[subprocess.Popen[bytes], Path]:
+    """A long-running process (worker, serve) in the checkout, its own process group, output to a log."""
+    log_path = server.checkout.parent / f"{Path(command[0]).name}-{command[-1].strip('-')}.log"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            command, cwd=server.checkout, env=server.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    return process, log_path
+
+
 def _prefect_cli(server: PrefectServer, *args: str) -> str:
     done = subprocess.run(
         [PREFECT, "--no-prompt", *args],
@@ -181,16 +191,7 @@ def test_deploy_schedules_nightly_runs_and_a_worker_runs_an_override(prefect_ser
     assert _deployment_runs(prefect_server, "ad-hoc") == []
     print("\nnext nightly-retrain runs:", ", ".join(f"{t:%Y-%m-%d %H:%M %Z}" for t in expected))
 
-    worker_log = prefect_server.checkout.parent / "worker.log"
-    with worker_log.open("w") as log:
-        worker = subprocess.Popen(
-            [PREFECT, "worker", "start", "--pool", "raytrain-process"],
-            cwd=prefect_server.checkout,
-            env=prefect_server.env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    worker, worker_log = _start_in_checkout(prefect_server, [PREFECT, "worker", "start", "--pool", "raytrain-process"])
     try:
         # What a user types; a flow parameter that is a model takes a JSON object.
         overrides = {"config": {"epochs": 2, "num_workers": 2}}
@@ -228,16 +229,7 @@ def chromium() -> str:
 def test_serve_and_a_custom_run_from_the_ui(prefect_server: PrefectServer, chromium: str) -> None:
     from playwright.sync_api import sync_playwright
 
-    serve_log = prefect_server.checkout.parent / "serve.log"
-    with serve_log.open("w") as log:
-        serve = subprocess.Popen(
-            [sys.executable, "-m", "deployments.serve", "--replace"],
-            cwd=prefect_server.checkout,
-            env=prefect_server.env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    serve, serve_log = _start_in_checkout(prefect_server, [sys.executable, "-m", "deployments.serve", "--replace"])
     try:
         deadline = time.monotonic() + 120
         while "being served" not in serve_log.read_text():
