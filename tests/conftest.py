@@ -17,7 +17,10 @@ from typing import Any
 import pytest
 
 # Before Prefect is imported anywhere: a private Prefect home, and no telemetry from an offline machine.
-_PREFECT_HOME = tempfile.mkdtemp(prefix="prt-prefect-home-")
+# Processes this one starts (Ray workers that import test modules, subprocesses) inherit the same home instead
+# of making their own, which nothing would remove.
+_PREFECT_HOME = os.environ.get("PRT_TESTS_PREFECT_HOME") or tempfile.mkdtemp(prefix="prt-prefect-home-")
+os.environ["PRT_TESTS_PREFECT_HOME"] = _PREFECT_HOME
 os.environ["PREFECT_HOME"] = _PREFECT_HOME
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
