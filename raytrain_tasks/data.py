@@ -15,6 +15,8 @@ LABEL_INDEX_COLUMN = "__label_index__"
 ROW_INDEX_COLUMN = "__row__"  # position within its split: lets a reader tell which rows it saw
 # Part of every dataset's content hash: a change of what the Parquet files hold makes new versions.
 STORAGE_LAYOUT = 2  # 2: raw features, standardised by readers
+# CPU that each Ray Data read/preprocess task reserves beside the training workers (data_loader="ray_data").
+DATA_TASK_CPUS = 0.5
 MANIFEST_NAME = "dataset.json"
 Split = Literal["train", "val"]
 

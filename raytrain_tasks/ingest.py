@@ -19,11 +19,9 @@ import ray.train.torch
 import torch
 
 from raytrain_tasks.config import TrainingConfig
-from raytrain_tasks.data import DatasetRef, Split, read_split, standardise_batch
+from raytrain_tasks.data import DATA_TASK_CPUS, DatasetRef, Split, read_split, standardise_batch
 from raytrain_tasks.fs import open_filesystem
 
-# Ray Data's read and preprocessing tasks each reserve this much CPU beside the training workers.
-DATA_TASK_CPUS = 0.5
 # Rows buffered for the per-worker shuffle of a Ray Data shard: the whole shard for small data.
 SHUFFLE_BUFFER_ROWS = 10_000
 

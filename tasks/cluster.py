@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from raytrain_tasks.config import TrainingConfig
+from raytrain_tasks.data import DATA_TASK_CPUS
 from raytrain_tasks.errors import ClusterError
 from raytrain_tasks.fs import is_s3
 
@@ -200,11 +201,6 @@ def read_mounts() -> str:
             return mounts.read()
     except OSError:
         return ""
-
-
-# What Ray Data's read/preprocess tasks reserve beside the workers (raytrain_tasks.ingest.DATA_TASK_CPUS; not
-# imported from there: that module loads torch).
-DATA_TASK_CPUS = 0.5
 
 
 def requested_resources(config: TrainingConfig) -> ResourceRequest:
