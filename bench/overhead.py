@@ -228,6 +228,9 @@ def run_ingest(w: Workload, tmp: Path) -> dict[str, float]:
 
 
 # --- orchestration: the whole flow vs a bare fit ------------------------------------------------------------
+# The flow's job (and the bare fit's, on the dataset the flow prepared): epochs of a few seconds, so the
+# checkpoint share is measured against epochs shorter than most real ones (a pessimistic figure).
+FLOW_JOB = ["--dataset", "synthetic", "--synthetic-samples", "24000", "--batch-size", "64"]
 LOG_TIME = re.compile(r"^(\d\d:\d\d:\d\d\.\d{3}) \| \w+\s*\| (.*)$")
 
 
@@ -238,12 +241,20 @@ def run_flow(tmp: Path, epochs: int) -> dict[str, float]:
     env = {**os.environ, "PREFECT_HOME": str(workdir / "prefect")}
     env.pop("PREFECT_API_URL", None)
     command = [sys.executable, "-m", "flows.training", "--epochs", str(epochs), "--experiment-name", "bench"]
+    command += FLOW_JOB
     started_at = datetime.now()
-    wall, peak, output = _run_measured(command, workdir, env)
-    marks = _log_marks(output, started_at)
+    run = _run_measured(command, workdir, env)
+    marks = _log_marks(run.output, started_at)
     in_loop = _mlflow_in_loop(f"sqlite:///{workdir / '.pipeline' / 'mlflow.db'}", "bench")
-    figures = {"wall_s": wall, "in_loop_s": in_loop, "fixed_s": wall - in_loop, "peak_rss_gib": peak}
+    figures = {
+        "wall_s": run.wall_s,
+        "in_loop_s": in_loop,
+        "fixed_s": run.wall_s - in_loop,
+        "peak_pss_gib": run.peak_pss_gib,
+        "peak_rss_gib": run.peak_rss_gib,
+    }
     figures.update(marks)
+    figures.update(_checkpoint_figures(run.output))
     if "fit_s" in marks:
         figures["fit_outside_loop_s"] = marks["fit_s"] - in_loop
     return figures
@@ -257,15 +268,17 @@ def run_bare(tmp: Path, epochs: int) -> dict[str, float]:
     command = [sys.executable, "-m", "bench.overhead", "--bare-fit", str(workdir), "--epochs", str(epochs)]
     command += ["--dataset", str(manifest)]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    wall, peak, output = _run_measured(command, workdir, env)
-    in_loop = float(re.findall(r"IN_LOOP ([0-9.]+)", output)[-1])
-    ray_start = float(re.findall(r"RAY_START ([0-9.]+)", output)[-1])
+    run = _run_measured(command, workdir, env)
+    in_loop = float(re.findall(r"IN_LOOP ([0-9.]+)", run.output)[-1])
+    ray_start = float(re.findall(r"RAY_START ([0-9.]+)", run.output)[-1])
     return {
-        "wall_s": wall,
+        "wall_s": run.wall_s,
         "in_loop_s": in_loop,
-        "fixed_s": wall - in_loop,
-        "peak_rss_gib": peak,
+        "fixed_s": run.wall_s - in_loop,
+        "peak_pss_gib": run.peak_pss_gib,
+        "peak_rss_gib": run.peak_rss_gib,
         "ray_start_s": ray_start,
+        **_checkpoint_figures(run.output),
     }
 
 
@@ -279,7 +292,7 @@ def bare_fit(workdir: Path, epochs: int, manifest: Path) -> None:
     from tasks.fit import _read_history, build_trainer
     from tasks.storage import locate
 
-    config = TrainingConfig(epochs=epochs, storage_path=str(workdir / "storage"))
+    config = TrainingConfig(epochs=epochs, batch_size=64, storage_path=str(workdir / "storage"))
     dataset = DatasetRef.model_validate_json(manifest.read_text())
     started = time.perf_counter()
     ray.init(address="local", runtime_env={"env_vars": worker_env()}, logging_level="ERROR")
@@ -291,15 +304,23 @@ def bare_fit(workdir: Path, epochs: int, manifest: Path) -> None:
     ray.shutdown()
 
 
-def _run_measured(command: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, float, str]:
-    """Wall seconds, peak RSS (GiB) of the whole process tree, and the output."""
+@dataclass
+class Measured:
+    wall_s: float
+    peak_pss_gib: float  # physical memory of the tree: each shared page split between the processes using it
+    peak_rss_gib: float  # sum of RSS: counts torch's and Ray's shared libraries once per process
+    output: str
+
+
+def _run_measured(command: list[str], cwd: Path, env: dict[str, str]) -> Measured:
+    """Wall seconds, peak memory of the whole process tree (sampled every 0.2 s), and the output."""
     import psutil
 
     log = cwd / "output.log"
     started = time.perf_counter()
     with log.open("w") as sink:
         process = subprocess.Popen(command, cwd=cwd, env=env, stdout=sink, stderr=subprocess.STDOUT)
-        peak = 0
+        peak_pss = peak_rss = 0
         root = psutil.Process(process.pid)
         seen: dict[int, psutil.Process] = {}
         while process.poll() is None:
@@ -308,19 +329,37 @@ def _run_measured(command: list[str], cwd: Path, env: dict[str, str]) -> tuple[f
                     seen.setdefault(child.pid, child)
             except psutil.Error:
                 pass
-            total = 0
+            pss = rss = 0
             for member in list(seen.values()):
                 try:
-                    total += member.memory_info().rss
+                    info = member.memory_full_info()
                 except psutil.Error:
                     seen.pop(member.pid, None)
-            peak = max(peak, total)
+                    continue
+                pss += getattr(info, "pss", info.rss)
+                rss += info.rss
+            peak_pss, peak_rss = max(peak_pss, pss), max(peak_rss, rss)
             time.sleep(0.2)
     wall = time.perf_counter() - started
     output = log.read_text()
     if process.returncode != 0:
         raise RuntimeError(f"{command} failed:\n{output[-3000:]}")
-    return wall, peak / 2**30, output
+    return Measured(wall, peak_pss / 2**30, peak_rss / 2**30, output)
+
+
+CHECKPOINT_LINE = re.compile(r"epoch \d+/\d+ .*\(([0-9.]+)s, [0-9]+ samples/s; checkpoint ([0-9.]+)s\)")
+
+
+def _checkpoint_figures(output: str) -> dict[str, float]:
+    """From the workers' per-epoch lines: seconds at the epoch boundary (save, upload, report) vs in the epoch."""
+    pairs = [(float(a), float(b)) for a, b in CHECKPOINT_LINE.findall(output)]
+    if not pairs:
+        return {}
+    epoch_s, checkpoint_s = sum(a for a, _ in pairs), sum(b for _, b in pairs)
+    return {
+        "checkpoint_s_per_epoch": checkpoint_s / len(pairs),
+        "checkpoint_share": checkpoint_s / (epoch_s + checkpoint_s),
+    }
 
 
 def _log_marks(output: str, started_at: datetime) -> dict[str, float]:
@@ -439,6 +478,7 @@ def main(argv: list[str] | None = None) -> None:
                 flush=True,
             )
         results["orchestration"] = {"flow": median_of(flows), "bare_fit": median_of(bares)}
+        results["flow_epochs"] = flow_epochs
 
     markdown = render(results)
     print(markdown)
@@ -474,11 +514,13 @@ def render(r: dict[str, Any]) -> str:
         f"| ingest rows/s (no training) | torch {r['ingest']['torch_rows_per_s']:.0f} "
         f"| Ray Data {r['ingest']['ray_data_rows_per_s']:.0f} "
         f"| {r['ingest']['ray_data_rows_per_s'] / r['ingest']['torch_rows_per_s']:.2f}x | |",
-        f"| fixed cost (wall - in-loop), digits | bare fit {bare['fixed_s']:.1f} s "
+        f"| fixed cost (wall - in-loop) | bare fit {bare['fixed_s']:.1f} s "
         f"| whole flow {flow['fixed_s']:.1f} s "
         f"| {flow['fixed_s'] / bare['fixed_s']:.2f}x | <= 1.3x |",
-        f"| peak RSS of the process tree | bare fit {bare['peak_rss_gib']:.2f} GiB "
-        f"| whole flow {flow['peak_rss_gib']:.2f} GiB | | flow <= 3 GiB |",
+        f"| peak memory of the process tree, PSS | bare fit {bare['peak_pss_gib']:.2f} GiB "
+        f"| whole flow {flow['peak_pss_gib']:.2f} GiB | | flow <= 3 GiB |",
+        f"| peak memory, sum of RSS (shared pages counted per process) | bare fit {bare['peak_rss_gib']:.2f} GiB "
+        f"| whole flow {flow['peak_rss_gib']:.2f} GiB | | |",
         "",
         "Whole flow, where the fixed seconds go (from its log timestamps): "
         + ", ".join(
@@ -494,6 +536,13 @@ def render(r: dict[str, Any]) -> str:
         + (f", after the flow (teardown) {flow['wall_s'] - flow['flow_end_s']:.1f} s" if "flow_end_s" in flow else "")
         + f". Bare fit: Ray start {bare['ray_start_s']:.1f} s of {bare['fixed_s']:.1f} s fixed.",
     ]
+    if "checkpoint_share" in flow:
+        lines += [
+            "",
+            f"Checkpointing (local storage, sync upload, {flow['in_loop_s'] / r['flow_epochs']:.1f} s epochs): "
+            f"{flow['checkpoint_s_per_epoch']:.3f} s per epoch at the epoch boundary (save, copy, report barrier), "
+            f"{100 * flow['checkpoint_share']:.1f}% of epoch time (target <= 3%).",
+        ]
     return "\n".join(lines) + "\n"
 
 
