@@ -230,7 +230,8 @@ def run_ingest(w: Workload, tmp: Path) -> dict[str, float]:
 # --- orchestration: the whole flow vs a bare fit ------------------------------------------------------------
 # The flow's job (and the bare fit's, on the dataset the flow prepared): epochs of a few seconds, so the
 # checkpoint share is measured against epochs shorter than most real ones (a pessimistic figure).
-FLOW_JOB = ["--dataset", "synthetic", "--synthetic-samples", "24000", "--batch-size", "64"]
+FLOW_BATCH_SIZE = 64
+FLOW_JOB = ["--dataset", "synthetic", "--synthetic-samples", "24000", "--batch-size", str(FLOW_BATCH_SIZE)]
 LOG_TIME = re.compile(r"^(\d\d:\d\d:\d\d\.\d{3}) \| \w+\s*\| (.*)$")
 
 
@@ -292,7 +293,7 @@ def bare_fit(workdir: Path, epochs: int, manifest: Path) -> None:
     from tasks.fit import _read_history, build_trainer
     from tasks.storage import locate
 
-    config = TrainingConfig(epochs=epochs, batch_size=64, storage_path=str(workdir / "storage"))
+    config = TrainingConfig(epochs=epochs, batch_size=FLOW_BATCH_SIZE, storage_path=str(workdir / "storage"))
     dataset = DatasetRef.model_validate_json(manifest.read_text())
     started = time.perf_counter()
     ray.init(address="local", runtime_env={"env_vars": worker_env()}, logging_level="ERROR")

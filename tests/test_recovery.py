@@ -24,6 +24,7 @@ from mlflow import MlflowClient
 
 from flows.training import PipelineResult, training_pipeline
 from raytrain_tasks.checkpoint import MODEL_FILE
+from raytrain_tasks.resume import checkpoint_dir_name
 from raytrain_tasks.tracking import EPOCH_METRICS
 from tests.conftest import REPO_ROOT, small_config
 
@@ -221,9 +222,9 @@ def test_cli_killed_then_resumed_continues_the_same_run(tmp_path: Path, referenc
     assert match, output[-4000:]
     resumed_from = int(match[1]) - 1
     assert resumed_from >= logged
-    assert f"epoch-{resumed_from:04d}" in written
+    assert checkpoint_dir_name(resumed_from) in written
     after = checkpoint_mtimes(tmp_path)
-    assert all(after[name] == mtime for name, mtime in written.items() if name <= f"epoch-{resumed_from:04d}")
+    assert all(after[name] == mtime for name, mtime in written.items() if name <= checkpoint_dir_name(resumed_from))
 
 
 def test_corrupted_latest_checkpoint_is_skipped_on_resume(tmp_path: Path, reference: PipelineResult) -> None:
