@@ -80,39 +80,69 @@ def main(pipeline: Callable[..., Any], argv: Sequence[str] | None = None) -> int
 def local_services(config: TrainingConfig) -> Iterator[None]:
     """Start the temporary Prefect API and the local Ray side by side, when the run would start both.
 
-    Each takes seconds of mostly single-threaded start-up; one after the other they were most of a short run's
-    fixed cost. The fit task finds Ray initialised and leaves it to this block, which stops it at the end.
-    A configured Prefect API (`PREFECT_API_URL`) or Ray cluster (`ray_address`) is used as before.
+    Each takes seconds of start-up in which this process mostly waits; one after the other they were most of a
+    short run's fixed cost. Meanwhile the libraries the run needs later are imported. The fit task finds Ray
+    initialised and leaves it to this block, which stops it at the end. A configured Prefect API
+    (`PREFECT_API_URL`) or Ray cluster (`ray_address`) is used as before.
     """
     from prefect.settings import PREFECT_API_URL
 
     if PREFECT_API_URL.value() or config.ray_address:
         yield
         return
-    from prefect.server.api.server import SubprocessASGIServer
-
     from tasks.cluster import ray_session
 
-    server = SubprocessASGIServer()  # the instance Prefect's client starts and stops at exit
     failure: list[BaseException] = []
 
     def start_server() -> None:
         try:
-            server.start()
+            from prefect.server.api.server import SubprocessASGIServer
+
+            SubprocessASGIServer().start()  # the instance Prefect's client uses, and stops at exit
         except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
             failure.append(exc)
 
     # Prefect's settings live in context variables: the starter thread needs this thread's.
-    starter = threading.Thread(target=contextvars.copy_context().run, args=(start_server,), daemon=True)
-    starter.start()
+    helpers = [
+        threading.Thread(target=contextvars.copy_context().run, args=(start_server,), daemon=True),
+        threading.Thread(target=_import_ahead, args=(PRELOADED_MODULES,), daemon=True),
+    ]
+    for helper in helpers:
+        helper.start()
     try:
         with ray_session(config):
-            starter.join()
+            _import_ahead(["ray.train.torch"])  # after ray.init: no two threads import Ray modules at once
+            for helper in helpers:
+                helper.join()
             if failure:
                 raise failure[0]
             yield
     finally:
-        starter.join()
+        for helper in helpers:
+            helper.join()
+
+
+# What the run imports later, about 9 s on 2 cores: torch, MLflow and its SQL store, the evaluation report, and
+# torch.export, which MLflow's default model format (pt2) loads when register-model logs the model.
+PRELOADED_MODULES = (
+    "torch",
+    "mlflow",
+    "mlflow.store.tracking.sqlalchemy_store",
+    "sklearn.metrics",
+    "torch.export._trace",
+    "mlflow.pytorch",
+)
+
+
+def _import_ahead(modules: Sequence[str]) -> None:
+    """Import ``modules`` before they are used; one that fails here fails again, with its error, where used."""
+    import importlib
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001, S112 - see the docstring
+            continue
 
 
 def format_summary(result: Any) -> str:

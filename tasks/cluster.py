@@ -26,8 +26,9 @@ class ResourceRequest:
     gpus: float
 
 
-def worker_env() -> dict[str, str]:
-    """Environment every Ray process of the run needs (controller and workers)."""
+def worker_env(local: bool = True) -> dict[str, str]:
+    """Environment every Ray process of the run needs (controller and workers); ``local``: a Ray of one node
+    that this process starts."""
     env = {
         "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ.get(
             "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", HEALTH_CHECK_INTERVAL_S
@@ -37,6 +38,10 @@ def worker_env() -> dict[str, str]:
         ),
         "PYTHONUNBUFFERED": "1",
     }
+    if local:
+        # Ray Train's PreemptionWatcher actor follows nodes that a cloud autoscaler drains (spot instances).
+        # A local Ray has none: one process (~2 s of CPU to start, ~190 MiB) less per run.
+        env["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = os.environ.get("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     return env
 
 
@@ -63,7 +68,7 @@ def cluster_runtime_env() -> dict[str, object]:
     """What a cluster this driver connects to needs: our worker code and the environment it reads."""
     import raytrain_tasks
 
-    env = worker_env()
+    env = worker_env(local=False)
     env.update({name: os.environ[name] for name in FORWARDED_ENV if os.environ.get(name)})
     # Only raytrain_tasks runs on the cluster (train loop, ingest, the controller's MLflow callback); its
     # third-party imports (torch, ray[train,data], mlflow, pyarrow) must be installed in the cluster's image.
