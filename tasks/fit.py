@@ -164,9 +164,10 @@ def build_trainer(
     *callbacks: ray.train.UserCallback,
 ) -> TorchTrainer:
     # torch loads here, not when the flow module is imported: a Prefect worker needs no CUDA to plan runs.
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
     from raytrain_tasks.train_loop import WorkerSpec, train_loop_per_worker
+    from tasks.trainer import RunTrainer
 
     data: dict[str, Any] = {}
     if config.data_loader == "ray_data":
@@ -174,7 +175,7 @@ def build_trainer(
 
         data = {"datasets": ray_datasets(config, dataset), "dataset_config": data_config()}
     low, high = config.worker_range
-    return TorchTrainer(
+    return RunTrainer(
         train_loop_per_worker,
         train_loop_config=WorkerSpec(config=config, dataset=dataset).model_dump(mode="json"),
         torch_config=TorchConfig(backend="nccl" if config.use_gpu else "gloo"),

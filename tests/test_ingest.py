@@ -108,3 +108,28 @@ def test_ray_data_needs_cpus_beside_the_workers(tmp_path: Path, ray_cluster: dic
     with pytest.raises(ClusterError, match="data_loader='ray_data'.*cpus_per_worker"):
         check_resources(config, ray_cluster)
     check_resources(config.model_copy(update={"cpus_per_worker": 0.5}), ray_cluster)
+
+
+def test_a_run_without_ray_datasets_starts_no_dataset_manager(
+    tmp_path: Path, ray_cluster: object, prefect_api: None
+) -> None:
+    """Ray Train would start (and make the workers wait for) a Ray Data actor at every worker-group start."""
+    from ray.util.state import list_actors
+
+    from tasks.fit import build_trainer
+    from tasks.storage import locate
+
+    def dataset_managers() -> int:
+        return len(
+            list_actors(filters=[("class_name", "=", "DatasetManager")], limit=10_000, raise_on_missing_output=False)
+        )
+
+    config = small_config(tmp_path, epochs=1, cpus_per_worker=0.5).resolved(tmp_path, {})
+    dataset = prepare_data(config)
+    before = dataset_managers()
+    previous_handler = signal.getsignal(signal.SIGINT)
+    result = build_trainer(config, dataset, "no-datasets", locate(config.storage_path).child("runs")).fit()
+    signal.signal(signal.SIGINT, previous_handler)
+
+    assert result.checkpoint is not None  # it trained and checkpointed
+    assert dataset_managers() == before
