@@ -22,18 +22,20 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
 def main() -> None:
-    import ray
-    from mlflow import MlflowClient
-    from prefect.testing.utilities import prefect_test_harness
-    from ray.util.state import list_actors
-
-    from flows.training import training_pipeline
-    from raytrain_tasks.config import TrainingConfig
-    from tasks.cluster import worker_env
-
     with tempfile.TemporaryDirectory(prefix="prt-bench-") as tmp:
         workdir = Path(tmp)
+        # Before Prefect is imported: its settings (and the home folder it creates) are read at import.
         os.environ["PREFECT_HOME"] = str(workdir / "prefect")
+
+        import ray
+        from mlflow import MlflowClient
+        from prefect.testing.utilities import prefect_test_harness
+        from ray.util.state import list_actors
+
+        from flows.training import training_pipeline
+        from raytrain_tasks.config import TrainingConfig
+        from tasks.cluster import worker_env
+
         tracking = f"sqlite:///{workdir / 'mlflow.db'}"
         config = TrainingConfig(
             dataset="synthetic",

@@ -24,7 +24,7 @@ from raytrain_tasks.checkpoint import STATE_FILE
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.errors import CheckpointError, ClusterError, TrackingError, TrainingError
-from raytrain_tasks.tracking import STEP_KEY, MlflowEpochLogger
+from raytrain_tasks.tracking import STEP_KEY, MlflowEpochLogger, OpenMlflowEarly
 from tasks import evaluation, tracking
 from tasks.cluster import alive_node_count, check_resources, ray_session, read_mounts, storage_shared_with_nodes
 from tasks.run_page import EpochProgress
@@ -105,7 +105,14 @@ def distributed_fit(config: TrainingConfig, dataset: DatasetRef, run_key: str) -
             run_id,
             run_dir.uri,
         )
-        trainer = build_trainer(config, dataset, run_key, runs, MlflowEpochLogger(config.mlflow_tracking_uri, run_id))
+        trainer = build_trainer(
+            config,
+            dataset,
+            run_key,
+            runs,
+            OpenMlflowEarly(config.mlflow_tracking_uri, run_id),
+            MlflowEpochLogger(config.mlflow_tracking_uri, run_id),
+        )
         try:
             with (
                 tracking.system_metrics(config.system_metrics, config.mlflow_tracking_uri, run_id, reopened),
@@ -161,7 +168,7 @@ def build_trainer(
     dataset: DatasetRef,
     run_key: str,
     runs: StorageLocation,
-    *callbacks: ray.train.UserCallback,
+    *callbacks: Any,  # Ray Train callbacks (UserCallback, ControllerCallback); they run on the controller
 ) -> TorchTrainer:
     # torch loads here, not when the flow module is imported: a Prefect worker needs no CUDA to plan runs.
     from ray.train.torch import TorchConfig
