@@ -40,15 +40,6 @@ def log_epoch(client: Any, run_id: str, metrics: dict[str, Any], checkpoint_path
     client.log_batch(run_id, metrics=batch, tags=tags)
 
 
-def open_client(tracking_uri: str, run_id: str) -> Any:
-    """An MlflowClient whose store is open (MLflow caches stores per URI, so later clients reuse it)."""
-    from mlflow import MlflowClient
-
-    client = MlflowClient(tracking_uri)
-    client.get_run(run_id)
-    return client
-
-
 class OpenMlflowEarly(ControllerCallback):
     """Opens the MLflow store in a background thread of the controller as soon as the controller starts.
 
@@ -66,7 +57,10 @@ class OpenMlflowEarly(ControllerCallback):
 
     def _open(self) -> None:
         try:
-            open_client(self.tracking_uri, self.run_id)
+            from mlflow import MlflowClient
+
+            # The first query opens the store; MLflow caches it per URI, so the epoch logger's client reuses it.
+            MlflowClient(self.tracking_uri).get_run(self.run_id)
         except Exception:  # noqa: BLE001 - only a head start; MlflowEpochLogger connects (and reports) itself
             logger.debug("could not open MLflow early", exc_info=True)
 
@@ -87,7 +81,9 @@ class MlflowEpochLogger(UserCallback):
         epoch_metrics = metrics[0]
         try:
             if self._client is None:
-                self._client = open_client(self.tracking_uri, self.run_id)
+                from mlflow import MlflowClient
+
+                self._client = MlflowClient(self.tracking_uri)
                 self._logged = logged_steps(self._client, self.run_id)
             assert self._logged is not None
             step = int(epoch_metrics["epoch"])

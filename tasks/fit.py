@@ -19,6 +19,7 @@ import ray.train
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 from pydantic import BaseModel, ConfigDict
+from ray.train.v2.api.callback import RayTrainCallback
 
 from raytrain_tasks.checkpoint import STATE_FILE
 from raytrain_tasks.config import TrainingConfig
@@ -168,7 +169,7 @@ def build_trainer(
     dataset: DatasetRef,
     run_key: str,
     runs: StorageLocation,
-    *callbacks: Any,  # Ray Train callbacks (UserCallback, ControllerCallback); they run on the controller
+    *callbacks: RayTrainCallback,  # UserCallbacks and ControllerCallbacks; they run on the controller
 ) -> TorchTrainer:
     # torch loads here, not when the flow module is imported: a Prefect worker needs no CUDA to plan runs.
     from ray.train.torch import TorchConfig
@@ -207,7 +208,7 @@ def build_trainer(
                 checkpoint_score_attribute=STEP_KEY,
                 checkpoint_score_order="max",
             ),
-            callbacks=list(callbacks),  # type: ignore[arg-type]  # V2 UserCallbacks, see above
+            callbacks=list(callbacks),  # type: ignore[arg-type]  # V2 callbacks, see above
         ),
     )
 
