@@ -40,8 +40,17 @@ def training_pipeline(config: TrainingConfig = TrainingConfig()) -> PipelineResu
     fit = distributed_fit.with_options(retries=config.fit_retries, retry_delay_seconds=config.retry_delay_seconds)(
         config, dataset, run_key
     )
-    model = register_model(config, dataset, fit) if config.register else None
-    result = PipelineResult(run_key=run_key, config=config, dataset=dataset, fit=fit, model=model)
+    if not config.register:
+        result = PipelineResult(run_key=run_key, config=config, dataset=dataset, fit=fit, model=None)
+        publish_run_summary(result)
+        return result
+    registered = register_model(config, dataset, fit, return_state=True)
+    if not registered.is_completed():
+        error = registered.result(raise_on_failure=False)
+        result = PipelineResult(run_key=run_key, config=config, dataset=dataset, fit=fit, model=None)
+        publish_run_summary(result, registry_error=str(error))
+        raise error if isinstance(error, BaseException) else RuntimeError(f"register-model ended {registered.name}")
+    result = PipelineResult(run_key=run_key, config=config, dataset=dataset, fit=fit, model=registered.result())
     publish_run_summary(result)
     return result
 

@@ -53,7 +53,29 @@ class TrainingConfig(BaseModel):
         default=20, ge=2, le=10_000, title="Synthetic features", description="Feature columns of 'synthetic'."
     )
     val_fraction: float = Field(
-        default=0.2, gt=0.0, lt=0.9, title="Validation fraction", description="Share of rows held out."
+        default=0.2,
+        gt=0.0,
+        lt=0.9,
+        title="Validation fraction",
+        description="Share of rows held out to pick the best checkpoint.",
+    )
+    test_fraction: float = Field(
+        default=0.1,
+        gt=0.0,
+        lt=0.9,
+        title="Test fraction",
+        description=(
+            "Share of rows held out from training and checkpoint selection; the candidate and the champion are "
+            "compared on it."
+        ),
+    )
+    split_key_column: str = Field(
+        default="",
+        title="Split key column",
+        description=(
+            "Column whose value identifies a row (not used as a feature); a row's split follows from its hash, so "
+            "rows keep their split as data grows. Empty: the hash of the row's values."
+        ),
     )
 
     # --- compute ---
@@ -190,7 +212,10 @@ class TrainingConfig(BaseModel):
     promotion_metric: Literal["val_accuracy", "val_loss"] = Field(
         default="val_accuracy",
         title="Promotion metric",
-        description="Compared on this run's validation split: higher val_accuracy or lower val_loss wins.",
+        description=(
+            "Picks the best checkpoint on the validation split (higher accuracy or lower loss wins); the candidate "
+            "and the champion are then compared on the same measure on the held-out test split."
+        ),
     )
     min_improvement: float = Field(
         default=0.0,
@@ -198,6 +223,14 @@ class TrainingConfig(BaseModel):
         le=1.0,
         title="Minimum improvement",
         description="How much a candidate must beat the champion by on `promotion_metric` to take 'champion'.",
+    )
+    replace_incomparable_champion: bool = Field(
+        default=False,
+        title="Replace incomparable champion",
+        description=(
+            "A champion with another input schema (feature names or order, class labels) cannot be compared. "
+            "Off: it keeps 'champion' and the reason is recorded. On: the new version replaces it."
+        ),
     )
 
     @field_validator("dataset")
@@ -211,6 +244,15 @@ class TrainingConfig(BaseModel):
             f"unknown dataset {value!r}: use one of {sorted(BUILTIN_DATASETS)} "
             f"or a path/URI ending in {', '.join(SUPPORTED_FILE_SUFFIXES)}"
         )
+
+    @model_validator(mode="after")
+    def _held_out_share(self) -> TrainingConfig:
+        if self.val_fraction + self.test_fraction >= 0.9:
+            raise ValueError(
+                f"val_fraction ({self.val_fraction}) + test_fraction ({self.test_fraction}) must leave at least 10% "
+                "of the rows for training"
+            )
+        return self
 
     @model_validator(mode="after")
     def _elastic_range(self) -> TrainingConfig:

@@ -14,11 +14,12 @@ from raytrain_tasks.fs import StorageOptions, open_filesystem
 LABEL_INDEX_COLUMN = "__label_index__"
 ROW_INDEX_COLUMN = "__row__"  # position within its split: lets a reader tell which rows it saw
 # Part of every dataset's content hash: a change of what the Parquet files hold makes new versions.
-STORAGE_LAYOUT = 2  # 2: raw features, standardised by readers
+STORAGE_LAYOUT = 3  # 2: raw features, standardised by readers; 3: train/val/test assigned by a stable row hash
 # CPU that each Ray Data read/preprocess task reserves beside the training workers (data_loader="ray_data").
 DATA_TASK_CPUS = 0.5
 MANIFEST_NAME = "dataset.json"
-Split = Literal["train", "val"]
+Split = Literal["train", "val", "test"]
+SPLITS: tuple[Split, ...] = ("train", "val", "test")
 
 
 class DatasetRef(BaseModel):
@@ -34,6 +35,8 @@ class DatasetRef(BaseModel):
     class_labels: tuple[str, ...]
     train_rows: int
     val_rows: int
+    test_rows: int = 0
+    split_rule: str = ""
     feature_mean: tuple[float, ...]
     feature_std: tuple[float, ...]
 

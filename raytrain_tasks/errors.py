@@ -31,3 +31,7 @@ class TrackingError(PipelineError):
 
 class TrainingError(PipelineError):
     """Training failed beyond what Ray Train's restarts could recover."""
+
+
+class PromotionError(PipelineError):
+    """The champion decision could not be made; no alias moved and the decision is redone by the next attempt."""

@@ -21,8 +21,35 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_PREFIX = "epoch-"
 
 
-def checkpoint_dir_name(epoch: int) -> str:
-    return f"{CHECKPOINT_PREFIX}{epoch:04d}"
+def checkpoint_dir_name(epoch: int, taken: frozenset[str] = frozenset()) -> str:
+    """``epoch-NNNN``, or ``epoch-NNNN-rK`` when an earlier attempt left a folder of that name.
+
+    An epoch re-trained after a fallback to an older checkpoint must not reuse the folder of the checkpoint it
+    replaces: Ray Train would later evict the old entry and delete the folder, taking the new one with it.
+    """
+    base = f"{CHECKPOINT_PREFIX}{epoch:04d}"
+    if base not in taken:
+        return base
+    attempt = 1
+    while f"{base}-r{attempt}" in taken:
+        attempt += 1
+    return f"{base}-r{attempt}"
+
+
+def checkpoint_epoch(name: str) -> int:
+    return int(name.removeprefix(CHECKPOINT_PREFIX).split("-", 1)[0])
+
+
+def existing_checkpoint_names(latest: Checkpoint) -> frozenset[str]:
+    """The checkpoint folders in ``latest``'s run folder."""
+    filesystem = latest.filesystem
+    assert filesystem is not None
+    run_dir = posixpath.dirname(latest.path.rstrip("/"))
+    return frozenset(
+        info.base_name
+        for info in filesystem.get_file_info(pafs.FileSelector(run_dir))
+        if info.type == pafs.FileType.Directory and info.base_name.startswith(CHECKPOINT_PREFIX)
+    )
 
 
 def resume_order(latest: str, siblings: list[str]) -> list[str]:

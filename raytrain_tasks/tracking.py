@@ -10,6 +10,7 @@ the store set-up (about 4 s of CPU) do not compete with the workers during the f
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -53,6 +54,7 @@ class OpenMlflowEarly(ControllerCallback):
         self.run_id = run_id
 
     def after_controller_start(self, train_run_context: Any) -> None:
+        bound_mlflow_requests()
         threading.Thread(target=self._open, name="mlflow-open", daemon=True).start()
 
     def _open(self) -> None:
@@ -65,8 +67,22 @@ class OpenMlflowEarly(ControllerCallback):
             logger.debug("could not open MLflow early", exc_info=True)
 
 
+# The controller talks to MLflow between epochs: a dead server must cost seconds there, not MLflow's default
+# minutes of retries per request. Unset values only; the driver's own settings are passed in its env.
+CONTROLLER_HTTP_ENV = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "5", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1"}
+
+
+def bound_mlflow_requests() -> None:
+    for key, value in CONTROLLER_HTTP_ENV.items():
+        os.environ.setdefault(key, value)
+
+
 class MlflowEpochLogger(UserCallback):
-    """Logs each committed epoch of rank 0 to one MLflow run."""
+    """Logs each committed epoch of rank 0 to one MLflow run.
+
+    An MLflow error skips that epoch's live write only: the next report tries again (and first re-reads
+    which epochs the run already has), and the driver logs whatever is still missing once ``fit()`` returns.
+    """
 
     def __init__(self, tracking_uri: str, run_id: str) -> None:
         self.tracking_uri = tracking_uri
@@ -83,13 +99,15 @@ class MlflowEpochLogger(UserCallback):
             if self._client is None:
                 from mlflow import MlflowClient
 
+                bound_mlflow_requests()
                 self._client = MlflowClient(self.tracking_uri)
+            if self._logged is None:
                 self._logged = logged_steps(self._client, self.run_id)
-            assert self._logged is not None
             step = int(epoch_metrics["epoch"])
             if step in self._logged:
                 return
             log_epoch(self._client, self.run_id, epoch_metrics, checkpoint.path)
             self._logged.add(step)
-        except Exception:  # noqa: BLE001 - tracking must never kill training; the driver reconciles at the end
-            logger.exception("could not log epoch metrics to MLflow run %s; the driver will retry", self.run_id)
+        except Exception:  # noqa: BLE001 - tracking must never kill training; tested in test_tracking_outage
+            self._logged = None  # unknown after a failed write: re-read at the next report
+            logger.exception("could not log epoch metrics to MLflow run %s; the next report retries", self.run_id)

@@ -35,7 +35,7 @@ from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.ingest import TrainBatches, validation_slice
 from raytrain_tasks.models import build_model
-from raytrain_tasks.resume import checkpoint_dir_name, load_newest_intact
+from raytrain_tasks.resume import checkpoint_dir_name, existing_checkpoint_names, load_newest_intact
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +79,10 @@ def train_loop_per_worker(train_loop_config: dict[str, Any]) -> None:
 
     net = build_model(config.model, dataset.num_features, dataset.num_classes, config.hidden_sizes)
     start_epoch, history, rng_state, optimizer_state = 0, [], None, None
+    taken: frozenset[str] = frozenset()
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
+        taken = existing_checkpoint_names(checkpoint)
         loaded, checkpoint = load_newest_intact(checkpoint, announce=rank == 0)
         net.load_state_dict(loaded.model_state)
         start_epoch, history = loaded.state.epoch + 1, list(loaded.state.history)
@@ -129,7 +131,7 @@ def train_loop_per_worker(train_loop_config: dict[str, Any]) -> None:
             "samples_per_second": train_count / seconds if seconds > 0 else math.nan,
         }
         history.append({k: float(v) for k, v in metrics.items()})
-        _report(config, dataset, epoch, metrics, history, model, optimizer, rank)
+        _report(config, dataset, epoch, metrics, history, model, optimizer, rank, taken)
 
 
 def _report(
@@ -141,6 +143,7 @@ def _report(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     rank: int,
+    taken: frozenset[str],
 ) -> None:
     if rank != 0:
         # report() is a barrier: every rank calls it, only rank 0 carries the checkpoint.
@@ -165,7 +168,7 @@ def _report(
         ray.train.report(
             metrics,
             checkpoint=ray.train.Checkpoint.from_directory(tmp),
-            checkpoint_dir_name=checkpoint_dir_name(epoch),
+            checkpoint_dir_name=checkpoint_dir_name(epoch, taken),
         )
     # One line per epoch; the checkpoint figure is what the epoch boundary cost (save, upload, report barrier).
     logger.info(

@@ -32,10 +32,11 @@ def prepare_data(config: TrainingConfig) -> DatasetRef:
     logger = get_run_logger()
     dataset = prepare_dataset(config)
     logger.info(
-        "dataset %s: %d train / %d val rows, %d features, %d classes at %s",
+        "dataset %s: %d train / %d val / %d test rows, %d features, %d classes at %s",
         dataset.content_hash,
         dataset.train_rows,
         dataset.val_rows,
+        dataset.test_rows,
         dataset.num_features,
         dataset.num_classes,
         dataset.uri,
@@ -73,7 +74,11 @@ def load_raw_frame(config: TrainingConfig) -> pd.DataFrame:
             f"label column {config.label_column!r} is not in dataset {config.dataset!r} "
             f"(columns: {', '.join(map(str, frame.columns[:20]))}); set `label_column`"
         )
-    features = frame.drop(columns=[config.label_column])
+    if config.split_key_column and config.split_key_column not in frame.columns:
+        raise DatasetError(
+            f"split key column {config.split_key_column!r} is not in dataset {config.dataset!r}; set `split_key_column`"
+        )
+    features = _feature_frame(frame, config)
     from pandas.api.types import is_numeric_dtype
 
     non_numeric = [str(c) for c in features.columns if not is_numeric_dtype(features[c])]
@@ -83,9 +88,57 @@ def load_raw_frame(config: TrainingConfig) -> pd.DataFrame:
         )
     if features.shape[1] == 0 or len(frame) < 10:
         raise DatasetError(f"dataset {config.dataset!r} needs at least one feature column and 10 rows")
-    if frame[config.label_column].nunique() < 2:
-        raise DatasetError(f"dataset {config.dataset!r}: `label_column` {config.label_column!r} has one class")
+    check_values(frame, config)
     return frame
+
+
+def check_values(frame: pd.DataFrame, config: TrainingConfig) -> None:
+    """Refuse what would train on garbage or leave a split without a class, naming the column and setting."""
+    label = config.label_column
+    missing_labels = int(frame[label].isna().sum())
+    if missing_labels:
+        raise DatasetError(
+            f"dataset {config.dataset!r}: {missing_labels} rows have no value in label column {label!r}; "
+            "drop or label them (or set `label_column`)"
+        )
+    for column in _feature_frame(frame, config).columns:
+        values = frame[column].to_numpy(dtype=np.float64)
+        bad = ~np.isfinite(values)
+        if bad.any():
+            raise DatasetError(
+                f"dataset {config.dataset!r}: feature column {column!r} has {int(bad.sum())} NaN or infinite "
+                f"values (first at row {int(np.argmax(bad))}); clean or impute them before training, or point "
+                "`dataset` at a cleaned file"
+            )
+    if frame[label].nunique() < 2:
+        raise DatasetError(f"dataset {config.dataset!r}: `label_column` {label!r} has one class")
+
+
+def _feature_frame(frame: pd.DataFrame, config: TrainingConfig) -> pd.DataFrame:
+    dropped = [config.label_column, *([config.split_key_column] if config.split_key_column else [])]
+    return frame.drop(columns=dropped)
+
+
+SPLIT_BUCKETS = 1_000_000
+TRAIN, VAL, TEST = 0, 1, 2
+
+
+def split_rule(config: TrainingConfig) -> str:
+    key = f"column {config.split_key_column!r}" if config.split_key_column else "the row's values"
+    val_below = round(config.test_fraction + config.val_fraction, 9)
+    return (
+        f"u = (pandas.util.hash_pandas_object of {key}, index=False) mod {SPLIT_BUCKETS} / {SPLIT_BUCKETS}; "
+        f"test if u < {config.test_fraction}, validation if u < {val_below}, else train"
+    )
+
+
+def assign_splits(keys: pd.DataFrame | pd.Series, val_fraction: float, test_fraction: float) -> np.ndarray:
+    """TRAIN, VAL or TEST per row, from a hash of the row's key alone: adding rows never moves another row."""
+    import pandas as pd
+
+    hashes = pd.util.hash_pandas_object(keys, index=False).to_numpy(dtype=np.uint64)
+    u = (hashes % np.uint64(SPLIT_BUCKETS)).astype(np.float64) / SPLIT_BUCKETS
+    return np.where(u < test_fraction, TEST, np.where(u < test_fraction + val_fraction, VAL, TRAIN))
 
 
 def dataset_hash(frame: pd.DataFrame, config: TrainingConfig) -> str:
@@ -98,8 +151,7 @@ def dataset_hash(frame: pd.DataFrame, config: TrainingConfig) -> str:
     split_params = {
         "layout": STORAGE_LAYOUT,
         "label_column": config.label_column,
-        "val_fraction": config.val_fraction,
-        "seed": config.seed,
+        "rule": split_rule(config),
         "format": PREPARED_FORMAT,
     }
     digest.update(json.dumps(split_params, sort_keys=True).encode())
@@ -126,21 +178,18 @@ def _read_table_file(uri: str, config: TrainingConfig) -> pd.DataFrame:
 def _write_version(
     frame: pd.DataFrame, config: TrainingConfig, target: StorageLocation, content_hash: str
 ) -> DatasetRef:
-    from sklearn.model_selection import train_test_split
-
     labels = frame[config.label_column]
     class_values = sorted(labels.unique(), key=str)
     class_index = {value: i for i, value in enumerate(class_values)}
     y = labels.map(class_index).to_numpy(dtype=np.int64)
-    features = frame.drop(columns=[config.label_column])
+    features = _feature_frame(frame, config)
     feature_names = tuple(str(c) for c in features.columns)
     x = features.to_numpy(dtype=np.float32)
+    keys = frame[config.split_key_column].astype(str) if config.split_key_column else frame
+    assignment = assign_splits(keys, config.val_fraction, config.test_fraction)
+    _check_split_sizes(assignment, y, class_values, config)
 
-    counts = np.bincount(y)
-    stratify = y if counts.min() >= 2 else None
-    x_train, x_val, y_train, y_val = train_test_split(
-        x, y, test_size=config.val_fraction, random_state=config.seed, stratify=stratify
-    )
+    x_train = x[assignment == TRAIN]
     mean = x_train.mean(axis=0)
     std = x_train.std(axis=0)
     # Constant columns (digits has some all-zero pixels) would divide by zero.
@@ -149,7 +198,10 @@ def _write_version(
     target.filesystem.create_dir(target.path, recursive=True)
     # Raw features are stored; readers standardise with the train statistics of the manifest (numpy in
     # read_split, map_batches on Ray Data's CPU workers), so both loaders see the same numbers.
-    for split, xs, ys in (("train", x_train, y_train), ("val", x_val, y_val)):
+    rows = {}
+    for split, code in (("train", TRAIN), ("val", VAL), ("test", TEST)):
+        xs, ys = x[assignment == code], y[assignment == code]
+        rows[split] = len(ys)
         columns: dict[str, np.ndarray] = {name: xs[:, i] for i, name in enumerate(feature_names)}
         columns[LABEL_INDEX_COLUMN] = ys
         columns[ROW_INDEX_COLUMN] = np.arange(len(ys), dtype=np.int64)
@@ -165,11 +217,41 @@ def _write_version(
         label_column=config.label_column,
         feature_names=feature_names,
         class_labels=tuple(str(v) for v in class_values),
-        train_rows=len(y_train),
-        val_rows=len(y_val),
+        train_rows=rows["train"],
+        val_rows=rows["val"],
+        test_rows=rows["test"],
+        split_rule=split_rule(config),
         feature_mean=tuple(float(v) for v in mean),
         feature_std=tuple(float(v) for v in std),
     )
     # The manifest goes last: a version folder without it is incomplete and gets rewritten.
     target.child(MANIFEST_NAME).write_text(dataset.model_dump_json(indent=1))
     return dataset
+
+
+def _check_split_sizes(
+    assignment: np.ndarray, y: np.ndarray, class_values: list[object], config: TrainingConfig
+) -> None:
+    num_classes = len(class_values)
+    counts = np.bincount(y, minlength=num_classes)
+    for index, count in enumerate(counts):
+        if count < 3:
+            raise DatasetError(
+                f"dataset {config.dataset!r}: class {str(class_values[index])!r} of {config.label_column!r} has {count} "
+                "rows; each class needs at least 3 (train, validation and test); add rows or drop the class"
+            )
+    in_train = np.bincount(y[assignment == TRAIN], minlength=num_classes)
+    if (in_train == 0).any():
+        absent = [str(class_values[i]) for i in np.flatnonzero(in_train == 0)]
+        raise DatasetError(
+            f"dataset {config.dataset!r}: no training rows of class(es) {', '.join(absent)} after holding out "
+            f"val_fraction={config.val_fraction} and test_fraction={config.test_fraction}; add rows of those "
+            "classes or lower `val_fraction` / `test_fraction`"
+        )
+    for name, code, setting in (("validation", VAL, "val_fraction"), ("test", TEST, "test_fraction")):
+        size = int((assignment == code).sum())
+        if size < num_classes:
+            raise DatasetError(
+                f"dataset {config.dataset!r}: the {name} split has {size} rows, fewer than the {num_classes} "
+                f"classes; raise `{setting}` (now {getattr(config, setting)}) or add rows"
+            )

@@ -22,10 +22,10 @@ EVALUATION_ARTIFACT_DIR = "evaluation"
 
 @dataclass(frozen=True)
 class Scores:
-    """A model's scores on one validation split; comparable only with scores on the same split."""
+    """A model's scores on one split; comparable only with scores on the same split."""
 
-    val_accuracy: float
-    val_loss: float
+    accuracy: float
+    loss: float
 
     def get(self, metric: str) -> float:
         return float(getattr(self, metric))
@@ -57,7 +57,7 @@ def score(logits: np.ndarray, labels: np.ndarray) -> Scores:
     shifted = logits - logits.max(axis=1, keepdims=True)
     log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
     loss = float(-log_probs[np.arange(len(labels)), labels].mean())
-    return Scores(val_accuracy=float((logits.argmax(axis=1) == labels).mean()), val_loss=loss)
+    return Scores(accuracy=float((logits.argmax(axis=1) == labels).mean()), loss=loss)
 
 
 def log_dataset_input(client: MlflowClient, run_id: str, dataset: DatasetRef) -> None:
@@ -85,12 +85,17 @@ def log_evaluation(
     history: list[dict[str, float]],
     checkpoint: dict[str, Any],
     options: StorageOptions,
-) -> Scores:
-    """Score the best checkpoint on the validation split and log plots and reports as run artifacts."""
+) -> dict[str, float]:
+    """Score the best checkpoint on the validation and test splits, log plots and reports as run artifacts and
+    the scores as metrics; returns them (``val_accuracy``, ``val_loss``, ``test_accuracy``, ``test_loss``)."""
+    from mlflow.entities import Metric
+
     model = load_checkpoint_model(checkpoint["uri"], options)
     _, y_train = read_split(dataset, "train", options)
     x_val, y_val = read_split(dataset, "val", options)
+    x_test, y_test = read_split(dataset, "test", options)
     logits = predict_logits(model, x_val)
+    test_scores = score(predict_logits(model, x_test), y_test)
     evaluation = evaluation_report(logits, y_val, dataset.class_labels)
     with tempfile.TemporaryDirectory(prefix="prt-report-") as tmp:
         write_report_files(
@@ -102,4 +107,12 @@ def log_evaluation(
             checkpoint_pointer=checkpoint,
         )
         client.log_artifacts(run_id, tmp, artifact_path=EVALUATION_ARTIFACT_DIR)
-    return score(logits, y_val)
+    val_scores = score(logits, y_val)
+    scores = {
+        "val_accuracy": val_scores.accuracy,
+        "val_loss": val_scores.loss,
+        "test_accuracy": test_scores.accuracy,
+        "test_loss": test_scores.loss,
+    }
+    client.log_batch(run_id, metrics=[Metric(f"best_checkpoint_{k}", v, 0, 0) for k, v in scores.items()])
+    return scores

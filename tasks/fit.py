@@ -25,7 +25,7 @@ from raytrain_tasks.checkpoint import STATE_FILE
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.errors import CheckpointError, ClusterError, TrackingError, TrainingError
-from raytrain_tasks.tracking import STEP_KEY, MlflowEpochLogger, OpenMlflowEarly
+from raytrain_tasks.tracking import MlflowEpochLogger, OpenMlflowEarly
 from tasks import evaluation, tracking
 from tasks.cluster import alive_node_count, check_resources, ray_session, read_mounts, storage_shared_with_nodes
 from tasks.run_page import EpochProgress
@@ -55,6 +55,8 @@ class FitResult(BaseModel):
     final_metrics: dict[str, float]
     history: list[dict[str, float]]
     reopened_mlflow_run: bool
+    # The best checkpoint scored once, on the driver: val_accuracy, val_loss, test_accuracy, test_loss.
+    scores: dict[str, float] = {}
 
 
 def is_retryable(task: Any, task_run: Any, state: Any) -> bool:
@@ -82,69 +84,114 @@ def distributed_fit(config: TrainingConfig, dataset: DatasetRef, run_key: str) -
     # Pre-flight, cheapest first: MLflow answers, Ray is reachable and can host the workers. Nothing is
     # created (no MLflow run, no checkpoint folder) until all three hold.
     client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
-    with ray_session(config):
-        check_resources(config, ray.cluster_resources())
-        storage_shared_with_nodes(config.storage_path, alive_node_count(), read_mounts())
-        experiment_id = tracking.ensure_experiment(
-            client, config.experiment_name, config.mlflow_tracking_uri, config.storage_path
-        )
-        backend = "nccl" if config.use_gpu else "gloo"
-        run_id, reopened = tracking.start_or_reopen_run(
-            client,
-            experiment_id,
-            run_key,
-            run_name=_mlflow_run_name(run_key),
-            tags=_run_tags(config, dataset, run_key, run_dir, backend),
-            params=config.public_params(),
-        )
-        if not reopened:
-            evaluation.log_dataset_input(client, run_id, dataset)
-        logger.info(
-            "run key %s: %s MLflow run %s; checkpoints in %s",
-            run_key,
-            "continuing" if reopened else "new",
-            run_id,
-            run_dir.uri,
-        )
-        trainer = build_trainer(
-            config,
-            dataset,
-            run_key,
-            runs,
-            OpenMlflowEarly(config.mlflow_tracking_uri, run_id),
-            MlflowEpochLogger(config.mlflow_tracking_uri, run_id),
-        )
-        try:
+    run_id: str | None = None
+    try:
+        with ray_session(config):
+            check_resources(config, ray.cluster_resources())
+            storage_shared_with_nodes(config.storage_path, alive_node_count(), read_mounts())
+            experiment_id = tracking.ensure_experiment(
+                client, config.experiment_name, config.mlflow_tracking_uri, config.storage_path
+            )
+            tracking.mark_dead_runs_killed(client, experiment_id, found_by=run_key)
+            finished = _finished_fit(run_dir)
+            if finished is not None:
+                # Everything was trained and recorded earlier: check the settings match, train nothing.
+                tracking.check_resumable(client, experiment_id, run_key, config.public_params())
+                tracking.finish_run(client, finished.mlflow_run_id)
+                logger.info("run key %s finished all %d epochs earlier; nothing to train", run_key, config.epochs)
+                return finished
+            backend = "nccl" if config.use_gpu else "gloo"
+            run_id, reopened = tracking.start_or_reopen_run(
+                client,
+                experiment_id,
+                run_key,
+                run_name=_mlflow_run_name(run_key),
+                tags=_run_tags(config, dataset, run_key, run_dir, backend),
+                params=config.public_params(),
+            )
+            if not reopened:
+                evaluation.log_dataset_input(client, run_id, dataset)
+            logger.info(
+                "run key %s: %s MLflow run %s; checkpoints in %s",
+                run_key,
+                "continuing" if reopened else "new",
+                run_id,
+                run_dir.uri,
+            )
+            trainer = build_trainer(
+                config,
+                dataset,
+                run_key,
+                runs,
+                OpenMlflowEarly(config.mlflow_tracking_uri, run_id),
+                MlflowEpochLogger(config.mlflow_tracking_uri, run_id),
+            )
             with (
                 tracking.system_metrics(config.system_metrics, config.mlflow_tracking_uri, run_id, reopened),
                 EpochProgress(client, run_id, config.epochs, logger),
                 _keep_sigint_handler(),
             ):
                 result = trainer.fit()
-        except BaseException as exc:
-            error: BaseException = exc
-            if isinstance(exc, ray.train.TrainingFailedError):
-                error = TrainingError(
-                    f"training run {run_key} failed after {config.max_failures} worker-group restarts: {exc}. "
-                    f"It can continue from its last checkpoint with `resume={run_key}`"
-                )
-            tracking.finish_run(client, run_id, error=error)
-            if error is exc:
-                raise
-            raise error from exc
 
-    fit = summarize(result, config, run_key, run_dir, run_id, experiment_id, backend, reopened)
-    added = tracking.reconcile_epochs(client, run_id, fit.history)
-    if added:
-        logger.warning("logged %d epoch(s) to MLflow that the controller could not log live", added)
-    tracking.log_summary(client, run_id, fit.history)
-    pointer = {"uri": fit.best_checkpoint_uri, "epoch": fit.best_epoch, "run_uri": fit.run_uri, "run_key": run_key}
-    evaluation.log_evaluation(client, run_id, dataset, fit.history, pointer, config.storage_options)
+        fit = summarize(result, config, run_key, run_dir, run_id, experiment_id, backend, reopened)
+        added = tracking.reconcile_epochs(client, run_id, fit.history)
+        if added:
+            logger.warning("logged %d epoch(s) to MLflow that the controller could not log live", added)
+        tracking.log_summary(client, run_id, fit.history, selection_metric(config))
+        pointer = {"uri": fit.best_checkpoint_uri, "epoch": fit.best_epoch, "run_uri": fit.run_uri, "run_key": run_key}
+        scores = evaluation.log_evaluation(client, run_id, dataset, fit.history, pointer, config.storage_options)
+        fit = fit.model_copy(update={"scores": scores})
+        # The record goes last: a run with it is complete, and a resume of it trains and logs nothing again.
+        run_dir.child(FIT_RECORD).write_text(fit.model_dump_json(indent=1))
+    except BaseException as exc:
+        if run_id is None:
+            raise
+        error = training_error(exc, run_key, config)
+        tracking.fail_run(client, run_id, error)
+        if error is exc:
+            raise
+        raise error from exc
     tracking.finish_run(client, run_id)
     logger.info(
-        "best epoch %d: val_accuracy=%.4f at %s", fit.best_epoch, fit.best_metrics[STEP_KEY], fit.best_checkpoint_uri
+        "best epoch %d by %s: %s, test %s at %s",
+        fit.best_epoch,
+        config.promotion_metric,
+        ", ".join(f"{k}={v:.4f}" for k, v in fit.best_metrics.items() if k.startswith("val_")),
+        ", ".join(f"{k}={v:.4f}" for k, v in fit.scores.items() if k.startswith("test_")),
+        fit.best_checkpoint_uri,
     )
     return fit
+
+
+FIT_RECORD = "fit.json"
+
+
+def selection_metric(config: TrainingConfig) -> str:
+    """The per-epoch metric that picks the best checkpoint (and which checkpoints Ray Train keeps)."""
+    return config.promotion_metric
+
+
+def training_error(exc: BaseException, run_key: str, config: TrainingConfig) -> BaseException:
+    """What the task raises for ``exc``: a worker's CheckpointError stays one (no retry can fix it)."""
+    if not isinstance(exc, ray.train.TrainingFailedError):
+        return exc
+    for failure in getattr(exc, "worker_failures", {}).values():
+        cause: BaseException | None = failure
+        while cause is not None:
+            if isinstance(cause, CheckpointError):
+                return CheckpointError(f"training run {run_key}: {cause}")
+            cause = cause.__cause__ or getattr(cause, "cause", None)
+    return TrainingError(
+        f"training run {run_key} failed after {config.max_failures} worker-group restarts: {exc}. "
+        f"It can continue from its last checkpoint with `resume={run_key}`"
+    )
+
+
+def _finished_fit(run_dir: StorageLocation) -> FitResult | None:
+    record = run_dir.child(FIT_RECORD)
+    if not record.exists():
+        return None
+    return FitResult.model_validate_json(record.read_text())
 
 
 @contextmanager
@@ -205,8 +252,8 @@ def build_trainer(
             ),  # type: ignore[call-arg]  # mypy resolves ray.train to the V1 classes; V2 is used at runtime
             checkpoint_config=ray.train.CheckpointConfig(
                 num_to_keep=config.checkpoints_to_keep,
-                checkpoint_score_attribute=STEP_KEY,
-                checkpoint_score_order="max",
+                checkpoint_score_attribute=selection_metric(config),
+                checkpoint_score_order="min" if selection_metric(config) == "val_loss" else "max",
             ),
             callbacks=list(callbacks),  # type: ignore[arg-type]  # V2 callbacks, see above
         ),
@@ -227,8 +274,11 @@ def summarize(
     if latest is None:
         raise TrainingError(f"training run {run_key} finished without a checkpoint; nothing to register")
     history = _read_history(latest)
+    metric = selection_metric(config)
+    sign = -1.0 if metric == "val_loss" else 1.0  # higher is better after the sign
     scored = [
-        (metrics.get(STEP_KEY, float("-inf")), checkpoint) for checkpoint, metrics in result.best_checkpoints or []
+        (sign * metrics.get(metric, sign * float("-inf")), checkpoint)
+        for checkpoint, metrics in result.best_checkpoints or []
     ]
     best_checkpoint = max(scored, key=lambda pair: pair[0])[1] if scored else latest
     best = _read_state(best_checkpoint)
@@ -277,6 +327,7 @@ def _run_tags(
     from prefect.utilities.urls import url_for
 
     tags = {
+        tracking.DRIVER_TAG: tracking.this_driver(),
         "prefect_raytrain.ray_run_name": run_key,
         "prefect_raytrain.storage": run_dir.uri,
         "prefect_raytrain.dataset_hash": dataset.content_hash,

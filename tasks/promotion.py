@@ -1,15 +1,49 @@
-"""Whether a newly trained model version takes the ``champion`` alias: a pure decision."""
+"""Whether a newly trained model version takes the ``champion`` alias: a pure decision.
+
+Fail closed: when the champion could not be looked up or scored, nothing moves (``UNDECIDED``). Only a
+registered model without a ``champion`` alias counts as having no champion.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
 
+# Scores are rounded to this many decimals before the margin test: 0.95 - 0.93 is 0.0199999... in binary
+# floating point, and must still count as a gain of 0.02.
+SCORE_DECIMALS = 9
+
 
 class Promotion(Enum):
     PROMOTE = "promote"
     KEEP_CHAMPION = "keep_champion"
     NOT_REQUESTED = "not_requested"
+    KEEP_INCOMPARABLE = "keep_incomparable_champion"
+    REPLACE_INCOMPARABLE = "replace_incomparable_champion"
+    UNDECIDED = "undecided"
+
+    @property
+    def is_final(self) -> bool:
+        """A final decision is never redone; an undecided one is, by a retry or a resume of the run."""
+        return self is not Promotion.UNDECIDED
+
+    @property
+    def moves_champion(self) -> bool:
+        return self in (Promotion.PROMOTE, Promotion.REPLACE_INCOMPARABLE)
+
+
+@dataclass(frozen=True)
+class Champion:
+    """What is known of the current champion, scored on the candidate's test split."""
+
+    version: str | None
+    score: float | None = None
+    incomparable: str = ""  # why its scores cannot be compared with the candidate's (another input schema)
+    error: str = ""  # why it could not be looked up or scored (an outage, an unloadable model)
+
+    @classmethod
+    def absent(cls) -> Champion:
+        return cls(version=None)
 
 
 @dataclass(frozen=True)
@@ -22,28 +56,50 @@ class PromotionDecision:
 
 def decide_promotion(
     candidate_score: float,
-    champion_score: float | None,
+    champion: Champion,
     *,
     min_improvement: float = 0.0,
     promote: bool = True,
     higher_is_better: bool = True,
+    replace_incomparable: bool = False,
 ) -> PromotionDecision:
-    """Promote when allowed and there is no comparable champion, or the candidate is strictly better by at
-    least ``min_improvement``; a tie keeps the champion, so equal retrains do not churn the alias."""
+    """Promote when allowed and there is no champion, or the candidate is strictly better by at least
+    ``min_improvement``; a tie keeps the champion, so equal retrains do not churn the alias. A champion that
+    could not be assessed keeps its alias and leaves the decision open."""
+    score = champion.score
     if not promote:
-        return PromotionDecision(Promotion.NOT_REQUESTED, "promotion switched off", candidate_score, champion_score)
-    if champion_score is None:
-        return PromotionDecision(Promotion.PROMOTE, "no comparable champion", candidate_score, champion_score)
-    gain = candidate_score - champion_score if higher_is_better else champion_score - candidate_score
-    if gain > 0 and gain >= min_improvement:
+        return PromotionDecision(Promotion.NOT_REQUESTED, "promotion switched off", candidate_score, score)
+    if champion.error:
         return PromotionDecision(
-            Promotion.PROMOTE,
-            f"beats champion by {gain:.4f} (required {min_improvement:.4f})",
+            Promotion.UNDECIDED,
+            f"champion version {champion.version or '?'} could not be assessed, so it keeps its alias: "
+            f"{champion.error}",
             candidate_score,
-            champion_score,
+            score,
         )
+    if champion.version is None:
+        return PromotionDecision(Promotion.PROMOTE, "no champion yet", candidate_score, None)
+    if champion.incomparable:
+        if replace_incomparable:
+            reason = (
+                f"replaces an incomparable champion on request (replace_incomparable_champion): {champion.incomparable}"
+            )
+            return PromotionDecision(Promotion.REPLACE_INCOMPARABLE, reason, candidate_score, score)
+        reason = (
+            f"champion version {champion.version} is not comparable and keeps its alias: {champion.incomparable}; "
+            "set `replace_incomparable_champion` to replace it on purpose"
+        )
+        return PromotionDecision(Promotion.KEEP_INCOMPARABLE, reason, candidate_score, score)
+    if score is None:
+        raise ValueError("a comparable champion needs a score")
+    raw_gain = candidate_score - score if higher_is_better else score - candidate_score
+    gain = round(raw_gain, SCORE_DECIMALS)
+    required = round(min_improvement, SCORE_DECIMALS)
+    if gain > 0 and gain >= required:
+        reason = f"beats champion version {champion.version} by {gain:.4f} (required {required:.4f})"
+        return PromotionDecision(Promotion.PROMOTE, reason, candidate_score, score)
     if gain <= 0:
-        reason = f"does not beat the champion ({candidate_score:.4f} vs {champion_score:.4f})"
+        reason = f"does not beat champion version {champion.version} ({candidate_score:.4f} vs {score:.4f})"
     else:
-        reason = f"gain {gain:.4f} is below min_improvement {min_improvement:.4f}"
-    return PromotionDecision(Promotion.KEEP_CHAMPION, reason, candidate_score, champion_score)
+        reason = f"gain {gain:.4f} over champion version {champion.version} is below min_improvement {required:.4f}"
+    return PromotionDecision(Promotion.KEEP_CHAMPION, reason, candidate_score, score)

@@ -1,18 +1,20 @@
-"""register-model: log the best checkpoint's model to MLflow, register a version, decide its alias.
+"""register-model: log the best checkpoint's model to MLflow, register one version per run key, decide its alias.
 
-Order matters: the model's artifacts are uploaded first, the version is registered only after that
-succeeded, and the champion decision runs under a registry-wide lock, so two pipelines finishing at once
-compare against each other rather than both against the old champion.
+Order matters, and every step can be repeated (a Prefect retry, a resume of the same run key, a kill in
+between) without a second model or version:
+1. The model is logged once per MLflow run: a READY logged model of the run is reused.
+2. Under the model's registry lock (``tasks.registry_lock``), the run key's version is looked up and registered
+   only if missing, so two attempts never both register.
+3. Still under the lock, the decision is recorded as version tags, then the aliases move, then
+   ``promotion.applied`` marks it done. A final decision is never redone; an undecided one (the champion could
+   not be assessed) keeps every alias where it was and fails the task, and the next attempt decides again.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import random
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 from prefect import get_run_logger, task
@@ -21,12 +23,13 @@ from pydantic import BaseModel, ConfigDict
 
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DatasetRef, read_split
-from raytrain_tasks.errors import TrackingError
+from raytrain_tasks.errors import PromotionError, TrackingError
 from raytrain_tasks.models import with_standardisation
 from tasks import tracking
-from tasks.evaluation import Scores, load_checkpoint_model, predict_logits, score
+from tasks.evaluation import load_checkpoint_model, score
 from tasks.fit import FitResult
-from tasks.promotion import Promotion, PromotionDecision, decide_promotion
+from tasks.promotion import Champion, Promotion, PromotionDecision, decide_promotion
+from tasks.registry_lock import LockHandle, model_lock
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -34,9 +37,10 @@ if TYPE_CHECKING:
 CHAMPION = "champion"
 CHALLENGER = "challenger"
 PREVIOUS_CHAMPION = "previous_champion"
-LOCK_SUFFIX = ".promotion-lock"
-LOCK_TIMEOUT_S = 300.0
-LOCK_STALE_AFTER_S = 900.0
+RUN_KEY_TAG = "run_key"
+SCHEMA_TAG = "schema.digest"
+APPLIED_TAG = "promotion.applied"
+LOGGED_MODEL_NAME = "model"
 
 
 class ModelRef(BaseModel):
@@ -58,107 +62,106 @@ class ModelRef(BaseModel):
 
 @task(name="register-model", task_run_name="register-{fit.run_key}", cache_policy=NONE)
 def register_model(config: TrainingConfig, dataset: DatasetRef, fit: FitResult) -> ModelRef:
-    """Log the best checkpoint as an MLflow model in the fit's run and register a version of it."""
+    """Log the best checkpoint as an MLflow model in the fit's run and register (at most) one version of it."""
     import mlflow
 
     logger = get_run_logger()
     client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
-    # The registered model takes raw features (it standardises them itself), as a user's data comes.
-    x_val, y_val = read_split(dataset, "val", config.storage_options, standardised=False)
-    model = with_standardisation(
-        load_checkpoint_model(fit.best_checkpoint_uri, config.storage_options),
-        dataset.feature_mean,
-        dataset.feature_std,
-    ).eval()
-    candidate = score(predict_logits(model, x_val), y_val)
-
+    metric = test_metric(config.promotion_metric)
+    candidate_score = fit.scores[metric]
     # MLflow's fluent API (log_model, register_model, pyfunc) reads a process-wide URI that set_tracking_uri
     # also exports as MLFLOW_TRACKING_URI: scoped here, so a later run in this process is not redirected.
     with tracking.using_tracking_uri(config.mlflow_tracking_uri):
-        with mlflow.start_run(run_id=fit.mlflow_run_id):
-            info = _log_model(model, x_val, dataset, fit)
-        # Only now, with the artifacts uploaded, does a version exist: it can never point at missing files.
-        tags = _version_tags(dataset, fit, candidate)
-        version = str(mlflow.register_model(info.model_uri, config.model_name, tags=tags).version)
-        description = _description(config, dataset, fit, candidate)
-        client.update_model_version(config.model_name, version, description=description)
-
-        with promotion_lock(client, config.model_name, owner=fit.run_key):
-            champion_version = _champion_version(client, config.model_name)
-            champion = _score_version(config.model_name, champion_version, x_val, y_val) if champion_version else None
-            decision = decide_promotion(
-                candidate.get(config.promotion_metric),
-                None if champion is None else champion.get(config.promotion_metric),
-                min_improvement=config.min_improvement,
-                promote=config.promote,
-                higher_is_better=config.promotion_metric != "val_loss",
-            )
-            aliases = apply_decision(
-                client, config.model_name, version, champion_version, decision, config.promotion_metric
-            )
+        model_uri = _logged_model_uri(fit) or _log_model(config, dataset, fit)
+        with model_lock(client, config.model_name, owner=fit.run_key) as lock:
+            version = _version_of_run(client, config.model_name, fit.run_key)
+            if version is None:
+                tags = _version_tags(dataset, fit)
+                version = str(mlflow.register_model(model_uri, config.model_name, tags=tags).version)
+                client.update_model_version(
+                    config.model_name, version, description=_description(config, dataset, fit, metric)
+                )
+            else:
+                logger.info("run %s already registered %s version %s", fit.run_key, config.model_name, version)
+            ref = _decided(client, config, version, candidate_score, metric)
+            if ref is None:
+                if config.promote:
+                    x_test, y_test = read_split(dataset, "test", config.storage_options, standardised=False)
+                    champion = assess_champion(
+                        client, config.model_name, schema_digest(dataset), x_test, y_test, metric
+                    )
+                else:
+                    champion = Champion.absent()
+                decision = decide_promotion(
+                    candidate_score,
+                    champion,
+                    min_improvement=config.min_improvement,
+                    promote=config.promote,
+                    higher_is_better=metric != "test_loss",
+                    replace_incomparable=config.replace_incomparable_champion,
+                )
+                aliases = apply_decision(client, config.model_name, version, champion.version, decision, metric, lock)
+                ref = _model_ref(config, version, aliases, decision, champion.version, metric)
     logger.info(
-        "registered %s version %s (%s %.4f): %s, %s",
+        "%s version %s (%s %.4f): %s, %s",
         config.model_name,
-        version,
-        config.promotion_metric,
-        decision.candidate_score,
-        decision.action.value,
-        decision.reason,
+        ref.version,
+        metric,
+        ref.score,
+        ref.decision,
+        ref.reason,
     )
-    return ModelRef(
-        name=config.model_name,
-        version=version,
-        model_uri=f"models:/{config.model_name}/{version}",
-        aliases=aliases,
-        decision=decision.action.value,
-        reason=decision.reason,
-        metric=config.promotion_metric,
-        score=decision.candidate_score,
-        champion_version=champion_version,
-        champion_score=decision.champion_score,
-    )
+    if ref.decision == Promotion.UNDECIDED.value:
+        raise PromotionError(
+            f"{config.model_name} version {ref.version} is registered as '{CHALLENGER}', but the champion decision "
+            f"could not be made: {ref.reason}. No alias moved; run again with `resume={fit.run_key}` to decide again"
+        )
+    return ref
 
 
-@contextmanager
-def promotion_lock(client: MlflowClient, model_name: str, owner: str) -> Iterator[None]:
-    """Serialise champion decisions for one model across processes, using the registry itself.
+def test_metric(promotion_metric: str) -> str:
+    """The held-out test split's counterpart of ``promotion_metric`` (which picks the best checkpoint on val)."""
+    return "test_" + promotion_metric.removeprefix("val_")
 
-    Creating a registered model is atomic (names are unique), so whoever creates ``<name>.promotion-lock``
-    holds the lock. A lock older than LOCK_STALE_AFTER_S is taken to be left by a crashed pipeline.
-    """
+
+def schema_digest(dataset: DatasetRef) -> str:
+    """What a model's input and output mean: feature names in order, and class labels in order."""
+    payload = json.dumps({"features": list(dataset.feature_names), "classes": list(dataset.class_labels)})
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def assess_champion(
+    client: MlflowClient, name: str, digest: str, x_test: np.ndarray, y_test: np.ndarray, metric: str
+) -> Champion:
+    """The current champion scored on this run's test split; only a missing alias means there is none."""
+    import mlflow
     from mlflow.exceptions import MlflowException
 
-    lock = f"{model_name}{LOCK_SUFFIX}"
-    deadline = time.monotonic() + LOCK_TIMEOUT_S
-    while True:
-        try:
-            client.create_registered_model(
-                lock,
-                tags={"owner": owner, "acquired_at": f"{time.time():.3f}"},
-                description=f"Held while pipeline run {owner} decides the '{CHAMPION}' alias of {model_name}.",
-            )
-            break
-        except MlflowException as exc:
-            if exc.error_code != "RESOURCE_ALREADY_EXISTS":
-                raise TrackingError(f"cannot take the promotion lock {lock!r}: {exc}") from exc
-        try:
-            holder = client.get_registered_model(lock)
-            acquired_at = float(holder.tags.get("acquired_at", "0"))
-        except MlflowException:
-            continue  # released between our create and this read
-        if time.time() - acquired_at > LOCK_STALE_AFTER_S:
-            client.delete_registered_model(lock)
-            continue
-        if time.monotonic() > deadline:
-            raise TrackingError(
-                f"registered model {lock!r} has been held by run {holder.tags.get('owner')} for over "
-                f"{LOCK_TIMEOUT_S:.0f}s; if no pipeline is registering {model_name}, delete it in the MLflow UI"
-            )
-        time.sleep(0.2 + random.random() * 0.5)
     try:
-        yield
-    finally:
-        client.delete_registered_model(lock)
+        version = client.get_registered_model(name).aliases.get(CHAMPION)
+        if version is None:
+            return Champion.absent()
+        version = str(version)
+        tags = client.get_model_version(name, version).tags
+    except MlflowException as exc:
+        return Champion(version=None, error=f"cannot read {name}@{CHAMPION} from the registry: {exc}")
+    recorded = tags.get(SCHEMA_TAG)
+    if recorded is None:
+        return Champion(version, incomparable="it records no input schema (registered by an older release)")
+    if recorded != digest:
+        return Champion(
+            version,
+            incomparable=f"its input schema {recorded} (features, class labels) differs from this run's {digest}",
+        )
+    try:
+        logits = np.asarray(mlflow.pyfunc.load_model(f"models:/{name}/{version}").predict(x_test))
+    except Exception as exc:  # noqa: BLE001 - any failure to load or run the champion leaves it in place (tested)
+        return Champion(
+            version, error=f"loading or scoring {name} version {version} failed: {type(exc).__name__}: {exc}"
+        )
+    if logits.ndim != 2 or logits.shape[0] != len(y_test) or logits.shape[1] <= int(y_test.max()):
+        return Champion(version, error=f"{name} version {version} returned outputs of shape {logits.shape}")
+    return Champion(version, score=score(logits, y_test).get(metric.removeprefix("test_")))
 
 
 def apply_decision(
@@ -168,13 +171,14 @@ def apply_decision(
     champion_version: str | None,
     decision: PromotionDecision,
     metric: str,
+    lock: LockHandle,
 ) -> tuple[str, ...]:
-    """Record the decision on the version and move aliases accordingly; returns the version's aliases."""
+    """Record the decision on the version, then move aliases; returns the version's aliases."""
     from mlflow.exceptions import MlflowException
 
     tags = {
         "promotion.decision": decision.action.value,
-        "promotion.reason": decision.reason,
+        "promotion.reason": decision.reason[:4000],
         "promotion.metric": metric,
         "promotion.candidate_score": f"{decision.candidate_score:.6f}",
         "promotion.champion_score": "" if decision.champion_score is None else f"{decision.champion_score:.6f}",
@@ -183,44 +187,108 @@ def apply_decision(
     try:
         for key, value in tags.items():
             client.set_model_version_tag(name, version, key, value)
-        if decision.action is Promotion.PROMOTE:
+        lock.check()  # never move an alias on a lock that was taken over
+        if decision.action.moves_champion:
+            client.set_registered_model_alias(name, CHAMPION, version)
             if champion_version is not None:
                 client.set_registered_model_alias(name, PREVIOUS_CHAMPION, champion_version)
-            client.set_registered_model_alias(name, CHAMPION, version)
-            return (CHAMPION,)
-        client.set_registered_model_alias(name, CHALLENGER, version)
-        return (CHALLENGER,)
+            aliases: tuple[str, ...] = (CHAMPION,)
+        else:
+            client.set_registered_model_alias(name, CHALLENGER, version)
+            aliases = (CHALLENGER,)
+        if decision.action.is_final:
+            client.set_model_version_tag(name, version, APPLIED_TAG, "true")
+        return aliases
     except MlflowException as exc:
-        raise TrackingError(f"could not set aliases on {name} version {version}: {exc}") from exc
+        raise TrackingError(f"could not record the decision on {name} version {version}: {exc}") from exc
 
 
-def _champion_version(client: MlflowClient, name: str) -> str | None:
+def _decided(client: MlflowClient, config: TrainingConfig, version: str, score: float, metric: str) -> ModelRef | None:
+    """The version's decision if an earlier attempt made it final; None when it must be (re)decided."""
+    name = config.model_name
+    tags = client.get_model_version(name, version).tags
+    action = tags.get("promotion.decision")
+    if action is None or not Promotion(action).is_final:
+        return None
+    champion_now = client.get_registered_model(name).aliases.get(CHAMPION)
+    if tags.get(APPLIED_TAG) != "true" and str(champion_now) != version:
+        return None  # recorded but never applied (killed in between): nothing moved, decide again
+    recorded_champion = tags.get("promotion.champion_version") or None
+    if tags.get(APPLIED_TAG) != "true":  # champion moved to this version; finish what the kill interrupted
+        if recorded_champion is not None:
+            client.set_registered_model_alias(name, PREVIOUS_CHAMPION, recorded_champion)
+        client.set_model_version_tag(name, version, APPLIED_TAG, "true")
+    champion_score = tags.get("promotion.champion_score")
+    decision = PromotionDecision(
+        Promotion(action),
+        tags.get("promotion.reason", ""),
+        score,
+        float(champion_score) if champion_score else None,
+    )
+    aliases = tuple(alias for alias, v in client.get_registered_model(name).aliases.items() if str(v) == version)
+    return _model_ref(config, version, aliases, decision, recorded_champion, metric)
+
+
+def _model_ref(
+    config: TrainingConfig,
+    version: str,
+    aliases: tuple[str, ...],
+    decision: PromotionDecision,
+    champion_version: str | None,
+    metric: str,
+) -> ModelRef:
+    return ModelRef(
+        name=config.model_name,
+        version=version,
+        model_uri=f"models:/{config.model_name}/{version}",
+        aliases=aliases,
+        decision=decision.action.value,
+        reason=decision.reason,
+        metric=metric,
+        score=decision.candidate_score,
+        champion_version=champion_version,
+        champion_score=decision.champion_score,
+    )
+
+
+def _version_of_run(client: MlflowClient, name: str, run_key: str) -> str | None:
     from mlflow.exceptions import MlflowException
 
-    # get_model_version_by_alias, not a search: search results may omit aliases.
     try:
-        return str(client.get_model_version_by_alias(name, CHAMPION).version)
-    except MlflowException:
-        return None
+        found = client.search_model_versions(f"name = '{name}' and tags.{RUN_KEY_TAG} = '{run_key}'")
+    except MlflowException as exc:
+        if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return None
+        raise
+    versions = sorted(int(v.version) for v in found)
+    return str(versions[0]) if versions else None
 
 
-def _score_version(name: str, version: str, x_val: np.ndarray, y_val: np.ndarray) -> Scores | None:
-    """The version's scores on *this* validation split, or None when it cannot score it (other features)."""
+def _logged_model_uri(fit: FitResult) -> str | None:
+    """The model an earlier attempt of this run logged completely, if any."""
     import mlflow
+    from mlflow.entities import LoggedModelStatus
 
-    try:
-        logits = np.asarray(mlflow.pyfunc.load_model(f"models:/{name}/{version}").predict(x_val))
-    except Exception:  # noqa: BLE001 - an incompatible champion is not comparable, whatever the reason
-        return None
-    if logits.ndim != 2 or logits.shape[0] != len(y_val) or logits.shape[1] <= int(y_val.max()):
-        return None
-    return score(logits, y_val)
+    models = mlflow.search_logged_models(
+        experiment_ids=[fit.mlflow_experiment_id],
+        filter_string=f"source_run_id = '{fit.mlflow_run_id}' AND name = '{LOGGED_MODEL_NAME}'",
+        output_format="list",
+    )
+    ready = [m for m in models if m.status == LoggedModelStatus.READY]
+    return f"models:/{ready[0].model_id}" if ready else None
 
 
-def _log_model(model: Any, x_val: np.ndarray, dataset: DatasetRef, fit: FitResult) -> Any:
+def _log_model(config: TrainingConfig, dataset: DatasetRef, fit: FitResult) -> str:
     import mlflow
     import torch
 
+    # The registered model takes raw features (it standardises them itself), as a user's data comes.
+    model = with_standardisation(
+        load_checkpoint_model(fit.best_checkpoint_uri, config.storage_options),
+        dataset.feature_mean,
+        dataset.feature_std,
+    ).eval()
+    x_val, _ = read_split(dataset, "val", config.storage_options, standardised=False)
     preprocessing = {
         "feature_names": dataset.feature_names,
         "feature_mean": dataset.feature_mean,
@@ -229,36 +297,39 @@ def _log_model(model: Any, x_val: np.ndarray, dataset: DatasetRef, fit: FitResul
         "input": "raw features in feature_names order; the model applies (x - feature_mean) / feature_std",
         "output": "logits; argmax is the index into class_labels",
     }
-    mlflow.log_text(json.dumps(preprocessing, indent=1), "preprocessing.json")
-    return mlflow.pytorch.log_model(
-        model,
-        name="model",
-        input_example=np.array(x_val[:5]),
-        # Explicit requirements: inferring them spawns a subprocess that costs ~8 s.
-        pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}"],
-        metadata={"run_key": fit.run_key, "dataset_hash": dataset.content_hash},
-    )
+    with mlflow.start_run(run_id=fit.mlflow_run_id):
+        mlflow.log_text(json.dumps(preprocessing, indent=1), "preprocessing.json")
+        info = mlflow.pytorch.log_model(
+            model,
+            name=LOGGED_MODEL_NAME,
+            input_example=np.array(x_val[:5]),
+            # Explicit requirements: inferring them spawns a subprocess that costs ~8 s.
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}"],
+            metadata={"run_key": fit.run_key, "dataset_hash": dataset.content_hash},
+        )
+    return str(info.model_uri)
 
 
-def _version_tags(dataset: DatasetRef, fit: FitResult, scores: Scores) -> dict[str, str]:
+def _version_tags(dataset: DatasetRef, fit: FitResult) -> dict[str, str]:
     from prefect.runtime import flow_run
 
     tags = {
-        "run_key": fit.run_key,
+        RUN_KEY_TAG: fit.run_key,
+        SCHEMA_TAG: schema_digest(dataset),
         "dataset_hash": dataset.content_hash,
         "best_epoch": str(fit.best_epoch),
-        "val_accuracy": f"{scores.val_accuracy:.6f}",
-        "val_loss": f"{scores.val_loss:.6f}",
+        **{key: f"{value:.6f}" for key, value in sorted(fit.scores.items())},
     }
     if flow_run.get_id():
         tags["prefect.flow_run_id"] = str(flow_run.get_id())
     return tags
 
 
-def _description(config: TrainingConfig, dataset: DatasetRef, fit: FitResult, scores: Scores) -> str:
+def _description(config: TrainingConfig, dataset: DatasetRef, fit: FitResult, metric: str) -> str:
+    scores = ", ".join(f"{key} {value:.4f}" for key, value in sorted(fit.scores.items()))
     return (
         f"{config.model} {config.hidden_sizes} trained on dataset {dataset.content_hash} ({dataset.source}) by "
-        f"run {fit.run_key}: val_accuracy {scores.val_accuracy:.4f}, val_loss {scores.val_loss:.4f} at epoch "
-        f"{fit.best_epoch}. Input: raw float32 features in feature_names order (the model standardises them "
-        "with the train statistics in the run's preprocessing.json); output: logits over class_labels."
+        f"run {fit.run_key}; best checkpoint: epoch {fit.best_epoch} by {config.promotion_metric}; {scores}. "
+        "Input: raw float32 features in feature_names order (the model standardises them with the train "
+        "statistics in the run's preprocessing.json); output: logits over class_labels."
     )

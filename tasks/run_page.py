@@ -8,6 +8,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from raytrain_tasks.tracking import STEP_KEY
+from tasks.tracking import redact_text
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -93,7 +94,7 @@ def mlflow_run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
     return f"run `{run_id}` in `{tracking_uri}` (browse with `mlflow ui --backend-store-uri {tracking_uri}`)"
 
 
-def publish_run_summary(result: Any) -> None:
+def publish_run_summary(result: Any, registry_error: str = "") -> None:
     """A markdown artifact on the flow run: final metrics, where things are, what the registry decided."""
     from prefect.artifacts import create_markdown_artifact
 
@@ -103,13 +104,18 @@ def publish_run_summary(result: Any) -> None:
         for key in ("train_loss", "val_loss", "val_accuracy")
         if key in fit.final_metrics
     )
-    if model is None:
+    if registry_error:
+        registry = f"**register-model failed, no alias moved**: {redact_text(registry_error)}"
+    elif model is None:
         registry = "not registered (`register` is off)"
     else:
         registry = (
             f"`{model.name}` version **{model.version}** -> {', '.join(model.aliases)} "
             f"({model.decision}: {model.reason})"
         )
+    data = result.dataset
+    rows = f"{data.train_rows} train / {data.val_rows} val / {data.test_rows} test rows"
+    scores = ", ".join(f"{k} {v:.4f}" for k, v in fit.scores.items() if k.startswith("test_")) or "not scored"
     markdown = f"""# Training run `{result.run_key}`
 
 | metric | final (epoch {fit.epochs_completed - 1}) | best (epoch {fit.best_epoch}) |
@@ -119,7 +125,8 @@ def publish_run_summary(result: Any) -> None:
 - **MLflow**: {mlflow_run_link(config.mlflow_tracking_uri, fit.mlflow_experiment_id, fit.mlflow_run_id)}
 - **Model**: {registry}
 - **Checkpoints**: `{fit.run_uri}` (best: `{fit.best_checkpoint_uri}`)
-- **Dataset**: `{result.dataset.uri}` ({result.dataset.train_rows} train / {result.dataset.val_rows} val rows)
+- **Test split** (held out, compared for promotion): {scores}
+- **Dataset**: `{result.dataset.uri}` ({rows})
 - **Workers**: {config.num_workers} x {fit.backend}; continue an interrupted run with `resume={result.run_key}`
 """
     create_markdown_artifact(markdown, key="training-summary", description=f"Run {result.run_key}")

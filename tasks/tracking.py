@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import re
+import socket
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -11,10 +14,12 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from raytrain_tasks.errors import TrackingError
-from raytrain_tasks.tracking import EPOCH_METRICS, STEP_KEY, log_epoch
+from raytrain_tasks.tracking import EPOCH_METRICS, log_epoch
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
+
+logger = logging.getLogger(__name__)
 
 RUN_KEY_TAG = "prefect_raytrain.run_key"
 # Settings that steer the run, not what it trains: a resumed run may change them.
@@ -92,21 +97,89 @@ def start_or_reopen_run(
     tags: dict[str, str],
     params: dict[str, Any],
 ) -> tuple[str, bool]:
-    """The run for ``run_key``, RUNNING, with params and tags set; True when it already existed."""
+    """The run for ``run_key``, RUNNING, with params and tags set; True when it already existed.
+
+    A resume is checked before anything is written: changed settings, or a driver on this host that is still
+    training the run, leave the earlier run exactly as it was.
+    """
     existing = find_run(client, experiment_id, run_key)
     if existing is None:
         run = client.create_run(experiment_id, run_name=run_name, tags={RUN_KEY_TAG: run_key, **tags})
         run_id, reopened = run.info.run_id, False
         _log_params(client, run_id, params)
-    else:
-        run_id, reopened = existing.info.run_id, True
-        client.update_run(run_id, status="RUNNING")
-        for key, value in tags.items():
-            client.set_tag(run_id, key, value)
+        return run_id, reopened
+    _check_params_unchanged(existing.data.params, params, run_key)
+    driver = existing.data.tags.get(DRIVER_TAG, "")
+    if existing.info.status == "RUNNING" and driver != this_driver() and driver_alive(driver) is True:
+        raise TrackingError(
+            f"run {run_key} is still being trained by process {driver} (MLflow run {existing.info.run_id}); "
+            "wait for it or stop it before resuming"
+        )
+    run_id = existing.info.run_id
+    client.update_run(run_id, status="RUNNING")
+    for key, value in tags.items():
+        client.set_tag(run_id, key, value)
+    new = {k: v for k, v in params.items() if k not in existing.data.params}
+    _log_params(client, run_id, new)
+    return run_id, True
+
+
+def check_resumable(client: MlflowClient, experiment_id: str, run_key: str, params: dict[str, Any]) -> None:
+    """Raise TrackingError when ``run_key``'s MLflow run was started with other settings; writes nothing."""
+    existing = find_run(client, experiment_id, run_key)
+    if existing is not None:
         _check_params_unchanged(existing.data.params, params, run_key)
-        new = {k: v for k, v in params.items() if k not in existing.data.params}
-        _log_params(client, run_id, new)
-    return run_id, reopened
+
+
+DRIVER_TAG = "prefect_raytrain.driver"
+KILLED_TAG = "prefect_raytrain.killed"
+
+
+def this_driver() -> str:
+    """``host:pid:start`` of this process; the start time tells a reused pid from the original."""
+    return f"{socket.gethostname()}:{os.getpid()}:{_process_start(os.getpid())}"
+
+
+def driver_alive(driver: str) -> bool | None:
+    """Whether the process a DRIVER_TAG names still runs; None when this host cannot tell (another host)."""
+    host, _, rest = driver.partition(":")
+    pid, _, start = rest.partition(":")
+    if host != socket.gethostname() or not pid.isdigit() or not start:
+        return None
+    return _process_start(int(pid)) == start
+
+
+def mark_dead_runs_killed(client: MlflowClient, experiment_id: str, found_by: str) -> list[str]:
+    """Mark KILLED the experiment's RUNNING runs whose driver process on this host is gone; returns their ids.
+
+    A killed process cannot mark its own run. Runs driven from other hosts are left alone: from here
+    nobody can tell whether they still train.
+    """
+    from datetime import UTC, datetime
+
+    killed = []
+    for run in client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'", max_results=200):
+        driver = run.data.tags.get(DRIVER_TAG, "")
+        if driver_alive(driver) is not False:
+            continue
+        reason = (
+            f"driver process {driver} ended without finishing this run; marked KILLED by run {found_by} at "
+            f"{datetime.now(UTC):%Y-%m-%dT%H:%M:%SZ}"
+        )
+        client.set_tag(run.info.run_id, KILLED_TAG, reason)
+        client.set_terminated(run.info.run_id, status="KILLED")
+        killed.append(run.info.run_id)
+    return killed
+
+
+def _process_start(pid: int) -> str:
+    """The process's start time in clock ticks since boot (Linux), or '' where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        return fields[19]  # field 22 of proc(5); fields[0] is field 3 (state)
+    except (OSError, IndexError):
+        return ""
 
 
 def reconcile_epochs(client: MlflowClient, run_id: str, history: list[dict[str, float]]) -> int:
@@ -120,26 +193,35 @@ def reconcile_epochs(client: MlflowClient, run_id: str, history: list[dict[str, 
     return len(missing)
 
 
-def log_summary(client: MlflowClient, run_id: str, history: list[dict[str, float]]) -> None:
+def log_summary(client: MlflowClient, run_id: str, history: list[dict[str, float]], metric: str) -> None:
     from mlflow.entities import Metric
 
     if not history:
         return
     last = history[-1]
-    best = max(history, key=lambda entry: entry[STEP_KEY])
+    sign = -1.0 if metric == "val_loss" else 1.0
+    best = max(history, key=lambda entry: sign * entry[metric])
     summary = {f"final_{key}": last[key] for key in EPOCH_METRICS if key in last}
-    summary["best_val_accuracy"] = best[STEP_KEY]
+    summary[f"best_{metric}"] = best[metric]
     summary["best_epoch"] = best["epoch"]
     step = int(last["epoch"])
     client.log_batch(run_id, metrics=[Metric(k, float(v), 0, step) for k, v in summary.items()])
 
 
-def finish_run(client: MlflowClient, run_id: str, *, error: BaseException | None = None) -> None:
-    if error is not None:
-        client.set_tag(run_id, ERROR_TAG, f"{type(error).__name__}: {error}"[:4000])
+def finish_run(client: MlflowClient, run_id: str) -> None:
+    client.set_terminated(run_id, status="FINISHED")
+
+
+def fail_run(client: MlflowClient, run_id: str, error: BaseException) -> None:
+    """Mark the run FAILED with the error (redacted) in ERROR_TAG; an unreachable MLflow is logged, not raised,
+    so the original error stays the one the task fails with."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.set_tag(run_id, ERROR_TAG, redact_text(f"{type(error).__name__}: {error}")[:4000])
         client.set_terminated(run_id, status="FAILED")
-    else:
-        client.set_terminated(run_id, status="FINISHED")
+    except (MlflowException, OSError) as exc:
+        logger.warning("could not mark MLflow run %s FAILED (%s); the next run of the experiment marks it", run_id, exc)
 
 
 @contextmanager
@@ -224,3 +306,11 @@ def _redact(uri: str) -> str:
     if parsed.password:
         return uri.replace(f":{parsed.password}@", ":***@")
     return uri
+
+
+def redact_text(text: str) -> str:
+    """``text`` with the password of every ``scheme://user:password@`` URL in it replaced by ***."""
+    return _URL_PASSWORD.sub(r"\1***@", text)
+
+
+_URL_PASSWORD = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]+:)[^@\s/]+@")
