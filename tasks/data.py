@@ -237,8 +237,8 @@ def _check_split_sizes(
     for index, count in enumerate(counts):
         if count < 3:
             raise DatasetError(
-                f"dataset {config.dataset!r}: class {str(class_values[index])!r} of {config.label_column!r} has {count} "
-                "rows; each class needs at least 3 (train, validation and test); add rows or drop the class"
+                f"dataset {config.dataset!r}: class {str(class_values[index])!r} of {config.label_column!r} has "
+                f"{count} rows; each class needs at least 3 (train, validation and test); add rows or drop the class"
             )
     in_train = np.bincount(y[assignment == TRAIN], minlength=num_classes)
     if (in_train == 0).any():

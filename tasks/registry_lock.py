@@ -34,7 +34,12 @@ logger = logging.getLogger(__name__)
 QUEUE_SUFFIX = ".promotion-queue"
 LEASE_S = 60.0
 WAIT_S = 900.0
-TICKET_SOURCE = "prefect-raytrain:promotion-ticket"  # a ticket points at no artifacts
+# A ticket points at no artifacts, but a tracking server accepts only an absolute artifact URI as a source.
+TICKET_SOURCE = "prefect-raytrain://promotion-queue/ticket"
+# Errors another attempt cannot fix: they end the wait at once.
+PERMANENT_ERRORS = frozenset(
+    {"INVALID_PARAMETER_VALUE", "BAD_REQUEST", "PERMISSION_DENIED", "UNAUTHENTICATED", "RESOURCE_DOES_NOT_EXIST"}
+)
 
 
 @dataclass
@@ -164,7 +169,8 @@ def _retrying(call, deadline: float, what: str):  # type: ignore[no-untyped-def]
         try:
             return call()
         except (MlflowException, OSError) as exc:
-            if time.monotonic() + delay > deadline:
+            permanent = isinstance(exc, MlflowException) and exc.error_code in PERMANENT_ERRORS
+            if permanent or time.monotonic() + delay > deadline:
                 raise TrackingError(f"could not {what} in the MLflow registry: {exc}") from exc
             logger.warning("could not %s (%s); retrying in %.1fs", what, exc, delay)
             time.sleep(delay)

@@ -7,6 +7,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -127,3 +128,35 @@ def small_config(workdir: Path, **overrides: Any) -> TrainingConfig:
     }
     values.update(overrides)
     return TrainingConfig(**values)
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    """`mlflow server` with a SQLite backend and a local artifact root, on a free port; stopped afterwards."""
+    root = tmp_path_factory.mktemp("mlflow-server")
+    port = free_port()
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    log = (root / "server.log").open("w")
+    command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--workers", "1", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}"]
+    command += ["--artifacts-destination", str(root / "artifacts")]
+    server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_http(f"{url}/health", server, root / "server.log", timeout=90)
+        yield MlflowServer(url, artifacts=root / "artifacts")
+    finally:
+        # The server runs its web workers as children in its own session: stop the whole group we started.
+        stop_process_group(server)
+        log.close()
+
+
+class MlflowServer(str):
+    """The server's URL, and where it keeps artifacts (to damage them on purpose)."""
+
+    artifacts: Path
+
+    def __new__(cls, url: str, artifacts: Path) -> MlflowServer:
+        server = super().__new__(cls, url)
+        server.artifacts = artifacts
+        return server

@@ -139,7 +139,11 @@ def _frame(rows: int = 300) -> pd.DataFrame:
         (lambda f: f.assign(x=f["x"].where(f.index != 3, np.inf)), {}, "feature column 'x' has 1 NaN or infinite"),
         (lambda f: f.assign(label=f["label"].where(f.index != 5)), {}, "1 rows have no value in label column 'label'"),
         (lambda f: pd.concat([f, f.iloc[:2].assign(label=9)]), {}, "class '9' of 'label' has 2 rows; each class needs"),
-        (lambda f: f.iloc[:30], {"test_fraction": 0.05}, "the test split has .* rows, fewer than the 3 classes; raise `test_fraction`"),
+        (
+            lambda f: f.iloc[:30],
+            {"test_fraction": 0.05},
+            "the test split has .* rows, fewer than the 3 classes; raise `test_fraction`",
+        ),
     ],
 )
 def test_data_that_cannot_train_or_be_scored_is_refused_naming_column_and_setting(

@@ -76,3 +76,29 @@ def test_unwritable_storage(tmp_path: Path) -> None:
     blocker.write_text("")
     error, _ = _run_failing(small_config(tmp_path, storage_path=str(blocker / "storage")))
     assert "storage_path" in str(error)
+
+
+def test_a_failure_after_the_mlflow_run_started_marks_it_failed(tmp_path: Path) -> None:
+    """Not only errors inside fit(): building the trainer fails here (the dataset vanished after prepare-data)."""
+    import shutil
+
+    from prefect import flow
+
+    from raytrain_tasks.config import new_run_key
+    from tasks.data import prepare_dataset
+    from tasks.fit import distributed_fit
+
+    config = small_config(tmp_path, data_loader="ray_data", cpus_per_worker=0.5)
+    dataset = prepare_dataset(config)
+    shutil.rmtree(dataset.uri)
+
+    @flow(name="fit-only")
+    def fit_only() -> BaseException | None:
+        state = distributed_fit.with_options(retries=0)(config, dataset, new_run_key(), return_state=True)
+        error = state.result(raise_on_failure=False)
+        return error if isinstance(error, BaseException) else None
+
+    assert fit_only() is not None
+    (run,) = _mlflow_runs(tmp_path)
+    assert run.info.status == "FAILED"  # type: ignore[attr-defined]
+    assert run.data.tags["prefect_raytrain.error"]  # type: ignore[attr-defined]

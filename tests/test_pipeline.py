@@ -127,3 +127,40 @@ def test_run_page_shows_progress_per_epoch_and_a_summary(first_run: PipelineResu
     messages = [log.message for log in logs]
     for epoch in (1, 2, 3):
         assert sum(m.startswith(f"epoch {epoch}/3 committed:") for m in messages) == 1, messages
+
+
+def test_resuming_a_finished_run_trains_and_registers_nothing_new(
+    first_run: PipelineResult, client: MlflowClient, workdir: Path
+) -> None:
+    assert first_run.model is not None
+    name = first_run.model.name
+    versions_before = sorted(str(v.version) for v in client.search_model_versions(f"name = '{name}'"))
+    steps_before = [m.step for m in client.get_metric_history(first_run.fit.mlflow_run_id, "val_accuracy")]
+    run_dir = workdir / "storage" / "runs" / first_run.run_key
+    written = {p.name: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
+
+    again = training_pipeline(config=small_config(workdir, resume=first_run.run_key))
+    assert again.fit.mlflow_run_id == first_run.fit.mlflow_run_id
+    assert again.model is not None and again.model.version == first_run.model.version
+    assert sorted(str(v.version) for v in client.search_model_versions(f"name = '{name}'")) == versions_before
+    assert [m.step for m in client.get_metric_history(first_run.fit.mlflow_run_id, "val_accuracy")] == steps_before
+    assert {p.name: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()} == written  # nothing retrained
+    assert client.get_run(first_run.fit.mlflow_run_id).info.status == "FINISHED"
+
+
+def test_a_resume_with_changed_settings_is_refused_before_anything_is_written(
+    first_run: PipelineResult, client: MlflowClient, workdir: Path
+) -> None:
+    from raytrain_tasks.errors import TrackingError
+
+    before = client.get_run(first_run.fit.mlflow_run_id)
+    state = training_pipeline(
+        config=small_config(workdir, resume=first_run.run_key, epochs=5, learning_rate=0.01), return_state=True
+    )
+    assert state.is_failed()
+    error = state.result(raise_on_failure=False)
+    assert isinstance(error, TrackingError) and "epochs: '3' -> '5'" in str(error)
+    after = client.get_run(first_run.fit.mlflow_run_id)
+    assert after.info.status == before.info.status == "FINISHED"
+    assert after.info.end_time == before.info.end_time
+    assert after.data.tags == before.data.tags and after.data.params == before.data.params

@@ -44,7 +44,9 @@ def test_decision(
         (0.25, 0.3, 0.1, Promotion.KEEP_CHAMPION),
     ],
 )
-def test_lower_is_better_metrics(candidate: float, champion: float, min_improvement: float, expected: Promotion) -> None:
+def test_lower_is_better_metrics(
+    candidate: float, champion: float, min_improvement: float, expected: Promotion
+) -> None:
     decision = decide_promotion(
         candidate, Champion("4", score=champion), min_improvement=min_improvement, higher_is_better=False
     )

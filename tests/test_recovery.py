@@ -228,20 +228,55 @@ def test_cli_killed_then_resumed_continues_the_same_run(tmp_path: Path, referenc
 
 
 def test_corrupted_latest_checkpoint_is_skipped_on_resume(tmp_path: Path, reference: PipelineResult) -> None:
+    """With the default retention (checkpoints_to_keep=2): Ray's eviction never deletes the re-written epoch."""
+    from raytrain_tasks.checkpoint import verify_checkpoint
 
     def truncate_latest_checkpoint() -> None:
         (run_dir,) = (tmp_path / "storage" / "runs").iterdir()
         model_file = run_dir / "epoch-0001" / MODEL_FILE
         model_file.write_bytes(model_file.read_bytes()[:100])
 
-    state, corrupted_at = run_killing_a_worker(
-        tmp_path, chaos_config(tmp_path, max_failures=2), before_kill=truncate_latest_checkpoint
-    )
+    config = chaos_config(tmp_path, max_failures=2, checkpoints_to_keep=2)
+    state, corrupted_at = run_killing_a_worker(tmp_path, config, before_kill=truncate_latest_checkpoint)
     assert state.is_completed(), state.message
     assert_same_as_uninterrupted(tmp_path, reference)
-    written = checkpoint_mtimes(tmp_path)
-    # Resumed from epoch-0000 (intact), so epoch 1 was trained again and its checkpoint written anew.
-    assert written["epoch-0000"] < corrupted_at < written["epoch-0001"]
+    (run_dir,) = (tmp_path / "storage" / "runs").iterdir()
+    # Epoch 1 was trained again from epoch-0000 and written to a folder of its own, never into the corrupted one.
+    snapshot = (run_dir / "checkpoint_manager_snapshot.json").read_text()
+    kept = sorted(p.name for p in run_dir.glob("epoch-*") if p.name in snapshot)
+    assert len(kept) == 2 and "epoch-0003" in kept
+    for name in kept:  # every checkpoint Ray Train still tracks is there and intact
+        verify_checkpoint(run_dir / name)
+    best = state.result().fit.best_checkpoint_uri
+    verify_checkpoint(best)
+    assert not best.endswith("epoch-0001")  # the corrupted folder is never chosen
+
+
+def test_no_intact_checkpoint_left_is_not_retried(tmp_path: Path) -> None:
+    """A CheckpointError raised in the workers fails the fit at once: no Prefect retry can repair storage."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    from raytrain_tasks.errors import CheckpointError
+
+    def truncate_every_checkpoint() -> None:
+        (run_dir,) = (tmp_path / "storage" / "runs").iterdir()
+        for model_file in run_dir.glob(f"epoch-*/{MODEL_FILE}"):
+            model_file.write_bytes(model_file.read_bytes()[:100])
+
+    config = chaos_config(tmp_path, max_failures=1, fit_retries=2, retry_delay_seconds=0)
+    state, _ = run_killing_a_worker(tmp_path, config, before_kill=truncate_every_checkpoint)
+    assert state.is_failed()
+    error = state.result(raise_on_failure=False)
+    assert isinstance(error, CheckpointError) and "no intact checkpoint left" in str(error)
+    with get_client(sync_client=True) as client:
+        task_runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+        )
+    (fit_run,) = [run for run in task_runs if run.name.startswith("fit-")]
+    assert fit_run.run_count == 1
+    run = only_run(tmp_path)
+    assert run.info.status == "FAILED" and "CheckpointError" in run.data.tags["prefect_raytrain.error"]
 
 
 def test_worker_killed_on_s3_storage_resumes_from_the_bucket(

@@ -79,7 +79,7 @@ def test_champion_loads_from_s3_and_reproduces_accuracy(s3_run: tuple[PipelineRe
     assert result.model is not None
     mlflow.set_tracking_uri(result.config.mlflow_tracking_uri)
     model = mlflow.pyfunc.load_model("models:/s3-model@champion")
-    x_val, y_val = read_split(result.dataset, "val", result.config.storage_options, standardised=False)
+    x_val, y_val = read_split(result.dataset, "test", result.config.storage_options, standardised=False)
     accuracy = float((np.asarray(model.predict(x_val)).argmax(axis=1) == y_val).mean())
     assert accuracy == pytest.approx(result.model.score, abs=1e-9)
     assert result.model.score >= 0.9

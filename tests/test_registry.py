@@ -1,0 +1,196 @@
+"""Against a real `mlflow server`: the registry lock, one version per run key, a promotion gate that fails closed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlflow import MlflowClient
+
+from raytrain_tasks.checkpoint import ModelSpec, TrainingState, save_checkpoint
+from raytrain_tasks.config import TrainingConfig
+from raytrain_tasks.data import DatasetRef
+from raytrain_tasks.errors import PromotionError
+from raytrain_tasks.models import build_model
+from tasks.data import prepare_dataset
+from tasks.fit import FitResult
+from tasks.registry_lock import QUEUE_SUFFIX
+from tests.conftest import REPO_ROOT, MlflowServer, small_config
+
+LEASE_S = 4.0
+
+
+def test_lock_serialises_pipelines_and_outlives_a_killed_holder(mlflow_server: str, tmp_path: Path) -> None:
+    client = MlflowClient(mlflow_server)
+    client.create_registered_model("locked")
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+
+    def contender(owner: str, hold_s: float) -> subprocess.Popen[bytes]:
+        args = [mlflow_server, "locked", owner, str(hold_s), str(LEASE_S), str(tmp_path)]
+        return subprocess.Popen([sys.executable, "-m", "tests.lock_contender", *args], env=env, cwd=REPO_ROOT)
+
+    holder = contender("doomed", 600)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "doomed.in").exists():
+        assert holder.poll() is None and time.monotonic() < deadline, "the first contender never took the lock"
+        time.sleep(0.2)
+    waiters = [contender(f"run-{i}", 0.5) for i in range(3)]
+    time.sleep(3)  # the waiters have taken their tickets and are waiting behind the holder
+    os.kill(holder.pid, signal.SIGKILL)
+    killed_at = time.time()
+    holder.wait()
+    for waiter in waiters:
+        assert waiter.wait(timeout=120) == 0  # nobody fails because of the dead holder
+    spans = sorted(
+        (float((tmp_path / f"run-{i}.in").read_text()), float((tmp_path / f"run-{i}.out").read_text()))
+        for i in range(3)
+    )
+    assert spans[0][0] > killed_at  # nobody entered while the holder lived
+    assert spans[0][0] - killed_at < 3 * LEASE_S  # taken over once its lease ran out, not after minutes
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))  # one at a time
+    tags = client.get_registered_model("locked").tags
+    assert tags["counter"] == "3"  # each decision saw the one before it: no lost update
+    assert sorted(tags[f"seen.run-{i}"] for i in range(3)) == ["0", "1", "2"]
+    assert client.search_model_versions(f"name = 'locked{QUEUE_SUFFIX}'") == []  # every ticket released
+
+
+# --- register-model, fed a fit as distributed-fit leaves it ---------------------------------------------------
+
+
+def _fit(
+    client: MlflowClient, workdir: Path, config: TrainingConfig, dataset: DatasetRef, key: str, test_accuracy: float
+) -> FitResult:
+    """A finished fit: an MLflow run and a best checkpoint (untrained weights; scores carried as given)."""
+    experiment = client.get_experiment_by_name(config.experiment_name)
+    experiment_id = experiment.experiment_id if experiment else client.create_experiment(config.experiment_name)
+    run_id = client.create_run(experiment_id, run_name=key, tags={"prefect_raytrain.run_key": key}).info.run_id
+    spec = ModelSpec("mlp", dataset.num_features, dataset.num_classes, tuple(config.hidden_sizes))
+    net = build_model("mlp", dataset.num_features, dataset.num_classes, config.hidden_sizes)
+    checkpoint = save_checkpoint(
+        workdir / key / "epoch-0000",
+        state=TrainingState(epoch=0, metrics={}, spec=spec),
+        model_state={k: v.detach() for k, v in net.state_dict().items()},
+    )
+    client.set_terminated(run_id)
+    scores = {"val_accuracy": test_accuracy, "val_loss": 1.0, "test_accuracy": test_accuracy, "test_loss": 1.0}
+    return FitResult(
+        run_key=key,
+        run_uri=str(workdir / key),
+        mlflow_run_id=run_id,
+        mlflow_experiment_id=str(experiment_id),
+        backend="gloo",
+        epochs_completed=1,
+        best_epoch=0,
+        best_checkpoint_uri=str(checkpoint),
+        best_metrics={},
+        final_metrics={},
+        history=[],
+        reopened_mlflow_run=False,
+        scores=scores,
+    )
+
+
+def _register(config: TrainingConfig, dataset: DatasetRef, fit: FitResult) -> Any:
+    """Run register-model in a flow, as the pipeline does: its ModelRef, or the exception it failed with."""
+    from prefect import flow
+
+    from tasks.register import register_model
+
+    @flow(name="register-only")
+    def register_only() -> Any:
+        state = register_model(config, dataset, fit, return_state=True)
+        return {"failed": state.is_failed(), "result": state.result(raise_on_failure=False)}
+
+    outcome = register_only()
+    assert outcome["failed"] == isinstance(outcome["result"], BaseException)
+    return outcome["result"]
+
+
+@pytest.fixture(scope="module")
+def registry(
+    mlflow_server: MlflowServer, tmp_path_factory: pytest.TempPathFactory, prefect_api: None
+) -> dict[str, Any]:
+    workdir = tmp_path_factory.mktemp("registry")
+    config = small_config(workdir, mlflow_tracking_uri=str(mlflow_server), model_name="gate", experiment_name="gate")
+    return {
+        "config": config,
+        "workdir": workdir,
+        "dataset": prepare_dataset(config),
+        "client": MlflowClient(mlflow_server),
+    }
+
+
+def _versions(client: MlflowClient, name: str) -> list[str]:
+    return sorted(str(v.version) for v in client.search_model_versions(f"name = '{name}'"))
+
+
+def _champion(client: MlflowClient, name: str) -> str | None:
+    version = client.get_registered_model(name).aliases.get("champion")
+    return None if version is None else str(version)
+
+
+def test_one_version_per_run_key_however_often_register_runs(registry: dict[str, Any]) -> None:
+    config, dataset, client = registry["config"], registry["dataset"], registry["client"]
+    fit = _fit(client, registry["workdir"], config, dataset, "20261123-010000-aaaaaa", 0.5)
+    ref = _register(config, dataset, fit)
+    assert ref.aliases == ("champion",) and ref.decision == "promote"
+    again = _register(config, dataset, fit)  # a Prefect retry, or a resume of the finished run
+    assert (again.version, again.decision, again.aliases) == (ref.version, "promote", ("champion",))
+    assert _versions(client, "gate") == [ref.version]
+    logged = client.search_logged_models(experiment_ids=[fit.mlflow_experiment_id])
+    assert [m.source_run_id for m in logged].count(fit.mlflow_run_id) == 1  # the model was logged once
+
+
+def test_a_champion_that_cannot_be_scored_keeps_its_alias_and_fails_the_task(
+    registry: dict[str, Any], mlflow_server: MlflowServer
+) -> None:
+    config, dataset, client = registry["config"], registry["dataset"], registry["client"]
+    champion = _champion(client, "gate")
+    assert champion is not None
+    # The champion's model files become unreadable (deleted from the artifact store behind MLflow's back).
+    source = client.get_model_version("gate", champion).source
+    model_id = source.rsplit("/", 1)[-1]
+    (model_dir,) = list(mlflow_server.artifacts.rglob(model_id))
+    aside = model_dir.with_name(model_id + ".aside")
+    model_dir.rename(aside)
+    try:
+        fit = _fit(client, registry["workdir"], config, dataset, "20261123-020000-bbbbbb", 0.99)
+        error = _register(config, dataset, fit)
+        assert isinstance(error, PromotionError) and "No alias moved" in str(error)
+        assert _champion(client, "gate") == champion  # not replaced by a model it could not be compared with
+        (candidate,) = [v for v in _versions(client, "gate") if v != champion]
+        assert str(client.get_registered_model("gate").aliases["challenger"]) == candidate
+        tags = client.get_model_version("gate", candidate).tags
+        assert tags["promotion.decision"] == "undecided"
+        assert f"version {champion}" in tags["promotion.reason"] and "failed" in tags["promotion.reason"]
+    finally:
+        aside.rename(model_dir)
+    # The next attempt of the same run key redoes only the decision: same version, now promoted.
+    retried = _register(config, dataset, fit)
+    assert retried.version == candidate and retried.decision == "promote"
+    assert _champion(client, "gate") == candidate
+    assert str(client.get_registered_model("gate").aliases["previous_champion"]) == champion
+    assert len(_versions(client, "gate")) == 2
+
+
+def test_a_champion_with_another_input_schema_is_kept_unless_asked(registry: dict[str, Any]) -> None:
+    config, client, workdir = registry["config"], registry["client"], registry["workdir"]
+    other = config.model_copy(update={"dataset": "synthetic", "synthetic_features": 8})
+    dataset = prepare_dataset(other)
+    champion = _champion(client, "gate")
+    fit = _fit(client, workdir, other, dataset, "20261123-030000-cccccc", 0.99)
+    kept = _register(other, dataset, fit)
+    assert kept.decision == "keep_incomparable_champion" and kept.aliases == ("challenger",)
+    assert "schema" in kept.reason and "replace_incomparable_champion" in kept.reason
+    assert _champion(client, "gate") == champion
+
+    replacing = other.model_copy(update={"replace_incomparable_champion": True})
+    fit = _fit(client, workdir, replacing, dataset, "20261123-040000-dddddd", 0.2)
+    replaced = _register(replacing, dataset, fit)
+    assert replaced.decision == "replace_incomparable_champion" and _champion(client, "gate") == replaced.version

@@ -1,0 +1,90 @@
+"""MLflow run states and live logging against real stores: a killed driver's run, an MLflow outage mid-fit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlflow import MlflowClient
+
+from raytrain_tasks.tracking import MlflowEpochLogger
+from tasks import tracking
+from tests.conftest import free_port, stop_process_group, wait_for_http
+
+
+def test_a_run_whose_driver_died_is_marked_killed_by_the_next_pipeline(tmp_path: Path) -> None:
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.create_experiment("killed")
+    dead = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        alive_driver = tracking.this_driver()
+        dead_driver = alive_driver.replace(f":{os.getpid()}:", f":{dead.pid}:").rsplit(":", 1)[0]
+        dead_driver += ":" + tracking._process_start(dead.pid)
+    finally:
+        dead.kill()
+        dead.wait()
+    orphan = client.create_run(experiment, tags={tracking.DRIVER_TAG: dead_driver}).info.run_id
+    live = client.create_run(experiment, tags={tracking.DRIVER_TAG: alive_driver}).info.run_id
+    elsewhere = client.create_run(experiment, tags={tracking.DRIVER_TAG: "other-host:1:1"}).info.run_id
+
+    assert tracking.mark_dead_runs_killed(client, experiment, found_by="20261123-000000-abcdef") == [orphan]
+    killed = client.get_run(orphan)
+    assert killed.info.status == "KILLED"
+    assert "ended without finishing" in killed.data.tags[tracking.KILLED_TAG]
+    assert client.get_run(live).info.status == "RUNNING"  # its driver (this process) still runs
+    assert client.get_run(elsewhere).info.status == "RUNNING"  # another host: nobody here can tell
+
+
+class _Checkpoint:
+    path = "/storage/runs/key/epoch-0000"
+
+
+def _epoch(step: int) -> list[dict[str, Any]]:
+    return [{"epoch": step, "train_loss": 1.0, "val_loss": 1.0, "val_accuracy": 0.5}]
+
+
+def test_live_epoch_logging_survives_an_mlflow_outage(tmp_path: Path) -> None:
+    """The controller's logger: a dead server costs seconds per report, and logging resumes when it is back."""
+    db = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_id = MlflowClient(db).create_run(MlflowClient(db).create_experiment("outage")).info.run_id
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    logger = MlflowEpochLogger(url, run_id)
+    for name in ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES"):
+        os.environ.pop(name, None)  # the controller's defaults, not the test process's
+
+    started = time.monotonic()
+    logger.after_report(None, _epoch(0), _Checkpoint())  # the server is down: logged as an error, not raised
+    assert time.monotonic() - started < 30
+
+    log = tmp_path / "server.log"
+    command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--workers", "1", "--backend-store-uri", db]
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    with log.open("w") as out:
+        server = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for_http(f"{url}/health", server, log, timeout=90)
+        logger.after_report(None, _epoch(1), _Checkpoint())
+        logger.after_report(None, _epoch(2), _Checkpoint())
+        steps = sorted(m.step for m in MlflowClient(url).get_metric_history(run_id, "val_accuracy"))
+        assert steps == [1, 2]  # epoch 0 is the driver's to backfill (reconcile_epochs) after fit()
+    finally:
+        stop_process_group(server)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("http://bob:s3cr3t@mlflow:5000/api/2.0", "http://bob:***@mlflow:5000/api/2.0"),
+        ("failed: https://u:p%40ss@h/x and s3://bucket/key", "failed: https://u:***@h/x and s3://bucket/key"),
+        ("no url here", "no url here"),
+    ],
+)
+def test_error_texts_lose_url_passwords(text: str, expected: str) -> None:
+    assert tracking.redact_text(text) == expected
