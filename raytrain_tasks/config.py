@@ -126,7 +126,9 @@ class TrainingConfig(BaseModel):
     epochs: int = Field(default=3, ge=1, le=10_000, title="Epochs", description="Passes over the training split.")
     batch_size: int = Field(default=32, ge=1, le=65_536, title="Batch size", description="Per worker, per step.")
     learning_rate: float = Field(default=3e-3, gt=0.0, le=10.0, title="Learning rate", description="Adam step size.")
-    seed: int = Field(default=42, ge=0, title="Seed", description="Seeds weight init and shuffling (splits follow row hashes).")
+    seed: int = Field(
+        default=42, ge=0, title="Seed", description="Seeds weight init and shuffling (splits follow row hashes)."
+    )
 
     # --- storage and services ---
     storage_path: str = Field(
