@@ -114,7 +114,7 @@ def publish_run_summary(result: Any, registry_error: str = "") -> None:
             f"({model.decision}: {model.reason})"
         )
     data = result.dataset
-    rows = f"{data.train_rows} train / {data.val_rows} val / {data.test_rows} test rows"
+    split_sizes = f"{data.train_rows} train / {data.val_rows} val / {data.test_rows} test rows"
     scores = ", ".join(f"{k} {v:.4f}" for k, v in fit.scores.items() if k.startswith("test_")) or "not scored"
     markdown = f"""# Training run `{result.run_key}`
 
@@ -126,7 +126,7 @@ def publish_run_summary(result: Any, registry_error: str = "") -> None:
 - **Model**: {registry}
 - **Checkpoints**: `{fit.run_uri}` (best: `{fit.best_checkpoint_uri}`)
 - **Test split** (held out, compared for promotion): {scores}
-- **Dataset**: `{result.dataset.uri}` ({rows})
+- **Dataset**: `{result.dataset.uri}` ({split_sizes})
 - **Workers**: {config.num_workers} x {fit.backend}; continue an interrupted run with `resume={result.run_key}`
 """
     create_markdown_artifact(markdown, key="training-summary", description=f"Run {result.run_key}")

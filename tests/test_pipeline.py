@@ -124,6 +124,11 @@ def test_run_page_shows_progress_per_epoch_and_a_summary(first_run: PipelineResu
     (summary,) = [a for a in artifacts if a.type == "markdown"]
     assert first_run.run_key in summary.data and first_run.fit.mlflow_run_id in summary.data
     assert f"version **{first_run.model.version}** -> champion" in summary.data
+    # The metric table has one row per metric with its final and best value, and the split sizes are listed.
+    final_accuracy = first_run.fit.final_metrics["val_accuracy"]
+    assert f"| val_accuracy | {final_accuracy:.4f} |" in summary.data, summary.data
+    assert f"| train_loss | {first_run.fit.final_metrics['train_loss']:.4f} |" in summary.data
+    assert f"{first_run.dataset.test_rows} test rows" in summary.data
     messages = [log.message for log in logs]
     for epoch in (1, 2, 3):
         assert sum(m.startswith(f"epoch {epoch}/3 committed:") for m in messages) == 1, messages
