@@ -3,12 +3,19 @@
 A checkpoint directory is complete only when ``manifest.json`` is present and every file it lists has
 the recorded size and SHA-256. The manifest is written last, so an interrupted write is never mistaken
 for a checkpoint, and a truncated or corrupted file in storage is detected before anything is loaded.
+
+A checkpoint is data, never code: every ``.pt`` file is loaded with ``torch.load(weights_only=True)``, which
+rebuilds tensors and plain values and refuses any other pickled object before it is created. The RNG state is
+stored that way too (format 2). Format-1 checkpoints kept numpy's RNG state as a pickled object: their
+weights and optimizer still load, their ``rng.pt`` is never unpickled (the run continues with fresh RNG state).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import pickle
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -16,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from raytrain_tasks.errors import CheckpointError
+from raytrain_tasks.errors import CheckpointError, UnsafeCheckpointError
 
 if TYPE_CHECKING:
     import torch
@@ -26,7 +33,10 @@ OPTIMIZER_FILE = "optimizer.pt"
 RNG_FILE = "rng.pt"
 STATE_FILE = "state.json"
 MANIFEST_FILE = "manifest.json"
-FORMAT_VERSION = 1
+# 1: rng.pt held numpy's state as a pickled object. 2: every .pt file loads with weights_only=True.
+FORMAT_VERSION = 2
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -60,12 +70,24 @@ class LoadedCheckpoint:
 
 
 def capture_rng_state() -> dict[str, Any]:
+    """The torch, numpy and Python RNG states as tensors and plain values (loadable with weights_only=True)."""
     import torch
 
+    _kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
+        "numpy": {
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
+        "python": {
+            "version": int(version),
+            "state": torch.tensor(internal, dtype=torch.int64),
+            "gauss_next": gauss_next,
+        },
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -76,8 +98,24 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     import torch
 
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    numpy_state = state["numpy"]
+    np.random.set_state(
+        (
+            "MT19937",
+            numpy_state["keys"].numpy().astype(np.uint32),
+            int(numpy_state["pos"]),
+            int(numpy_state["has_gauss"]),
+            float(numpy_state["cached_gaussian"]),
+        )
+    )
+    python_state = state["python"]
+    random.setstate(
+        (
+            int(python_state["version"]),
+            tuple(int(x) for x in python_state["state"].tolist()),
+            python_state["gauss_next"],
+        )
+    )
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -111,8 +149,8 @@ def save_checkpoint(
     return directory
 
 
-def verify_checkpoint(directory: str | Path) -> None:
-    """Raise CheckpointError unless every file the manifest lists is present and intact."""
+def verify_checkpoint(directory: str | Path) -> int:
+    """Raise CheckpointError unless every file the manifest lists is present and intact; return its format."""
     directory = Path(directory)
     manifest_path = directory / MANIFEST_FILE
     if not manifest_path.is_file():
@@ -120,8 +158,14 @@ def verify_checkpoint(directory: str | Path) -> None:
     try:
         manifest = json.loads(manifest_path.read_text())
         files = manifest["files"]
-    except (ValueError, KeyError) as exc:
+        format_version = int(manifest.get("format_version", 1))
+    except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"checkpoint {directory}: {MANIFEST_FILE} is unreadable ({exc})") from exc
+    if format_version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {directory} has format {format_version}, newer than this version of prefect-raytrain "
+            f"reads ({FORMAT_VERSION}); upgrade prefect-raytrain on the driver and the Ray nodes"
+        )
     for name, expected in files.items():
         path = directory / name
         if not path.is_file():
@@ -133,24 +177,70 @@ def verify_checkpoint(directory: str | Path) -> None:
             )
         if _sha256(path) != expected["sha256"]:
             raise CheckpointError(f"checkpoint {directory} is corrupted: {name} fails its SHA-256 check")
+    return format_version
+
+
+def manifest_digest(directory: str | Path) -> str:
+    """SHA-256 of the checkpoint's manifest: it pins every file of the checkpoint (sizes and hashes)."""
+    path = Path(directory) / MANIFEST_FILE
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {directory} is incomplete: {MANIFEST_FILE} is missing")
+    return _sha256(path)
+
+
+def load_tensors(path: Path, map_location: str | torch.device = "cpu") -> Any:
+    """``torch.load`` that rebuilds only tensors and plain values; anything else is refused, never created."""
+    import torch
+
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError, AttributeError) as exc:
+        # weights_only=True raises UnpicklingError for a pickled object it does not allow (nothing of it
+        # is created); the others come from a damaged archive.
+        raise UnsafeCheckpointError(
+            f"checkpoint file {path} holds something other than tensors and plain values and was not loaded "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). A checkpoint is data, never "
+            "code: someone or something other than prefect-raytrain wrote this file. Check who can write "
+            "`storage_path`, then start a new run (without `resume`) or restore the checkpoint from a backup"
+        ) from exc
 
 
 def load_checkpoint(directory: str | Path, map_location: str | torch.device = "cpu") -> LoadedCheckpoint:
-    """Verify, then load a checkpoint written by ``save_checkpoint``."""
-    import torch
-
+    """Verify, then load everything a worker needs to resume: weights, optimizer and RNG state."""
     directory = Path(directory)
-    verify_checkpoint(directory)
-    state = _state_from_json(json.loads((directory / STATE_FILE).read_text()))
-    model_state = torch.load(directory / MODEL_FILE, map_location=map_location, weights_only=True)
+    format_version = verify_checkpoint(directory)
+    state = _read_state(directory)
+    model_state = load_tensors(directory / MODEL_FILE, map_location)
     optimizer_state = None
     if (directory / OPTIMIZER_FILE).is_file():
-        optimizer_state = torch.load(directory / OPTIMIZER_FILE, map_location=map_location, weights_only=True)
+        optimizer_state = load_tensors(directory / OPTIMIZER_FILE, map_location)
     rng_state = None
     if (directory / RNG_FILE).is_file():
-        # Our own file, verified above; numpy's RNG state needs full unpickling.
-        rng_state = torch.load(directory / RNG_FILE, weights_only=False)
+        if format_version < 2:
+            logger.warning(
+                "checkpoint %s has format %d, whose %s can only be read by full unpickling; it is not loaded and "
+                "training continues with fresh RNG state (data order and dropout differ from an uninterrupted run)",
+                directory,
+                format_version,
+                RNG_FILE,
+            )
+        else:
+            rng_state = load_tensors(directory / RNG_FILE)
     return LoadedCheckpoint(state, model_state, optimizer_state, rng_state)
+
+
+def load_weights(directory: str | Path) -> tuple[TrainingState, dict[str, Any]]:
+    """Verify, then load only what scoring and registration need: the state record and the model weights."""
+    directory = Path(directory)
+    verify_checkpoint(directory)
+    return _read_state(directory), load_tensors(directory / MODEL_FILE)
+
+
+def _read_state(directory: Path) -> TrainingState:
+    try:
+        return _state_from_json(json.loads((directory / STATE_FILE).read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {directory}: {STATE_FILE} is missing or unreadable ({exc})") from exc
 
 
 def _sha256(path: Path) -> str:

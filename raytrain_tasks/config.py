@@ -6,6 +6,7 @@ as ``train_loop_config`` where each worker validates it again before doing anyth
 
 from __future__ import annotations
 
+import re
 import secrets
 import warnings
 from collections.abc import Mapping
@@ -173,8 +174,11 @@ class TrainingConfig(BaseModel):
     model_name: str = Field(
         default="digits-classifier",
         min_length=1,
+        max_length=200,
+        # It goes into MLflow search filters: no quotes, no backslashes.
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9 ._-]*$",
         title="Registered model name",
-        description="MLflow registered model that receives a new version per run.",
+        description="MLflow registered model that receives a new version per run (letters, digits, space, . _ -).",
     )
 
     # --- fault tolerance ---
@@ -211,6 +215,14 @@ class TrainingConfig(BaseModel):
     # --- registry ---
     register: bool = Field(default=True, title="Register model", description="Register a model version.")
     promote: bool = Field(default=True, title="Promote", description="Move 'champion' when the new version is better.")
+    input_example: Literal["synthetic", "validation_rows"] = Field(
+        default="synthetic",
+        title="Model input example",
+        description=(
+            "What the logged model stores as its input example in the artifact store. 'synthetic': rows made from "
+            "the training split's per-feature mean and spread, no real record. 'validation_rows': five real rows."
+        ),
+    )
     promotion_metric: Literal["val_accuracy", "val_loss"] = Field(
         default="val_accuracy",
         title="Promotion metric",
@@ -300,9 +312,7 @@ class TrainingConfig(BaseModel):
     @field_validator("resume")
     @classmethod
     def _resume_is_run_key(cls, value: str) -> str:
-        if value and not _looks_like_run_key(value):
-            raise ValueError(f"{value!r} is not a run key (expected the form 20261122-101500-a1b2c3)")
-        return value
+        return check_run_key(value) if value else value
 
     def resolved(self, base_dir: Path, environ: Mapping[str, str]) -> TrainingConfig:
         """A copy with an absolute storage path and a concrete tracking URI, as every Ray process needs."""
@@ -337,9 +347,18 @@ def new_run_key(now: datetime | None = None) -> str:
     return f"{now:%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
 
 
+RUN_KEY_PATTERN = re.compile(r"\d{8}-\d{6}-[0-9a-f]{6}")
+
+
 def _looks_like_run_key(value: str) -> bool:
-    parts = value.split("-")
-    return len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit() and len(parts[2]) >= 4
+    return RUN_KEY_PATTERN.fullmatch(value) is not None
+
+
+def check_run_key(value: str) -> str:
+    """``value`` if it has exactly the form ``new_run_key`` makes; a run key names folders and MLflow filters."""
+    if not isinstance(value, str) or not _looks_like_run_key(value):
+        raise ValueError(f"{value!r} is not a run key (expected the form 20261122-101500-a1b2c3)")
+    return value
 
 
 def describe_validation_error(exc: Exception) -> str:

@@ -21,6 +21,11 @@ class CheckpointError(PipelineError):
     """A checkpoint is incomplete, corrupted or does not match the model."""
 
 
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint holds content that is not plain data (a pickled object), or is not the one the run
+    recorded when it committed it. Never loaded, never skipped silently: the storage was tampered with."""
+
+
 class ClusterError(PipelineError):
     """Ray is unreachable or lacks the resources the config asks for."""
 

@@ -14,7 +14,7 @@ import pyarrow.fs as pafs
 from ray.train import Checkpoint
 
 from raytrain_tasks.checkpoint import LoadedCheckpoint, load_checkpoint
-from raytrain_tasks.errors import CheckpointError
+from raytrain_tasks.errors import CheckpointError, UnsafeCheckpointError
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,8 @@ def load_newest_intact(latest: Checkpoint, *, announce: bool) -> tuple[LoadedChe
         try:
             with candidate.as_directory() as directory:
                 loaded = load_checkpoint(directory)
+        except UnsafeCheckpointError:
+            raise  # tampered storage: falling back to an older checkpoint of the same storage is not safe
         except CheckpointError as exc:
             problems.append(str(exc))
             if announce:

@@ -33,15 +33,15 @@ class Scores:
 
 def load_checkpoint_model(checkpoint_uri: str, options: StorageOptions) -> Any:
     """Rebuild the network stored in a checkpoint (local or remote storage), in eval mode, on CPU."""
-    from raytrain_tasks.checkpoint import load_checkpoint
+    from raytrain_tasks.checkpoint import load_weights
     from raytrain_tasks.models import build_model
 
     with tempfile.TemporaryDirectory(prefix="prt-model-") as tmp:
         directory = download_dir(locate(checkpoint_uri, options), Path(tmp) / "checkpoint")
-        loaded = load_checkpoint(directory)
-    spec = loaded.state.spec
+        state, weights = load_weights(directory)
+    spec = state.spec
     model = build_model(spec.model, spec.in_features, spec.num_classes, spec.hidden_sizes)
-    model.load_state_dict(loaded.model_state)
+    model.load_state_dict(weights)
     return model.eval()
 
 

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict
 from ray.train.v2.api.callback import RayTrainCallback
 
 from raytrain_tasks.checkpoint import STATE_FILE
-from raytrain_tasks.config import TrainingConfig
+from raytrain_tasks.config import TrainingConfig, check_run_key
 from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.errors import CheckpointError, ClusterError, TrackingError, TrainingError
 from raytrain_tasks.tracking import MlflowEpochLogger, OpenMlflowEarly
@@ -74,6 +74,7 @@ def is_retryable(task: Any, task_run: Any, state: Any) -> bool:
 def distributed_fit(config: TrainingConfig, dataset: DatasetRef, run_key: str) -> FitResult:
     """Train (or continue training) run ``run_key`` and return its best checkpoint and metrics."""
     logger = get_run_logger()
+    check_run_key(run_key)  # it names a folder in storage and goes into MLflow filters
     runs = locate(config.storage_path, config.storage_options).child(RUNS_DIR)
     run_dir = runs.child(run_key)
     if config.resume and not run_dir.child("checkpoint_manager_snapshot.json").exists():
@@ -179,7 +180,7 @@ def training_error(exc: BaseException, run_key: str, config: TrainingConfig) -> 
         cause: BaseException | None = failure
         while cause is not None:
             if isinstance(cause, CheckpointError):
-                return CheckpointError(f"training run {run_key}: {cause}")
+                return type(cause)(f"training run {run_key}: {cause}")  # UnsafeCheckpointError stays one
             cause = cause.__cause__ or getattr(cause, "cause", None)
     return TrainingError(
         f"training run {run_key} failed after {config.max_failures} worker-group restarts: {exc}. "

@@ -21,7 +21,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 from pydantic import BaseModel, ConfigDict
 
-from raytrain_tasks.config import TrainingConfig
+from raytrain_tasks.config import TrainingConfig, check_run_key
 from raytrain_tasks.data import DatasetRef, read_split
 from raytrain_tasks.errors import PromotionError, TrackingError
 from raytrain_tasks.models import with_standardisation
@@ -254,6 +254,7 @@ def _model_ref(
 def _version_of_run(client: MlflowClient, name: str, run_key: str) -> str | None:
     from mlflow.exceptions import MlflowException
 
+    check_run_key(run_key)  # it goes into a filter string
     try:
         found = client.search_model_versions(f"name = '{name}' and tags.{RUN_KEY_TAG} = '{run_key}'")
     except MlflowException as exc:
@@ -288,7 +289,7 @@ def _log_model(config: TrainingConfig, dataset: DatasetRef, fit: FitResult) -> s
         dataset.feature_mean,
         dataset.feature_std,
     ).eval()
-    x_val, _ = read_split(dataset, "val", config.storage_options, standardised=False)
+    example = input_example(config, dataset)
     preprocessing = {
         "feature_names": dataset.feature_names,
         "feature_mean": dataset.feature_mean,
@@ -302,12 +303,27 @@ def _log_model(config: TrainingConfig, dataset: DatasetRef, fit: FitResult) -> s
         info = mlflow.pytorch.log_model(
             model,
             name=LOGGED_MODEL_NAME,
-            input_example=np.array(x_val[:5]),
+            input_example=example,
             # Explicit requirements: inferring them spawns a subprocess that costs ~8 s.
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}"],
             metadata={"run_key": fit.run_key, "dataset_hash": dataset.content_hash},
         )
     return str(info.model_uri)
+
+
+def input_example(config: TrainingConfig, dataset: DatasetRef) -> np.ndarray:
+    """The logged model's input example: no real record unless `input_example='validation_rows'`.
+
+    The artifact store is often readable by more people than the training data (anyone with the MLflow UI),
+    and a row of it may be personal data. The synthetic rows (mean, mean - std, mean + std of the training
+    split, already in preprocessing.json) give MLflow the schema and the shapes it needs to export the model.
+    """
+    if config.input_example == "validation_rows":
+        x_val, _ = read_split(dataset, "val", config.storage_options, standardised=False)
+        return np.array(x_val[:5])
+    mean = np.asarray(dataset.feature_mean, dtype=np.float32)
+    std = np.asarray(dataset.feature_std, dtype=np.float32)
+    return np.stack([mean, mean - std, mean + std]).astype(np.float32)
 
 
 def _version_tags(dataset: DatasetRef, fit: FitResult) -> dict[str, str]:

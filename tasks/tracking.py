@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
+from raytrain_tasks.config import check_run_key
 from raytrain_tasks.errors import TrackingError
 from raytrain_tasks.tracking import EPOCH_METRICS, log_epoch
 
@@ -85,6 +86,7 @@ def ensure_experiment(client: MlflowClient, name: str, tracking_uri: str, storag
 
 
 def find_run(client: MlflowClient, experiment_id: str, run_key: str) -> Any | None:
+    check_run_key(run_key)  # it goes into a filter string
     runs = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'", max_results=2)
     return runs[0] if runs else None
 

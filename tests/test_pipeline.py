@@ -83,6 +83,31 @@ def test_champion_loads_and_reproduces_logged_accuracy(first_run: PipelineResult
     assert accuracy == pytest.approx(logged[first_run.fit.best_epoch], abs=1e-9)
 
 
+def test_the_logged_model_stores_no_real_row_by_default(first_run: PipelineResult) -> None:
+    """`input_example='synthetic'` (the default): the artifact store holds the schema, not a record of the data."""
+    import json
+
+    import mlflow
+
+    assert first_run.config.input_example == "synthetic" and first_run.model is not None
+    mlflow.set_tracking_uri(first_run.config.mlflow_tracking_uri)
+    info = mlflow.models.get_model_info(f"models:/{first_run.model.name}/{first_run.model.version}")
+    local = Path(mlflow.artifacts.download_artifacts(info.model_uri))
+    example = json.loads((local / "input_example.json").read_text())
+    rows = np.asarray(example.get("data", example.get("inputs", example)), dtype=np.float32)
+    assert rows.shape[1] == len(first_run.dataset.feature_names)
+    stored = np.concatenate(
+        [
+            pd.read_parquet(Path(first_run.dataset.uri) / f"{split}.parquet")[
+                list(first_run.dataset.feature_names)
+            ].to_numpy(dtype=np.float32)
+            for split in ("train", "val", "test")
+        ]
+    )
+    for row in rows:
+        assert not (np.abs(stored - row).max(axis=1) < 1e-6).any(), "a real row of the dataset was logged"
+
+
 def test_champion_moves_only_for_a_better_model(first_run: PipelineResult, client: MlflowClient, workdir: Path) -> None:
     assert first_run.model is not None
     name, first_version = first_run.model.name, first_run.model.version

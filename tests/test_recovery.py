@@ -279,6 +279,35 @@ def test_no_intact_checkpoint_left_is_not_retried(tmp_path: Path) -> None:
     assert run.info.status == "FAILED" and "CheckpointError" in run.data.tags["prefect_raytrain.error"]
 
 
+def test_a_tampered_checkpoint_stops_the_restarted_workers_and_runs_nothing(tmp_path: Path) -> None:
+    """Someone with write access to storage swaps the latest rng.pt for a pickle that would run code and makes the
+    manifest match. The restarted workers refuse it (no fallback to an older checkpoint of the same storage), the
+    fit is not retried, and the code in the pickle never runs."""
+    from raytrain_tasks.checkpoint import RNG_FILE
+    from raytrain_tasks.errors import CheckpointError
+    from tests.test_security import CreatesAFile, rewrite_manifest
+
+    marker = tmp_path / "pwned"
+
+    def tamper_latest_checkpoint() -> None:
+        import torch
+
+        (run_dir,) = (tmp_path / "storage" / "runs").iterdir()
+        latest = max(run_dir.glob("epoch-*"))
+        torch.save({"numpy": CreatesAFile(marker)}, latest / RNG_FILE)
+        rewrite_manifest(latest)
+
+    config = chaos_config(tmp_path, max_failures=1, fit_retries=2, retry_delay_seconds=0)
+    state, _ = run_killing_a_worker(tmp_path, config, before_kill=tamper_latest_checkpoint)
+    assert state.is_failed()
+    error = state.result(raise_on_failure=False)
+    assert isinstance(error, CheckpointError) and RNG_FILE in str(error), error
+    assert "storage_path" in str(error)
+    assert not marker.exists()
+    run = only_run(tmp_path)
+    assert run.info.status == "FAILED" and "CheckpointError" in run.data.tags["prefect_raytrain.error"]
+
+
 def test_worker_killed_on_s3_storage_resumes_from_the_bucket(
     tmp_path: Path, reference: PipelineResult, s3_server: Any
 ) -> None:
