@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextvars
 import gc
+import os
 import sys
 import threading
 import types
@@ -17,6 +18,7 @@ from pydantic import ValidationError
 
 from raytrain_tasks.config import TrainingConfig, describe_validation_error
 from raytrain_tasks.errors import ClusterError
+from raytrain_tasks.redact import redact, redact_uri, strip_credentials
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,22 +60,36 @@ def parse_config(argv: Sequence[str] | None = None) -> TrainingConfig:
 
 def main(pipeline: Callable[..., Any], argv: Sequence[str] | None = None) -> int:
     """Run the pipeline once as this process's whole job; the exit status says whether it completed."""
-    config = parse_config(argv)
+    config = credentials_to_environment(parse_config(argv))
     try:
         with local_services(config):
             state = pipeline(config=config, return_state=True)
     except ClusterError as exc:
-        print(f"\npipeline failed: {exc}", file=sys.stderr)
+        print(f"\npipeline failed: {redact(str(exc))}", file=sys.stderr)
         return 1
     if not state.is_completed():
         error = state.result(raise_on_failure=False)
-        print(f"\npipeline {state.name.lower()}: {error}", file=sys.stderr)
+        print(f"\npipeline {state.name.lower()}: {redact(str(error))}", file=sys.stderr)
         return 1
     print(format_summary(state.result()))
     # The process ends next: spare CPython's shutdown its full collections over the ~1M objects that Prefect,
     # MLflow, Ray and torch leave (about 4 s on 2 cores). atexit handlers still run.
     gc.freeze()
     return 0
+
+
+def credentials_to_environment(config: TrainingConfig) -> TrainingConfig:
+    """Move a ``user:password@`` out of ``--mlflow-tracking-uri`` into MLFLOW_TRACKING_USERNAME / _PASSWORD.
+
+    The flow's parameters are stored by Prefect as given; what is in this process's environment is not. MLflow
+    reads the two variables for basic auth; a value already set there wins.
+    """
+    uri, user, password = strip_credentials(config.mlflow_tracking_uri)
+    if not user and not password:
+        return config
+    os.environ.setdefault("MLFLOW_TRACKING_USERNAME", user)
+    os.environ.setdefault("MLFLOW_TRACKING_PASSWORD", password)
+    return config.model_copy(update={"mlflow_tracking_uri": uri})
 
 
 @contextmanager
@@ -153,7 +169,7 @@ def format_summary(result: Any) -> str:
         "training pipeline finished",
         f"  run key        {result.run_key}",
         f"  MLflow run     {fit.mlflow_run_id} (experiment {result.config.experiment_name!r}, "
-        f"{result.config.mlflow_tracking_uri})",
+        f"{redact_uri(result.config.mlflow_tracking_uri)})",
         f"  epochs         {fit.epochs_completed}, {result.config.num_workers} workers ({fit.backend})",
         f"  final metrics  val_accuracy={final.get('val_accuracy', float('nan')):.4f} "
         f"val_loss={final.get('val_loss', float('nan')):.4f} train_loss={final.get('train_loss', float('nan')):.4f}",

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict
 
 from raytrain_tasks.config import TrainingConfig, new_run_key
 from raytrain_tasks.data import DatasetRef
+from raytrain_tasks.redact import install_log_redaction, redacted_errors, strip_credentials
 from tasks.data import prepare_data
 from tasks.fit import FitResult, distributed_fit
 from tasks.register import ModelRef, register_model
@@ -33,6 +34,18 @@ def training_pipeline(config: TrainingConfig = TrainingConfig()) -> PipelineResu
     Args:
         config: Everything that defines the run: data, workers, training, storage, MLflow and registry settings.
     """
+    install_log_redaction("prefect", "prefect.flow_runs", "prefect.task_runs", "ray", "mlflow")
+    with redacted_errors():
+        return _pipeline(config)
+
+
+def _pipeline(config: TrainingConfig) -> PipelineResult:
+    if strip_credentials(config.mlflow_tracking_uri)[2]:
+        get_run_logger().warning(
+            "mlflow_tracking_uri carries a password: it is masked in everything this run writes, but Prefect keeps "
+            "flow-run parameters as given. Put credentials in MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD "
+            "(or MLFLOW_TRACKING_TOKEN) in the worker's environment instead"
+        )
     config = config.resolved(Path.cwd(), os.environ)
     run_key = config.resume or new_run_key()
     get_run_logger().info("run key %s (after a crash, continue it with resume=%s)", run_key, run_key)

@@ -158,6 +158,14 @@ class TrainingConfig(BaseModel):
         title="Ray address",
         description="Empty: start a local Ray. Otherwise a cluster address, e.g. '127.0.0.1:6379' or 'ray://h:10001'.",
     )
+    forward_credentials_to_cluster: bool = Field(
+        default=False,
+        title="Forward credentials to the cluster",
+        description=(
+            "Copy this process's AWS keys and MLflow credentials into the Ray job's runtime_env. Ray keeps them in "
+            "its job table, readable by anyone who reaches the cluster's dashboard. Off: nodes use their own."
+        ),
+    )
     mlflow_tracking_uri: str = Field(
         default="",
         title="MLflow tracking URI",
@@ -334,10 +342,16 @@ class TrainingConfig(BaseModel):
         )
 
     def public_params(self) -> dict[str, Any]:
-        """The config as flat MLflow params: lists joined, nothing secret (the model holds none)."""
+        """The config as flat MLflow params: lists joined, credentials in URIs masked."""
+        from raytrain_tasks.redact import redact, redact_uri
+
         params: dict[str, Any] = {}
         for key, value in self.model_dump().items():
-            params[key] = ",".join(map(str, value)) if isinstance(value, list) else value
+            if isinstance(value, list):
+                value = ",".join(map(str, value))
+            if isinstance(value, str):  # a URI may carry user:password@ or ?token=
+                value = redact_uri(value) if "://" in value else redact(value)
+            params[key] = value
         return params
 
 

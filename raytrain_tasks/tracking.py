@@ -18,6 +18,8 @@ from typing import Any
 from ray.train import Checkpoint, UserCallback
 from ray.train.v2._internal.execution.callback import ControllerCallback
 
+from raytrain_tasks.redact import redact
+
 logger = logging.getLogger(__name__)
 
 EPOCH_METRICS = ("train_loss", "val_loss", "val_accuracy", "epoch_seconds", "samples_per_second")
@@ -63,8 +65,8 @@ class OpenMlflowEarly(ControllerCallback):
 
             # The first query opens the store; MLflow caches it per URI, so the epoch logger's client reuses it.
             MlflowClient(self.tracking_uri).get_run(self.run_id)
-        except Exception:  # noqa: BLE001 - only a head start; MlflowEpochLogger connects (and reports) itself
-            logger.debug("could not open MLflow early", exc_info=True)
+        except Exception as exc:  # noqa: BLE001 - only a head start; MlflowEpochLogger connects (and reports) itself
+            logger.debug("could not open MLflow early: %s", redact(f"{type(exc).__name__}: {exc}"))
 
 
 # The controller talks to MLflow between epochs: a dead server must cost seconds there, not MLflow's default
@@ -108,6 +110,11 @@ class MlflowEpochLogger(UserCallback):
                 return
             log_epoch(self._client, self.run_id, epoch_metrics, checkpoint.path)
             self._logged.add(step)
-        except Exception:  # noqa: BLE001 - tracking must never kill training; tested in test_tracking_outage
+        except Exception as exc:  # noqa: BLE001 - tracking must never kill training; tested in test_tracking_outage
             self._logged = None  # unknown after a failed write: re-read at the next report
-            logger.exception("could not log epoch metrics to MLflow run %s; the next report retries", self.run_id)
+            # No traceback: MLflow's messages embed the tracking URL, and this goes to the Ray worker logs.
+            logger.warning(
+                "could not log epoch metrics to MLflow run %s; the next report retries: %s",
+                self.run_id,
+                redact(f"{type(exc).__name__}: {exc}"),
+            )

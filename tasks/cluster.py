@@ -45,31 +45,38 @@ def worker_env(local: bool = True) -> dict[str, str]:
     return env
 
 
-# Forwarded to a cluster's Ray processes when set here: what S3 storage (pyarrow, boto3) and MLflow (the
-# controller logs epochs; artifacts may go to S3) read. A local Ray inherits them from this process.
+# Forwarded to a cluster's Ray processes when set here: where S3 storage (pyarrow, boto3) and MLflow (the
+# controller logs epochs; artifacts may go to S3) are, nothing secret. A local Ray inherits everything from
+# this process.
 FORWARDED_ENV = (
-    "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
     "AWS_REGION",
     "AWS_DEFAULT_REGION",
     "AWS_ENDPOINT_URL",
     "AWS_ENDPOINT_URL_S3",
     "AWS_EC2_METADATA_DISABLED",
     "MLFLOW_S3_ENDPOINT_URL",
+    "MLFLOW_TRACKING_INSECURE_TLS",
+)
+# Credentials: Ray stores a job's runtime_env in its GCS job table and the dashboard's job API returns it, so
+# they are forwarded only with `forward_credentials_to_cluster`. Otherwise the nodes use their own (instance or
+# pod role, their own environment), which also renew themselves where a copied session token would expire.
+CREDENTIAL_ENV = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
     "MLFLOW_TRACKING_USERNAME",
     "MLFLOW_TRACKING_PASSWORD",
     "MLFLOW_TRACKING_TOKEN",
-    "MLFLOW_TRACKING_INSECURE_TLS",
 )
 
 
-def cluster_runtime_env() -> dict[str, object]:
+def cluster_runtime_env(config: TrainingConfig) -> dict[str, object]:
     """What a cluster this driver connects to needs: our worker code and the environment it reads."""
     import raytrain_tasks
 
     env = worker_env(local=False)
-    env.update({name: os.environ[name] for name in FORWARDED_ENV if os.environ.get(name)})
+    forwarded = FORWARDED_ENV + (CREDENTIAL_ENV if config.forward_credentials_to_cluster else ())
+    env.update({name: os.environ[name] for name in forwarded if os.environ.get(name)})
     # Only raytrain_tasks runs on the cluster (train loop, ingest, the controller's MLflow callback); its
     # third-party imports (torch, ray[train,data], mlflow, pyarrow) must be installed in the cluster's image.
     return {"py_modules": [raytrain_tasks], "env_vars": env}
@@ -96,7 +103,7 @@ def ray_session(config: TrainingConfig) -> Iterator[None]:
         if config.ray_address:
             ray.init(
                 address=config.ray_address,
-                runtime_env=cluster_runtime_env(),
+                runtime_env=cluster_runtime_env(config),
                 logging_level=logging.WARNING,
             )
         else:

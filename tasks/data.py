@@ -17,6 +17,7 @@ from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import LABEL_INDEX_COLUMN, MANIFEST_NAME, ROW_INDEX_COLUMN, STORAGE_LAYOUT, DatasetRef
 from raytrain_tasks.datasets import BUILTIN_DATASETS, DatasetRequest
 from raytrain_tasks.errors import DatasetError
+from raytrain_tasks.redact import redacted_errors
 from tasks.storage import DATASETS_DIR, StorageLocation, check_writable, locate
 
 if TYPE_CHECKING:
@@ -30,7 +31,8 @@ PREPARED_FORMAT = 1
 def prepare_data(config: TrainingConfig) -> DatasetRef:
     """Write (or reuse) the prepared dataset version for this config and return where it is."""
     logger = get_run_logger()
-    dataset = prepare_dataset(config)
+    with redacted_errors():
+        dataset = prepare_dataset(config)
     logger.info(
         "dataset %s: %d train / %d val / %d test rows, %d features, %d classes at %s",
         dataset.content_hash,

@@ -25,6 +25,7 @@ from raytrain_tasks.checkpoint import STATE_FILE
 from raytrain_tasks.config import TrainingConfig, check_run_key
 from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.errors import CheckpointError, ClusterError, TrackingError, TrainingError
+from raytrain_tasks.redact import redacted_errors
 from raytrain_tasks.tracking import MlflowEpochLogger, OpenMlflowEarly
 from tasks import evaluation, tracking
 from tasks.cluster import alive_node_count, check_resources, ray_session, read_mounts, storage_shared_with_nodes
@@ -73,6 +74,11 @@ def is_retryable(task: Any, task_run: Any, state: Any) -> bool:
 )
 def distributed_fit(config: TrainingConfig, dataset: DatasetRef, run_key: str) -> FitResult:
     """Train (or continue training) run ``run_key`` and return its best checkpoint and metrics."""
+    with redacted_errors():
+        return _distributed_fit(config, dataset, run_key)
+
+
+def _distributed_fit(config: TrainingConfig, dataset: DatasetRef, run_key: str) -> FitResult:
     logger = get_run_logger()
     check_run_key(run_key)  # it names a folder in storage and goes into MLflow filters
     runs = locate(config.storage_path, config.storage_options).child(RUNS_DIR)

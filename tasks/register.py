@@ -25,6 +25,7 @@ from raytrain_tasks.config import TrainingConfig, check_run_key
 from raytrain_tasks.data import DatasetRef, read_split
 from raytrain_tasks.errors import PromotionError, TrackingError
 from raytrain_tasks.models import with_standardisation
+from raytrain_tasks.redact import redacted_errors
 from tasks import tracking
 from tasks.evaluation import load_checkpoint_model, score
 from tasks.fit import FitResult
@@ -63,6 +64,11 @@ class ModelRef(BaseModel):
 @task(name="register-model", task_run_name="register-{fit.run_key}", cache_policy=NONE)
 def register_model(config: TrainingConfig, dataset: DatasetRef, fit: FitResult) -> ModelRef:
     """Log the best checkpoint as an MLflow model in the fit's run and register (at most) one version of it."""
+    with redacted_errors():
+        return _register_model(config, dataset, fit)
+
+
+def _register_model(config: TrainingConfig, dataset: DatasetRef, fit: FitResult) -> ModelRef:
     import mlflow
 
     logger = get_run_logger()

@@ -7,8 +7,8 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
+from raytrain_tasks.redact import redact, redact_uri
 from raytrain_tasks.tracking import STEP_KEY
-from tasks.tracking import redact_text
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -89,6 +89,7 @@ class EpochProgress:
 
 
 def mlflow_run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    tracking_uri = redact_uri(tracking_uri)
     if tracking_uri.startswith(("http://", "https://")):
         return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
     return f"run `{run_id}` in `{tracking_uri}` (browse with `mlflow ui --backend-store-uri {tracking_uri}`)"
@@ -105,7 +106,7 @@ def publish_run_summary(result: Any, registry_error: str = "") -> None:
         if key in fit.final_metrics
     )
     if registry_error:
-        registry = f"**register-model failed, no alias moved**: {redact_text(registry_error)}"
+        registry = f"**register-model failed, no alias moved**: {redact(registry_error)}"
     elif model is None:
         registry = "not registered (`register` is off)"
     else:

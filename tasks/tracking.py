@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import socket
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlparse
 
 from raytrain_tasks.config import check_run_key
 from raytrain_tasks.errors import TrackingError
+from raytrain_tasks.redact import redact, redact_exception, redact_uri
 from raytrain_tasks.tracking import EPOCH_METRICS, log_epoch
 
 if TYPE_CHECKING:
@@ -48,10 +47,16 @@ def connect(tracking_uri: str, s3_endpoint_url: str = "") -> MlflowClient:
     try:
         client.search_experiments(max_results=1)
     except (MlflowException, OSError) as exc:
+        if getattr(exc, "error_code", "") in ("UNAUTHENTICATED", "PERMISSION_DENIED") or " 401 " in str(exc):
+            raise TrackingError(
+                f"MLflow at {redact_uri(tracking_uri)} refused this client's credentials ({redact(str(exc))}); "
+                "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the "
+                "environment, or fix the user:password in `mlflow_tracking_uri`"
+            ) from redact_exception(exc)
         raise TrackingError(
-            f"MLflow at {_redact(tracking_uri)} is unreachable or refused the request ({exc}); "
+            f"MLflow at {redact_uri(tracking_uri)} is unreachable or refused the request ({redact(str(exc))}); "
             "check `mlflow_tracking_uri` (empty uses a local SQLite store)"
-        ) from exc
+        ) from redact_exception(exc)
     return client
 
 
@@ -220,7 +225,7 @@ def fail_run(client: MlflowClient, run_id: str, error: BaseException) -> None:
     from mlflow.exceptions import MlflowException
 
     try:
-        client.set_tag(run_id, ERROR_TAG, redact_text(f"{type(error).__name__}: {error}")[:4000])
+        client.set_tag(run_id, ERROR_TAG, redact(f"{type(error).__name__}: {error}")[:4000])
         client.set_terminated(run_id, status="FAILED")
     except (MlflowException, OSError) as exc:
         logger.warning("could not mark MLflow run %s FAILED (%s); the next run of the experiment marks it", run_id, exc)
@@ -301,18 +306,3 @@ def _sqlite_path(tracking_uri: str) -> Path | None:
     if not tracking_uri.startswith("sqlite:///"):
         return None
     return Path(tracking_uri.removeprefix("sqlite:///"))
-
-
-def _redact(uri: str) -> str:
-    parsed = urlparse(uri)
-    if parsed.password:
-        return uri.replace(f":{parsed.password}@", ":***@")
-    return uri
-
-
-def redact_text(text: str) -> str:
-    """``text`` with the password of every ``scheme://user:password@`` URL in it replaced by ***."""
-    return _URL_PASSWORD.sub(r"\1***@", text)
-
-
-_URL_PASSWORD = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]+:)[^@\s/]+@")

@@ -81,6 +81,41 @@ def external_cluster() -> Iterator[ExternalCluster]:
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+# In the driver's environment only; the run's storage is a directory and MLflow a SQLite file, so nothing needs them.
+DRIVER_SECRETS = {
+    "AWS_ACCESS_KEY_ID": "AKIAPRTDRIVERONLY0001",
+    "AWS_SECRET_ACCESS_KEY": "prt-secret-key-never-in-ray-0001",
+    "AWS_SESSION_TOKEN": "prt-session-token-never-in-ray-0001",
+    "MLFLOW_TRACKING_TOKEN": "prt-mlflow-token-never-in-ray-0001",
+    "MLFLOW_TRACKING_PASSWORD": "prt-mlflow-password-never-in-ray-0001",
+}
+NOT_SECRET = "prt-region-marker-1"
+
+
+def dashboard_answers(cluster: ExternalCluster, paths: list[str]) -> dict[str, str]:
+    """The raw bodies the dashboard serves at ``paths`` (with the cluster's token, as its users would)."""
+    code = textwrap.dedent(
+        f"""
+        import json
+        from ray.job_submission import JobSubmissionClient
+        client = JobSubmissionClient("{cluster.dashboard_url}")
+        answers = {{}}
+        for path in {paths!r}:
+            response = client._do_request("GET", path)
+            assert response.status_code == 200, (path, response.status_code, response.text[:500])
+            answers[path] = response.text
+        print("ANSWERS" + json.dumps(answers))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **CLIENT_ENV}, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    import json
+
+    return dict(json.loads(done.stdout.split("ANSWERS", 1)[1]))
+
+
 @pytest.mark.slow
 def test_the_pipeline_trains_on_a_cluster_by_address_and_leaves_it_running(
     external_cluster: ExternalCluster, tmp_path: Path, prefect_api: None
@@ -93,7 +128,8 @@ def test_the_pipeline_trains_on_a_cluster_by_address_and_leaves_it_running(
     command = [sys.executable, "-m", "flows.training", "--ray-address", external_cluster.address]
     command += ["--storage-path", str(tmp_path / "storage"), "--mlflow-tracking-uri", tracking_uri]
     command += ["--epochs", "2", "--num-workers", "2", "--experiment-name", "cluster", "--no-register"]
-    env = {**os.environ, **CLIENT_ENV, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
+    env = {**os.environ, **CLIENT_ENV, "PREFECT_API_URL": str(PREFECT_API_URL.value()), **DRIVER_SECRETS}
+    env["AWS_REGION"] = NOT_SECRET  # forwarded: where things are is not a secret
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=480)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
 
@@ -120,6 +156,14 @@ def test_the_pipeline_trains_on_a_cluster_by_address_and_leaves_it_running(
     )
     assert seen.returncode == 0, seen.stderr[-3000:]
     assert "WORKERS 2 ['DEAD']" in seen.stdout, seen.stdout
+
+    # What anyone who reaches the dashboard reads: the job list (with each job's runtime_env) and the runtime
+    # envs the agents created. The driver's AWS keys and MLflow token are in none of them.
+    answers = dashboard_answers(external_cluster, ["/api/jobs/", "/api/v0/runtime_envs?detail=true&limit=100"])
+    assert NOT_SECRET in answers["/api/jobs/"]  # the responses do carry the job's env_vars
+    for path, text in answers.items():
+        for name, secret in DRIVER_SECRETS.items():
+            assert secret not in text, f"{name} is readable at {external_cluster.dashboard_url}{path}"
     # The driver shipped raytrain_tasks (runtime_env py_modules): the cluster unpacked it for its workers.
     resources = external_cluster.temp_dir / "session_latest" / "runtime_resources"
     shipped = list(resources.glob("py_modules_files/*/raytrain_tasks/train_loop.py"))
@@ -217,3 +261,17 @@ def test_max_workers_makes_the_worker_group_elastic(tmp_path: Path) -> None:
     fixed = build_trainer(TrainingConfig(num_workers=2), dataset, "k", runs)
     assert elastic.scaling_config.num_workers == (2, 4)
     assert fixed.scaling_config.num_workers == 2
+
+
+def test_credentials_reach_a_cluster_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tasks.cluster import cluster_runtime_env
+
+    for name, value in DRIVER_SECRETS.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9000")
+    default = cluster_runtime_env(TrainingConfig(ray_address="127.0.0.1:6379"))["env_vars"]
+    assert isinstance(default, dict) and default["AWS_ENDPOINT_URL"] == "http://127.0.0.1:9000"
+    assert not set(DRIVER_SECRETS) & set(default)
+    opted_in = cluster_runtime_env(TrainingConfig(ray_address="127.0.0.1:6379", forward_credentials_to_cluster=True))
+    assert isinstance(opted_in["env_vars"], dict)
+    assert {k: opted_in["env_vars"][k] for k in DRIVER_SECRETS} == DRIVER_SECRETS

@@ -10,6 +10,7 @@ import hashlib
 import json
 import pickle
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -201,3 +202,149 @@ def test_registration_refuses_a_tampered_best_checkpoint_and_registers_nothing(t
     client = MlflowClient(config.mlflow_tracking_uri)
     assert client.search_registered_models() == []
     assert client.search_logged_models([first.fit.mlflow_experiment_id]) == []
+
+
+# --- credentials against a real authentication-enabled MLflow server ------------------------------------------
+
+ADMIN_PASSWORD = "prt-mlflow-admin-pw-7731"
+WRONG_PASSWORD = "prt-wrong-pw-never-shown-4419"
+
+
+@pytest.fixture(scope="module")
+def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`mlflow server --app-name basic-auth` on a free port: every request needs a user and password."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import free_port, stop_process_group, wait_for_http
+
+    root = tmp_path_factory.mktemp("mlflow-auth")
+    ini = root / "basic_auth.ini"
+    ini.write_text(
+        "[mlflow]\ndefault_permission = READ\n"
+        f"database_uri = sqlite:///{root / 'auth.db'}\nadmin_username = admin\n"
+        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+    )
+    port = free_port()
+    env = {
+        **os.environ,
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+        "MLFLOW_AUTH_CONFIG_PATH": str(ini),
+        "MLFLOW_AUTH_ADMIN_PASSWORD": ADMIN_PASSWORD,
+        "MLFLOW_FLASK_SERVER_SECRET_KEY": "prt-test-only-flask-key",
+    }
+    command = [sys.executable, "-m", "mlflow", "server", "--app-name", "basic-auth", "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--workers", "1", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}"]
+    command += ["--artifacts-destination", str(root / "artifacts")]
+    with (root / "server.log").open("w") as log:
+        server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for_http(f"http://127.0.0.1:{port}/health", server, root / "server.log", timeout=120)
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop_process_group(server)
+
+
+def run_cli(tmp_path: Path, args: list[str], env: dict[str, str]) -> tuple[int, str]:
+    import os
+    import subprocess
+    import sys
+
+    from prefect.settings import PREFECT_API_URL
+
+    from tests.conftest import REPO_ROOT
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_TRACKING_")}
+    command = [sys.executable, "-m", "flows.training", "--storage-path", str(tmp_path / "storage"), *args]
+    command += ["--epochs", "1", "--num-workers", "1", "--experiment-name", "auth", "--model-name", "auth-model"]
+    done = subprocess.run(
+        command,
+        cwd=REPO_ROOT,
+        env={**base, "PREFECT_API_URL": str(PREFECT_API_URL.value()), **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    return done.returncode, done.stdout + done.stderr
+
+
+def flow_run_texts(parameters_given_by_user: object) -> list[tuple[str, str]]:
+    """(what, text) for everything Prefect holds about the recent flow runs: parameters, states, logs, artifacts;
+    the parameters of the flow run ``parameters_given_by_user`` are left out: Prefect stores them as given."""
+    from prefect import get_client
+
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        FlowRunFilter,
+        FlowRunFilterId,
+        LogFilter,
+        LogFilterFlowRunId,
+    )
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    texts = []
+    with get_client(sync_client=True) as client:
+        flow_runs = client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=3)  # this test's three runs
+        ids = [flow_run.id for flow_run in flow_runs]
+        for flow_run in flow_runs:
+            if flow_run.id != parameters_given_by_user:
+                texts.append((f"flow run {flow_run.name} parameters", json.dumps(flow_run.parameters, default=str)))
+            texts.append((f"flow run {flow_run.name} state", str(flow_run.state and flow_run.state.message)))
+        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids)))
+        texts += [(f"task run {t.name} state", str(t.state and t.state.message)) for t in task_runs]
+        for flow_run_id in ids:
+            logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+            texts += [(f"log of flow run {flow_run_id}", log.message) for log in logs]
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=ids)))
+        texts += [(f"artifact {a.key}", str(a.data)) for a in artifacts]
+    assert len(task_runs) >= 4 and any(what.startswith("log") for what, _ in texts)
+    return texts
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster", "prefect_api")
+def test_mlflow_credentials_appear_nowhere_the_product_writes(tmp_path: Path, auth_server: str) -> None:
+    from mlflow import MlflowClient
+
+    from flows.training import training_pipeline
+    from raytrain_tasks.errors import TrackingError
+    from tests.conftest import small_config
+
+    # 1. Credentials in the URI, from the CLI: the run works, and the password is in no output or record.
+    code, output = run_cli(tmp_path, ["--mlflow-tracking-uri", f"http://admin:{ADMIN_PASSWORD}@{auth_server}"], {})
+    assert code == 0, output[-4000:]
+    assert "http://admin:***@" in output or f"http://{auth_server}" in output
+    # 2. Credentials in the environment, wrong password: a clear error naming the settings, and no password.
+    code, refused = run_cli(
+        tmp_path,
+        ["--mlflow-tracking-uri", f"http://{auth_server}"],
+        {"MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": WRONG_PASSWORD},
+    )
+    assert code == 1 and "MLFLOW_TRACKING_PASSWORD" in refused, refused[-4000:]
+    # 3. A wrong password in the URI of a flow started in-process (as from the Prefect UI's form).
+    state = training_pipeline(
+        config=small_config(tmp_path, mlflow_tracking_uri=f"http://admin:{WRONG_PASSWORD}@{auth_server}"),
+        return_state=True,
+    )
+    assert state.is_failed()
+    error = state.result(raise_on_failure=False)
+    assert isinstance(error, TrackingError) and "credentials" in str(error) and WRONG_PASSWORD not in str(error)
+
+    client = MlflowClient(f"http://admin:{ADMIN_PASSWORD}@{auth_server}")
+    (run,) = client.search_runs([client.get_experiment_by_name("auth").experiment_id])
+    assert run.info.status == "FINISHED"
+    records = [
+        ("stdout/stderr of the good run", output),
+        ("stdout/stderr of the refused run", refused),
+        ("MLflow params", json.dumps(run.data.params)),
+        ("MLflow tags", json.dumps(run.data.tags)),
+        ("model versions", json.dumps([dict(v) for v in map(vars, client.search_model_versions())], default=str)),
+    ]
+    records += flow_run_texts(parameters_given_by_user=state.state_details.flow_run_id)
+    assert sum("parameters" in what for what, _ in records) >= 2  # the CLI's runs: it moved the password out
+    assert run.data.params["mlflow_tracking_uri"] in (f"http://{auth_server}", f"http://admin:***@{auth_server}")
+    for what, text in records:
+        assert ADMIN_PASSWORD not in text, f"the MLflow password is in {what}"
+        assert WRONG_PASSWORD not in text, f"the wrong MLflow password is in {what}"

@@ -1,0 +1,130 @@
+"""One place that knows what a secret looks like, so that none reaches a log, a param, an artifact or an error.
+
+Three kinds are masked with ``***``: the password of a ``scheme://user:password@host`` URL (MLflow embeds the
+full tracking URL in its error messages), the value of a credential-like query parameter (``?token=...``, a
+presigned URL's signature), and the value of every credential environment variable of this process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from urllib.parse import urlsplit, urlunsplit
+
+MASK = "***"
+# Their values are masked wherever they appear, whatever the text around them.
+SECRET_ENV = (
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "MLFLOW_TRACKING_PASSWORD",
+    "MLFLOW_TRACKING_TOKEN",
+    "MLFLOW_TRACKING_CLIENT_CERT_PATH",
+    "DATABRICKS_TOKEN",
+)
+_URL_PASSWORD = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@'\"]+:)[^@\s/'\"]+@")
+_SECRET_QUERY = re.compile(
+    r"(?i)([?&](?:access_token|token|password|passwd|secret|api_key|apikey|key|signature|sig|"
+    r"x-amz-signature|x-amz-credential|x-amz-security-token)=)[^&\s'\"#]+"
+)
+# Too short to mask without mangling ordinary text (and too short to be a real credential).
+_MIN_SECRET_LENGTH = 6
+
+
+def redact(text: str) -> str:
+    """``text`` with every secret it contains replaced by ***."""
+    text = _URL_PASSWORD.sub(rf"\1{MASK}@", text)
+    text = _SECRET_QUERY.sub(rf"\1{MASK}", text)
+    for name in SECRET_ENV:
+        value = os.environ.get(name, "")
+        if len(value) >= _MIN_SECRET_LENGTH and value in text:
+            text = text.replace(value, MASK)
+    return text
+
+
+def redact_uri(uri: str) -> str:
+    """``uri`` without its password and without secret query values; the rest is kept to tell where it points."""
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return redact(uri)
+    if parts.password:
+        host = parts.hostname or ""
+        netloc = f"{parts.username}:{MASK}@{host}" + (f":{parts.port}" if parts.port else "")
+        uri = urlunsplit(parts._replace(netloc=netloc))
+    return redact(uri)
+
+
+def strip_credentials(uri: str) -> tuple[str, str, str]:
+    """``(uri without user:password@, user, password)``; user and password are empty when the URI has none."""
+    parts = urlsplit(uri)
+    if not parts.username and not parts.password:
+        return uri, "", ""
+    host = parts.hostname or ""
+    netloc = host + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc)), parts.username or "", parts.password or ""
+
+
+def redact_exception(exc: BaseException) -> BaseException:
+    """Mask secrets in ``exc``'s arguments (and message attributes), and in its causes, in place; returns ``exc``.
+
+    The type stays the same, so handlers and retry conditions that look at it see no difference.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        try:
+            current.args = tuple(redact(a) if isinstance(a, str) else a for a in current.args)
+            for attribute in ("message", "msg", "detail"):
+                value = current.__dict__.get(attribute)
+                if isinstance(value, str):
+                    setattr(current, attribute, redact(value))
+        except (AttributeError, TypeError):
+            pass  # an exception type with read-only attributes: its text is masked by the log filter below
+        current = current.__cause__ or current.__context__
+    return exc
+
+
+@contextmanager
+def redacted_errors() -> Iterator[None]:
+    """An exception leaving the block has its secrets masked first (Prefect stores its text in the run's state
+    message and logs its traceback); its type and traceback are kept."""
+    try:
+        yield
+    except BaseException as exc:  # re-raised, only its text changed: nothing is swallowed
+        raise redact_exception(exc)  # noqa: B904  # the same exception object, not a new one
+
+
+class RedactingFilter(logging.Filter):
+    """Masks secrets in a record's message, arguments and traceback before any handler formats it."""
+
+    _formatter = logging.Formatter()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except (TypeError, ValueError):
+            message = str(record.msg)
+        record.msg, record.args = redact(message), None
+        if record.exc_info and record.exc_info[0] is not None and not record.exc_text:
+            record.exc_text = self._formatter.formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = redact(record.exc_text)
+        return True
+
+
+_FILTER = RedactingFilter()
+
+
+def install_log_redaction(*logger_names: str) -> None:
+    """Add the filter to every handler of the root logger and of ``logger_names`` (idempotent).
+
+    On handlers, not loggers: a logger's filters do not see records its children propagate to it.
+    """
+    for name in ("", *logger_names):
+        for handler in logging.getLogger(name).handlers:
+            if _FILTER not in handler.filters:
+                handler.addFilter(_FILTER)
