@@ -273,7 +273,6 @@ def flow_run_texts(parameters_given_by_user: object) -> list[tuple[str, str]]:
     """(what, text) for everything Prefect holds about the recent flow runs: parameters, states, logs, artifacts;
     the parameters of the flow run ``parameters_given_by_user`` are left out: Prefect stores them as given."""
     from prefect import get_client
-
     from prefect.client.schemas.filters import (
         ArtifactFilter,
         ArtifactFilterFlowRunId,
