@@ -48,3 +48,25 @@ def open_filesystem(uri: str, options: StorageOptions) -> tuple[pafs.FileSystem,
         return pafs.S3FileSystem(**kwargs), f"{bucket}/{key}".rstrip("/")
     path = uri.removeprefix("file://")
     return pafs.LocalFileSystem(), str(Path(path).absolute())
+
+
+def probe_storage(uri: str, options: StorageOptions) -> str:
+    """Write, read back and delete a small object under ``uri`` with this process's credentials; "" when all
+    three work, otherwise what failed. Runs on each Ray node before training (``tasks.cluster.check_storage_on_nodes``):
+    a node has its own credentials (instance role, its own environment), and the driver's proving nothing for it."""
+    import socket
+    import uuid
+
+    try:
+        filesystem, path = open_filesystem(uri, options)
+        probe = f"{path}/.node-probe-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+        filesystem.create_dir(path, recursive=True)
+        with filesystem.open_output_stream(probe) as stream:
+            stream.write(b"ok")
+        with filesystem.open_input_stream(probe) as stream:
+            if stream.read() != b"ok":
+                return "read back different bytes than were written"
+        filesystem.delete_file(probe)
+    except (OSError, ValueError) as exc:  # pyarrow raises OSError subclasses for S3 and local errors alike
+        return f"{type(exc).__name__}: {exc}"
+    return ""

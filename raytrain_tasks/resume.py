@@ -3,17 +3,23 @@
 Ray Train hands workers its latest registered checkpoint. If that one fails verification (a truncated or
 corrupted file in storage), older checkpoints of the same run are tried, newest first. Nothing is deleted:
 the bad checkpoint stays where it is for Ray Train's own bookkeeping and for inspection.
+
+A checkpoint that existed before this fit started must also still be the one that was committed: its
+manifest must hash to the digest MLflow recorded when the epoch was reported. A folder with no recorded
+digest (written by someone else, or while MLflow was down) is passed over like a corrupted one; a folder
+whose digest differs was replaced, and the resume stops (UnsafeCheckpointError).
 """
 
 from __future__ import annotations
 
 import logging
 import posixpath
+from dataclasses import dataclass, field
 
 import pyarrow.fs as pafs
 from ray.train import Checkpoint
 
-from raytrain_tasks.checkpoint import LoadedCheckpoint, load_checkpoint
+from raytrain_tasks.checkpoint import LoadedCheckpoint, load_checkpoint, manifest_digest
 from raytrain_tasks.errors import CheckpointError, UnsafeCheckpointError
 
 logger = logging.getLogger(__name__)
@@ -58,8 +64,37 @@ def resume_order(latest: str, siblings: list[str]) -> list[str]:
     return [latest, *sorted(older, reverse=True)]
 
 
-def load_newest_intact(latest: Checkpoint, *, announce: bool) -> tuple[LoadedCheckpoint, Checkpoint]:
+@dataclass(frozen=True)
+class CheckpointPins:
+    """What the driver knew when the fit started: the run's checkpoint folders then, and their recorded digests."""
+
+    preexisting: frozenset[str] = frozenset()
+    pinned: dict[str, str] = field(default_factory=dict)
+
+    def check(self, name: str, directory: str) -> None:
+        """Raise unless folder ``name`` (downloaded to ``directory``) is the checkpoint that was committed."""
+        if name not in self.preexisting:
+            return  # committed by this fit's own workers since it started
+        expected = self.pinned.get(name)
+        if expected is None:
+            raise CheckpointError(
+                f"checkpoint {name} has no manifest digest recorded in the MLflow run (written by an earlier version "
+                "of prefect-raytrain, by someone else, or while MLflow was unreachable), so it cannot be trusted"
+            )
+        actual = manifest_digest(directory)
+        if actual != expected:
+            raise UnsafeCheckpointError(
+                f"checkpoint {name} is not the one this run committed: its manifest hashes to {actual[:12]}..., the "
+                f"MLflow run recorded {expected[:12]}.... Someone or something replaced it in storage; check who can "
+                "write `storage_path`, then start a new run (without `resume`) or restore the checkpoint from a backup"
+            )
+
+
+def load_newest_intact(
+    latest: Checkpoint, *, announce: bool, pins: CheckpointPins | None = None
+) -> tuple[LoadedCheckpoint, Checkpoint]:
     """Load ``latest``, or the newest older checkpoint of its run that verifies; CheckpointError if none."""
+    pins = pins or CheckpointPins()
     filesystem = latest.filesystem
     assert filesystem is not None  # Ray Train attaches the run's storage filesystem to every checkpoint
     run_dir, latest_name = posixpath.split(latest.path.rstrip("/"))
@@ -73,6 +108,7 @@ def load_newest_intact(latest: Checkpoint, *, announce: bool) -> tuple[LoadedChe
         candidate = latest if name == latest_name else Checkpoint(posixpath.join(run_dir, name), filesystem)
         try:
             with candidate.as_directory() as directory:
+                pins.check(name, directory)
                 loaded = load_checkpoint(directory)
         except UnsafeCheckpointError:
             raise  # tampered storage: falling back to an older checkpoint of the same storage is not safe

@@ -25,6 +25,20 @@ logger = logging.getLogger(__name__)
 EPOCH_METRICS = ("train_loss", "val_loss", "val_accuracy", "epoch_seconds", "samples_per_second")
 STEP_KEY = "val_accuracy"
 LAST_CHECKPOINT_TAG = "prefect_raytrain.last_checkpoint"
+# Rank 0 reports the SHA-256 of each checkpoint's manifest (computed before upload) under this metrics key;
+# the controller records it in MLflow as PIN_TAG_PREFIX + folder name. A checkpoint is later trusted only
+# if its manifest still hashes to what was recorded: storage alone cannot vouch for itself.
+MANIFEST_METRIC = "checkpoint_manifest_sha256"
+PIN_TAG_PREFIX = "prefect_raytrain.checkpoint_sha256."
+
+
+def pin_tag(checkpoint_name: str) -> str:
+    return f"{PIN_TAG_PREFIX}{checkpoint_name}"
+
+
+def pinned_digests(tags: dict[str, str]) -> dict[str, str]:
+    """checkpoint folder name -> recorded manifest digest, from an MLflow run's tags."""
+    return {key.removeprefix(PIN_TAG_PREFIX): value for key, value in tags.items() if key.startswith(PIN_TAG_PREFIX)}
 
 
 def logged_steps(client: Any, run_id: str) -> set[int]:
@@ -40,6 +54,9 @@ def log_epoch(client: Any, run_id: str, metrics: dict[str, Any], checkpoint_path
     timestamp = int(time.time() * 1000)
     batch = [Metric(key, float(metrics[key]), timestamp, step) for key in EPOCH_METRICS if key in metrics]
     tags = [RunTag(LAST_CHECKPOINT_TAG, checkpoint_path)] if checkpoint_path else []
+    digest = metrics.get(MANIFEST_METRIC)
+    if checkpoint_path and isinstance(digest, str):
+        tags.append(RunTag(pin_tag(checkpoint_path.rstrip("/").rsplit("/", 1)[-1]), digest))
     client.log_batch(run_id, metrics=batch, tags=tags)
 
 

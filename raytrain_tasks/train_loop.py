@@ -28,6 +28,7 @@ from raytrain_tasks.checkpoint import (
     ModelSpec,
     TrainingState,
     capture_rng_state,
+    manifest_digest,
     restore_rng_state,
     save_checkpoint,
 )
@@ -35,7 +36,8 @@ from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.ingest import TrainBatches, validation_slice
 from raytrain_tasks.models import build_model
-from raytrain_tasks.resume import checkpoint_dir_name, existing_checkpoint_names, load_newest_intact
+from raytrain_tasks.resume import CheckpointPins, checkpoint_dir_name, existing_checkpoint_names, load_newest_intact
+from raytrain_tasks.tracking import MANIFEST_METRIC
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,10 @@ class WorkerSpec(BaseModel):
 
     config: TrainingConfig
     dataset: DatasetRef
+    # Checkpoint folders of this run that existed when the fit started, and the manifest digests MLflow holds
+    # for them: one of those folders is resumed from only if its manifest still has that digest.
+    preexisting: frozenset[str] = frozenset()
+    pinned: dict[str, str] = {}
 
 
 def model_spec(config: TrainingConfig, dataset: DatasetRef) -> ModelSpec:
@@ -83,7 +89,9 @@ def train_loop_per_worker(train_loop_config: dict[str, Any]) -> None:
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         taken = existing_checkpoint_names(checkpoint)
-        loaded, checkpoint = load_newest_intact(checkpoint, announce=rank == 0)
+        loaded, checkpoint = load_newest_intact(
+            checkpoint, announce=rank == 0, pins=CheckpointPins(spec.preexisting, spec.pinned)
+        )
         net.load_state_dict(loaded.model_state)
         start_epoch, history = loaded.state.epoch + 1, list(loaded.state.history)
         rng_state, optimizer_state = loaded.rng_state, loaded.optimizer_state
@@ -166,7 +174,7 @@ def _report(
             rng_state=capture_rng_state(),
         )
         ray.train.report(
-            metrics,
+            {**metrics, MANIFEST_METRIC: manifest_digest(tmp)},
             checkpoint=ray.train.Checkpoint.from_directory(tmp),
             checkpoint_dir_name=checkpoint_dir_name(epoch, taken),
         )

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DATA_TASK_CPUS
-from raytrain_tasks.errors import ClusterError
-from raytrain_tasks.fs import is_s3
+from raytrain_tasks.errors import ClusterError, StorageError
+from raytrain_tasks.fs import StorageOptions, is_s3
+from raytrain_tasks.redact import redact
 
 # Faster than Ray's 2 s default: checkpoints register sooner after report() and a 3-epoch fit of a small
 # model finishes ~30% sooner (../shared/STACK.md); the controller's polling stays cheap.
@@ -199,6 +200,40 @@ def _mount_fstype(path: str, mounts: str) -> str:
         if inside and len(mount_point) >= len(best):
             best, fstype = mount_point, fields[2]
     return fstype
+
+
+NODE_PROBE_TIMEOUT_S = 60.0
+
+
+def check_storage_on_nodes(storage_uri: str, options: StorageOptions, timeout_s: float = NODE_PROBE_TIMEOUT_S) -> int:
+    """On every alive node of a cluster, before any worker starts: the node itself can write, read and delete under
+    `storage_uri` with its own credentials. StorageError naming each node that cannot; returns how many were probed.
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from raytrain_tasks.fs import probe_storage
+
+    probe = ray.remote(num_cpus=0, max_retries=0)(probe_storage)
+    nodes = [node for node in ray.nodes() if node.get("Alive")]
+    pending = {
+        probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote(
+            storage_uri, options
+        ): f"{node['NodeManagerAddress']} (node {node['NodeID'][:12]})"
+        for node in nodes
+    }
+    ready, not_ready = ray.wait(list(pending), num_returns=len(pending), timeout=timeout_s)
+    problems = [f"{pending[ref]}: {redact(ray.get(ref))}" for ref in ready if ray.get(ref)]
+    problems += [f"{pending[ref]}: no answer within {timeout_s:.0f} s" for ref in not_ready]
+    for ref in not_ready:
+        ray.cancel(ref, force=True)
+    if problems:
+        raise StorageError(
+            f"storage {storage_uri} is not usable from every Ray node, so workers there would fail mid-run: "
+            f"{'; '.join(problems)}. Give those nodes credentials that can write `storage_path` (instance or pod "
+            "role, or AWS_* in their environment), or set `forward_credentials_to_cluster`"
+        )
+    return len(nodes)
 
 
 def alive_node_count() -> int:

@@ -31,13 +31,25 @@ class Scores:
         return float(getattr(self, metric))
 
 
-def load_checkpoint_model(checkpoint_uri: str, options: StorageOptions) -> Any:
-    """Rebuild the network stored in a checkpoint (local or remote storage), in eval mode, on CPU."""
-    from raytrain_tasks.checkpoint import load_weights
+def load_checkpoint_model(checkpoint_uri: str, options: StorageOptions, expected_digest: str) -> Any:
+    """Rebuild the network stored in a checkpoint (local or remote storage), in eval mode, on CPU.
+
+    ``expected_digest``: the manifest digest the run recorded in MLflow when the checkpoint was committed
+    (``tasks.tracking.recorded_digest``); a checkpoint that no longer has it is refused before anything is loaded.
+    """
+    from raytrain_tasks.checkpoint import load_weights, manifest_digest
+    from raytrain_tasks.errors import UnsafeCheckpointError
     from raytrain_tasks.models import build_model
 
     with tempfile.TemporaryDirectory(prefix="prt-model-") as tmp:
         directory = download_dir(locate(checkpoint_uri, options), Path(tmp) / "checkpoint")
+        actual = manifest_digest(directory)
+        if actual != expected_digest:
+            raise UnsafeCheckpointError(
+                f"checkpoint {checkpoint_uri} is not the one its run committed: its manifest hashes to "
+                f"{actual[:12]}..., the MLflow run recorded {expected_digest[:12]}.... Someone or something replaced "
+                "it in storage; check who can write `storage_path`; nothing was loaded or registered"
+            )
         state, weights = load_weights(directory)
     spec = state.spec
     model = build_model(spec.model, spec.in_features, spec.num_classes, spec.hidden_sizes)
@@ -85,12 +97,13 @@ def log_evaluation(
     history: list[dict[str, float]],
     checkpoint: dict[str, Any],
     options: StorageOptions,
+    expected_digest: str,
 ) -> dict[str, float]:
     """Score the best checkpoint on the validation and test splits, log plots and reports as run artifacts and
     the scores as metrics; returns them (``val_accuracy``, ``val_loss``, ``test_accuracy``, ``test_loss``)."""
     from mlflow.entities import Metric
 
-    model = load_checkpoint_model(checkpoint["uri"], options)
+    model = load_checkpoint_model(checkpoint["uri"], options, expected_digest)
     _, y_train = read_split(dataset, "train", options)
     x_val, y_val = read_split(dataset, "val", options)
     x_test, y_test = read_split(dataset, "test", options)

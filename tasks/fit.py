@@ -7,6 +7,7 @@ in the same MLflow run.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import signal
 import threading
@@ -24,11 +25,19 @@ from ray.train.v2.api.callback import RayTrainCallback
 from raytrain_tasks.checkpoint import STATE_FILE
 from raytrain_tasks.config import TrainingConfig, check_run_key
 from raytrain_tasks.data import DatasetRef
-from raytrain_tasks.errors import CheckpointError, ClusterError, TrackingError, TrainingError
+from raytrain_tasks.errors import CheckpointError, ClusterError, TrackingError, TrainingError, UnsafeCheckpointError
 from raytrain_tasks.redact import redacted_errors
-from raytrain_tasks.tracking import MlflowEpochLogger, OpenMlflowEarly
+from raytrain_tasks.resume import CHECKPOINT_PREFIX
+from raytrain_tasks.tracking import MlflowEpochLogger, OpenMlflowEarly, pinned_digests
 from tasks import evaluation, tracking
-from tasks.cluster import alive_node_count, check_resources, ray_session, read_mounts, storage_shared_with_nodes
+from tasks.cluster import (
+    alive_node_count,
+    check_resources,
+    check_storage_on_nodes,
+    ray_session,
+    read_mounts,
+    storage_shared_with_nodes,
+)
 from tasks.run_page import EpochProgress
 from tasks.storage import RUNS_DIR, StorageLocation, locate
 
@@ -96,11 +105,13 @@ def _distributed_fit(config: TrainingConfig, dataset: DatasetRef, run_key: str) 
         with ray_session(config):
             check_resources(config, ray.cluster_resources())
             storage_shared_with_nodes(config.storage_path, alive_node_count(), read_mounts())
+            if config.ray_address:  # a local Ray's node is this process's machine, with this process's credentials
+                check_storage_on_nodes(runs.uri, config.storage_options)
             experiment_id = tracking.ensure_experiment(
                 client, config.experiment_name, config.mlflow_tracking_uri, config.storage_path
             )
             tracking.mark_dead_runs_killed(client, experiment_id, found_by=run_key)
-            finished = _finished_fit(run_dir)
+            finished = _finished_fit(run_dir, client, experiment_id, run_key)
             if finished is not None:
                 # Everything was trained and recorded earlier: check the settings match, train nothing.
                 tracking.check_resumable(client, experiment_id, run_key, config.public_params())
@@ -125,6 +136,9 @@ def _distributed_fit(config: TrainingConfig, dataset: DatasetRef, run_key: str) 
                 run_id,
                 run_dir.uri,
             )
+            # What existed before this fit is trusted only as far as MLflow vouches for it (resume.CheckpointPins).
+            preexisting = frozenset(name for name in run_dir.list_names() if name.startswith(CHECKPOINT_PREFIX))
+            pinned = pinned_digests(client.get_run(run_id).data.tags) if reopened else {}
             trainer = build_trainer(
                 config,
                 dataset,
@@ -132,6 +146,7 @@ def _distributed_fit(config: TrainingConfig, dataset: DatasetRef, run_key: str) 
                 runs,
                 OpenMlflowEarly(config.mlflow_tracking_uri, run_id),
                 MlflowEpochLogger(config.mlflow_tracking_uri, run_id),
+                pins=(preexisting, pinned),
             )
             with (
                 tracking.system_metrics(config.system_metrics, config.mlflow_tracking_uri, run_id, reopened),
@@ -140,16 +155,24 @@ def _distributed_fit(config: TrainingConfig, dataset: DatasetRef, run_key: str) 
             ):
                 result = trainer.fit()
 
+        reported = [(_name(checkpoint), metrics) for checkpoint, metrics in result.best_checkpoints or []]
+        tracking.pin_checkpoints(client, run_id, [(n, m) for n, m in reported if n not in preexisting])
         fit = summarize(result, config, run_key, run_dir, run_id, experiment_id, backend, reopened)
         added = tracking.reconcile_epochs(client, run_id, fit.history)
         if added:
             logger.warning("logged %d epoch(s) to MLflow that the controller could not log live", added)
         tracking.log_summary(client, run_id, fit.history, selection_metric(config))
         pointer = {"uri": fit.best_checkpoint_uri, "epoch": fit.best_epoch, "run_uri": fit.run_uri, "run_key": run_key}
-        scores = evaluation.log_evaluation(client, run_id, dataset, fit.history, pointer, config.storage_options)
+        digest = tracking.recorded_digest(client, run_id, fit.best_checkpoint_uri)
+        scores = evaluation.log_evaluation(
+            client, run_id, dataset, fit.history, pointer, config.storage_options, digest
+        )
         fit = fit.model_copy(update={"scores": scores})
         # The record goes last: a run with it is complete, and a resume of it trains and logs nothing again.
-        run_dir.child(FIT_RECORD).write_text(fit.model_dump_json(indent=1))
+        # Its digest goes to MLflow after it: a record without one is not trusted (see _finished_fit).
+        record = fit.model_dump_json(indent=1)
+        run_dir.child(FIT_RECORD).write_text(record)
+        client.set_tag(run_id, tracking.FIT_RECORD_TAG, hashlib.sha256(record.encode()).hexdigest())
     except BaseException as exc:
         if run_id is None:
             raise
@@ -194,11 +217,29 @@ def training_error(exc: BaseException, run_key: str, config: TrainingConfig) -> 
     )
 
 
-def _finished_fit(run_dir: StorageLocation) -> FitResult | None:
+def _finished_fit(run_dir: StorageLocation, client: Any, experiment_id: str, run_key: str) -> FitResult | None:
+    """The run's FIT_RECORD if it is the one this run wrote (its digest is in the MLflow run); None otherwise.
+
+    Without a recorded digest (the process died between writing the record and tagging it) the record is ignored
+    and the fit runs again: Ray Train finds every epoch done and the summary steps are redone. A record whose
+    digest differs was replaced in storage, and the fit stops: its scores would feed the promotion gate.
+    """
     record = run_dir.child(FIT_RECORD)
     if not record.exists():
         return None
-    return FitResult.model_validate_json(record.read_text())
+    text = record.read_text()
+    run = tracking.find_run(client, experiment_id, run_key)
+    expected = run.data.tags.get(tracking.FIT_RECORD_TAG) if run is not None else None
+    if expected is None:
+        get_run_logger().warning("%s of run %s has no digest in MLflow; finishing the run again", FIT_RECORD, run_key)
+        return None
+    if hashlib.sha256(text.encode()).hexdigest() != expected:
+        raise UnsafeCheckpointError(
+            f"{record.uri} is not the record run {run_key} wrote (its SHA-256 differs from the one in MLflow run "
+            f"{run.info.run_id if run else '?'}); someone or something changed it in storage. Check who can write "
+            "`storage_path`; delete the file to have the run finish again from its checkpoints"
+        )
+    return FitResult.model_validate_json(text)
 
 
 @contextmanager
@@ -224,6 +265,7 @@ def build_trainer(
     run_key: str,
     runs: StorageLocation,
     *callbacks: RayTrainCallback,  # UserCallbacks and ControllerCallbacks; they run on the controller
+    pins: tuple[frozenset[str], dict[str, str]] = (frozenset(), {}),
 ) -> TorchTrainer:
     # torch loads here, not when the flow module is imported: a Prefect worker needs no CUDA to plan runs.
     from ray.train.torch import TorchConfig
@@ -239,7 +281,9 @@ def build_trainer(
     low, high = config.worker_range
     return RunTrainer(
         train_loop_per_worker,
-        train_loop_config=WorkerSpec(config=config, dataset=dataset).model_dump(mode="json"),
+        train_loop_config=WorkerSpec(config=config, dataset=dataset, preexisting=pins[0], pinned=pins[1]).model_dump(
+            mode="json"
+        ),
         torch_config=TorchConfig(backend="nccl" if config.use_gpu else "gloo"),
         **data,
         scaling_config=ray.train.ScalingConfig(
@@ -316,8 +360,12 @@ def _read_history(checkpoint: ray.train.Checkpoint) -> list[dict[str, float]]:
     return [{k: float(v) for k, v in entry.items()} for entry in _read_state(checkpoint)["history"]]
 
 
+def _name(checkpoint: ray.train.Checkpoint) -> str:
+    return checkpoint.path.rstrip("/").rsplit("/", 1)[-1]
+
+
 def _checkpoint_uri(run_dir: StorageLocation, checkpoint: ray.train.Checkpoint) -> str:
-    return run_dir.child(checkpoint.path.rstrip("/").rsplit("/", 1)[-1]).uri
+    return run_dir.child(_name(checkpoint)).uri
 
 
 def _mlflow_run_name(run_key: str) -> str:

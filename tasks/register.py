@@ -78,7 +78,7 @@ def _register_model(config: TrainingConfig, dataset: DatasetRef, fit: FitResult)
     # MLflow's fluent API (log_model, register_model, pyfunc) reads a process-wide URI that set_tracking_uri
     # also exports as MLFLOW_TRACKING_URI: scoped here, so a later run in this process is not redirected.
     with tracking.using_tracking_uri(config.mlflow_tracking_uri):
-        model_uri = _logged_model_uri(fit) or _log_model(config, dataset, fit)
+        model_uri = _logged_model_uri(fit) or _log_model(client, config, dataset, fit)
         with model_lock(client, config.model_name, owner=fit.run_key) as lock:
             version = _version_of_run(client, config.model_name, fit.run_key)
             if version is None:
@@ -285,13 +285,17 @@ def _logged_model_uri(fit: FitResult) -> str | None:
     return f"models:/{ready[0].model_id}" if ready else None
 
 
-def _log_model(config: TrainingConfig, dataset: DatasetRef, fit: FitResult) -> str:
+def _log_model(client: MlflowClient, config: TrainingConfig, dataset: DatasetRef, fit: FitResult) -> str:
     import mlflow
     import torch
 
     # The registered model takes raw features (it standardises them itself), as a user's data comes.
     model = with_standardisation(
-        load_checkpoint_model(fit.best_checkpoint_uri, config.storage_options),
+        load_checkpoint_model(
+            fit.best_checkpoint_uri,
+            config.storage_options,
+            tracking.recorded_digest(client, fit.mlflow_run_id, fit.best_checkpoint_uri),
+        ),
         dataset.feature_mean,
         dataset.feature_std,
     ).eval()

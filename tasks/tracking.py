@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from raytrain_tasks.config import check_run_key
-from raytrain_tasks.errors import TrackingError
+from raytrain_tasks.errors import CheckpointError, TrackingError
 from raytrain_tasks.redact import redact, redact_exception, redact_uri
 from raytrain_tasks.tracking import EPOCH_METRICS, log_epoch
 
@@ -187,6 +187,40 @@ def _process_start(pid: int) -> str:
         return fields[19]  # field 22 of proc(5); fields[0] is field 3 (state)
     except (OSError, IndexError):
         return ""
+
+
+FIT_RECORD_TAG = "prefect_raytrain.fit_record_sha256"
+
+
+def recorded_digest(client: MlflowClient, run_id: str, checkpoint_uri: str) -> str:
+    """The manifest digest run ``run_id`` recorded for the checkpoint at ``checkpoint_uri``; CheckpointError if none."""
+    from raytrain_tasks.tracking import pinned_digests
+
+    name = checkpoint_uri.rstrip("/").rsplit("/", 1)[-1]
+    digest = pinned_digests(client.get_run(run_id).data.tags).get(name)
+    if digest is None:
+        raise CheckpointError(
+            f"checkpoint {checkpoint_uri} has no manifest digest recorded in MLflow run {run_id}: as far as MLflow "
+            "knows, this run never committed it, so it is not loaded. Resume the run (`resume`) to train it again"
+        )
+    return digest
+
+
+def pin_checkpoints(client: MlflowClient, run_id: str, reported: list[tuple[str, dict[str, Any]]]) -> int:
+    """Record the manifest digests this fit's workers reported (folder name, metrics) that MLflow lacks."""
+    from mlflow.entities import RunTag
+
+    from raytrain_tasks.tracking import MANIFEST_METRIC, pin_tag, pinned_digests
+
+    known = pinned_digests(client.get_run(run_id).data.tags)
+    missing = [
+        RunTag(pin_tag(name), str(metrics[MANIFEST_METRIC]))
+        for name, metrics in reported
+        if name not in known and isinstance(metrics.get(MANIFEST_METRIC), str)
+    ]
+    if missing:
+        client.log_batch(run_id, tags=missing)
+    return len(missing)
 
 
 def reconcile_epochs(client: MlflowClient, run_id: str, history: list[dict[str, float]]) -> int:

@@ -11,8 +11,10 @@ import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mlflow import MlflowClient
@@ -39,7 +41,15 @@ class ExternalCluster:
 
 @pytest.fixture(scope="module")
 def external_cluster() -> Iterator[ExternalCluster]:
-    """`ray start --head --block` on free 127.0.0.1 ports with its own temp dir; only its processes are stopped."""
+    with head_node() as cluster:
+        yield cluster
+
+
+@contextmanager
+def head_node(env: dict[str, str] | None = None) -> Iterator[ExternalCluster]:
+    """`ray start --head --block` on free 127.0.0.1 ports with its own temp dir; only its processes are stopped.
+
+    ``env``: what differs in the node's environment from this process's (a node has its own credentials)."""
     ports = [free_port() for _ in range(9)]
     # Short: Ray's socket paths live under the temp dir and must stay under the OS's 107-byte limit.
     temp_dir = Path(tempfile.mkdtemp(prefix="ray-prt-"))
@@ -65,7 +75,7 @@ def external_cluster() -> Iterator[ExternalCluster]:
     with log_path.open("w") as log:
         head = subprocess.Popen(
             command,
-            env={**os.environ, **LOOPBACK_ENV},
+            env={**os.environ, **LOOPBACK_ENV, **(env or {})},
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -275,3 +285,39 @@ def test_credentials_reach_a_cluster_only_when_asked(monkeypatch: pytest.MonkeyP
     opted_in = cluster_runtime_env(TrainingConfig(ray_address="127.0.0.1:6379", forward_credentials_to_cluster=True))
     assert isinstance(opted_in["env_vars"], dict)
     assert {k: opted_in["env_vars"][k] for k in DRIVER_SECRETS} == DRIVER_SECRETS
+
+
+@pytest.mark.slow
+def test_a_node_that_cannot_write_the_bucket_is_named_before_any_worker_starts(
+    tmp_path: Path, s3_server: Any, prefect_api: None
+) -> None:
+    """The driver's credentials write the bucket; the node's own (read-only) ones do not. The run stops in the
+    pre-flight, naming the node and the setting, with no MLflow run and no checkpoint folder created."""
+    from prefect.settings import PREFECT_API_URL
+
+    from devtools.s3_server import READER
+
+    reader_env = {"AWS_ACCESS_KEY_ID": READER[0], "AWS_SECRET_ACCESS_KEY": READER[1]}
+    tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with head_node(env=reader_env) as cluster:
+        command = [sys.executable, "-m", "flows.training", "--ray-address", cluster.address, "--epochs", "1"]
+        command += ["--storage-path", "s3://prt-nodes/run", "--s3-endpoint-url", s3_server.endpoint_url]
+        command += ["--create-bucket", "--mlflow-tracking-uri", tracking_uri, "--experiment-name", "nodes"]
+        env = {**os.environ, **CLIENT_ENV, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
+        started = time.monotonic()
+        done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        took = time.monotonic() - started
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output[-4000:]
+    assert "not usable from every Ray node" in output and "127.0.0.1 (node " in output, output[-4000:]
+    assert "AccessDenied" in output or "Access Denied" in output or "403" in output, output[-4000:]
+    assert "forward_credentials_to_cluster" in output and READER[1] not in output
+    print(f"\npre-flight refused the node after {took:.1f} s (whole CLI run)")
+    client = MlflowClient(tracking_uri)
+    experiment = client.get_experiment_by_name("nodes")
+    assert experiment is None or client.search_runs([experiment.experiment_id]) == []
+    from raytrain_tasks.fs import StorageOptions
+    from tasks.storage import s3_client
+
+    listed = s3_client(StorageOptions(endpoint_url=s3_server.endpoint_url)).list_objects_v2(Bucket="prt-nodes")
+    assert [o["Key"] for o in listed.get("Contents", []) if "/runs/" in o["Key"]] == []

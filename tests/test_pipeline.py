@@ -94,7 +94,9 @@ def test_the_logged_model_stores_no_real_row_by_default(first_run: PipelineResul
     info = mlflow.models.get_model_info(f"models:/{first_run.model.name}/{first_run.model.version}")
     local = Path(mlflow.artifacts.download_artifacts(info.model_uri))
     example = json.loads((local / "input_example.json").read_text())
-    rows = np.asarray(example.get("data", example.get("inputs", example)), dtype=np.float32)
+    if isinstance(example, dict):  # {"inputs": ...} or {"data": ...} depending on the example's type
+        example = example.get("inputs", example.get("data"))
+    rows = np.asarray(example, dtype=np.float32)
     assert rows.shape[1] == len(first_run.dataset.feature_names)
     stored = np.concatenate(
         [

@@ -180,10 +180,13 @@ def test_a_model_name_that_would_break_a_registry_filter_is_refused(name: str) -
 @pytest.mark.usefixtures("ray_cluster", "prefect_api")
 def test_registration_refuses_a_tampered_best_checkpoint_and_registers_nothing(tmp_path: Path) -> None:
     """The driver loads only the weights of the best checkpoint; a pickle there is refused before anything is
-    logged or registered, and the code in it never runs."""
+    logged or registered, and the code in it never runs. The attacker here can write storage *and* the MLflow
+    run (it records the new manifest digest), so the digest check passes and the loader itself must refuse."""
     from mlflow import MlflowClient
 
     from flows.training import training_pipeline
+    from raytrain_tasks.checkpoint import manifest_digest
+    from raytrain_tasks.tracking import pin_tag
     from tests.conftest import small_config
 
     config = small_config(tmp_path, epochs=2, register=False)
@@ -192,6 +195,7 @@ def test_registration_refuses_a_tampered_best_checkpoint_and_registers_nothing(t
     marker = tmp_path / "pwned"
     torch.save({"fc.weight": CreatesAFile(marker)}, best / MODEL_FILE)
     rewrite_manifest(best)
+    MlflowClient(config.mlflow_tracking_uri).set_tag(first.fit.mlflow_run_id, pin_tag(best.name), manifest_digest(best))
 
     resumed = config.model_copy(update={"resume": first.run_key, "register": True})
     state = training_pipeline(config=resumed, return_state=True)
@@ -347,3 +351,153 @@ def test_mlflow_credentials_appear_nowhere_the_product_writes(tmp_path: Path, au
     for what, text in records:
         assert ADMIN_PASSWORD not in text, f"the MLflow password is in {what}"
         assert WRONG_PASSWORD not in text, f"the wrong MLflow password is in {what}"
+
+
+# --- the one redactor ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("http://bob:s3cr3t@mlflow:5000/api/2.0", "http://bob:***@mlflow:5000/api/2.0"),
+        ("failed: https://u:p%40ss@h/x and s3://bucket/key", "failed: https://u:***@h/x and s3://bucket/key"),
+        ("GET https://h/api?run=1&token=abc123def&x=2", "GET https://h/api?run=1&token=***&x=2"),
+        ("https://b.s3/k?X-Amz-Signature=deadbeef99&X-Amz-Date=1", "https://b.s3/k?X-Amz-Signature=***&X-Amz-Date=1"),
+        ("the key is env-secret-value-42, again env-secret-value-42", "the key is ***, again ***"),
+        ("no url here", "no url here"),
+    ],
+)
+def test_secrets_are_masked_in_any_text(text: str, expected: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from raytrain_tasks.redact import redact
+
+    monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "env-secret-value-42")
+    assert redact(text) == expected
+
+
+def test_an_exception_leaving_a_task_keeps_its_type_and_loses_its_secrets() -> None:
+    from mlflow.exceptions import MlflowException
+
+    from raytrain_tasks.redact import redacted_errors
+
+    cause = ConnectionError("HTTPConnectionPool: http://admin:hunter2hunter2@127.0.0.1:5000/api failed")
+    with pytest.raises(MlflowException) as raised, redacted_errors():
+        try:
+            raise cause
+        except ConnectionError as exc:
+            raise MlflowException("API request to http://admin:hunter2hunter2@127.0.0.1:5000/api failed") from exc
+    assert "hunter2hunter2" not in str(raised.value) and "admin:***@" in str(raised.value)
+    assert "hunter2hunter2" not in str(raised.value.__cause__)
+    assert raised.value.__cause__ is cause  # the same objects: handlers and retry conditions see no difference
+
+
+def test_log_records_and_their_tracebacks_are_masked_before_any_handler(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from raytrain_tasks.redact import RedactingFilter
+
+    logger = logging.getLogger("prt-redaction-test")
+    caplog.handler.addFilter(RedactingFilter())
+    try:
+        raise RuntimeError("request to https://u:topsecret99@h/x failed")
+    except RuntimeError:
+        logger.exception("talking to %s", "https://u:topsecret99@h/x")
+    (record,) = caplog.records
+    assert "topsecret99" not in caplog.text and "u:***@h" in caplog.text
+    assert record.exc_text and "topsecret99" not in record.exc_text
+
+
+def test_the_cli_moves_uri_credentials_into_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from flows.cli import credentials_to_environment
+
+    monkeypatch.delenv("MLFLOW_TRACKING_USERNAME", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)
+    config = credentials_to_environment(TrainingConfig(mlflow_tracking_uri="http://ann:pw-in-uri-1@127.0.0.1:5000/x"))
+    assert config.mlflow_tracking_uri == "http://127.0.0.1:5000/x"
+    assert (os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"]) == ("ann", "pw-in-uri-1")
+    assert "pw-in-uri-1" not in json.dumps(config.public_params())
+
+
+# --- checkpoints are trusted as far as the run's MLflow record vouches for them ----------------------------------
+
+
+def _run_with_two_checkpoints(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    from raytrain_tasks.checkpoint import manifest_digest
+
+    run_dir = tmp_path / "run"
+    pinned = {name: manifest_digest(write_checkpoint(run_dir / name)) for name in ("epoch-0000", "epoch-0001")}
+    return run_dir, pinned
+
+
+def test_a_checkpoint_replaced_by_another_valid_one_is_refused_on_resume(tmp_path: Path) -> None:
+    """Self-consistent is not enough: different weights with a matching manifest do not match the recorded digest."""
+    import pyarrow.fs as pafs
+    from ray.train import Checkpoint
+
+    from raytrain_tasks.resume import CheckpointPins, load_newest_intact
+
+    run_dir, pinned = _run_with_two_checkpoints(tmp_path)
+    pins = CheckpointPins(frozenset(pinned), pinned)
+    latest = Checkpoint(str(run_dir / "epoch-0001"), pafs.LocalFileSystem())
+    loaded, used = load_newest_intact(latest, announce=False, pins=pins)
+    assert used.path.endswith("epoch-0001")
+
+    write_checkpoint(run_dir / "epoch-0001")  # someone else's weights, written by the real format
+    with pytest.raises(UnsafeCheckpointError, match="epoch-0001 is not the one this run committed"):
+        load_newest_intact(latest, announce=False, pins=pins)
+
+
+def test_a_checkpoint_with_no_recorded_digest_is_passed_over_for_the_last_vouched_one(tmp_path: Path) -> None:
+    import pyarrow.fs as pafs
+    from ray.train import Checkpoint
+
+    from raytrain_tasks.resume import CheckpointPins, load_newest_intact
+
+    run_dir, pinned = _run_with_two_checkpoints(tmp_path)
+    write_checkpoint(run_dir / "epoch-0002")  # in storage before the resume, never recorded in MLflow
+    latest = Checkpoint(str(run_dir / "epoch-0002"), pafs.LocalFileSystem())
+    preexisting = frozenset({*pinned, "epoch-0002"})
+    _, used = load_newest_intact(latest, announce=False, pins=CheckpointPins(preexisting, pinned))
+    assert used.path.endswith("epoch-0001")
+    # One this fit's own workers committed after it started needs no record yet.
+    _, used = load_newest_intact(latest, announce=False, pins=CheckpointPins(frozenset(pinned), pinned))
+    assert used.path.endswith("epoch-0002")
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster", "prefect_api")
+def test_storage_cannot_vouch_for_itself_a_replaced_record_or_checkpoint_is_refused(tmp_path: Path) -> None:
+    """fit.json (it carries the scores the promotion gate compares) and the best checkpoint are trusted only while
+    they hash to what the MLflow run recorded when they were written."""
+    from mlflow import MlflowClient
+
+    from flows.training import training_pipeline
+    from raytrain_tasks.checkpoint import manifest_digest
+    from raytrain_tasks.tracking import pinned_digests
+    from tests.conftest import small_config
+
+    config = small_config(tmp_path, epochs=2, register=False)
+    first = training_pipeline(config=config)
+    client = MlflowClient(config.mlflow_tracking_uri)
+    run_dir = Path(first.fit.run_uri)
+    pinned = pinned_digests(client.get_run(first.fit.mlflow_run_id).data.tags)
+    on_disk = {p.name: manifest_digest(p) for p in run_dir.glob("epoch-*")}
+    assert on_disk and pinned == on_disk  # every kept checkpoint is vouched for, by the digest it has
+
+    resumed = config.model_copy(update={"resume": first.run_key, "register": True})
+    record = run_dir / "fit.json"
+    original = record.read_text()
+    record.write_text(original.replace('"test_accuracy": 0.', '"test_accuracy": 1.0, "x": 0.', 1))
+    state = training_pipeline(config=resumed, return_state=True)
+    error = state.result(raise_on_failure=False)
+    assert state.is_failed() and isinstance(error, UnsafeCheckpointError) and "fit.json" in str(error), error
+
+    record.write_text(original)
+    best = Path(first.fit.best_checkpoint_uri)
+    write_checkpoint(best)  # other weights, in the real format, with a matching manifest
+    state = training_pipeline(config=resumed, return_state=True)
+    error = state.result(raise_on_failure=False)
+    assert state.is_failed() and isinstance(error, UnsafeCheckpointError), error
+    assert "is not the one its run committed" in str(error) and best.name in str(error)
+    assert client.search_registered_models() == []
