@@ -136,6 +136,29 @@ def schema_digest(dataset: DatasetRef) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
+def unsafe_model_format(model_uri: str) -> str:
+    """Why loading the model at ``model_uri`` could run code beyond its format, or "" for the format this project
+    logs (MLflow's pytorch flavor in the ``pt2`` format: an exported program, no pickled objects, no code paths).
+
+    Read from the MLmodel file and the artifact listing alone: nothing of the model is loaded to decide.
+    """
+    import mlflow
+
+    flavors = mlflow.models.get_model_info(model_uri).flavors
+    if set(flavors) != {"python_function", "pytorch"}:
+        return f"its model flavors {sorted(flavors)} are not the pytorch pt2 format this project logs and loads"
+    if flavors["python_function"].get("code") or flavors["pytorch"].get("code"):
+        return "it ships its own code (code_paths), which scoring it would import"
+    data = str(flavors["pytorch"].get("model_data", "data"))
+    files = [artifact.path for artifact in mlflow.artifacts.list_artifacts(f"{model_uri.rstrip('/')}/{data}")]
+    if not any(path.endswith(".pt2") for path in files):
+        return (
+            "it is stored as a pickled torch model, and loading it would unpickle arbitrary objects; it was not "
+            "loaded or scored"
+        )
+    return ""
+
+
 def assess_champion(
     client: MlflowClient, name: str, digest: str, x_test: np.ndarray, y_test: np.ndarray, metric: str
 ) -> Champion:
@@ -160,6 +183,9 @@ def assess_champion(
             incomparable=f"its input schema {recorded} (features, class labels) differs from this run's {digest}",
         )
     try:
+        unsafe = unsafe_model_format(f"models:/{name}/{version}")
+        if unsafe:
+            return Champion(version, incomparable=unsafe)
         logits = np.asarray(mlflow.pyfunc.load_model(f"models:/{name}/{version}").predict(x_test))
     except Exception as exc:  # noqa: BLE001 - any failure to load or run the champion leaves it in place (tested)
         return Champion(
@@ -314,6 +340,8 @@ def _log_model(client: MlflowClient, config: TrainingConfig, dataset: DatasetRef
             model,
             name=LOGGED_MODEL_NAME,
             input_example=example,
+            # Explicit: MLflow's default is "pickle" on some tracking servers (Databricks); pt2 loads no pickles.
+            serialization_format="pt2",
             # Explicit requirements: inferring them spawns a subprocess that costs ~8 s.
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}"],
             metadata={"run_key": fit.run_key, "dataset_hash": dataset.content_hash},

@@ -197,3 +197,34 @@ def test_a_champion_with_another_input_schema_is_kept_unless_asked(registry: dic
     fit = _fit(client, workdir, replacing, dataset, "20261123-040000-dddddd", 0.2)
     replaced = _register(replacing, dataset, fit)
     assert replaced.decision == "replace_incomparable_champion" and _champion(client, "gate") == replaced.version
+
+
+def test_a_champion_stored_as_a_pickle_is_never_loaded(registry: dict[str, Any], tmp_path: Path) -> None:
+    """A champion in MLflow's pickle format (registered by hand, or by another tool) would run code when scored.
+    It is not loaded: it keeps its alias as incomparable, with the reason, and the code in it never runs."""
+    import mlflow
+    import torch
+
+    from tasks.register import SCHEMA_TAG, schema_digest
+
+    config, client, workdir = registry["config"], registry["client"], registry["workdir"]
+    marker = tmp_path / "pwned"
+
+    class Trap(torch.nn.Module):
+        def __reduce__(self) -> Any:
+            return (open, (str(marker), "w"))
+
+    pickled = config.model_copy(update={"model_name": "pickled"})
+    dataset = registry["dataset"]
+    mlflow.set_tracking_uri(config.mlflow_tracking_uri)
+    with mlflow.start_run(experiment_id=client.get_experiment_by_name(config.experiment_name).experiment_id):
+        info = mlflow.pytorch.log_model(Trap(), name="model", serialization_format="pickle", pip_requirements=[])
+    version = mlflow.register_model(info.model_uri, "pickled", tags={SCHEMA_TAG: schema_digest(dataset)}).version
+    client.set_registered_model_alias("pickled", "champion", str(version))
+    assert not marker.exists()
+
+    fit = _fit(client, workdir, pickled, dataset, "20261123-050000-eeeeee", 0.99)
+    kept = _register(pickled, dataset, fit)
+    assert kept.decision == "keep_incomparable_champion" and "pickled torch model" in kept.reason, kept
+    assert _champion(client, "pickled") == str(version)
+    assert not marker.exists()
