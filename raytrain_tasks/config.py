@@ -28,7 +28,8 @@ warnings.filterwarnings("ignore", message='Field name "register"', category=User
 
 
 class TrainingConfig(BaseModel):
-    """Everything that defines one training pipeline run; no secrets live here."""
+    """Everything that defines one training pipeline run. No secret belongs here: credentials come from the
+    environment (a password put into `mlflow_tracking_uri` anyway is masked wherever this project writes it)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

@@ -1,8 +1,9 @@
 """Open a storage URI as a pyarrow filesystem: a local path, or ``s3://bucket/prefix``.
 
-Only the endpoint and region come from the config. Credentials always come from the standard AWS chain
-(environment, profile, instance role), on the driver and on every Ray worker alike, so no secret is ever
-part of the config, pickled into Ray, or written to a log.
+Only the endpoint and region come from the config. S3 credentials always come from the standard AWS chain
+(environment, profile, instance role) of the process that uses them, on the driver and on every Ray node
+alike: they are never part of the config, and never copied to a cluster unless
+`forward_credentials_to_cluster` asks for it (README, "Security and trust").
 """
 
 from __future__ import annotations
