@@ -215,6 +215,13 @@ class TrainingConfig(BaseModel):
     retry_delay_seconds: float = Field(
         default=5.0, ge=0, le=3600, title="Retry delay (s)", description="Wait before a distributed-fit retry."
     )
+    run_lease_seconds: float = Field(
+        default=60.0,
+        ge=5,
+        le=3600,
+        title="Driver lease (s)",
+        description="How long a run key stays locked to its driver after that driver stops renewing (e.g. dies).",
+    )
     resume: str = Field(
         default="",
         title="Resume run key",

@@ -26,6 +26,10 @@ class UnsafeCheckpointError(CheckpointError):
     recorded when it committed it. Never loaded, never skipped silently: the storage was tampered with."""
 
 
+class RunLeaseError(PipelineError):
+    """Another live driver holds the run key's lease: this one trains nothing."""
+
+
 class ClusterError(PipelineError):
     """Ray is unreachable or lacks the resources the config asks for."""
 

@@ -25,7 +25,14 @@ from ray.train.v2.api.callback import RayTrainCallback
 from raytrain_tasks.checkpoint import STATE_FILE
 from raytrain_tasks.config import TrainingConfig, check_run_key
 from raytrain_tasks.data import DatasetRef
-from raytrain_tasks.errors import CheckpointError, ClusterError, TrackingError, TrainingError, UnsafeCheckpointError
+from raytrain_tasks.errors import (
+    CheckpointError,
+    ClusterError,
+    RunLeaseError,
+    TrackingError,
+    TrainingError,
+    UnsafeCheckpointError,
+)
 from raytrain_tasks.redact import redacted_errors
 from raytrain_tasks.resume import CHECKPOINT_PREFIX
 from raytrain_tasks.tracking import MlflowEpochLogger, OpenMlflowEarly, pinned_digests
@@ -38,6 +45,7 @@ from tasks.cluster import (
     read_mounts,
     storage_shared_with_nodes,
 )
+from tasks.lease import run_lease
 from tasks.run_page import EpochProgress
 from tasks.storage import RUNS_DIR, StorageLocation, locate
 
@@ -45,7 +53,8 @@ if TYPE_CHECKING:
     from ray.train.torch import TorchTrainer
 
 # Failures that another attempt cannot fix: the config or the environment must change first.
-NOT_RETRYABLE = (ClusterError, CheckpointError, TrackingError)
+# RunLeaseError: another live driver holds the run; a retry seconds later would only be refused again.
+NOT_RETRYABLE = (ClusterError, CheckpointError, TrackingError, RunLeaseError)
 
 
 class FitResult(BaseModel):
@@ -84,19 +93,25 @@ def is_retryable(task: Any, task_run: Any, state: Any) -> bool:
 def distributed_fit(config: TrainingConfig, dataset: DatasetRef, run_key: str) -> FitResult:
     """Train (or continue training) run ``run_key`` and return its best checkpoint and metrics."""
     with redacted_errors():
-        return _distributed_fit(config, dataset, run_key)
+        check_run_key(run_key)  # it names a folder in storage and goes into MLflow filters
+        runs = locate(config.storage_path, config.storage_options).child(RUNS_DIR)
+        run_dir = runs.child(run_key)
+        if config.resume and not run_dir.child("checkpoint_manager_snapshot.json").exists():
+            raise CheckpointError(
+                f"cannot resume run {run_key}: no checkpoints under {run_dir.uri}; check `resume` and "
+                "`storage_path` (they must match the interrupted run)"
+            )
+        # One driver per run key, whatever host it runs on (tasks/lease.py).
+        with run_lease(
+            run_dir, run_key, tracking.this_driver(), config.run_lease_seconds, holder_alive=tracking.driver_alive
+        ):
+            return _distributed_fit(config, dataset, run_key, runs, run_dir)
 
 
-def _distributed_fit(config: TrainingConfig, dataset: DatasetRef, run_key: str) -> FitResult:
+def _distributed_fit(
+    config: TrainingConfig, dataset: DatasetRef, run_key: str, runs: StorageLocation, run_dir: StorageLocation
+) -> FitResult:
     logger = get_run_logger()
-    check_run_key(run_key)  # it names a folder in storage and goes into MLflow filters
-    runs = locate(config.storage_path, config.storage_options).child(RUNS_DIR)
-    run_dir = runs.child(run_key)
-    if config.resume and not run_dir.child("checkpoint_manager_snapshot.json").exists():
-        raise CheckpointError(
-            f"cannot resume run {run_key}: no checkpoints under {run_dir.uri}; check `resume` and "
-            "`storage_path` (they must match the interrupted run)"
-        )
     # Pre-flight, cheapest first: MLflow answers, Ray is reachable and can host the workers. Nothing is
     # created (no MLflow run, no checkpoint folder) until all three hold.
     client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)

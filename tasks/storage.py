@@ -52,6 +52,26 @@ class StorageLocation:
         return sorted(info.base_name for info in infos)
 
 
+def make_dirs(location: StorageLocation) -> list[str]:
+    """Create ``location`` as a folder (a no-op on S3, where folders are prefixes); returns the local folders
+    this created, deepest first, for ``remove_empty_dirs``."""
+    if is_s3(location.uri):
+        return []
+    created, path = [], Path(location.path)
+    while not path.exists():
+        created.append(str(path))
+        path = path.parent
+    location.filesystem.create_dir(location.path, recursive=True)
+    return created
+
+
+def remove_empty_dirs(paths: list[str]) -> None:
+    """Remove the folders ``make_dirs`` created that are still empty (deepest first)."""
+    for path in map(Path, paths):
+        if path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
+
+
 def locate(uri: str, options: StorageOptions | None = None) -> StorageLocation:
     """Resolve a ``storage_path``-style string: a local path, a file:// URI, or s3://bucket/prefix."""
     options = options or StorageOptions()

@@ -24,7 +24,16 @@ logger = logging.getLogger(__name__)
 RUN_KEY_TAG = "prefect_raytrain.run_key"
 # Settings that steer the run, not what it trains: a resumed run may change them.
 MAY_CHANGE_ON_RESUME = frozenset(
-    {"resume", "register", "promote", "min_improvement", "fit_retries", "retry_delay_seconds", "max_failures"}
+    {
+        "resume",
+        "register",
+        "promote",
+        "min_improvement",
+        "fit_retries",
+        "retry_delay_seconds",
+        "max_failures",
+        "run_lease_seconds",
+    }
 )
 ERROR_TAG = "prefect_raytrain.error"
 

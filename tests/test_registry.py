@@ -228,3 +228,31 @@ def test_a_champion_stored_as_a_pickle_is_never_loaded(registry: dict[str, Any],
     assert kept.decision == "keep_incomparable_champion" and "pickled torch model" in kept.reason, kept
     assert _champion(client, "pickled") == str(version)
     assert not marker.exists()
+
+
+def test_the_run_page_says_no_alias_moved_when_the_decision_failed(registry: dict[str, Any]) -> None:
+    """What the flow publishes when register-model fails: the failure, that no alias moved, and no secret."""
+    from prefect import flow, get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+    from prefect.runtime import flow_run
+
+    from flows.training import PipelineResult
+    from tasks.run_page import publish_run_summary
+
+    config, client, dataset = registry["config"], registry["client"], registry["dataset"]
+    fit = _fit(client, registry["workdir"], config, dataset, "20261123-060000-ffffff", 0.7)
+    result = PipelineResult(run_key=fit.run_key, config=config, dataset=dataset, fit=fit, model=None)
+    error = PromotionError("cannot read gate@champion: http://admin:pw-on-page-1@127.0.0.1:1/api failed")
+
+    @flow(name="run-page-only")
+    def publish() -> str:
+        publish_run_summary(result, registry_error=f"{type(error).__name__}: {error}")
+        return str(flow_run.get_id())
+
+    flow_run_id = publish()
+    with get_client(sync_client=True) as prefect:
+        (page,) = prefect.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
+    assert "register-model failed, no alias moved" in page.data and "PromotionError" in page.data
+    assert "pw-on-page-1" not in page.data and "admin:***@" in page.data

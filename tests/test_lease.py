@@ -1,0 +1,156 @@
+"""One driver per run key: the lease in the run's storage folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from raytrain_tasks.errors import RunLeaseError
+from tasks.lease import LEASE_FILE, read_lease, run_lease
+from tasks.storage import locate
+from tasks.tracking import driver_alive, this_driver
+
+KEY = "20261123-070000-abcdef"
+
+
+def _lease_file(tmp_path: Path, holder: str, expires_in: float) -> Path:
+    path = tmp_path / KEY / LEASE_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"holder": holder, "expires_at": time.time() + expires_in}))
+    return path
+
+
+def test_a_live_holder_keeps_the_run_and_the_refusal_says_who_and_until_when(tmp_path: Path) -> None:
+    _lease_file(tmp_path, "other-host:4242:99", expires_in=60)
+    with pytest.raises(RunLeaseError, match=r"driven by other-host:4242:99 until \d{4}-\d\d-\d\d") as refused:
+        with run_lease(locate(str(tmp_path)).child(KEY), KEY, this_driver(), 60, holder_alive=driver_alive):
+            pytest.fail("entered a run another driver holds")
+    assert "resume" in str(refused.value)
+    lease = read_lease(locate(str(tmp_path / KEY / LEASE_FILE)))
+    assert lease is not None and lease.holder == "other-host:4242:99"  # untouched
+
+
+def test_an_expired_lease_and_a_dead_holder_on_this_host_are_taken_over(tmp_path: Path) -> None:
+    run_dir = locate(str(tmp_path)).child(KEY)
+    _lease_file(tmp_path, "other-host:4242:99", expires_in=-1)
+    with run_lease(run_dir, KEY, this_driver(), 60, holder_alive=driver_alive):
+        assert read_lease(run_dir.child(LEASE_FILE)).holder == this_driver()  # type: ignore[union-attr]
+
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead = this_driver().replace(f":{os.getpid()}:", f":{finished.pid}:")
+    finished.wait()
+    assert driver_alive(dead) is False
+    _lease_file(tmp_path, dead, expires_in=600)
+    with run_lease(run_dir, KEY, this_driver(), 60, holder_alive=driver_alive):
+        pass
+    assert not (tmp_path / KEY / LEASE_FILE).exists()  # released on exit
+
+
+def test_the_holder_renews_its_lease_and_releases_it(tmp_path: Path) -> None:
+    run_dir = locate(str(tmp_path)).child(KEY)
+    refusals: list[str] = []
+    with run_lease(run_dir, KEY, "holder-a", 1.5):
+        for _ in range(3):  # twice the lease's length: only renewals keep it
+            time.sleep(1.0)
+            try:
+                with run_lease(run_dir, KEY, "holder-b", 1.5):
+                    pytest.fail("a second driver got a renewed lease")
+            except RunLeaseError as exc:
+                refusals.append(str(exc))
+    assert len(refusals) == 3 and all("holder-a" in r for r in refusals)
+    with run_lease(run_dir, KEY, "holder-b", 1.5):
+        pass
+
+
+def test_of_two_drivers_starting_together_exactly_one_proceeds(tmp_path: Path) -> None:
+    run_dir = locate(str(tmp_path)).child(KEY)
+    outcomes: dict[str, str] = {}
+    barrier = threading.Barrier(2)
+
+    def drive(name: str) -> None:
+        barrier.wait()
+        try:
+            with run_lease(run_dir, KEY, name, 30):
+                outcomes[name] = "drove"
+                time.sleep(1.5)
+        except RunLeaseError:
+            outcomes[name] = "refused"
+
+    threads = [threading.Thread(target=drive, args=(name,)) for name in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(outcomes.values()) == ["drove", "refused"], outcomes
+
+
+def test_a_run_that_never_started_leaves_no_folder(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError), run_lease(locate(str(tmp_path)).child(KEY), KEY, this_driver(), 60):
+        raise RuntimeError("pre-flight failed")
+    assert not (tmp_path / KEY).exists()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("prefect_api")
+def test_a_second_driver_on_a_running_key_is_refused(tmp_path: Path) -> None:
+    """Two processes: the original trains; a manual `--resume` of its key is refused in seconds, trains nothing,
+    and the original finishes with every epoch once."""
+    from mlflow import MlflowClient
+    from prefect.settings import PREFECT_API_URL
+
+    from tests.conftest import REPO_ROOT, stop_process_group
+
+    tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    common = ["--storage-path", str(tmp_path / "storage"), "--mlflow-tracking-uri", tracking_uri, "--no-register"]
+    common += ["--experiment-name", "lease", "--dataset", "synthetic", "--synthetic-samples", "24000"]
+    common += ["--epochs", "4", "--num-workers", "1", "--batch-size", "64"]
+    env = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
+    log = (tmp_path / "first.log").open("w")
+    first = subprocess.Popen(
+        [sys.executable, "-m", "flows.training", *common],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not list((tmp_path / "storage" / "runs").glob("*/epoch-0000")):
+            assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-3000:]
+            time.sleep(0.5)
+        (run_dir,) = (tmp_path / "storage" / "runs").iterdir()
+        started = time.monotonic()
+        second = subprocess.run(
+            [sys.executable, "-m", "flows.training", *common, "--resume", run_dir.name],
+            cwd=REPO_ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        refused_after = time.monotonic() - started
+        assert first.wait(timeout=300) == 0, (tmp_path / "first.log").read_text()[-3000:]
+    finally:
+        if first.poll() is None:
+            stop_process_group(first, signal.SIGKILL)
+        log.close()
+    output = second.stdout + second.stderr
+    assert second.returncode == 1 and "is being driven by" in output, output[-3000:]
+    assert "Retry 1/" not in output, output[-3000:]  # refused once: a Prefect retry would only be refused again
+    assert re.search(rf"run {run_dir.name} is being driven by \S+:{first.pid}:", output), output[-3000:]
+    print(f"\nsecond driver refused {refused_after:.1f} s after it started (whole CLI process)")
+    client = MlflowClient(tracking_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("lease").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert sorted(int(m.step) for m in client.get_metric_history(run.info.run_id, "val_accuracy")) == [0, 1, 2, 3]
+    assert not (run_dir / LEASE_FILE).exists()
