@@ -52,24 +52,38 @@ class StorageLocation:
         return sorted(info.base_name for info in infos)
 
 
-def make_dirs(location: StorageLocation) -> list[str]:
-    """Create ``location`` as a folder (a no-op on S3, where folders are prefixes); returns the local folders
-    this created, deepest first, for ``remove_empty_dirs``."""
-    if is_s3(location.uri):
-        return []
-    created, path = [], Path(location.path)
-    while not path.exists():
-        created.append(str(path))
-        path = path.parent
-    location.filesystem.create_dir(location.path, recursive=True)
+def make_dirs(location: StorageLocation) -> list[StorageLocation]:
+    """Create ``location`` as a folder; returns the folders that did not exist before, deepest first, for
+    ``remove_empty_dirs`` (on S3, where folders are prefixes, the ones that had no object under them)."""
+    created, current = [], location
+    while not current.exists():
+        created.append(current)
+        parent_uri = current.uri.rsplit("/", 1)[0]
+        if parent_uri in ("", current.uri) or (is_s3(current.uri) and parent_uri.count("/") < 3):
+            break  # the filesystem root, or the bucket itself
+        current = locate(parent_uri, location.options)
+    if not is_s3(location.uri):
+        location.filesystem.create_dir(location.path, recursive=True)
     return created
 
 
-def remove_empty_dirs(paths: list[str]) -> None:
-    """Remove the folders ``make_dirs`` created that are still empty (deepest first)."""
-    for path in map(Path, paths):
-        if path.is_dir() and not any(path.iterdir()):
-            path.rmdir()
+def remove_empty_dirs(folders: list[StorageLocation]) -> None:
+    """Remove the folders ``make_dirs`` reported as new that hold nothing now, deepest first.
+
+    On S3 pyarrow leaves an empty ``prefix/`` marker object behind when it deletes a folder's last file; those
+    markers are what is removed there, through boto3 (pyarrow would write a marker for the parent instead).
+    """
+    for folder in folders:
+        if not is_s3(folder.uri):
+            path = Path(folder.path)
+            if path.is_dir() and not any(path.iterdir()):
+                path.rmdir()
+            continue
+        bucket, prefix = split_s3(folder.uri)
+        client = s3_client(folder.options)
+        keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/").get("Contents", [])]
+        if keys and all(key.endswith("/") for key in keys):
+            client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": key} for key in keys]})
 
 
 def locate(uri: str, options: StorageOptions | None = None) -> StorageLocation:
