@@ -334,3 +334,44 @@ def test_worker_killed_on_s3_storage_resumes_from_the_bucket(
     # The restarted workers read epoch-0001 back from the bucket; it was not rewritten.
     assert written["epoch-0001"] < killed_at < written["epoch-0003"]
     assert not (tmp_path / "storage").exists()
+
+
+def test_cli_killed_in_register_model_registers_one_version_on_resume(tmp_path: Path) -> None:
+    """SIGKILL the whole CLI inside register-model, as soon as it starts logging the model (the export, the
+    version, the decision and the aliases follow). The resume trains nothing and finishes register-model: one
+    version, which is champion, with the decision marked applied."""
+    import ray
+    from mlflow.exceptions import MlflowException
+    from prefect.settings import PREFECT_API_URL
+
+    api_url, ray_address = str(PREFECT_API_URL.value()), ray.get_runtime_context().gcs_address
+    extra = ["--register", "--epochs=1", "--synthetic-samples=4000", "--model-name", "killed-in-register"]
+    first = _cli(tmp_path, api_url, ray_address, *extra)
+    client = mlflow_client(tmp_path)
+
+    def logged_models() -> list[Any]:
+        run = only_run(tmp_path) if list((tmp_path / "storage" / "runs").glob("*/epoch-0000")) else None
+        return [] if run is None else list(client.search_logged_models([run.info.experiment_id]))
+
+    def versions() -> list[Any]:
+        try:
+            return list(client.search_model_versions("name = 'killed-in-register'"))
+        except MlflowException:  # no version registered yet
+            return []
+
+    try:
+        wait_for(logged_models, 300, "register-model to start logging the model")
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.communicate(timeout=60)
+    at_kill = versions()
+    (run_dir,) = (tmp_path / "storage" / "runs").iterdir()
+
+    resumed = _cli(tmp_path, api_url, ray_address, *extra, "--resume", run_dir.name)
+    output, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, output[-4000:]
+    assert "nothing to train" in output, output[-4000:]
+    (version,) = versions()
+    assert version.tags["promotion.applied"] == "true" and version.tags["promotion.decision"] == "promote"
+    assert str(client.get_registered_model("killed-in-register").aliases["champion"]) == str(version.version)
+    print(f"\nkilled with {len(at_kill)} version(s) registered; after the resume: version {version.version}")
