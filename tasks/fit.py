@@ -112,8 +112,9 @@ def _distributed_fit(
     config: TrainingConfig, dataset: DatasetRef, run_key: str, runs: StorageLocation, run_dir: StorageLocation
 ) -> FitResult:
     logger = get_run_logger()
-    # Pre-flight, cheapest first: MLflow answers, Ray is reachable and can host the workers. Nothing is
-    # created (no MLflow run, no checkpoint folder) until all three hold.
+    # Pre-flight, cheapest first: MLflow answers, Ray is reachable and can host the workers (and, on a cluster,
+    # every node can write storage). Nothing is created (no MLflow run, no checkpoint) until they hold; the
+    # lease taken above is removed with the folders it made if they fail.
     client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
     run_id: str | None = None
     try:
