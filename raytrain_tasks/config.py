@@ -159,6 +159,13 @@ class TrainingConfig(BaseModel):
         title="Ray address",
         description="Empty: start a local Ray. Otherwise a cluster address, e.g. '127.0.0.1:6379' or 'ray://h:10001'.",
     )
+    ray_connect_timeout_s: float = Field(
+        default=60.0,
+        ge=1,
+        le=3600,
+        title="Ray connect timeout (s)",
+        description="How long connecting to the cluster at `ray_address` may take before the run fails.",
+    )
     forward_credentials_to_cluster: bool = Field(
         default=False,
         title="Forward credentials to the cluster",

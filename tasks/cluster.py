@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DATA_TASK_CPUS
@@ -102,7 +104,8 @@ def ray_session(config: TrainingConfig) -> Iterator[None]:
         check_reachable(config.ray_address)
     try:
         if config.ray_address:
-            ray.init(
+            init_within(
+                config.ray_connect_timeout_s,
                 address=config.ray_address,
                 runtime_env=cluster_runtime_env(config),
                 logging_level=logging.WARNING,
@@ -130,6 +133,39 @@ def ray_session(config: TrainingConfig) -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+
+
+def init_within(timeout_s: float, **init_args: Any) -> None:
+    """``ray.init(**init_args)``, or ClusterError after ``timeout_s``.
+
+    Something that accepts TCP on the address but never completes Ray's handshake (not a Ray GCS port, or a
+    cluster that advertises an address this machine cannot reach) keeps ray.init() waiting inside Ray's GCS
+    client for minutes, without a message (seen: over 4 minutes). The call runs in a daemon thread, so the
+    caller gets its answer in time; a connection given up on is left to that thread and ends with the process.
+    """
+    import ray
+
+    finished = threading.Event()
+    failure: list[BaseException] = []
+
+    def connect() -> None:
+        try:
+            ray.init(**init_args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the calling thread, which raises it
+            failure.append(exc)
+        finally:
+            finished.set()
+
+    threading.Thread(target=connect, name="ray-connect", daemon=True).start()
+    if not finished.wait(timeout_s):
+        raise ClusterError(
+            f"ray.init() did not connect to {init_args.get('address')!r} within {timeout_s:g} s: something accepts "
+            "connections there but does not complete Ray's handshake (not the head's GCS port, 6379 by default, or a "
+            "cluster advertising an address this machine cannot reach). Check `ray_address`, or raise "
+            "`ray_connect_timeout_s` for a slow cluster"
+        )
+    if failure:
+        raise failure[0]
 
 
 def check_reachable(address: str, timeout_s: float = 3.0) -> None:

@@ -33,6 +33,9 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "retry_delay_seconds",
         "max_failures",
         "run_lease_seconds",
+        "ray_connect_timeout_s",
+        "forward_credentials_to_cluster",
+        "input_example",
     }
 )
 ERROR_TAG = "prefect_raytrain.error"

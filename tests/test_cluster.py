@@ -321,3 +321,39 @@ def test_a_node_that_cannot_write_the_bucket_is_named_before_any_worker_starts(
 
     listed = s3_client(StorageOptions(endpoint_url=s3_server.endpoint_url)).list_objects_v2(Bucket="prt-nodes")
     assert [o["Key"] for o in listed.get("Contents", []) if "/runs/" in o["Key"]] == []
+
+
+def test_an_address_that_accepts_but_is_not_ray_fails_within_the_connect_timeout(tmp_path: Path) -> None:
+    """The TCP probe passes (something listens), then ray.init() would wait inside Ray's GCS client for minutes
+    (measured: over 2 minutes before it was killed). The run fails at `ray_connect_timeout_s`, naming it."""
+    code = textwrap.dedent(
+        """
+        import socket, threading, time
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        port = listener.getsockname()[1]
+        held = []
+        threading.Thread(target=lambda: [held.append(listener.accept()) for _ in iter(int, 1)], daemon=True).start()
+        from raytrain_tasks.config import TrainingConfig
+        from raytrain_tasks.errors import ClusterError
+        from tasks.cluster import ray_session
+        started = time.monotonic()
+        try:
+            with ray_session(TrainingConfig(ray_address=f"127.0.0.1:{port}", ray_connect_timeout_s=5)):
+                print("CONNECTED")
+        except ClusterError as exc:
+            print(f"REFUSED after {time.monotonic() - started:.1f} s: {exc}")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        env={**os.environ, **CLIENT_ENV},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "REFUSED after" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
+    seconds = float(done.stdout.split("REFUSED after ", 1)[1].split(" s:", 1)[0])
+    assert seconds < 30 and "ray_connect_timeout_s" in done.stdout and "ray_address" in done.stdout

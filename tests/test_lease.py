@@ -100,10 +100,11 @@ def test_a_run_that_never_started_leaves_no_folder(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("prefect_api")
+@pytest.mark.usefixtures("prefect_api", "ray_cluster")
 def test_a_second_driver_on_a_running_key_is_refused(tmp_path: Path) -> None:
     """Two processes: the original trains; a manual `--resume` of its key is refused in seconds, trains nothing,
     and the original finishes with every epoch once."""
+    import ray
     from mlflow import MlflowClient
     from prefect.settings import PREFECT_API_URL
 
@@ -112,7 +113,10 @@ def test_a_second_driver_on_a_running_key_is_refused(tmp_path: Path) -> None:
     tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     common = ["--storage-path", str(tmp_path / "storage"), "--mlflow-tracking-uri", tracking_uri, "--no-register"]
     common += ["--experiment-name", "lease", "--dataset", "synthetic", "--synthetic-samples", "24000"]
-    common += ["--epochs", "4", "--num-workers", "1", "--batch-size", "64"]
+    # Both drivers use the session's Ray: the second reaches the lease without starting a Ray of its own, and the
+    # first trains long enough (10 epochs) to still hold it by then.
+    common += ["--epochs", "10", "--num-workers", "1", "--batch-size", "64"]
+    common += ["--ray-address", ray.get_runtime_context().gcs_address]
     env = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
     log = (tmp_path / "first.log").open("w")
     first = subprocess.Popen(
@@ -139,6 +143,7 @@ def test_a_second_driver_on_a_running_key_is_refused(tmp_path: Path) -> None:
             timeout=300,
         )
         refused_after = time.monotonic() - started
+        assert first.poll() is None, "the first driver finished before the second reached the lease: train longer"
         assert first.wait(timeout=300) == 0, (tmp_path / "first.log").read_text()[-3000:]
     finally:
         if first.poll() is None:
@@ -152,5 +157,5 @@ def test_a_second_driver_on_a_running_key_is_refused(tmp_path: Path) -> None:
     client = MlflowClient(tracking_uri)
     (run,) = client.search_runs([client.get_experiment_by_name("lease").experiment_id])
     assert run.info.status == "FINISHED"
-    assert sorted(int(m.step) for m in client.get_metric_history(run.info.run_id, "val_accuracy")) == [0, 1, 2, 3]
+    assert sorted(int(m.step) for m in client.get_metric_history(run.info.run_id, "val_accuracy")) == list(range(10))
     assert not (run_dir / LEASE_FILE).exists()
