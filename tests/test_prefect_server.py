@@ -293,6 +293,14 @@ def test_serve_and_a_custom_run_from_the_ui(prefect_server: PrefectServer, chrom
     print(f"custom run from the UI via serve: {latency:.1f} s from submit to start")
 
     # When serve stops, Prefect pauses its deployments and drops their scheduled runs; serving again resumes.
-    nightly = _api(prefect_server, lambda client: client.read_deployment_by_name("training-pipeline/nightly-retrain"))
+    # Prefect writes the pause during serve's shutdown; on a loaded machine it lands a moment after the exit.
+    deadline = time.monotonic() + 30
+    while (
+        not (
+            nightly := _api(prefect_server, lambda c: c.read_deployment_by_name("training-pipeline/nightly-retrain"))
+        ).paused
+        and time.monotonic() < deadline
+    ):
+        time.sleep(1)
     assert nightly.paused
     assert not [r for r in _deployment_runs(prefect_server, "nightly-retrain") if r.state_name == "Scheduled"]
