@@ -45,6 +45,18 @@ def external_cluster() -> Iterator[ExternalCluster]:
         yield cluster
 
 
+def run_python(code: str) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh interpreter in the checkout, with what a cluster client needs in its environment."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        env={**os.environ, **CLIENT_ENV},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 @contextmanager
 def head_node(env: dict[str, str] | None = None) -> Iterator[ExternalCluster]:
     """`ray start --head --block` on free 127.0.0.1 ports with its own temp dir; only its processes are stopped.
@@ -195,14 +207,7 @@ def test_connecting_never_shuts_the_cluster_down(external_cluster: ExternalClust
         print("OK")
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO_ROOT,
-        env={**os.environ, **CLIENT_ENV},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_python(code)
     assert done.stdout.strip().endswith("OK"), done.stdout[-2000:] + done.stderr[-3000:]
 
 
@@ -346,14 +351,7 @@ def test_an_address_that_accepts_but_is_not_ray_fails_within_the_connect_timeout
             print(f"REFUSED after {time.monotonic() - started:.1f} s: {exc}")
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO_ROOT,
-        env={**os.environ, **CLIENT_ENV},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_python(code)
     assert "REFUSED after" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
     seconds = float(done.stdout.split("REFUSED after ", 1)[1].split(" s:", 1)[0])
     assert seconds < 30 and "ray_connect_timeout_s" in done.stdout and "ray_address" in done.stdout
