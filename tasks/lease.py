@@ -6,8 +6,9 @@ checkpoints (`<storage_path>/runs/<run key>/driver.lease`), so it works for ever
 at all. It holds who drives the run and until when; the holder renews it every third of its length. A holder
 that dies stops renewing and its lease expires; one on this host that is provably gone is taken over at once.
 
-Storage offers no compare-and-swap through pyarrow, so taking a lease is write, wait, read back: of two drivers
-that start within the same moment, the one whose write is read back proceeds and the other is refused.
+Taking and renewing the lease are compare-and-swap writes (``StorageLocation.write_if``: conditional writes on
+S3, a folder lock locally): of two drivers that start in the same moment exactly one writes the lease and the
+other is refused, and a driver whose lease was taken over cannot renew it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from raytrain_tasks.errors import RunLeaseError
 from tasks.storage import StorageLocation, make_dirs, remove_empty_dirs
 
 LEASE_FILE = "driver.lease"
-SETTLE_S = 0.5
 
 logger = logging.getLogger(__name__)
 
@@ -40,18 +40,29 @@ class Lease:
 
 
 def read_lease(location: StorageLocation) -> Lease | None:
-    """The lease at ``location``, or None when there is none (or it is unreadable: a torn write counts as none)."""
-    if not location.exists():
+    """The lease at ``location``, or None when there is none."""
+    found = _read(location)
+    return found[0] if found else None
+
+
+def _read(location: StorageLocation) -> tuple[Lease | None, str] | None:
+    """(lease, version) of the lease object; the lease is None when the object is unreadable as a lease (writes
+    are atomic, so only a foreign or damaged file is): it counts as expired, and is replaced only by a
+    compare-and-swap against that very content."""
+    found = location.read_versioned()
+    if found is None:
         return None
+    text, version = found
     try:
-        raw = json.loads(location.read_text())
-        return Lease(str(raw["holder"]), float(raw["expires_at"]))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+        raw = json.loads(text)
+        return Lease(str(raw["holder"]), float(raw["expires_at"])), version
+    except (ValueError, KeyError, TypeError):
+        logger.warning("%s is not a lease this project wrote; it counts as expired", location.uri)
+        return None, version
 
 
-def _write(location: StorageLocation, lease: Lease) -> None:
-    location.write_text(json.dumps({"holder": lease.holder, "expires_at": lease.expires_at}))
+def _encode(holder: str, duration_s: float) -> str:
+    return json.dumps({"holder": holder, "expires_at": time.time() + duration_s})
 
 
 @contextmanager
@@ -69,20 +80,25 @@ def run_lease(
     process of this host that is gone) lets its lease be taken over before it runs out; None: cannot tell.
     """
     location = run_dir.child(LEASE_FILE)
-    current = read_lease(location)
-    if current is not None and current.holder != holder and current.expires_at > time.time():
-        if holder_alive(current.holder) is not False:
-            raise RunLeaseError(_refusal(run_key, current))
-        logger.warning("taking over the lease of run %s from %s: that process is gone", run_key, current.holder)
     created = make_dirs(run_dir)
-    _write(location, Lease(holder, time.time() + duration_s))
-    time.sleep(SETTLE_S)  # a driver that wrote in the same moment has written by now: read back who won
-    won = read_lease(location)
-    if won is None or won.holder != holder:
-        raise RunLeaseError(_refusal(run_key, won or Lease("another driver", time.time() + duration_s)))
+    try:
+        found = _read(location)
+        current, version = found if found else (None, None)
+        if current is not None and current.holder != holder and current.expires_at > time.time():
+            if holder_alive(current.holder) is not False:
+                raise RunLeaseError(_refusal(run_key, current))
+            logger.warning("taking over the lease of run %s from %s: that process is gone", run_key, current.holder)
+        mine = location.write_if(_encode(holder, duration_s), version)
+        if mine is None:  # another driver wrote the lease between our read and our write: it drives
+            winner = read_lease(location)
+            raise RunLeaseError(_refusal(run_key, winner or Lease("another driver", time.time() + duration_s)))
+    except BaseException:
+        remove_empty_dirs(created)  # a run that never started leaves nothing behind
+        raise
     stop = threading.Event()
+    held = _Held(mine)
     renewer = threading.Thread(
-        target=_renew, args=(location, run_key, holder, duration_s, stop), name="run-lease", daemon=True
+        target=_renew, args=(location, run_key, holder, duration_s, held, stop), name="run-lease", daemon=True
     )
     renewer.start()
     try:
@@ -90,22 +106,35 @@ def run_lease(
     finally:
         stop.set()
         renewer.join(timeout=10)
-        held = read_lease(location)
-        if held is not None and held.holder == holder:
+        found = _read(location)
+        if found is not None and found[1] == held.version:  # still ours: release it
             location.filesystem.delete_file(location.path)
-        remove_empty_dirs(created)  # a run that never started leaves nothing behind
+        remove_empty_dirs(created)
 
 
-def _renew(location: StorageLocation, run_key: str, holder: str, duration_s: float, stop: threading.Event) -> None:
+@dataclass
+class _Held:
+    version: str
+
+
+def _renew(
+    location: StorageLocation, run_key: str, holder: str, duration_s: float, held: _Held, stop: threading.Event
+) -> None:
     while not stop.wait(duration_s / 3):
         try:
-            held = read_lease(location)
-            if held is not None and held.holder != holder:
-                logger.error("run %s: the lease was taken by %s; this driver stops renewing it", run_key, held.holder)
-                return
-            _write(location, Lease(holder, time.time() + duration_s))
+            renewed = location.write_if(_encode(holder, duration_s), held.version)
         except OSError as exc:  # storage briefly unreachable: the next renewal (a third of the lease later) retries
             logger.warning("run %s: could not renew the driver lease (%s); retrying", run_key, exc)
+            continue
+        if renewed is None:
+            taker = read_lease(location)
+            logger.error(
+                "run %s: the lease was taken by %s; this driver stops renewing it",
+                run_key,
+                taker.holder if taker else "another driver",
+            )
+            return
+        held.version = renewed
 
 
 def _refusal(run_key: str, lease: Lease) -> str:

@@ -8,7 +8,12 @@ credentials work, and a small write/read/delete round trip succeeds.
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import os
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +55,71 @@ class StorageLocation:
             return []
         infos = self.filesystem.get_file_info(pafs.FileSelector(self.path, recursive=False))
         return sorted(info.base_name for info in infos)
+
+    def read_versioned(self) -> tuple[str, str] | None:
+        """The object's text and a version token for ``write_if``; None when there is no object."""
+        if is_s3(self.uri):
+            from botocore.exceptions import ClientError
+
+            bucket, key = split_s3(self.uri)
+            try:
+                reply = s3_client(self.options).get_object(Bucket=bucket, Key=key)
+            except ClientError as exc:
+                if _code(exc) in ("NoSuchKey", "404"):
+                    return None
+                raise OSError(f"cannot read {self.uri}: {exc}") from exc
+            return reply["Body"].read().decode(), str(reply["ETag"])
+        try:
+            with self._folder_lock(fcntl.LOCK_SH):
+                text = Path(self.path).read_text()
+        except FileNotFoundError:  # no such file, or no such folder
+            return None
+        return text, _digest(text)
+
+    def write_if(self, text: str, version: str | None) -> str | None:
+        """Compare-and-swap: write ``text`` only if the object is still at ``version`` (None: only if there is
+        none). Returns the new version, or None when another writer got there first.
+
+        S3 does it with conditional writes (``If-None-Match: *``, ``If-Match: <ETag>``); a local folder under an
+        exclusive ``flock`` of the folder, with the file replaced by a rename, so a reader never sees half of it.
+        """
+        if is_s3(self.uri):
+            from botocore.exceptions import ClientError
+
+            bucket, key = split_s3(self.uri)
+            condition = {"IfNoneMatch": "*"} if version is None else {"IfMatch": version}
+            try:
+                reply = s3_client(self.options).put_object(Bucket=bucket, Key=key, Body=text.encode(), **condition)
+            except ClientError as exc:
+                if _code(exc) in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
+                    return None
+                raise OSError(f"cannot write {self.uri}: {exc}") from exc
+            return str(reply["ETag"])
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        with self._folder_lock(fcntl.LOCK_EX):
+            try:
+                current: str | None = _digest(Path(self.path).read_text())
+            except FileNotFoundError:
+                current = None
+            if current != version:
+                return None
+            staged = f"{self.path}.{uuid.uuid4().hex[:8]}.tmp"
+            Path(staged).write_text(text)
+            os.replace(staged, self.path)
+        return _digest(text)
+
+    @contextmanager
+    def _folder_lock(self, mode: int) -> Iterator[None]:
+        descriptor = os.open(os.path.dirname(self.path) or ".", os.O_RDONLY)
+        try:
+            fcntl.flock(descriptor, mode)
+            yield
+        finally:
+            os.close(descriptor)  # releases the lock
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def make_dirs(location: StorageLocation) -> list[StorageLocation]:

@@ -11,12 +11,14 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from raytrain_tasks.errors import RunLeaseError
+from raytrain_tasks.fs import StorageOptions
 from tasks.lease import LEASE_FILE, read_lease, run_lease
-from tasks.storage import locate
+from tasks.storage import StorageLocation, locate, s3_client
 from tasks.tracking import driver_alive, this_driver
 
 KEY = "20261123-070000-abcdef"
@@ -71,8 +73,8 @@ def test_the_holder_renews_its_lease_and_releases_it(tmp_path: Path) -> None:
         pass
 
 
-def test_of_two_drivers_starting_together_exactly_one_proceeds(tmp_path: Path) -> None:
-    run_dir = locate(str(tmp_path)).child(KEY)
+def _race(run_dir: StorageLocation, holders: tuple[str, str]) -> list[str]:
+    """Two drivers released by one barrier onto the same run key; what each of them got."""
     outcomes: dict[str, str] = {}
     barrier = threading.Barrier(2)
 
@@ -81,16 +83,47 @@ def test_of_two_drivers_starting_together_exactly_one_proceeds(tmp_path: Path) -
         try:
             with run_lease(run_dir, KEY, name, 30):
                 outcomes[name] = "drove"
-                time.sleep(1.5)
+                time.sleep(0.3)  # still holding it when the other one reads
         except RunLeaseError:
             outcomes[name] = "refused"
 
-    threads = [threading.Thread(target=drive, args=(name,)) for name in ("a", "b")]
+    threads = [threading.Thread(target=drive, args=(name,)) for name in holders]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert sorted(outcomes.values()) == ["drove", "refused"], outcomes
+    return sorted(outcomes.values())
+
+
+@pytest.mark.parametrize("storage", ["local", "s3"])
+def test_of_two_drivers_starting_together_exactly_one_proceeds(storage: str, tmp_path: Path, request: Any) -> None:
+    """Twelve rounds, holders of different lengths: the old write-wait-read-back lease refused both drivers in
+    about a third of such rounds (their simultaneous writes tore the file) and could let both through."""
+    if storage == "s3":
+        server = request.getfixturevalue("s3_server")
+        options = StorageOptions(endpoint_url=server.endpoint_url)
+        client = s3_client(options)
+        if "prt-lease" not in [b["Name"] for b in client.list_buckets().get("Buckets", [])]:
+            client.create_bucket(Bucket="prt-lease")
+        root = locate(f"s3://prt-lease/{tmp_path.name}", options)
+    else:
+        root = locate(str(tmp_path))
+    for round_ in range(12):
+        run_dir = root.child(f"round-{round_}", KEY)
+        assert _race(run_dir, ("a", f"driver-{'b' * round_}")) == ["drove", "refused"], f"round {round_}"
+        assert read_lease(run_dir.child(LEASE_FILE)) is None  # the one that drove released it
+
+
+def test_a_driver_whose_lease_was_taken_stops_renewing_it(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    run_dir = locate(str(tmp_path)).child(KEY)
+    with run_lease(run_dir, KEY, "holder-a", 1.5):
+        _lease_file(tmp_path, "holder-b", expires_in=600)  # taken over (as after an expiry) by another driver
+        time.sleep(1.2)  # past a renewal
+        lease = read_lease(run_dir.child(LEASE_FILE))
+        assert lease is not None and lease.holder == "holder-b"  # holder-a did not write over it
+    assert "the lease was taken by holder-b" in caplog.text
+    lease = read_lease(run_dir.child(LEASE_FILE))
+    assert lease is not None and lease.holder == "holder-b"  # and leaving did not delete b's lease
 
 
 def test_a_run_that_never_started_leaves_no_folder(tmp_path: Path) -> None:
