@@ -130,25 +130,34 @@ def small_config(workdir: Path, **overrides: Any) -> TrainingConfig:
     return TrainingConfig(**values)
 
 
+def start_mlflow_server(root: Path, port: int) -> subprocess.Popen[Any]:
+    """`mlflow server` with a SQLite backend and a local artifact root under ``root``; returns once it answers.
+    Started again on the same ``root`` and port, it is the same registry, as after an outage."""
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--workers", "1", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}"]
+    command += ["--artifacts-destination", str(root / "artifacts")]
+    with (root / "server.log").open("a") as log:
+        server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for_http(f"http://127.0.0.1:{port}/health", server, root / "server.log", timeout=90)
+    except BaseException:
+        stop_process_group(server)
+        raise
+    return server
+
+
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
     """`mlflow server` with a SQLite backend and a local artifact root, on a free port; stopped afterwards."""
     root = tmp_path_factory.mktemp("mlflow-server")
     port = free_port()
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    log = (root / "server.log").open("w")
-    command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port)]
-    command += ["--workers", "1", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}"]
-    command += ["--artifacts-destination", str(root / "artifacts")]
-    server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    server = start_mlflow_server(root, port)
     try:
-        wait_for_http(f"{url}/health", server, root / "server.log", timeout=90)
-        yield MlflowServer(url, artifacts=root / "artifacts")
+        yield MlflowServer(f"http://127.0.0.1:{port}", artifacts=root / "artifacts")
     finally:
         # The server runs its web workers as children in its own session: stop the whole group we started.
         stop_process_group(server)
-        log.close()
 
 
 class MlflowServer(str):

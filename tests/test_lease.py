@@ -74,18 +74,23 @@ def test_the_holder_renews_its_lease_and_releases_it(tmp_path: Path) -> None:
 
 
 def _race(run_dir: StorageLocation, holders: tuple[str, str]) -> list[str]:
-    """Two drivers released by one barrier onto the same run key; what each of them got."""
+    """Two drivers released by one barrier onto the same run key; what each of them got. One that drives keeps
+    the lease until the other has tried, however slow its storage calls are."""
     outcomes: dict[str, str] = {}
     barrier = threading.Barrier(2)
+    tried = {name: threading.Event() for name in holders}
 
     def drive(name: str) -> None:
+        (other,) = [holder for holder in holders if holder != name]
         barrier.wait()
         try:
             with run_lease(run_dir, KEY, name, 30):
                 outcomes[name] = "drove"
-                time.sleep(0.3)  # still holding it when the other one reads
+                tried[name].set()
+                tried[other].wait(timeout=20)
         except RunLeaseError:
             outcomes[name] = "refused"
+        tried[name].set()
 
     threads = [threading.Thread(target=drive, args=(name,)) for name in holders]
     for thread in threads:

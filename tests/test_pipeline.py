@@ -196,3 +196,25 @@ def test_a_resume_with_changed_settings_is_refused_before_anything_is_written(
     assert after.info.status == before.info.status == "FINISHED"
     assert after.info.end_time == before.info.end_time
     assert after.data.tags == before.data.tags and after.data.params == before.data.params
+
+
+def test_the_best_checkpoint_by_val_loss_is_the_lowest_loss_not_the_highest_accuracy(workdir: Path) -> None:
+    """`promotion_metric=val_loss`: the best checkpoint, the checkpoints Ray Train keeps (the default two best plus
+    the latest) and the registered version all follow val_loss, lower wins. This config (a large step size)
+    overfits so that val_loss and val_accuracy disagree on the best epoch."""
+    config = small_config(workdir / "by-loss", epochs=6, num_workers=1, learning_rate=0.05, promotion_metric="val_loss")
+    result = training_pipeline(config=config)
+    history = result.fit.history
+    by_loss = min(range(len(history)), key=lambda epoch: history[epoch]["val_loss"])
+    by_accuracy = max(range(len(history)), key=lambda epoch: history[epoch]["val_accuracy"])
+    assert by_loss != by_accuracy, f"the metrics agree on epoch {by_loss}: the test needs a config where they do not"
+    assert result.fit.best_epoch == by_loss
+    assert result.fit.best_metrics["val_loss"] == pytest.approx(history[by_loss]["val_loss"])
+    run_dir = workdir / "by-loss" / "storage" / "runs" / result.run_key
+    two_best = sorted(range(len(history)), key=lambda epoch: history[epoch]["val_loss"])[:2]
+    expected = sorted({f"epoch-{epoch:04d}" for epoch in [*two_best, len(history) - 1]})
+    assert sorted(p.name for p in run_dir.glob("epoch-*")) == expected
+    assert Path(result.fit.best_checkpoint_uri) == run_dir / f"epoch-{by_loss:04d}"
+    assert result.model is not None and result.model.metric == "test_loss"
+    version = MlflowClient(config.mlflow_tracking_uri).get_model_version(config.model_name, result.model.version)
+    assert version.tags["best_epoch"] == str(by_loss)

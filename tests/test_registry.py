@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,9 @@ from raytrain_tasks.models import build_model
 from raytrain_tasks.tracking import pin_tag
 from tasks.data import prepare_dataset
 from tasks.fit import FitResult
+from tasks.register import APPLIED_TAG
 from tasks.registry_lock import QUEUE_SUFFIX
-from tests.conftest import REPO_ROOT, MlflowServer, small_config
+from tests.conftest import REPO_ROOT, MlflowServer, free_port, small_config, start_mlflow_server, stop_process_group
 
 LEASE_S = 4.0
 
@@ -256,3 +258,88 @@ def test_the_run_page_says_no_alias_moved_when_the_decision_failed(registry: dic
         )
     assert "register-model failed, no alias moved" in page.data and "PromotionError" in page.data
     assert "pw-on-page-1" not in page.data and "admin:***@" in page.data
+
+
+def test_two_pipelines_registering_at_once_decide_one_after_the_other(registry: dict[str, Any]) -> None:
+    """Two register-model tasks of two runs, started together on one model: each registers its own version, and
+    the second decides against the champion the first left (no lost update: never both against "none")."""
+    config = registry["config"].model_copy(update={"model_name": "duo"})
+    dataset, client, workdir = registry["dataset"], registry["client"], registry["workdir"]
+    fits = [
+        _fit(client, workdir, config, dataset, key, score)
+        for key, score in (("20261123-070000-aaaaaa", 0.6), ("20261123-080000-bbbbbb", 0.9))
+    ]
+    results: dict[str, Any] = {}
+    barrier = threading.Barrier(2)
+
+    def register(fit: FitResult) -> None:
+        barrier.wait()
+        results[fit.run_key] = _register(config, dataset, fit)
+
+    threads = [threading.Thread(target=register, args=(fit,)) for fit in fits]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    refs = [results[fit.run_key] for fit in fits]
+    assert not any(isinstance(ref, BaseException) for ref in refs), refs
+    assert sorted(ref.version for ref in refs) == _versions(client, "duo")  # one version each, nothing more
+    (first,) = [ref for ref in refs if ref.champion_version is None]  # exactly one decided with no champion
+    (second,) = [ref for ref in refs if ref is not first]
+    assert second.champion_version == first.version  # the other saw the first's decision
+    tags = client.get_model_version("duo", second.version).tags
+    assert tags["promotion.champion_version"] == first.version and tags[APPLIED_TAG] == "true"
+    expected = second.version if second.decision == "promote" else first.version
+    assert _champion(client, "duo") == expected
+    assert client.search_model_versions(f"name = 'duo{QUEUE_SUFFIX}'") == []  # both tickets released
+
+
+@pytest.mark.slow
+def test_a_registry_outage_in_the_middle_of_the_decision_moves_nothing_and_a_retry_decides(
+    tmp_path_factory: pytest.TempPathFactory, prefect_api: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`mlflow server` stops after the candidate's version is registered and before the champion is read: the
+    task fails (no alias moves, the version is not marked decided); with the server back, the next attempt of
+    the same run key decides on that same version."""
+    import tasks.register as register
+
+    root = tmp_path_factory.mktemp("outage")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = start_mlflow_server(root, port)
+    try:
+        workdir = root / "work"
+        config = small_config(workdir, mlflow_tracking_uri=url, model_name="outage", experiment_name="outage")
+        dataset = prepare_dataset(config)
+        client = MlflowClient(url)
+        champion = _register(config, dataset, _fit(client, workdir, config, dataset, "20261123-090000-aaaaaa", 0.5))
+        assert champion.decision == "promote"
+
+        assess = register.assess_champion
+        stopped = []
+
+        def outage(*args: Any, **kwargs: Any) -> Any:
+            stop_process_group(server)  # the registry goes away in the middle of the decision
+            stopped.append(True)
+            return assess(*args, **kwargs)
+
+        monkeypatch.setattr(register, "assess_champion", outage)
+        fit = _fit(client, workdir, config, dataset, "20261123-100000-bbbbbb", 0.99)
+        error = _register(config, dataset, fit)
+        assert stopped and isinstance(error, Exception), error  # the task ended Failed
+        assert "outage version 2" in str(error), error
+
+        server = start_mlflow_server(root, port)
+        monkeypatch.setattr(register, "assess_champion", assess)
+        assert _champion(client, "outage") == champion.version  # nothing moved
+        assert _versions(client, "outage") == [champion.version, "2"]
+        assert APPLIED_TAG not in client.get_model_version("outage", "2").tags
+        assert "challenger" not in client.get_registered_model("outage").aliases
+
+        retried = _register(config, dataset, fit)  # waits out the failed attempt's lock ticket, then decides
+        assert (retried.version, retried.decision, retried.champion_version) == ("2", "promote", champion.version)
+        assert _champion(client, "outage") == "2"
+        assert str(client.get_registered_model("outage").aliases["previous_champion"]) == champion.version
+        assert _versions(client, "outage") == [champion.version, "2"]
+    finally:
+        stop_process_group(server)
