@@ -28,6 +28,7 @@ def load_deployment_specs(path: Path = PREFECT_YAML) -> list[dict[str, Any]]:
 
 
 def build_deployments(specs: list[dict[str, Any]]) -> list[Any]:
+    from prefect.events import DeploymentEventTrigger
     from prefect.schedules import Cron
 
     deployments = []
@@ -40,6 +41,7 @@ def build_deployments(specs: list[dict[str, Any]]) -> list[Any]:
                 tags=spec.get("tags"),
                 parameters=spec.get("parameters"),
                 schedules=schedules or None,
+                triggers=[DeploymentEventTrigger(**trigger) for trigger in spec.get("triggers") or []],
             )
         )
     return deployments

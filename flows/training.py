@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict
 from raytrain_tasks.config import TrainingConfig, new_run_key
 from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.redact import install_log_redaction, redacted_errors, strip_credentials
+from tasks.continuation import continuation_of, log_continuation, record_run_key
 from tasks.data import prepare_data
 from tasks.fit import FitResult, distributed_fit
 from tasks.register import ModelRef, register_model
@@ -28,14 +29,24 @@ class PipelineResult(BaseModel):
 
 
 @flow(name="training-pipeline")
-def training_pipeline(config: TrainingConfig = TrainingConfig()) -> PipelineResult:  # noqa: B008
+def training_pipeline(
+    config: TrainingConfig = TrainingConfig(),  # noqa: B008
+    continue_flow_run: str | None = None,
+) -> PipelineResult:
     """Train a model on Ray and register it in MLflow; `resume` continues an interrupted run.
 
     Args:
         config: Everything that defines the run: data, workers, training, storage, MLflow and registry settings.
+        continue_flow_run: Leave empty. Set by the deployment's crash trigger to the id of a Crashed run of this
+            deployment: this run then continues that one from its last checkpoint, with its settings and run key
+            (`config` is not used).
     """
     install_log_redaction("prefect", "prefect.flow_runs", "prefect.task_runs", "ray", "mlflow")
     with redacted_errors():
+        if continue_flow_run:
+            continuation = continuation_of(continue_flow_run)
+            log_continuation(continuation, continue_flow_run)
+            config = continuation.config
         return _pipeline(config)
 
 
@@ -48,6 +59,7 @@ def _pipeline(config: TrainingConfig) -> PipelineResult:
         )
     config = config.resolved(Path.cwd(), os.environ)
     run_key = config.resume or new_run_key()
+    record_run_key(run_key)
     get_run_logger().info("run key %s (after a crash, continue it with resume=%s)", run_key, run_key)
     dataset = prepare_data(config)
     fit = distributed_fit.with_options(retries=config.fit_retries, retry_delay_seconds=config.retry_delay_seconds)(

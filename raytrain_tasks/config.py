@@ -222,6 +222,16 @@ class TrainingConfig(BaseModel):
     retry_delay_seconds: float = Field(
         default=5.0, ge=0, le=3600, title="Retry delay (s)", description="Wait before a distributed-fit retry."
     )
+    max_crash_resumes: int = Field(
+        default=2,
+        ge=0,
+        le=20,
+        title="Max crash continuations",
+        description=(
+            "How often a deployment run whose process died (Crashed) is continued automatically from its last "
+            "checkpoint, per run key; 0 turns it off. A run that crashes more often stays Crashed for a person."
+        ),
+    )
     run_lease_seconds: float = Field(
         default=60.0,
         ge=5,

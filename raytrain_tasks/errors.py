@@ -30,6 +30,10 @@ class RunLeaseError(PipelineError):
     """Another live driver holds the run key's lease: this one trains nothing."""
 
 
+class ContinuationError(PipelineError):
+    """A crashed flow run cannot or must not be continued (not crashed, not ours, or its crash budget is spent)."""
+
+
 class ClusterError(PipelineError):
     """Ray is unreachable or lacks the resources the config asks for."""
 

@@ -30,6 +30,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "promote",
         "min_improvement",
         "fit_retries",
+        "max_crash_resumes",
         "retry_delay_seconds",
         "max_failures",
         "run_lease_seconds",

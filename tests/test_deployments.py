@@ -58,3 +58,17 @@ def test_serve_builds_the_same_deployments() -> None:
     assert schedule.schedule.cron == "0 2 * * *" and schedule.schedule.timezone == "Europe/Berlin"
     assert not deployments["ad-hoc"].schedules
     assert deployments["ad-hoc"].parameters["config"]["epochs"] == 3
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[s["name"] for s in SPECS])
+def test_each_deployment_continues_its_own_crashed_runs(spec: dict[str, Any]) -> None:
+    """The crash trigger reacts to Crashed runs of this deployment only (another deployment's crash must not
+    start this one) and hands the crashed run to the flow's `continue_flow_run`, which the flow accepts."""
+    (trigger,) = spec["triggers"]
+    assert trigger["expect"] == ["prefect.flow-run.Crashed"] and trigger["enabled"]
+    assert trigger["match_related"] == {"prefect.resource.role": "deployment", "prefect.resource.name": spec["name"]}
+    assert trigger["parameters"] == {"continue_flow_run": "{{ event.resource.id }}"}
+    flow = load_flow_from_entrypoint(f"{REPO_ROOT}/{spec['entrypoint']}")
+    assert flow.validate_parameters({"continue_flow_run": "prefect.flow-run.x"})["continue_flow_run"]
+    (deployment,) = build_deployments([spec])
+    assert deployment.triggers[0].model_dump()["match_related"] == trigger["match_related"]  # `make serve` too

@@ -211,6 +211,80 @@ def test_deploy_schedules_nightly_runs_and_a_worker_runs_an_override(prefect_ser
     print(f"ad-hoc run via worker: {latency:.1f} s from trigger to start, state {flow_run.state_name}")
 
 
+def test_a_crashed_deployment_run_continues_by_itself(prefect_server: PrefectServer) -> None:
+    """The flow-run process SIGKILLed after epoch 2 of 6 (as an OOM kill does): the worker marks the run Crashed,
+    the deployment's crash trigger starts a continuation, and it resumes the same run key in the same MLflow run:
+    every epoch logged once, one registered version. Nobody runs `--resume`."""
+    _prefect_cli(prefect_server, "work-pool", "create", "raytrain-process", "--type", "process", "--overwrite")
+    _prefect_cli(prefect_server, "deploy", "--all", "--prefect-file", "deployments/prefect.yaml")
+    ad_hoc = _api(prefect_server, lambda client: client.read_deployment_by_name("training-pipeline/ad-hoc"))
+    # Epochs of a few seconds, so that the kill lands inside the run.
+    config = {
+        "dataset": "synthetic",
+        "synthetic_samples": 60000,
+        "batch_size": 32,
+        "epochs": 6,
+        "num_workers": 2,
+        "experiment_name": "crash-test",
+        "model_name": "crash-model",
+    }
+    tracking = MlflowClient(f"sqlite:///{prefect_server.checkout / '.pipeline' / 'mlflow.db'}")
+
+    worker, worker_log = _start_in_checkout(prefect_server, [PREFECT, "worker", "start", "--pool", "raytrain-process"])
+    try:
+        first = _api(
+            prefect_server, lambda c: c.create_flow_run_from_deployment(ad_hoc.id, parameters={"config": config})
+        )
+        deadline = time.monotonic() + 300
+        while True:
+            flow_run = _api(prefect_server, lambda c: c.read_flow_run(first.id))
+            assert flow_run.state_type.value not in FINAL_STATES, worker_log.read_text()[-5000:]
+            assert time.monotonic() < deadline, "epoch 2 never reached MLflow"
+            experiment = tracking.get_experiment_by_name("crash-test")
+            runs = [] if experiment is None else tracking.search_runs([experiment.experiment_id])
+            if runs and len(tracking.get_metric_history(runs[0].info.run_id, "val_accuracy")) >= 2:
+                break
+            time.sleep(0.3)
+        os.kill(int(str(flow_run.infrastructure_pid).rsplit(":", 1)[-1]), signal.SIGKILL)
+        killed_at = time.time()
+        steps_before_kill = len(tracking.get_metric_history(runs[0].info.run_id, "val_accuracy"))
+
+        crashed = _wait_for_final_state(prefect_server, first.id, timeout=120)
+        assert crashed.state_type.value == "CRASHED", crashed.state
+        deadline = time.monotonic() + 180
+        while not (
+            continuations := [
+                run
+                for run in _deployment_runs(prefect_server, "ad-hoc")
+                if run.parameters.get("continue_flow_run") == f"prefect.flow-run.{first.id}"
+            ]
+        ):
+            assert time.monotonic() < deadline, "no continuation was started within 3 minutes"
+            time.sleep(1)
+        (continuation,) = continuations
+        finished = _wait_for_final_state(prefect_server, continuation.id)
+        assert finished.state_type.value == "COMPLETED", worker_log.read_text()[-8000:]
+    finally:
+        stop_process_group(worker, signal.SIGINT)
+
+    (run_key,) = [tag.removeprefix("run-key:") for tag in crashed.tags if tag.startswith("run-key:")]
+    assert f"run-key:{run_key}" in finished.tags  # the same run key, continued
+    (run,) = tracking.search_runs([experiment.experiment_id])  # one MLflow run for both flow runs
+    assert run.info.run_id == runs[0].info.run_id and run.info.status == "FINISHED"
+    assert run.data.tags["prefect_raytrain.run_key"] == run_key
+    history = tracking.get_metric_history(run.info.run_id, "val_accuracy")
+    assert sorted(m.step for m in history) == list(range(6))  # each epoch exactly once
+    versions = tracking.search_model_versions("name = 'crash-model'")
+    assert [v.tags.get("run_key") for v in versions] == [run_key]
+    resumed = min(m.timestamp for m in history if m.step >= steps_before_kill) / 1000
+    print(
+        f"\ncrash continuation: kill -> Crashed {crashed.state.timestamp.timestamp() - killed_at:.1f} s, "
+        f"-> continuation created {continuation.created.timestamp() - killed_at:.1f} s, "
+        f"-> started {finished.start_time.timestamp() - killed_at:.1f} s, "
+        f"-> first resumed epoch logged {resumed - killed_at:.1f} s ({steps_before_kill} epochs were logged)"
+    )
+
+
 @pytest.fixture(scope="module")
 def chromium() -> str:
     """Debian's chromium: installed here when missing (as CI does, as root); no browser download."""

@@ -1,0 +1,117 @@
+"""Crashed deployment runs continue by themselves, a bounded number of times, with the same run key.
+
+Prefect 3 does not retry a Crashed flow run (flow retries cover Failed only), and an ``on_crashed`` hook does not
+run when the flow-run process is SIGKILLed or OOM-killed: nothing in that process runs any more. What does happen
+is that the process worker (or ``serve``) sees the process exit and sets the run Crashed, and the server emits a
+``prefect.flow-run.Crashed`` event. Each deployment in ``deployments/prefect.yaml`` has a trigger on that event,
+for runs of that deployment, which runs the deployment again with ``continue_flow_run`` naming the crashed run.
+
+The continuation takes everything from the chain of runs it continues, all of it stored by Prefect (durable,
+nothing in memory): the settings from the chain's first run (a continuation's own ``config`` parameter is only
+the deployment's default), and the run key from the tag every run puts on itself at start. It then runs as
+``resume=<run key>``: the last checkpoint, the same MLflow run, at most one registered version. The run lease
+keeps it from training beside a driver that still lives. The chain's length is the crash count: beyond
+``max_crash_resumes`` the continuation refuses, and says so in its Failed state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from uuid import UUID
+
+from prefect import get_run_logger
+
+from raytrain_tasks.config import TrainingConfig
+from raytrain_tasks.errors import ContinuationError
+
+RUN_KEY_TAG_PREFIX = "run-key:"
+FLOW_RUN_RESOURCE_PREFIX = "prefect.flow-run."
+CHAIN_LIMIT = 50  # far beyond any max_crash_resumes: a loop in the chain cannot keep us walking
+
+
+@dataclass(frozen=True)
+class Continuation:
+    config: TrainingConfig  # the chain's settings, with resume set to its run key when it had one
+    run_key: str | None  # None: the crash came before a run key was recorded; the continuation starts afresh
+    crashes: int  # crashed runs in the chain, this one included
+
+
+def record_run_key(run_key: str) -> None:
+    """Tag the current flow run with its run key, so that a continuation (or a person) finds it in Prefect."""
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+
+    flow_run_id = flow_run.get_id()
+    if not flow_run_id:
+        return
+    with get_client(sync_client=True) as client:
+        tags = list(client.read_flow_run(UUID(str(flow_run_id))).tags or [])
+        client.update_flow_run(UUID(str(flow_run_id)), tags=[*tags, f"{RUN_KEY_TAG_PREFIX}{run_key}"])
+
+
+def continuation_of(crashed: str) -> Continuation:
+    """What continuing the crashed flow run ``crashed`` (an id, or the ``prefect.flow-run.<id>`` resource id of
+    its Crashed event) means; ContinuationError when it must not be continued."""
+    from prefect.client.orchestration import get_client
+
+    try:
+        first_id = UUID(crashed.removeprefix(FLOW_RUN_RESOURCE_PREFIX))
+    except ValueError as exc:
+        raise ContinuationError(f"continue_flow_run={crashed!r} is not a flow run id") from exc
+    with get_client(sync_client=True) as client:
+        chain = _chain(client, first_id)
+    latest, root = chain[0], chain[-1]
+    if latest.state_type is None or latest.state_type.value != "CRASHED":
+        raise ContinuationError(
+            f"flow run {latest.id} ({latest.name}) is {latest.state_name}, not Crashed: there is nothing to continue"
+        )
+    try:
+        config = TrainingConfig.model_validate(root.parameters["config"])
+    except (KeyError, ValueError) as exc:
+        raise ContinuationError(
+            f"flow run {root.id} ({root.name}) has no valid `config` parameter to continue with: {exc}"
+        ) from exc
+    keys = {
+        tag.removeprefix(RUN_KEY_TAG_PREFIX) for run in chain for tag in run.tags if tag.startswith(RUN_KEY_TAG_PREFIX)
+    }
+    if len(keys) > 1:
+        raise ContinuationError(f"the crashed runs {[str(run.id) for run in chain]} carry several run keys {keys}")
+    run_key = keys.pop() if keys else None
+    crashes = sum(1 for run in chain if run.state_type is not None and run.state_type.value == "CRASHED")
+    if crashes > config.max_crash_resumes:
+        raise ContinuationError(
+            f"run {run_key or '(no run key yet)'} crashed {crashes} times (flow runs "
+            f"{', '.join(run.name for run in reversed(chain))}); max_crash_resumes={config.max_crash_resumes}, so it "
+            "is not continued again. Find the cause in those runs' logs (an OOM kill, a lost node), then "
+            + (f"continue it by hand with resume={run_key}" if run_key else "start it again")
+        )
+    if run_key is not None:
+        config = config.model_copy(update={"resume": run_key})
+    return Continuation(config=config, run_key=run_key, crashes=crashes)
+
+
+def _chain(client: Any, first_id: UUID) -> list[Any]:
+    """The crashed run, the run it continued, and so on back to the first: newest first."""
+    chain = [client.read_flow_run(first_id)]
+    while (previous := chain[-1].parameters.get("continue_flow_run")) and len(chain) < CHAIN_LIMIT:
+        try:
+            previous_id = UUID(str(previous).removeprefix(FLOW_RUN_RESOURCE_PREFIX))
+        except ValueError as exc:
+            raise ContinuationError(f"flow run {chain[-1].id} continues {previous!r}, not a flow run id") from exc
+        if previous_id in {run.id for run in chain}:
+            break
+        chain.append(client.read_flow_run(previous_id))
+    return chain
+
+
+def log_continuation(continuation: Continuation, crashed: str) -> None:
+    get_run_logger().warning(
+        "continuing crashed flow run %s (crash %d of at most %d): %s",
+        crashed.removeprefix(FLOW_RUN_RESOURCE_PREFIX),
+        continuation.crashes,
+        continuation.config.max_crash_resumes,
+        f"resuming run {continuation.run_key} from its last checkpoint"
+        if continuation.run_key
+        else "it crashed before it had a run key, so this run starts it afresh",
+    )

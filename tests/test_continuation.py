@@ -1,0 +1,75 @@
+"""Continuing a crashed flow run: what the continuation takes from the chain of runs, and where it stops.
+
+Flow runs are created in the test Prefect API with the states and tags the deployment's runs leave behind; the
+end-to-end kill and continuation against `prefect server` and a process worker is in test_prefect_server.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.states import Completed, Crashed
+
+from raytrain_tasks.errors import ContinuationError
+from tasks.continuation import continuation_of
+from tests.conftest import small_config
+
+pytestmark = pytest.mark.usefixtures("prefect_api")
+
+KEY = "20261123-110000-abcdef"
+
+
+@flow(name="training-pipeline-stand-in")
+def stand_in() -> None:
+    """Only its flow record is used: the runs below are created with their final states."""
+
+
+def _run(parameters: dict[str, Any], tags: list[str], state: Any = None) -> str:
+    with get_client(sync_client=True) as client:
+        created = client.create_flow_run(stand_in, parameters=parameters, tags=tags, state=state or Crashed())
+    return f"prefect.flow-run.{created.id}"  # as the trigger passes it: the Crashed event's resource id
+
+
+def test_a_crash_is_continued_with_the_first_runs_settings_and_its_run_key(tmp_path: Path) -> None:
+    config = small_config(tmp_path, epochs=7, max_crash_resumes=2)
+    crashed = _run({"config": config.model_dump(mode="json")}, ["training", f"run-key:{KEY}"])
+    continuation = continuation_of(crashed)
+    assert (continuation.run_key, continuation.crashes) == (KEY, 1)
+    assert continuation.config.resume == KEY and continuation.config.epochs == 7
+
+    # The continuation crashes too: its own `config` is the deployment's default, the chain's first run decides.
+    again = _run({"config": {}, "continue_flow_run": crashed}, [f"run-key:{KEY}"])
+    continuation = continuation_of(again)
+    assert (continuation.run_key, continuation.crashes, continuation.config.epochs) == (KEY, 2, 7)
+
+
+def test_a_crash_loop_stops_at_max_crash_resumes_and_says_how_to_go_on(tmp_path: Path) -> None:
+    config = small_config(tmp_path, max_crash_resumes=1)
+    crashed = _run({"config": config.model_dump(mode="json")}, [f"run-key:{KEY}"])
+    assert continuation_of(crashed).crashes == 1
+    again = _run({"config": {}, "continue_flow_run": crashed}, [f"run-key:{KEY}"])
+    with pytest.raises(ContinuationError, match=rf"crashed 2 times .*max_crash_resumes=1.*resume={KEY}"):
+        continuation_of(again)
+
+    off = small_config(tmp_path, max_crash_resumes=0)
+    with pytest.raises(ContinuationError, match="max_crash_resumes=0"):
+        continuation_of(_run({"config": off.model_dump(mode="json")}, [f"run-key:{KEY}"]))
+
+
+def test_only_a_crashed_run_is_continued(tmp_path: Path) -> None:
+    config = small_config(tmp_path).model_dump(mode="json")
+    finished = _run({"config": config}, [f"run-key:{KEY}"], state=Completed())
+    with pytest.raises(ContinuationError, match="is Completed, not Crashed"):
+        continuation_of(finished)
+    with pytest.raises(ContinuationError, match="not a flow run id"):
+        continuation_of("prefect.flow-run.not-a-uuid")
+
+
+def test_a_run_that_crashed_before_it_had_a_run_key_starts_afresh(tmp_path: Path) -> None:
+    config = small_config(tmp_path).model_dump(mode="json")
+    continuation = continuation_of(_run({"config": config}, ["training"]))
+    assert continuation.run_key is None and continuation.config.resume == ""
