@@ -11,6 +11,7 @@ server holds one or the other, and `--replace` deletes work-pool ones before ser
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import yaml
 
 from flows.training import training_pipeline
+from tasks.continuation import ensure_zombie_automation
 
 PREFECT_YAML = Path(__file__).with_name("prefect.yaml")
 
@@ -94,6 +96,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from prefect import serve
 
+    # Served runs are child processes of this one: they get the environment the work pool gives its runs
+    # (the heartbeat frequency that the zombie-run watch relies on).
+    for spec in specs:
+        os.environ.update(((spec.get("work_pool") or {}).get("job_variables") or {}).get("env") or {})
+    ensure_zombie_automation(training_pipeline.name)
     serve(*build_deployments(specs))
     return 0
 

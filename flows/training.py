@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict
 from raytrain_tasks.config import TrainingConfig, new_run_key
 from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.redact import install_log_redaction, redacted_errors, strip_credentials
-from tasks.continuation import continuation_of, log_continuation, record_run_key
+from tasks.continuation import continuation_of, log_continuation, prepare_recovery
 from tasks.data import prepare_data
 from tasks.fit import FitResult, distributed_fit
 from tasks.register import ModelRef, register_model
@@ -59,7 +59,7 @@ def _pipeline(config: TrainingConfig) -> PipelineResult:
         )
     config = config.resolved(Path.cwd(), os.environ)
     run_key = config.resume or new_run_key()
-    record_run_key(run_key)
+    prepare_recovery(run_key)
     get_run_logger().info("run key %s (after a crash, continue it with resume=%s)", run_key, run_key)
     dataset = prepare_data(config)
     fit = distributed_fit.with_options(retries=config.fit_retries, retry_delay_seconds=config.retry_delay_seconds)(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import threading
 from collections.abc import Iterator
@@ -103,18 +104,8 @@ def ray_session(config: TrainingConfig) -> Iterator[None]:
     if config.ray_address:
         check_reachable(config.ray_address)
     try:
-        if config.ray_address:
-            init_within(
-                config.ray_connect_timeout_s,
-                address=config.ray_address,
-                runtime_env=cluster_runtime_env(config),
-                logging_level=logging.WARNING,
-            )
-        else:
-            # address="local" always starts a fresh cluster, never joins one left by `ray start`. The
-            # dashboard stays on: Ray Train's placement-group cleaner polls the State API it serves, and
-            # warns every second without it.
-            ray.init(address="local", runtime_env={"env_vars": worker_env()}, logging_level=logging.WARNING)
+        with _sigterm_stays_with_the_orchestrator():
+            _init(config)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         where = f"at {config.ray_address!r}" if config.ray_address else "locally"
         if "AuthToken" in repr(exc.__cause__) or "AuthenticationError" in type(exc.__cause__).__name__:
@@ -133,6 +124,43 @@ def ray_session(config: TrainingConfig) -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+
+
+def _init(config: TrainingConfig) -> None:
+    import ray
+
+    if config.ray_address:
+        init_within(
+            config.ray_connect_timeout_s,
+            address=config.ray_address,
+            runtime_env=cluster_runtime_env(config),
+            logging_level=logging.WARNING,
+        )
+    else:
+        # address="local" always starts a fresh cluster, never joins one left by `ray start`. The
+        # dashboard stays on: Ray Train's placement-group cleaner polls the State API it serves, and
+        # warns every second without it.
+        ray.init(address="local", runtime_env={"env_vars": worker_env()}, logging_level=logging.WARNING)
+
+
+@contextmanager
+def _sigterm_stays_with_the_orchestrator() -> Iterator[None]:
+    """Put this process's SIGTERM handler back after ``ray.init()``.
+
+    A Prefect cancellation reaches the flow-run process as a SIGTERM, which Prefect's handler turns into a
+    TerminationSignal (the run ends Cancelled, the fit marks its MLflow run KILLED). ``ray.init()`` replaces that
+    handler with one calling ``sys.exit``, and its C++ core installs abseil's failure-signal handler, which aborts
+    the process 3 s after a SIGTERM (ray#64830): the run ended with exit code -6 and its MLflow run stayed
+    RUNNING. Installing the previous handler again (from the main thread, where Python handlers live) replaces
+    both; Ray still stops with the process (``ray_session`` shuts a local Ray down, atexit otherwise).
+    """
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def init_within(timeout_s: float, **init_args: Any) -> None:

@@ -37,10 +37,12 @@ class Continuation:
     crashes: int  # crashed runs in the chain, this one included
 
 
-def record_run_key(run_key: str) -> None:
-    """Tag the current flow run with its run key, so that a continuation (or a person) finds it in Prefect."""
+def prepare_recovery(run_key: str) -> None:
+    """At the start of a run: tag it with its run key, so that a continuation (or a person) finds it in Prefect;
+    for a run watched for missing heartbeats, check that it sends them that often and that the watch exists."""
     from prefect.client.orchestration import get_client
     from prefect.runtime import flow_run
+    from prefect.settings import get_current_settings
 
     flow_run_id = flow_run.get_id()
     if not flow_run_id:
@@ -48,6 +50,17 @@ def record_run_key(run_key: str) -> None:
     with get_client(sync_client=True) as client:
         tags = list(client.read_flow_run(UUID(str(flow_run_id))).tags or [])
         client.update_flow_run(UUID(str(flow_run_id)), tags=[*tags, f"{RUN_KEY_TAG_PREFIX}{run_key}"])
+    if HEARTBEAT_TAG not in tags:
+        return
+    every = get_current_settings().flows.heartbeat_frequency
+    if every is None or every > HEARTBEAT_SECONDS:
+        # Fail closed: the zombie automation would set this live run Crashed after SILENCE_SECONDS of quiet.
+        raise ContinuationError(
+            f"this run is tagged {HEARTBEAT_TAG!r} (watched for {SILENCE_SECONDS} s without a heartbeat) but sends "
+            f"heartbeats every {every} s; set PREFECT_FLOWS_HEARTBEAT_FREQUENCY={HEARTBEAT_SECONDS} in the "
+            "deployment's job variables (deployments/prefect.yaml does), or remove the tag"
+        )
+    ensure_zombie_automation(str(flow_run.get_flow_name()))
 
 
 def continuation_of(crashed: str) -> Continuation:
@@ -115,3 +128,82 @@ def log_continuation(continuation: Continuation, crashed: str) -> None:
         if continuation.run_key
         else "it crashed before it had a run key, so this run starts it afresh",
     )
+
+
+# --- zombie runs: a run whose process vanished without anyone setting it Crashed --------------------------------
+
+HEARTBEAT_TAG = "heartbeats-30s"  # on runs whose process sends a heartbeat event every 30 s (the deployments')
+HEARTBEAT_SECONDS = 30  # PREFECT_FLOWS_HEARTBEAT_FREQUENCY of those runs; Prefect's minimum
+SILENCE_SECONDS = 4 * HEARTBEAT_SECONDS  # four missed beats: the process is gone, not slow
+ZOMBIE_AUTOMATION = "prefect-raytrain: a training run that stopped sending heartbeats is Crashed"
+
+
+def zombie_automation(flow_name: str) -> Any:
+    """Prefect's documented zombie-run automation, narrowed to runs of ``flow_name`` tagged ``HEARTBEAT_TAG``.
+
+    When the worker dies with the flow-run process (a lost machine), nobody sets the run Crashed and it would stay
+    Running forever. Every tagged run sends heartbeats; one that is silent for ``SILENCE_SECONDS`` without reaching
+    a final state is set Crashed, and the deployment's crash trigger then continues it. Only runs tagged as sending
+    heartbeats that often are watched: a run with Prefect's default of one per 180 s would be crashed while alive.
+    """
+    from datetime import timedelta
+
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
+
+    return AutomationCore(
+        name=ZOMBIE_AUTOMATION,
+        description=(
+            f"Runs of {flow_name} tagged {HEARTBEAT_TAG} send a heartbeat every {HEARTBEAT_SECONDS} s. One silent "
+            f"for {SILENCE_SECONDS} s without finishing lost its process (and its worker): it is set Crashed, so "
+            "that its deployment's crash trigger continues it from its last checkpoint."
+        ),
+        trigger=EventTrigger(
+            match={"prefect.resource.id": "prefect.flow-run.*"},
+            match_related=[
+                {"prefect.resource.role": "flow", "prefect.resource.name": flow_name},
+                {"prefect.resource.role": "tag", "prefect.resource.id": f"prefect.tag.{HEARTBEAT_TAG}"},
+            ],
+            after={"prefect.flow-run.heartbeat"},
+            expect={
+                "prefect.flow-run.heartbeat",
+                "prefect.flow-run.Completed",
+                "prefect.flow-run.Failed",
+                "prefect.flow-run.Cancelled",
+                "prefect.flow-run.Crashed",
+            },
+            for_each={"prefect.resource.id"},
+            posture=Posture.Proactive,
+            threshold=1,
+            within=timedelta(seconds=SILENCE_SECONDS),
+        ),
+        actions=[
+            ChangeFlowRunState(
+                state=StateType.CRASHED,
+                name="Crashed",
+                message=(
+                    f"no heartbeat for {SILENCE_SECONDS} s: the process running this flow and its worker are gone "
+                    "(a lost machine or a killed container)"
+                ),
+            )
+        ],
+    )
+
+
+def ensure_zombie_automation(flow_name: str) -> None:
+    """Create the zombie automation on the current Prefect server unless it is there; one copy, however many
+    processes ensure it at the same time (each keeps the one with the lowest id and deletes the rest)."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    with get_client(sync_client=True) as client:
+        if not client.read_automations_by_name(ZOMBIE_AUTOMATION):
+            client.create_automation(zombie_automation(flow_name))
+        found = sorted(client.read_automations_by_name(ZOMBIE_AUTOMATION), key=lambda automation: str(automation.id))
+        for duplicate in found[1:]:
+            try:
+                client.delete_automation(duplicate.id)
+            except PrefectHTTPStatusError as exc:
+                if exc.response.status_code != 404:  # 404: another process deleted it first
+                    raise

@@ -7,18 +7,18 @@ in the same MLflow run.
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import json
-import signal
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import ray
 import ray.train
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
+from prefect.exceptions import TerminationSignal
 from pydantic import BaseModel, ConfigDict
 from ray.train.v2.api.callback import RayTrainCallback
 
@@ -167,9 +167,8 @@ def _distributed_fit(
             with (
                 tracking.system_metrics(config.system_metrics, config.mlflow_tracking_uri, run_id, reopened),
                 EpochProgress(client, run_id, config.epochs, logger),
-                _keep_sigint_handler(),
             ):
-                result = trainer.fit()
+                result = fit_interruptibly(trainer)
 
         reported = [(_name(checkpoint), metrics) for checkpoint, metrics in result.best_checkpoints or []]
         tracking.pin_checkpoints(client, run_id, [(n, m) for n, m in reported if n not in preexisting])
@@ -191,6 +190,16 @@ def _distributed_fit(
         client.set_tag(run_id, tracking.FIT_RECORD_TAG, hashlib.sha256(record.encode()).hexdigest())
     except BaseException as exc:
         if run_id is None:
+            raise
+        if isinstance(exc, TerminationSignal | KeyboardInterrupt):  # a Prefect cancellation (SIGTERM), Ctrl-C
+            how = f"signal {exc.signal}" if isinstance(exc, TerminationSignal) else "Ctrl-C"
+            tracking.stop_run(
+                client,
+                run_id,
+                f"stopped by {how} at {datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC (a cancellation from Prefect, an "
+                f"interrupt, or the machine shutting down); its checkpoints are kept: continue it with "
+                f"resume={run_key}",
+            )
             raise
         error = training_error(exc, run_key, config)
         tracking.fail_run(client, run_id, error)
@@ -258,21 +267,33 @@ def _finished_fit(run_dir: StorageLocation, client: Any, experiment_id: str, run
     return FitResult.model_validate_json(text)
 
 
-@contextmanager
-def _keep_sigint_handler() -> Iterator[None]:
-    """Restore this process's Ctrl-C handler after ``fit()``.
+def fit_interruptibly(trainer: TorchTrainer) -> ray.train.Result:
+    """``trainer.fit()``, with this thread free to take a SIGTERM (a Prefect cancellation) or Ctrl-C at once.
 
-    On the main thread, Ray Train installs a SIGINT handler whose closure holds the run's controller actor,
-    so the controller process (~0.5 GiB) would live until the next fit replaces the handler.
+    ``fit()`` waits on the controller inside one ``ray.get``, and a thread blocked there runs Python's signal
+    handlers only when the call returns. Seen: a SIGTERM after epoch 2 of 6 surfaced after epoch 6, as a
+    ``SystemError`` that Prefect took for a failure and retried. So ``fit()`` runs in a helper thread (with this
+    thread's context: Prefect's run context, for logging) and this one waits in short steps. An exception raised
+    here (TerminationSignal, KeyboardInterrupt) leaves the helper behind: ending the process (or ``ray_session``
+    shutting the local Ray down) ends the controller and its workers. Off the main thread, Ray Train installs
+    no SIGINT handler of its own either (one that kept the controller alive after the fit).
     """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.getsignal(signal.SIGINT)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as exc:  # noqa: BLE001 - handed over to the waiting thread as it is, whatever it is
+            outcome["error"] = exc
+
+    context = contextvars.copy_context()
+    helper = threading.Thread(target=context.run, args=(run,), name="ray-train-fit", daemon=True)
+    helper.start()
+    while helper.is_alive():
+        helper.join(timeout=0.2)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
 
 
 def build_trainer(

@@ -278,6 +278,18 @@ def fail_run(client: MlflowClient, run_id: str, error: BaseException) -> None:
         logger.warning("could not mark MLflow run %s FAILED (%s); the next run of the experiment marks it", run_id, exc)
 
 
+def stop_run(client: MlflowClient, run_id: str, reason: str) -> None:
+    """Mark the run KILLED with ``reason`` in KILLED_TAG: it was stopped from outside (a cancellation), it did
+    not fail; its checkpoints stay for a resume. An unreachable MLflow is logged, not raised."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.set_tag(run_id, KILLED_TAG, redact(reason)[:4000])
+        client.set_terminated(run_id, status="KILLED")
+    except (MlflowException, OSError) as exc:
+        logger.warning("could not mark MLflow run %s KILLED (%s); the next run of the experiment marks it", run_id, exc)
+
+
 @contextmanager
 def using_tracking_uri(uri: str) -> Iterator[None]:
     """MLflow's fluent API pointed at `uri` for the block; the previous URI and environment come back after."""

@@ -6,16 +6,27 @@ end-to-end kill and continuation against `prefect server` and a process worker i
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
-from prefect import flow
+from prefect import flow, tags
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.objects import StateType
+from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 from prefect.states import Completed, Crashed
 
 from raytrain_tasks.errors import ContinuationError
-from tasks.continuation import continuation_of
+from tasks.continuation import (
+    HEARTBEAT_SECONDS,
+    HEARTBEAT_TAG,
+    SILENCE_SECONDS,
+    ZOMBIE_AUTOMATION,
+    continuation_of,
+    ensure_zombie_automation,
+    prepare_recovery,
+)
 from tests.conftest import small_config
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
@@ -73,3 +84,51 @@ def test_a_run_that_crashed_before_it_had_a_run_key_starts_afresh(tmp_path: Path
     config = small_config(tmp_path).model_dump(mode="json")
     continuation = continuation_of(_run({"config": config}, ["training"]))
     assert continuation.run_key is None and continuation.config.resume == ""
+
+
+def _watches() -> list[Any]:
+    with get_client(sync_client=True) as client:
+        return list(client.read_automations_by_name(ZOMBIE_AUTOMATION))
+
+
+def test_the_zombie_watch_exists_once_however_many_runs_ensure_it() -> None:
+    errors: list[BaseException] = []
+
+    def ensure() -> None:
+        try:
+            ensure_zombie_automation("training-pipeline")
+        except BaseException as exc:  # noqa: BLE001 - collected and asserted on below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ensure) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors  # two processes deleting the same duplicate is not an error
+    ensure_zombie_automation("training-pipeline")
+    (watch,) = _watches()
+    trigger = watch.trigger.model_dump(mode="json")
+    assert trigger["posture"] == "Proactive" and trigger["within"] == SILENCE_SECONDS
+    assert {"prefect.resource.role": "tag", "prefect.resource.id": f"prefect.tag.{HEARTBEAT_TAG}"} in trigger[
+        "match_related"
+    ]
+    assert watch.actions[0].model_dump()["state"] == StateType.CRASHED
+
+
+@flow(name="heartbeat-check")
+def starting_run() -> None:
+    prepare_recovery(KEY)
+
+
+def test_a_watched_run_that_beats_too_rarely_is_refused_before_it_trains() -> None:
+    """Fail closed: a run under the 120 s watch that sends heartbeats every 180 s (Prefect's default) would be set
+    Crashed while it trains. It fails at start naming the setting; with 30 s it starts, tagged with its run key."""
+    with tags(HEARTBEAT_TAG), pytest.raises(ContinuationError, match="PREFECT_FLOWS_HEARTBEAT_FREQUENCY=30"):
+        starting_run()
+    with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: HEARTBEAT_SECONDS}), tags(HEARTBEAT_TAG):
+        state = starting_run(return_state=True)
+    assert state.is_completed()
+    with get_client(sync_client=True) as client:
+        started = client.read_flow_run(state.state_details.flow_run_id)
+    assert f"run-key:{KEY}" in started.tags

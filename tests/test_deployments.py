@@ -72,3 +72,13 @@ def test_each_deployment_continues_its_own_crashed_runs(spec: dict[str, Any]) ->
     assert flow.validate_parameters({"continue_flow_run": "prefect.flow-run.x"})["continue_flow_run"]
     (deployment,) = build_deployments([spec])
     assert deployment.triggers[0].model_dump()["match_related"] == trigger["match_related"]  # `make serve` too
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[s["name"] for s in SPECS])
+def test_runs_under_the_zombie_watch_send_heartbeats_often_enough(spec: dict[str, Any]) -> None:
+    """The tag puts a deployment's runs under the 120 s no-heartbeat watch; its runs must then beat every 30 s."""
+    from tasks.continuation import HEARTBEAT_SECONDS, HEARTBEAT_TAG, SILENCE_SECONDS
+
+    assert HEARTBEAT_TAG in spec["tags"]
+    env = spec["work_pool"]["job_variables"]["env"]
+    assert int(env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"]) == HEARTBEAT_SECONDS <= SILENCE_SECONDS / 3

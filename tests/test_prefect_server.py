@@ -211,78 +211,181 @@ def test_deploy_schedules_nightly_runs_and_a_worker_runs_an_override(prefect_ser
     print(f"ad-hoc run via worker: {latency:.1f} s from trigger to start, state {flow_run.state_name}")
 
 
-def test_a_crashed_deployment_run_continues_by_itself(prefect_server: PrefectServer) -> None:
-    """The flow-run process SIGKILLed after epoch 2 of 6 (as an OOM kill does): the worker marks the run Crashed,
-    the deployment's crash trigger starts a continuation, and it resumes the same run key in the same MLflow run:
-    every epoch logged once, one registered version. Nobody runs `--resume`."""
-    _prefect_cli(prefect_server, "work-pool", "create", "raytrain-process", "--type", "process", "--overwrite")
-    _prefect_cli(prefect_server, "deploy", "--all", "--prefect-file", "deployments/prefect.yaml")
-    ad_hoc = _api(prefect_server, lambda client: client.read_deployment_by_name("training-pipeline/ad-hoc"))
-    # Epochs of a few seconds, so that the kill lands inside the run.
+EPOCHS = 6
+
+
+def _deploy_to_the_pool(server: PrefectServer) -> Any:
+    _prefect_cli(server, "work-pool", "create", "raytrain-process", "--type", "process", "--overwrite")
+    _prefect_cli(server, "deploy", "--all", "--prefect-file", "deployments/prefect.yaml")
+    return _api(server, lambda client: client.read_deployment_by_name("training-pipeline/ad-hoc"))
+
+
+def _start_until_epoch_2(server: PrefectServer, deployment: Any, name: str, worker_log: Path) -> tuple[Any, str]:
+    """A run of `deployment` with epochs of a few seconds (so that a kill lands inside it), once epoch 2 is in
+    MLflow: (the flow run, its MLflow run id)."""
     config = {
         "dataset": "synthetic",
         "synthetic_samples": 60000,
         "batch_size": 32,
-        "epochs": 6,
+        "epochs": EPOCHS,
         "num_workers": 2,
-        "experiment_name": "crash-test",
-        "model_name": "crash-model",
+        "experiment_name": name,
+        "model_name": name,
     }
-    tracking = MlflowClient(f"sqlite:///{prefect_server.checkout / '.pipeline' / 'mlflow.db'}")
+    parameters = {"config": config}
+    created = _api(server, lambda c: c.create_flow_run_from_deployment(deployment.id, parameters=parameters))
+    tracking = _tracking(server)
+    deadline = time.monotonic() + 300
+    while True:
+        flow_run = _api(server, lambda c: c.read_flow_run(created.id))
+        assert flow_run.state_type.value not in FINAL_STATES, worker_log.read_text()[-5000:]
+        assert time.monotonic() < deadline, "epoch 2 never reached MLflow"
+        experiment = tracking.get_experiment_by_name(name)
+        runs = [] if experiment is None else tracking.search_runs([experiment.experiment_id])
+        if runs and len(tracking.get_metric_history(runs[0].info.run_id, "val_accuracy")) >= 2:
+            return flow_run, str(runs[0].info.run_id)
+        time.sleep(0.3)
 
+
+def _tracking(server: PrefectServer) -> MlflowClient:
+    return MlflowClient(f"sqlite:///{server.checkout / '.pipeline' / 'mlflow.db'}")
+
+
+def _continuation_of(server: PrefectServer, crashed: Any, timeout: float = 180) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (
+        continuations := [
+            run
+            for run in _deployment_runs(server, "ad-hoc")
+            if run.parameters.get("continue_flow_run") == f"prefect.flow-run.{crashed.id}"
+        ]
+    ):
+        assert time.monotonic() < deadline, f"no continuation of {crashed.name} within {timeout:.0f} s"
+        time.sleep(1)
+    (continuation,) = continuations  # exactly one
+    return continuation
+
+
+def _assert_continued_to_the_end(
+    server: PrefectServer, crashed: Any, finished: Any, mlflow_run_id: str, name: str, killed_at: float
+) -> None:
+    """The continuation finished the crashed run: same run key, same MLflow run, every epoch logged once, one
+    registered version. Prints the recovery times."""
+    tracking = _tracking(server)
+    (run_key,) = [tag.removeprefix("run-key:") for tag in crashed.tags if tag.startswith("run-key:")]
+    assert f"run-key:{run_key}" in finished.tags
+    experiment = tracking.get_experiment_by_name(name)
+    (run,) = tracking.search_runs([experiment.experiment_id])  # one MLflow run for both flow runs
+    assert run.info.run_id == mlflow_run_id and run.info.status == "FINISHED"
+    assert run.data.tags["prefect_raytrain.run_key"] == run_key
+    history = tracking.get_metric_history(run.info.run_id, "val_accuracy")
+    assert sorted(m.step for m in history) == list(range(EPOCHS))  # each epoch exactly once
+    versions = tracking.search_model_versions(f"name = '{name}'")
+    assert [v.tags.get("run_key") for v in versions] == [run_key]
+    started = finished.start_time.timestamp()
+    before = [m for m in history if m.timestamp / 1000 < started]  # by the killed run (its Ray can outlive it)
+    resumed = min(m.timestamp for m in history if m.timestamp / 1000 >= started) / 1000
+    print(
+        f"\n{name}: kill -> Crashed {crashed.state.timestamp.timestamp() - killed_at:.1f} s, "
+        f"-> continuation started {started - killed_at:.1f} s, "
+        f"-> first resumed epoch logged {resumed - killed_at:.1f} s ({len(before)} epochs logged before it started)"
+    )
+
+
+def test_a_crashed_deployment_run_continues_by_itself(prefect_server: PrefectServer) -> None:
+    """The flow-run process SIGKILLed after epoch 2 of 6 (as an OOM kill does): the worker marks the run Crashed,
+    the deployment's crash trigger starts a continuation, and it resumes the same run key in the same MLflow run:
+    every epoch logged once, one registered version. Nobody runs `--resume`."""
+    ad_hoc = _deploy_to_the_pool(prefect_server)
     worker, worker_log = _start_in_checkout(prefect_server, [PREFECT, "worker", "start", "--pool", "raytrain-process"])
     try:
-        first = _api(
-            prefect_server, lambda c: c.create_flow_run_from_deployment(ad_hoc.id, parameters={"config": config})
-        )
-        deadline = time.monotonic() + 300
-        while True:
-            flow_run = _api(prefect_server, lambda c: c.read_flow_run(first.id))
-            assert flow_run.state_type.value not in FINAL_STATES, worker_log.read_text()[-5000:]
-            assert time.monotonic() < deadline, "epoch 2 never reached MLflow"
-            experiment = tracking.get_experiment_by_name("crash-test")
-            runs = [] if experiment is None else tracking.search_runs([experiment.experiment_id])
-            if runs and len(tracking.get_metric_history(runs[0].info.run_id, "val_accuracy")) >= 2:
-                break
-            time.sleep(0.3)
+        flow_run, mlflow_run_id = _start_until_epoch_2(prefect_server, ad_hoc, "crash-test", worker_log)
         os.kill(int(str(flow_run.infrastructure_pid).rsplit(":", 1)[-1]), signal.SIGKILL)
         killed_at = time.time()
-        steps_before_kill = len(tracking.get_metric_history(runs[0].info.run_id, "val_accuracy"))
-
-        crashed = _wait_for_final_state(prefect_server, first.id, timeout=120)
+        crashed = _wait_for_final_state(prefect_server, flow_run.id, timeout=120)
         assert crashed.state_type.value == "CRASHED", crashed.state
-        deadline = time.monotonic() + 180
-        while not (
-            continuations := [
-                run
-                for run in _deployment_runs(prefect_server, "ad-hoc")
-                if run.parameters.get("continue_flow_run") == f"prefect.flow-run.{first.id}"
-            ]
-        ):
-            assert time.monotonic() < deadline, "no continuation was started within 3 minutes"
-            time.sleep(1)
-        (continuation,) = continuations
-        finished = _wait_for_final_state(prefect_server, continuation.id)
+        finished = _wait_for_final_state(prefect_server, _continuation_of(prefect_server, crashed).id)
         assert finished.state_type.value == "COMPLETED", worker_log.read_text()[-8000:]
     finally:
         stop_process_group(worker, signal.SIGINT)
+    _assert_continued_to_the_end(prefect_server, crashed, finished, mlflow_run_id, "crash-test", killed_at)
 
-    (run_key,) = [tag.removeprefix("run-key:") for tag in crashed.tags if tag.startswith("run-key:")]
-    assert f"run-key:{run_key}" in finished.tags  # the same run key, continued
-    (run,) = tracking.search_runs([experiment.experiment_id])  # one MLflow run for both flow runs
-    assert run.info.run_id == runs[0].info.run_id and run.info.status == "FINISHED"
-    assert run.data.tags["prefect_raytrain.run_key"] == run_key
-    history = tracking.get_metric_history(run.info.run_id, "val_accuracy")
-    assert sorted(m.step for m in history) == list(range(6))  # each epoch exactly once
-    versions = tracking.search_model_versions("name = 'crash-model'")
-    assert [v.tags.get("run_key") for v in versions] == [run_key]
-    resumed = min(m.timestamp for m in history if m.step >= steps_before_kill) / 1000
-    print(
-        f"\ncrash continuation: kill -> Crashed {crashed.state.timestamp.timestamp() - killed_at:.1f} s, "
-        f"-> continuation created {continuation.created.timestamp() - killed_at:.1f} s, "
-        f"-> started {finished.start_time.timestamp() - killed_at:.1f} s, "
-        f"-> first resumed epoch logged {resumed - killed_at:.1f} s ({steps_before_kill} epochs were logged)"
-    )
+
+def test_a_run_that_lost_its_worker_too_is_found_and_continued(prefect_server: PrefectServer) -> None:
+    """The worker and the flow-run process SIGKILLed together (a lost machine): nobody is left to set the run
+    Crashed, so it would stay Running forever. Its heartbeats stop; after 120 s of silence the zombie watch sets
+    it Crashed, the crash trigger starts a continuation, and the next worker to start runs it to the end."""
+    ad_hoc = _deploy_to_the_pool(prefect_server)
+    worker, worker_log = _start_in_checkout(prefect_server, [PREFECT, "worker", "start", "--pool", "raytrain-process"])
+    try:
+        flow_run, mlflow_run_id = _start_until_epoch_2(prefect_server, ad_hoc, "zombie-test", worker_log)
+        os.kill(worker.pid, signal.SIGKILL)
+        os.kill(int(str(flow_run.infrastructure_pid).rsplit(":", 1)[-1]), signal.SIGKILL)
+        killed_at = time.time()
+        worker.wait()
+    finally:
+        stop_process_group(worker, signal.SIGKILL)
+    time.sleep(20)
+    still = _api(prefect_server, lambda c: c.read_flow_run(flow_run.id))
+    assert still.state_type.value == "RUNNING"  # nobody noticed: a zombie
+    crashed = _wait_for_final_state(prefect_server, flow_run.id, timeout=300)
+    assert crashed.state_type.value == "CRASHED" and "no heartbeat" in str(crashed.state.message), crashed.state
+    worker, worker_log = _start_in_checkout(prefect_server, [PREFECT, "worker", "start", "--pool", "raytrain-process"])
+    try:
+        finished = _wait_for_final_state(prefect_server, _continuation_of(prefect_server, crashed).id)
+        assert finished.state_type.value == "COMPLETED", worker_log.read_text()[-8000:]
+    finally:
+        stop_process_group(worker, signal.SIGINT)
+    _assert_continued_to_the_end(prefect_server, crashed, finished, mlflow_run_id, "zombie-test", killed_at)
+
+
+def test_cancelling_a_run_stops_training_and_keeps_it_resumable(prefect_server: PrefectServer) -> None:
+    """`prefect flow-run cancel` mid-fit: the run is Cancelled within seconds, the driver and every Ray process
+    it started are gone, the MLflow run is KILLED (not FAILED) with the reason, the checkpoints stay, nothing
+    continues it by itself (a cancel is not a crash), and a run with `resume` finishes it: each epoch once."""
+    import psutil
+
+    from raytrain_tasks.checkpoint import verify_checkpoint
+
+    ad_hoc = _deploy_to_the_pool(prefect_server)
+    worker, worker_log = _start_in_checkout(prefect_server, [PREFECT, "worker", "start", "--pool", "raytrain-process"])
+    try:
+        flow_run, mlflow_run_id = _start_until_epoch_2(prefect_server, ad_hoc, "cancel-test", worker_log)
+        driver = psutil.Process(int(str(flow_run.infrastructure_pid).rsplit(":", 1)[-1]))
+        started = [driver, *driver.children(recursive=True)]  # the driver, its local Ray, the Ray workers
+        assert len(started) > 3
+        cancelled_at = time.monotonic()
+        _prefect_cli(prefect_server, "flow-run", "cancel", str(flow_run.id))
+        cancelled = _wait_for_final_state(prefect_server, flow_run.id, timeout=120)
+        to_cancelled = time.monotonic() - cancelled_at
+        assert cancelled.state_type.value == "CANCELLED", cancelled.state
+        _, alive = psutil.wait_procs(started, timeout=30)
+        to_stopped = time.monotonic() - cancelled_at
+        assert not alive, [process.info for process in alive]
+
+        tracking = _tracking(prefect_server)
+        run = tracking.get_run(mlflow_run_id)
+        assert run.info.status == "KILLED" and "stopped by signal 15" in run.data.tags["prefect_raytrain.killed"]
+        run_key = run.data.tags["prefect_raytrain.run_key"]
+        checkpoints = sorted((prefect_server.checkout / ".pipeline" / "storage" / "runs" / run_key).glob("epoch-*"))
+        assert checkpoints
+        for checkpoint in checkpoints:
+            verify_checkpoint(checkpoint)
+        time.sleep(5)
+        assert not [r for r in _deployment_runs(prefect_server, "ad-hoc") if r.parameters.get("continue_flow_run")]
+
+        config = {**flow_run.parameters["config"], "resume": run_key}
+        resumed = _api(
+            prefect_server, lambda c: c.create_flow_run_from_deployment(ad_hoc.id, parameters={"config": config})
+        )
+        finished = _wait_for_final_state(prefect_server, resumed.id)
+        assert finished.state_type.value == "COMPLETED", worker_log.read_text()[-8000:]
+    finally:
+        stop_process_group(worker, signal.SIGINT)
+    history = tracking.get_metric_history(mlflow_run_id, "val_accuracy")
+    assert sorted(m.step for m in history) == list(range(EPOCHS))
+    assert tracking.get_run(mlflow_run_id).info.status == "FINISHED"
+    print(f"\ncancel: Cancelled after {to_cancelled:.1f} s, every process it started gone after {to_stopped:.1f} s")
 
 
 @pytest.fixture(scope="module")
