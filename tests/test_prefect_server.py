@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -88,6 +89,16 @@ def _start_in_checkout(server: PrefectServer, command: list[str]) -> tuple[subpr
             command, cwd=server.checkout, env=server.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
     return process, log_path
+
+
+@contextmanager
+def _worker(server: PrefectServer) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """A process worker of the pool for the block: (its process, its log)."""
+    worker, log = _start_in_checkout(server, [PREFECT, "worker", "start", "--pool", "raytrain-process"])
+    try:
+        yield worker, log
+    finally:
+        stop_process_group(worker, signal.SIGINT)
 
 
 def _prefect_cli(server: PrefectServer, *args: str) -> str:
@@ -297,8 +308,7 @@ def test_a_crashed_deployment_run_continues_by_itself(prefect_server: PrefectSer
     the deployment's crash trigger starts a continuation, and it resumes the same run key in the same MLflow run:
     every epoch logged once, one registered version. Nobody runs `--resume`."""
     ad_hoc = _deploy_to_the_pool(prefect_server)
-    worker, worker_log = _start_in_checkout(prefect_server, [PREFECT, "worker", "start", "--pool", "raytrain-process"])
-    try:
+    with _worker(prefect_server) as (_, worker_log):
         flow_run, mlflow_run_id = _start_until_epoch_2(prefect_server, ad_hoc, "crash-test", worker_log)
         os.kill(int(str(flow_run.infrastructure_pid).rsplit(":", 1)[-1]), signal.SIGKILL)
         killed_at = time.time()
@@ -306,8 +316,6 @@ def test_a_crashed_deployment_run_continues_by_itself(prefect_server: PrefectSer
         assert crashed.state_type.value == "CRASHED", crashed.state
         finished = _wait_for_final_state(prefect_server, _continuation_of(prefect_server, crashed).id)
         assert finished.state_type.value == "COMPLETED", worker_log.read_text()[-8000:]
-    finally:
-        stop_process_group(worker, signal.SIGINT)
     _assert_continued_to_the_end(prefect_server, crashed, finished, mlflow_run_id, "crash-test", killed_at)
 
 
@@ -316,26 +324,20 @@ def test_a_run_that_lost_its_worker_too_is_found_and_continued(prefect_server: P
     Crashed, so it would stay Running forever. Its heartbeats stop; after 120 s of silence the zombie watch sets
     it Crashed, the crash trigger starts a continuation, and the next worker to start runs it to the end."""
     ad_hoc = _deploy_to_the_pool(prefect_server)
-    worker, worker_log = _start_in_checkout(prefect_server, [PREFECT, "worker", "start", "--pool", "raytrain-process"])
-    try:
+    with _worker(prefect_server) as (worker, worker_log):
         flow_run, mlflow_run_id = _start_until_epoch_2(prefect_server, ad_hoc, "zombie-test", worker_log)
         os.kill(worker.pid, signal.SIGKILL)
         os.kill(int(str(flow_run.infrastructure_pid).rsplit(":", 1)[-1]), signal.SIGKILL)
         killed_at = time.time()
         worker.wait()
-    finally:
-        stop_process_group(worker, signal.SIGKILL)
     time.sleep(20)
     still = _api(prefect_server, lambda c: c.read_flow_run(flow_run.id))
     assert still.state_type.value == "RUNNING"  # nobody noticed: a zombie
     crashed = _wait_for_final_state(prefect_server, flow_run.id, timeout=300)
     assert crashed.state_type.value == "CRASHED" and "no heartbeat" in str(crashed.state.message), crashed.state
-    worker, worker_log = _start_in_checkout(prefect_server, [PREFECT, "worker", "start", "--pool", "raytrain-process"])
-    try:
+    with _worker(prefect_server) as (_, worker_log):
         finished = _wait_for_final_state(prefect_server, _continuation_of(prefect_server, crashed).id)
         assert finished.state_type.value == "COMPLETED", worker_log.read_text()[-8000:]
-    finally:
-        stop_process_group(worker, signal.SIGINT)
     _assert_continued_to_the_end(prefect_server, crashed, finished, mlflow_run_id, "zombie-test", killed_at)
 
 
@@ -348,8 +350,7 @@ def test_cancelling_a_run_stops_training_and_keeps_it_resumable(prefect_server: 
     from raytrain_tasks.checkpoint import verify_checkpoint
 
     ad_hoc = _deploy_to_the_pool(prefect_server)
-    worker, worker_log = _start_in_checkout(prefect_server, [PREFECT, "worker", "start", "--pool", "raytrain-process"])
-    try:
+    with _worker(prefect_server) as (_, worker_log):
         flow_run, mlflow_run_id = _start_until_epoch_2(prefect_server, ad_hoc, "cancel-test", worker_log)
         driver = psutil.Process(int(str(flow_run.infrastructure_pid).rsplit(":", 1)[-1]))
         started = [driver, *driver.children(recursive=True)]  # the driver, its local Ray, the Ray workers
@@ -372,7 +373,9 @@ def test_cancelling_a_run_stops_training_and_keeps_it_resumable(prefect_server: 
         for checkpoint in checkpoints:
             verify_checkpoint(checkpoint)
         time.sleep(5)
-        assert not [r for r in _deployment_runs(prefect_server, "ad-hoc") if r.parameters.get("continue_flow_run")]
+        continues = f"prefect.flow-run.{flow_run.id}"
+        runs = _deployment_runs(prefect_server, "ad-hoc")
+        assert not [other for other in runs if other.parameters.get("continue_flow_run") == continues]
 
         config = {**flow_run.parameters["config"], "resume": run_key}
         resumed = _api(
@@ -380,8 +383,6 @@ def test_cancelling_a_run_stops_training_and_keeps_it_resumable(prefect_server: 
         )
         finished = _wait_for_final_state(prefect_server, resumed.id)
         assert finished.state_type.value == "COMPLETED", worker_log.read_text()[-8000:]
-    finally:
-        stop_process_group(worker, signal.SIGINT)
     history = tracking.get_metric_history(mlflow_run_id, "val_accuracy")
     assert sorted(m.step for m in history) == list(range(EPOCHS))
     assert tracking.get_run(mlflow_run_id).info.status == "FINISHED"
