@@ -58,11 +58,12 @@ class LocalS3:
         config = self.directory / "s3-identities.json"
         config.write_text(json.dumps(_identities()))
         # Every port pinned to a free one: several servers (tests, `make s3`) can run side by side.
-        self.ports = {"s3": self.s3_port}
+        # A restart (`stop()` then `start()`) keeps every port, so clients keep their endpoint and weed its data.
+        self.ports = self.ports or {"s3": self.s3_port}
         for name in ("s3.port.grpc", "master", "master.port.grpc", "volume", "volume.port.grpc", "filer"):
-            self.ports[name] = free_port()
+            self.ports[name] = self.ports.get(name) or free_port()
         for name in ("filer.port.grpc", "admin", "admin.port.grpc"):
-            self.ports[name] = free_port()
+            self.ports[name] = self.ports.get(name) or free_port()
         command = [
             weed_binary(),
             "mini",

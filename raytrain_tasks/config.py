@@ -151,6 +151,16 @@ class TrainingConfig(BaseModel):
     s3_region: str = Field(
         default="", title="S3 region", description="Empty: AWS_REGION / AWS_DEFAULT_REGION, else us-east-1."
     )
+    s3_max_attempts: int = Field(
+        default=8,
+        ge=1,
+        le=15,
+        title="S3 attempts per request",
+        description=(
+            "How often a checkpoint or data request to S3 is tried, with AWS's standard backoff, before the epoch "
+            "fails: 8 rides out about a minute of outage, 3 (AWS's default) about 2 s."
+        ),
+    )
     create_bucket: bool = Field(
         default=False, title="Create bucket", description="Create the storage bucket if it does not exist."
     )
@@ -340,7 +350,9 @@ class TrainingConfig(BaseModel):
 
     @property
     def storage_options(self) -> StorageOptions:
-        return StorageOptions(endpoint_url=self.s3_endpoint_url, region=self.s3_region)
+        return StorageOptions(
+            endpoint_url=self.s3_endpoint_url, region=self.s3_region, max_attempts=self.s3_max_attempts
+        )
 
     @field_validator("resume")
     @classmethod

@@ -24,6 +24,8 @@ class StorageOptions(BaseModel):
 
     endpoint_url: str = ""
     region: str = ""
+    # Tries per S3 request (AWS standard retry mode: exponential backoff, capped at 20 s between tries).
+    max_attempts: int = 8
 
 
 def is_s3(uri: str) -> bool:
@@ -46,9 +48,36 @@ def open_filesystem(uri: str, options: StorageOptions) -> tuple[pafs.FileSystem,
             # pyarrow wants host:port without the scheme, and the scheme on its own.
             kwargs["endpoint_override"] = endpoint.netloc or endpoint.path
             kwargs["scheme"] = endpoint.scheme or "https"
-        return pafs.S3FileSystem(**kwargs), f"{bucket}/{key}".rstrip("/")
+        return RetryingS3FileSystem(options.max_attempts, **kwargs), f"{bucket}/{key}".rstrip("/")
     path = uri.removeprefix("file://")
     return pafs.LocalFileSystem(), str(Path(path).absolute())
+
+
+class RetryingS3FileSystem(pafs.S3FileSystem):
+    """pyarrow's S3 filesystem with a retry strategy that survives pickling.
+
+    Ray Train pickles ``RunConfig.storage_filesystem`` to its controller and every worker, and pyarrow's own
+    ``S3FileSystem.__reduce__`` (pyarrow 25) leaves the retry strategy out: the copy on a worker, where every
+    checkpoint is uploaded, falls back to 3 tries over about 2 s, so a storage blip fails the epoch. This class
+    rebuilds itself with the same number of tries wherever it is unpickled. It holds no credential: those come
+    from the AWS chain of the process that uses it (module docstring).
+    """
+
+    def __init__(self, max_attempts: int, **kwargs: object) -> None:
+        super().__init__(retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=max_attempts), **kwargs)
+        self._max_attempts = max_attempts
+        self._kwargs = kwargs
+
+    @property
+    def max_attempts(self) -> int:
+        return self._max_attempts
+
+    def __reduce__(self) -> tuple[object, tuple[int, dict[str, object]]]:  # type: ignore[override]
+        return _rebuild_s3, (self._max_attempts, self._kwargs)
+
+
+def _rebuild_s3(max_attempts: int, kwargs: dict[str, object]) -> RetryingS3FileSystem:
+    return RetryingS3FileSystem(max_attempts, **kwargs)
 
 
 def probe_storage(uri: str, options: StorageOptions) -> str:
@@ -59,7 +88,8 @@ def probe_storage(uri: str, options: StorageOptions) -> str:
     import uuid
 
     try:
-        filesystem, path = open_filesystem(uri, options)
+        # A probe answers in seconds: a node that cannot reach storage is reported, not retried for a minute.
+        filesystem, path = open_filesystem(uri, options.model_copy(update={"max_attempts": 2}))
         probe = f"{path}/.node-probe-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
         filesystem.create_dir(path, recursive=True)
         with filesystem.open_output_stream(probe) as stream:

@@ -106,10 +106,7 @@ def run_lease(
     finally:
         stop.set()
         renewer.join(timeout=10)
-        found = _read(location)
-        if found is not None and found[1] == held.version:  # still ours: release it
-            location.filesystem.delete_file(location.path)
-        remove_empty_dirs(created)
+        _release(location, run_key, held, created)
 
 
 @dataclass
@@ -135,6 +132,22 @@ def _renew(
             )
             return
         held.version = renewed
+
+
+def _release(location: StorageLocation, run_key: str, held: _Held, created: list[StorageLocation]) -> None:
+    """Delete the lease if it is still ours. Storage that cannot be reached now leaves it to expire: the run's
+    own outcome (a result, or the error that ended it) matters more than releasing the key early."""
+    try:
+        found = _read(location)
+        if found is not None and found[1] == held.version:  # still ours: release it
+            location.filesystem.delete_file(location.path)
+        remove_empty_dirs(created)
+    except OSError as exc:
+        logger.warning(
+            "run %s: could not release the driver lease (%s); it expires by itself after run_lease_seconds",
+            run_key,
+            exc,
+        )
 
 
 def _refusal(run_key: str, lease: Lease) -> str:

@@ -59,16 +59,18 @@ class StorageLocation:
     def read_versioned(self) -> tuple[str, str] | None:
         """The object's text and a version token for ``write_if``; None when there is no object."""
         if is_s3(self.uri):
-            from botocore.exceptions import ClientError
+            from botocore.exceptions import BotoCoreError, ClientError
 
             bucket, key = split_s3(self.uri)
             try:
                 reply = s3_client(self.options).get_object(Bucket=bucket, Key=key)
+                return reply["Body"].read().decode(), str(reply["ETag"])
             except ClientError as exc:
                 if _code(exc) in ("NoSuchKey", "404"):
                     return None
                 raise OSError(f"cannot read {self.uri}: {exc}") from exc
-            return reply["Body"].read().decode(), str(reply["ETag"])
+            except BotoCoreError as exc:  # unreachable endpoint, timeouts: the same OSError as pyarrow's
+                raise OSError(f"cannot read {self.uri}: {exc}") from exc
         try:
             with self._folder_lock(fcntl.LOCK_SH):
                 text = Path(self.path).read_text()
@@ -84,7 +86,7 @@ class StorageLocation:
         exclusive ``flock`` of the folder, with the file replaced by a rename, so a reader never sees half of it.
         """
         if is_s3(self.uri):
-            from botocore.exceptions import ClientError
+            from botocore.exceptions import BotoCoreError, ClientError
 
             bucket, key = split_s3(self.uri)
             condition = {"IfNoneMatch": "*"} if version is None else {"IfMatch": version}
@@ -93,6 +95,8 @@ class StorageLocation:
             except ClientError as exc:
                 if _code(exc) in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
                     return None
+                raise OSError(f"cannot write {self.uri}: {exc}") from exc
+            except BotoCoreError as exc:
                 raise OSError(f"cannot write {self.uri}: {exc}") from exc
             return str(reply["ETag"])
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
@@ -149,11 +153,17 @@ def remove_empty_dirs(folders: list[StorageLocation]) -> None:
             if path.is_dir() and not any(path.iterdir()):
                 path.rmdir()
             continue
+        from botocore.exceptions import BotoCoreError, ClientError
+
         bucket, prefix = split_s3(folder.uri)
         client = s3_client(folder.options)
-        keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/").get("Contents", [])]
-        if keys and all(key.endswith("/") for key in keys):
-            client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": key} for key in keys]})
+        try:
+            listed = client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/").get("Contents", [])
+            keys = [o["Key"] for o in listed]
+            if keys and all(key.endswith("/") for key in keys):
+                client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": key} for key in keys]})
+        except (BotoCoreError, ClientError) as exc:
+            raise OSError(f"cannot tidy {folder.uri}: {exc}") from exc
 
 
 def locate(uri: str, options: StorageOptions | None = None) -> StorageLocation:

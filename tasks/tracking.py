@@ -34,6 +34,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "retry_delay_seconds",
         "max_failures",
         "run_lease_seconds",
+        "s3_max_attempts",
         "ray_connect_timeout_s",
         "forward_credentials_to_cluster",
         "input_example",

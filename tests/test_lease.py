@@ -131,6 +131,35 @@ def test_a_driver_whose_lease_was_taken_stops_renewing_it(tmp_path: Path, caplog
     assert lease is not None and lease.holder == "holder-b"  # and leaving did not delete b's lease
 
 
+@pytest.mark.slow
+def test_the_holder_keeps_renewing_through_a_storage_outage(tmp_path: Path) -> None:
+    """S3 stops answering for longer than a renewal period, then comes back: the driver renews again (a renewer
+    that died on the first connection error would leave the lease to expire under a live run), and a storage
+    still down when the run ends leaves the lease to expire instead of failing the run."""
+    from devtools.s3_server import LocalS3
+
+    server = LocalS3(tmp_path / "s3").start()
+    try:
+        options = StorageOptions(endpoint_url=server.endpoint_url)
+        s3_client(options).create_bucket(Bucket="prt-outage")
+        run_dir = locate("s3://prt-outage/runs", options).child(KEY)
+        lease_file = run_dir.child(LEASE_FILE)
+        with run_lease(run_dir, KEY, "holder-a", 6):  # renewed every 2 s
+            server.stop()
+            time.sleep(5)  # two renewals fail
+            server.start()
+            back = time.time()
+            time.sleep(5)
+            lease = read_lease(lease_file)
+            assert lease is not None and lease.holder == "holder-a"
+            assert lease.expires_at > back + 6 - 0.5, "the lease was not renewed after storage came back"
+            server.stop()  # the run ends while storage is down: the block's outcome stands
+        server.start()
+        assert read_lease(lease_file) is not None  # left to expire, not deleted
+    finally:
+        server.stop()
+
+
 def test_a_run_that_never_started_leaves_no_folder(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError), run_lease(locate(str(tmp_path)).child(KEY), KEY, this_driver(), 60):
         raise RuntimeError("pre-flight failed")

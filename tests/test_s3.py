@@ -144,3 +144,21 @@ def test_preflight_fails_fast_naming_the_setting(
     assert "not-the-secret" not in str(info.value) and READER[1] not in str(info.value)
     if case == "no-bucket":
         assert "prt-missing" not in list_buckets(s3_server)  # nothing was created behind the user's back
+
+
+def test_the_s3_filesystem_keeps_its_retries_when_ray_pickles_it() -> None:
+    """Ray Train pickles the storage filesystem to its controller and workers; pyarrow's own pickling drops the
+    retry strategy, so uploads there would get 3 tries over about 2 s. Against a port nobody listens on, the
+    unpickled copy must still wait out its retries (several seconds), and say which request failed."""
+    import pickle
+
+    from raytrain_tasks.fs import RetryingS3FileSystem, open_filesystem
+
+    options = StorageOptions(endpoint_url=f"http://127.0.0.1:{_closed_port()}", max_attempts=5)
+    filesystem, path = open_filesystem(f"s3://{BUCKET}/x", options)
+    copy = pickle.loads(pickle.dumps(filesystem))
+    assert isinstance(copy, RetryingS3FileSystem) and copy.max_attempts == 5
+    started = time.monotonic()
+    with pytest.raises(OSError, match="NETWORK_CONNECTION"):
+        copy.get_file_info(f"{path}/probe")
+    assert time.monotonic() - started > 4  # five tries with AWS's standard backoff; three would take about 1.5 s
