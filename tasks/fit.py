@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextvars
 import hashlib
 import json
+import os
 import threading
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -236,6 +237,22 @@ def training_error(exc: BaseException, run_key: str, config: TrainingConfig) -> 
             if isinstance(cause, CheckpointError):
                 return type(cause)(f"training run {run_key}: {cause}")  # UnsafeCheckpointError stays one
             cause = cause.__cause__ or getattr(cause, "cause", None)
+    from tasks.trainer import START_TIMEOUT_ENV, waited_for_resources
+
+    timeout = waited_for_resources(exc)
+    if timeout is not None:
+        low, high = config.worker_range
+        return TrainingError(
+            f"training run {run_key}: the cluster no longer has the resources for {timeout.num_workers} workers "
+            f"(a node lost?); after {config.max_failures} worker-group restarts (`max_failures`) each waited "
+            f"{START_TIMEOUT_ENV} (Ray Train's setting, {os.environ.get(START_TIMEOUT_ENV, '60')} s here) for them. "
+            + (
+                "Set `max_workers` above `num_workers` to train on what is left, lower `num_workers`, or add nodes; "
+                if high == low
+                else f"not even `num_workers` ({low}) could start; add nodes or lower `num_workers`; "
+            )
+            + f"it can continue from its last checkpoint with `resume={run_key}`"
+        )
     return TrainingError(
         f"training run {run_key} failed after {config.max_failures} worker-group restarts: {exc}. "
         f"It can continue from its last checkpoint with `resume={run_key}`"

@@ -1,4 +1,5 @@
-"""The TorchTrainer the fit task launches (imported when a fit starts: it loads torch)."""
+"""The TorchTrainer the fit task launches (imported when a fit starts: it loads torch), and what the project
+reads of Ray Train's private modules: this file is their one adapter."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ from typing import Any
 
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+
+START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 
 
 class RunTrainer(TorchTrainer):
@@ -22,3 +26,10 @@ class RunTrainer(TorchTrainer):
         if self.datasets:
             return callbacks
         return [callback for callback in callbacks if not isinstance(callback, DatasetsCallback)]
+
+
+def waited_for_resources(exc: BaseException) -> WorkerGroupStartupTimeoutError | None:
+    """The timeout when a fit failed because its worker group could not get its CPUs/GPUs in time (a node
+    lost, a fixed worker count larger than what is left); None for any other failure."""
+    cause = getattr(exc, "controller_failure", None)
+    return cause if isinstance(cause, WorkerGroupStartupTimeoutError) else None

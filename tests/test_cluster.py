@@ -58,14 +58,14 @@ def run_python(code: str) -> subprocess.CompletedProcess[str]:
 
 
 @contextmanager
-def head_node(env: dict[str, str] | None = None) -> Iterator[ExternalCluster]:
+def head_node(env: dict[str, str] | None = None, num_cpus: int = 2) -> Iterator[ExternalCluster]:
     """`ray start --head --block` on free 127.0.0.1 ports with its own temp dir; only its processes are stopped.
 
     ``env``: what differs in the node's environment from this process's (a node has its own credentials)."""
     ports = [free_port() for _ in range(9)]
     # Short: Ray's socket paths live under the temp dir and must stay under the OS's 107-byte limit.
     temp_dir = Path(tempfile.mkdtemp(prefix="ray-prt-"))
-    command = [RAY, "start", "--head", "--block", "--disable-usage-stats", "--num-cpus", "2"]
+    command = [RAY, "start", "--head", "--block", "--disable-usage-stats", "--num-cpus", str(num_cpus)]
     command += ["--node-ip-address", "127.0.0.1", "--dashboard-host", "127.0.0.1", "--temp-dir", str(temp_dir)]
     for flag, port in zip(
         [
