@@ -68,10 +68,14 @@ def model_lock(
     model_name: str,
     owner: str,
     *,
-    lease_s: float = LEASE_S,
+    lease_s: float | None = None,
     wait_s: float = WAIT_S,
 ) -> Iterator[LockHandle]:
-    """Hold the lock of ``model_name`` for the block; TrackingError if not had within ``wait_s``."""
+    """Hold the lock of ``model_name`` for the block; TrackingError if not had within ``wait_s``.
+
+    ``lease_s`` defaults to ``LEASE_S`` as it is when called. It is not a setting: every pipeline of a model
+    must judge heartbeats by the same lease, or a short one would take over a live holder's lock."""
+    lease_s = LEASE_S if lease_s is None else lease_s
     queue = f"{model_name}{QUEUE_SUFFIX}"
     deadline = time.monotonic() + wait_s
     ticket = _retrying(lambda: _take_ticket(client, queue, owner), deadline, f"take a ticket in {queue!r}")

@@ -186,6 +186,10 @@ def test_the_pipeline_trains_on_a_cluster_by_address_and_leaves_it_running(
     for path, text in answers.items():
         for name, secret in DRIVER_SECRETS.items():
             assert secret not in text, f"{name} is readable at {external_cluster.dashboard_url}{path}"
+        print(
+            f"\ndashboard {path}: {len(text)} bytes, the forwarded AWS_REGION marker {NOT_SECRET in text}, "
+            f"{', '.join(DRIVER_SECRETS)}: none of their values"
+        )
     # The driver shipped raytrain_tasks (runtime_env py_modules): the cluster unpacked it for its workers.
     resources = external_cluster.temp_dir / "session_latest" / "runtime_resources"
     shipped = list(resources.glob("py_modules_files/*/raytrain_tasks/train_loop.py"))

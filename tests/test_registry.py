@@ -302,7 +302,10 @@ def test_a_registry_outage_in_the_middle_of_the_decision_moves_nothing_and_a_ret
     task fails (no alias moves, the version is not marked decided); with the server back, the next attempt of
     the same run key decides on that same version."""
     import tasks.register as register
+    import tasks.registry_lock as registry_lock
 
+    # A short lock lease, so the retry waits seconds, not a minute, for the failed attempt's ticket to go stale.
+    monkeypatch.setattr(registry_lock, "LEASE_S", 5.0)
     root = tmp_path_factory.mktemp("outage")
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -351,6 +351,9 @@ def test_mlflow_credentials_appear_nowhere_the_product_writes(tmp_path: Path, au
     for what, text in records:
         assert ADMIN_PASSWORD not in text, f"the MLflow password is in {what}"
         assert WRONG_PASSWORD not in text, f"the wrong MLflow password is in {what}"
+    print(f"\nsearched {len(records)} records, {sum(len(t) for _, t in records)} characters, for both passwords:")
+    for what in sorted({what.split(" of flow run")[0].split(" of task run")[0] for what, _ in records}):
+        print(f"  {what}: none")
 
 
 # --- the one redactor ------------------------------------------------------------------------------------------
