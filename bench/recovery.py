@@ -60,7 +60,12 @@ def main() -> None:
 
             while 1 not in committed():
                 time.sleep(0.1)
-            workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+            # The address of the Ray started above: without it the State API follows
+            # /tmp/ray/ray_current_cluster, which an earlier `ray start` cluster may have left stale.
+            workers = list_actors(
+                address=ray.get_runtime_context().gcs_address,
+                filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")],
+            )
             killed_at = time.time()
             os.kill(int(workers[-1].pid), signal.SIGKILL)
             result = future.result(timeout=900)

@@ -79,6 +79,15 @@ def prefect_api() -> Iterator[None]:
         yield
 
 
+def this_ray_address() -> str:
+    """The GCS address of the Ray this process is connected to, for Ray's State API (``list_actors`` and the
+    like). Without one, the State API follows RAY_ADDRESS or /tmp/ray/ray_current_cluster, which any earlier
+    `ray start` cluster on the machine may have left pointing at a dead cluster."""
+    import ray
+
+    return str(ray.get_runtime_context().gcs_address)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -15,7 +15,7 @@ from flows.training import training_pipeline
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DatasetRef
 from tasks.data import prepare_data
-from tests.conftest import small_config
+from tests.conftest import small_config, this_ray_address
 
 pytestmark = pytest.mark.slow
 WORLD_SIZE = 2
@@ -121,7 +121,12 @@ def test_a_run_without_ray_datasets_starts_no_dataset_manager(
 
     def dataset_managers() -> int:
         return len(
-            list_actors(filters=[("class_name", "=", "DatasetManager")], limit=10_000, raise_on_missing_output=False)
+            list_actors(
+                address=this_ray_address(),
+                filters=[("class_name", "=", "DatasetManager")],
+                limit=10_000,
+                raise_on_missing_output=False,
+            )
         )
 
     config = small_config(tmp_path, epochs=1, cpus_per_worker=0.5).resolved(tmp_path, {})

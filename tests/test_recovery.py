@@ -26,7 +26,7 @@ from flows.training import PipelineResult, training_pipeline
 from raytrain_tasks.checkpoint import MODEL_FILE
 from raytrain_tasks.resume import checkpoint_dir_name
 from raytrain_tasks.tracking import EPOCH_METRICS
-from tests.conftest import REPO_ROOT, small_config
+from tests.conftest import REPO_ROOT, small_config, this_ray_address
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.usefixtures("ray_cluster", "prefect_api")]
 
@@ -85,7 +85,8 @@ def committed_epochs(workdir: Path) -> set[int]:
 def kill_one_train_worker() -> int:
     from ray.util.state import list_actors
 
-    workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+    alive = [("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")]
+    workers = list_actors(address=this_ray_address(), filters=alive)
     assert workers, "no live Ray Train worker to kill"
     pid = int(workers[-1].pid)
     os.kill(pid, signal.SIGKILL)
@@ -174,7 +175,11 @@ def test_exhausted_retries_fail_the_flow_and_register_nothing(tmp_path: Path) ->
     from ray.util.state import list_actors
 
     alive = [("class_name", "=", "TrainController"), ("state", "=", "ALIVE")]
-    wait_for(lambda: not list_actors(filters=alive), 60, "the failed run's controller to exit")
+    wait_for(
+        lambda: not list_actors(address=this_ray_address(), filters=alive),
+        60,
+        "the failed run's controller to exit",
+    )
 
 
 def _cli(workdir: Path, prefect_api_url: str, ray_address: str, *extra: str) -> subprocess.Popen[str]:
