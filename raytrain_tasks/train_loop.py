@@ -109,23 +109,25 @@ def train_loop_per_worker(train_loop_config: dict[str, Any]) -> None:
     for epoch in range(start_epoch, config.epochs):
         started = time.perf_counter()
         model.train()
-        train_sums = torch.zeros(2, dtype=torch.float64, device=device)
+        # Metrics accumulate on the device: no per-step .item(), which would make the host wait for the GPU
+        # at every step. The one transfer per epoch is the all-reduced sums below.
+        train_loss_total = torch.zeros((), dtype=torch.float64, device=device)
+        samples = 0
         for features, labels, _ in batches.epoch(epoch):
             optimizer.zero_grad(set_to_none=True)
             loss = loss_fn(model(features), labels)
             (loss / labels.shape[0]).backward()
             optimizer.step()
-            train_sums += torch.tensor([loss.item(), labels.shape[0]], dtype=torch.float64, device=device)
+            train_loss_total += loss.detach().to(torch.float64)
+            samples += labels.shape[0]  # a shape is known on the host
 
         model.eval()
         with torch.no_grad():
             logits = model(val_x) if len(val_y) else torch.empty(0, dataset.num_classes, device=device)
-            val_sums = torch.tensor(
-                [loss_fn(logits, val_y).item(), (logits.argmax(1) == val_y).sum().item(), len(val_y)],
-                dtype=torch.float64,
-                device=device,
-            )
-        sums = torch.cat([train_sums, val_sums])
+            val_loss_total = loss_fn(logits, val_y).to(torch.float64)
+            correct = (logits.argmax(1) == val_y).sum().to(torch.float64)
+        counts = torch.tensor([samples, len(val_y)], dtype=torch.float64, device=device)
+        sums = torch.stack([train_loss_total, counts[0], val_loss_total, correct, counts[1]])
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(sums)
         train_loss_sum, train_count, val_loss_sum, val_correct, val_count = sums.tolist()
