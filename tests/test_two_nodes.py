@@ -191,8 +191,13 @@ def test_elastic_training_spans_both_nodes_and_survives_losing_one(
             os.killpg(node.pid, signal.SIGKILL)  # the second machine is gone: its raylet and its worker
             killed_at = time.monotonic()
             node.wait(timeout=30)
-            survivors = wait_until(
-                lambda: (w := train_workers(head)) and all(x["node"] != node_id for x in w) and w,
+            first_group = {w["pid"] for w in workers}
+            survivors = wait_until(  # a new worker group (new processes), none of it on the lost node
+                lambda: (
+                    (w := train_workers(head))
+                    and all(x["node"] != node_id and x["pid"] not in first_group for x in w)
+                    and w
+                ),
                 240,
                 "the worker group to restart without the lost node",
                 cli,
