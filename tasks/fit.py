@@ -39,6 +39,7 @@ from raytrain_tasks.resume import CHECKPOINT_PREFIX
 from raytrain_tasks.tracking import MlflowEpochLogger, OpenMlflowEarly, pinned_digests
 from tasks import evaluation, tracking
 from tasks.cluster import (
+    WORKER_GROUP_START_TIMEOUT_S,
     alive_node_count,
     check_resources,
     check_storage_on_nodes,
@@ -242,10 +243,11 @@ def training_error(exc: BaseException, run_key: str, config: TrainingConfig) -> 
     timeout = waited_for_resources(exc)
     if timeout is not None:
         low, high = config.worker_range
+        waited = os.environ.get(START_TIMEOUT_ENV, WORKER_GROUP_START_TIMEOUT_S)
         return TrainingError(
             f"training run {run_key}: the cluster no longer has the resources for {timeout.num_workers} workers "
             f"(a node lost?); after {config.max_failures} worker-group restarts (`max_failures`) each waited "
-            f"{START_TIMEOUT_ENV} (Ray Train's setting, {os.environ.get(START_TIMEOUT_ENV, '60')} s here) for them. "
+            f"{START_TIMEOUT_ENV} (Ray Train's setting, {waited} s here) for them. "
             + (
                 "Set `max_workers` above `num_workers` to train on what is left, lower `num_workers`, or add nodes; "
                 if high == low

@@ -45,7 +45,7 @@ def external_cluster() -> Iterator[ExternalCluster]:
         yield cluster
 
 
-def run_python(code: str) -> subprocess.CompletedProcess[str]:
+def run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """``code`` in a fresh interpreter in the checkout, with what a cluster client needs in its environment."""
     return subprocess.run(
         [sys.executable, "-c", code],
@@ -53,7 +53,7 @@ def run_python(code: str) -> subprocess.CompletedProcess[str]:
         env={**os.environ, **CLIENT_ENV},
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
     )
 
 

@@ -25,7 +25,7 @@ from mlflow import MlflowClient
 
 from devtools.s3_server import LocalS3
 from tests.conftest import free_port, stop_process_group
-from tests.test_cluster import CLIENT_ENV, RAY, ExternalCluster, head_node
+from tests.test_cluster import CLIENT_ENV, RAY, ExternalCluster, head_node, run_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
@@ -50,9 +50,7 @@ def cluster_python(head: ExternalCluster, body: str, timeout: float = 120) -> st
     """Run ``body`` in a fresh interpreter connected to the cluster; its stdout."""
     code = f"import ray, json, time\nray.init(address={head.address!r}, logging_level='ERROR')\n"
     code += textwrap.dedent(body)
-    done = subprocess.run(
-        [sys.executable, "-c", code], env={**os.environ, **CLIENT_ENV}, capture_output=True, text=True, timeout=timeout
-    )
+    done = run_python(code, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
