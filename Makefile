@@ -52,6 +52,7 @@ bench: install  ## benchmarks that print figures (not tests); results in bench/r
 	$(PY) -m bench.overhead
 	$(PY) -m bench.checkpoint_upload
 	$(PY) -m bench.recovery
+	$(PY) -m bench.failfast
 
 bench-smoke: install  ## the overhead benchmark at tiny sizes, one repetition (CI runs it so it never rots)
 	$(PY) -m bench.overhead --smoke

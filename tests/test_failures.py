@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-import time
 from pathlib import Path
 
 import pytest
@@ -11,19 +10,30 @@ from mlflow import MlflowClient
 
 from flows.training import training_pipeline
 from raytrain_tasks.errors import CheckpointError, ClusterError, TrackingError
-from tests.conftest import small_config
+from tests.conftest import small_config, this_ray_address
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster", "prefect_api")]
 
 
-def _run_failing(config: object) -> tuple[BaseException, float]:
-    started = time.monotonic()
+def _train_actors() -> set[str]:
+    """Every Ray Train controller and worker actor this cluster has had, dead ones included."""
+    from ray.util.state import list_actors
+
+    return {
+        actor.actor_id
+        for name in ("TrainController", "RayTrainWorker")
+        for actor in list_actors(address=this_ray_address(), filters=[("class_name", "=", name)], limit=10_000)
+    }
+
+
+def _run_failing(config: object) -> tuple[BaseException, set[str]]:
+    """Run the flow, which must fail; return its error and the Ray Train actors the run started."""
+    before = _train_actors()
     state = training_pipeline(config=config, return_state=True)
-    elapsed = time.monotonic() - started
     assert state.is_failed()
     error = state.result(raise_on_failure=False)
     assert isinstance(error, BaseException)
-    return error, elapsed
+    return error, _train_actors() - before
 
 
 def _closed_port() -> int:
@@ -41,26 +51,28 @@ def _mlflow_runs(workdir: Path) -> list[object]:
 def test_gpu_requested_on_a_cluster_without_gpus(tmp_path: Path, ray_cluster: dict[str, float]) -> None:
     if ray_cluster.get("GPU"):
         pytest.skip("this cluster has GPUs; the check is for clusters without")
-    error, elapsed = _run_failing(small_config(tmp_path, use_gpu=True))
+    error, started = _run_failing(small_config(tmp_path, use_gpu=True))
     assert isinstance(error, ClusterError)
     assert "use_gpu" in str(error) and "has 0 GPUs" in str(error)
-    assert elapsed < 60  # Ray Train alone would retry the worker-group start for minutes
+    # Refused before Ray Train starts anything: Ray Train alone would retry the worker-group start for minutes.
+    assert started == set()
     assert not (tmp_path / "storage" / "runs").exists()
     assert _mlflow_runs(tmp_path) == []
 
 
 def test_more_workers_than_cpus(tmp_path: Path) -> None:
-    error, _ = _run_failing(small_config(tmp_path, num_workers=8))
+    error, started = _run_failing(small_config(tmp_path, num_workers=8))
     assert isinstance(error, ClusterError) and "num_workers" in str(error)
+    assert started == set()
     assert not (tmp_path / "storage" / "runs").exists()
 
 
 def test_unreachable_mlflow_server(tmp_path: Path) -> None:
     uri = f"http://127.0.0.1:{_closed_port()}"
-    error, elapsed = _run_failing(small_config(tmp_path, mlflow_tracking_uri=uri))
+    error, started = _run_failing(small_config(tmp_path, mlflow_tracking_uri=uri))
     assert isinstance(error, TrackingError)
     assert "mlflow_tracking_uri" in str(error) and uri in str(error)
-    assert elapsed < 60
+    assert started == set()  # found out before any worker starts, not by each worker in turn
     assert not (tmp_path / "storage" / "runs").exists()
 
 
