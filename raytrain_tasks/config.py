@@ -176,6 +176,23 @@ class TrainingConfig(BaseModel):
         title="Ray connect timeout (s)",
         description="How long connecting to the cluster at `ray_address` may take before the run fails.",
     )
+    launch_mode: Literal["driver", "ray_job"] = Field(
+        default="driver",
+        title="Launch mode",
+        description=(
+            "driver: the fit's Ray driver runs in the flow-run process. ray_job (a cluster by `ray_address`): it "
+            "runs on the cluster as a Ray Job, which keeps training if the flow-run process dies; the next run "
+            "with the same run key re-attaches to it."
+        ),
+    )
+    ray_dashboard_url: str = Field(
+        default="",
+        title="Ray dashboard URL",
+        description=(
+            "Where launch_mode=ray_job submits the fit (what `ray job submit --address` takes). Empty: the host "
+            "of `ray_address`, port 8265."
+        ),
+    )
     forward_credentials_to_cluster: bool = Field(
         default=False,
         title="Forward credentials to the cluster",
@@ -318,6 +335,34 @@ class TrainingConfig(BaseModel):
                 f"max_workers ({self.max_workers}) must be 0 (fixed size) or at least num_workers ({self.num_workers})"
             )
         return self
+
+    @model_validator(mode="after")
+    def _ray_job_needs_a_cluster(self) -> TrainingConfig:
+        if self.launch_mode != "ray_job":
+            return self
+        if not self.ray_address or self.ray_address.startswith("ray://"):
+            raise ValueError(
+                "launch_mode='ray_job' runs the fit on a cluster reached by address: set `ray_address` to the "
+                "cluster's GCS address (e.g. 10.0.0.5:6379; not empty, not ray://), or set `launch_mode` to 'driver'"
+            )
+        from raytrain_tasks.redact import redact_uri
+
+        for name, value in self.model_dump().items():
+            if isinstance(value, str) and "://" in value and redact_uri(value) != value:
+                raise ValueError(
+                    f"launch_mode='ray_job': `{name}` carries credentials, and a Ray Job's entrypoint (which holds "
+                    "the settings) is shown on the cluster's dashboard; give the nodes their own credentials "
+                    "(e.g. MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD) and remove them from the URI"
+                )
+        return self
+
+    @property
+    def dashboard_url(self) -> str:
+        """Where Ray Jobs are submitted: `ray_dashboard_url`, or the host of `ray_address` on port 8265."""
+        if self.ray_dashboard_url:
+            return self.ray_dashboard_url.rstrip("/")
+        host = self.ray_address.rsplit(":", 1)[0] if ":" in self.ray_address else self.ray_address
+        return f"http://{host}:8265"
 
     @property
     def worker_range(self) -> tuple[int, int]:

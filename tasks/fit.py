@@ -7,9 +7,11 @@ in the same MLflow run.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import hashlib
 import json
+import logging
 import os
 import threading
 from datetime import UTC, datetime
@@ -19,7 +21,7 @@ import ray
 import ray.train
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
-from prefect.exceptions import TerminationSignal
+from prefect.exceptions import MissingContextError, TerminationSignal
 from pydantic import BaseModel, ConfigDict
 from ray.train.v2.api.callback import RayTrainCallback
 
@@ -98,6 +100,25 @@ def distributed_fit(config: TrainingConfig, dataset: DatasetRef, run_key: str) -
         check_run_key(run_key)  # it names a folder in storage and goes into MLflow filters
         runs = locate(config.storage_path, config.storage_options).child(RUNS_DIR)
         run_dir = runs.child(run_key)
+        if config.launch_mode == "ray_job":
+            from tasks.ray_job import fit_as_ray_job
+
+            # The job takes the run's lease itself (fit_in_this_process, run by tasks/fit_job.py on the cluster).
+            return fit_as_ray_job(config, dataset, run_key, runs, run_dir, origin=prefect_origin(run_key))
+        return fit_in_this_process(config, dataset, run_key, runs, run_dir)
+
+
+def fit_in_this_process(
+    config: TrainingConfig,
+    dataset: DatasetRef,
+    run_key: str,
+    runs: StorageLocation,
+    run_dir: StorageLocation,
+    origin: dict[str, str] | None = None,
+) -> FitResult:
+    """The fit with this process as Ray Train's driver, under the run's lease. ``origin``: the MLflow run name and
+    Prefect tags, when this process is not the Prefect run (a Ray Job); see ``prefect_origin``."""
+    with redacted_errors():
         if config.resume and not run_dir.child("checkpoint_manager_snapshot.json").exists():
             raise CheckpointError(
                 f"cannot resume run {run_key}: no checkpoints under {run_dir.uri}; check `resume` and "
@@ -107,13 +128,32 @@ def distributed_fit(config: TrainingConfig, dataset: DatasetRef, run_key: str) -
         with run_lease(
             run_dir, run_key, tracking.this_driver(), config.run_lease_seconds, holder_alive=tracking.driver_alive
         ):
-            return _distributed_fit(config, dataset, run_key, runs, run_dir)
+            return _distributed_fit(config, dataset, run_key, runs, run_dir, origin or prefect_origin(run_key))
+
+
+def run_logger() -> logging.Logger | logging.LoggerAdapter[Any]:
+    """The Prefect task's logger; a plain one where no Prefect run is (the fit's Ray Job on a cluster)."""
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger("prefect_raytrain.fit")
+
+
+def _in_prefect_run() -> bool:
+    from prefect.context import TaskRunContext
+
+    return TaskRunContext.get() is not None
 
 
 def _distributed_fit(
-    config: TrainingConfig, dataset: DatasetRef, run_key: str, runs: StorageLocation, run_dir: StorageLocation
+    config: TrainingConfig,
+    dataset: DatasetRef,
+    run_key: str,
+    runs: StorageLocation,
+    run_dir: StorageLocation,
+    origin: dict[str, str],
 ) -> FitResult:
-    logger = get_run_logger()
+    logger = run_logger()
     # Pre-flight, cheapest first: MLflow answers, Ray is reachable and can host the workers (and, on a cluster,
     # every node can write storage). Nothing is created (no MLflow run, no checkpoint) until they hold; the
     # lease taken above is removed with the folders it made if they fail.
@@ -141,8 +181,9 @@ def _distributed_fit(
                 client,
                 experiment_id,
                 run_key,
-                run_name=_mlflow_run_name(run_key),
-                tags=_run_tags(config, dataset, run_key, run_dir, backend),
+                run_name=origin.get("run_name", run_key),
+                tags=_run_tags(config, dataset, run_key, run_dir, backend)
+                | {k: v for k, v in origin.items() if k != "run_name"},
                 params=config.public_params(),
             )
             if not reopened:
@@ -166,9 +207,11 @@ def _distributed_fit(
                 MlflowEpochLogger(config.mlflow_tracking_uri, run_id),
                 pins=(preexisting, pinned),
             )
+            # Off a Prefect run (a Ray Job) there is no run page to update: the job's submitter shows the progress.
+            progress = EpochProgress(client, run_id, config.epochs, logger) if _in_prefect_run() else None
             with (
                 tracking.system_metrics(config.system_metrics, config.mlflow_tracking_uri, run_id, reopened),
-                EpochProgress(client, run_id, config.epochs, logger),
+                progress or contextlib.nullcontext(),
             ):
                 result = fit_interruptibly(trainer)
 
@@ -275,7 +318,7 @@ def _finished_fit(run_dir: StorageLocation, client: Any, experiment_id: str, run
     run = tracking.find_run(client, experiment_id, run_key)
     expected = run.data.tags.get(tracking.FIT_RECORD_TAG) if run is not None else None
     if expected is None:
-        get_run_logger().warning("%s of run %s has no digest in MLflow; finishing the run again", FIT_RECORD, run_key)
+        run_logger().warning("%s of run %s has no digest in MLflow; finishing the run again", FIT_RECORD, run_key)
         return None
     if hashlib.sha256(text.encode()).hexdigest() != expected:
         raise UnsafeCheckpointError(
@@ -424,19 +467,25 @@ def _checkpoint_uri(run_dir: StorageLocation, checkpoint: ray.train.Checkpoint) 
     return run_dir.child(_name(checkpoint)).uri
 
 
-def _mlflow_run_name(run_key: str) -> str:
+def prefect_origin(run_key: str) -> dict[str, str]:
+    """The MLflow run's name and the tags that lead back to the Prefect flow run, taken here, in the Prefect run
+    (a Ray Job that trains for it has no Prefect context)."""
     from prefect.runtime import flow_run
+    from prefect.utilities.urls import url_for
 
     name = flow_run.get_name()
-    return f"{name}-{run_key}" if name else run_key
+    origin = {"run_name": f"{name}-{run_key}" if name else run_key}
+    if flow_run.get_id():
+        origin["prefect.flow_run_id"] = str(flow_run.get_id())
+        ui_url = url_for("flow-run", obj_id=str(flow_run.get_id()))  # the UI's route, as Prefect's "View at" log
+        if ui_url and ui_url.startswith(("http://", "https://")):  # the temporary server has no UI URL
+            origin["prefect.flow_run_url"] = ui_url
+    return origin
 
 
 def _run_tags(
     config: TrainingConfig, dataset: DatasetRef, run_key: str, run_dir: StorageLocation, backend: str
 ) -> dict[str, str]:
-    from prefect.runtime import flow_run
-    from prefect.utilities.urls import url_for
-
     tags = {
         tracking.DRIVER_TAG: tracking.this_driver(),
         "prefect_raytrain.ray_run_name": run_key,
@@ -450,9 +499,4 @@ def _run_tags(
         "prefect_raytrain.ray_cluster": ray.get_runtime_context().gcs_address,
         "mlflow.source.git.commit": tracking.code_version(),
     }
-    if flow_run.get_id():
-        tags["prefect.flow_run_id"] = str(flow_run.get_id())
-        ui_url = url_for("flow-run", obj_id=str(flow_run.get_id()))  # the UI's route, as Prefect's "View at" log
-        if ui_url and ui_url.startswith(("http://", "https://")):  # the temporary server has no UI URL
-            tags["prefect.flow_run_url"] = ui_url
     return tags

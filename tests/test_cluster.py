@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -21,6 +23,7 @@ from mlflow import MlflowClient
 
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import ClusterError
+from raytrain_tasks.resume import checkpoint_dir_name
 from tasks.cluster import check_reachable, storage_shared_with_nodes
 from tests.conftest import REPO_ROOT, free_port, stop_process_group, wait_for_http
 
@@ -30,6 +33,8 @@ RAY = str(Path(sys.executable).with_name("ray"))
 # machine's ~/.ray/auth_token, shared by the head here).
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 CLIENT_ENV = {**LOOPBACK_ENV, "RAY_AUTH_MODE": "token"}
+# A node's image has its Python first on PATH: a Ray Job's `python` entrypoint is that one.
+NODE_PATH = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
 @dataclass(frozen=True)
@@ -87,7 +92,7 @@ def head_node(env: dict[str, str] | None = None, num_cpus: int = 2) -> Iterator[
     with log_path.open("w") as log:
         head = subprocess.Popen(
             command,
-            env={**os.environ, **LOOPBACK_ENV, **(env or {})},
+            env={**os.environ, **LOOPBACK_ENV, **NODE_PATH, **(env or {})},
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -359,3 +364,149 @@ def test_an_address_that_accepts_but_is_not_ray_fails_within_the_connect_timeout
     assert "REFUSED after" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
     seconds = float(done.stdout.split("REFUSED after ", 1)[1].split(" s:", 1)[0])
     assert seconds < 30 and "ray_connect_timeout_s" in done.stdout and "ray_address" in done.stdout
+
+
+# Epochs of a few seconds on 2 cores: a kill lands inside the run, and the job outlasts a new CLI's start.
+JOB_RUN = ["--dataset", "synthetic", "--synthetic-samples", "24000", "--synthetic-features", "20", "--epochs", "8"]
+JOB_RUN += ["--batch-size", "64", "--checkpoints-to-keep", "10", "--num-workers", "2", "--experiment-name", "job"]
+
+
+def ray_jobs(cluster: ExternalCluster) -> dict[str, str]:
+    """submission id -> status of every job the cluster has had."""
+    code = textwrap.dedent(
+        f"""
+        import json
+        from ray.job_submission import JobSubmissionClient
+        jobs = JobSubmissionClient("{cluster.dashboard_url}").list_jobs()
+        print("JOBS" + json.dumps({{j.submission_id: j.status.value for j in jobs if j.submission_id}}))
+        """
+    )
+    done = run_python(code)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(json.loads(done.stdout.split("JOBS", 1)[1]))
+
+
+@pytest.mark.slow
+def test_a_ray_job_fit_outlives_its_orchestrator_and_the_next_run_reattaches(
+    external_cluster: ExternalCluster, tmp_path: Path, prefect_api: None
+) -> None:
+    """launch_mode=ray_job: SIGKILL the flow-run process mid-fit; the job trains on, and `--resume` follows the
+    same job to the end instead of starting another. Every epoch is trained and logged once, one version."""
+    from prefect.settings import PREFECT_API_URL
+
+    tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    command = [sys.executable, "-m", "flows.training", "--ray-address", external_cluster.address]
+    command += ["--launch-mode", "ray_job", "--ray-dashboard-url", external_cluster.dashboard_url]
+    command += ["--storage-path", str(tmp_path / "storage"), "--mlflow-tracking-uri", tracking_uri, *JOB_RUN]
+    env = {**os.environ, **CLIENT_ENV, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
+    client = MlflowClient(tracking_uri)
+
+    def logged_epochs() -> list[int]:
+        experiment = client.get_experiment_by_name("job")
+        runs = client.search_runs([experiment.experiment_id]) if experiment else []
+        return [int(m.step) for run in runs for m in client.get_metric_history(run.info.run_id, "val_accuracy")]
+
+    log = (tmp_path / "first.log").open("w")
+    first = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while 1 not in logged_epochs():
+            assert first.poll() is None, (tmp_path / "first.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "epoch 1 was not logged within 300 s"
+            time.sleep(0.2)
+        first.send_signal(signal.SIGKILL)  # the orchestrator dies (an OOM kill); nothing can warn the job
+        first.wait(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+        log.close()
+    first_output = (tmp_path / "first.log").read_text()
+    match = re.search(r"submitted Ray Job (prt-fit-(\d{8}-\d{6}-[0-9a-f]{6}))", first_output)
+    assert match, first_output[-4000:]
+    submission_id, run_key = match[1], match[2]
+    at_kill = max(logged_epochs())
+    assert ray_jobs(external_cluster)[submission_id] == "RUNNING"  # training went on without its orchestrator
+
+    resumed = subprocess.run(
+        [*command, "--resume", run_key], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output[-4000:]
+    assert f"re-attaching to Ray Job {submission_id}" in output, output[-4000:]
+    assert f"[{submission_id}]" in output  # the job's log reached the task's log
+    jobs = {name: status for name, status in ray_jobs(external_cluster).items() if run_key in name}
+    assert jobs == {submission_id: "SUCCEEDED"}  # one job did all the training
+
+    experiment = client.get_experiment_by_name("job")
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.status == "FINISHED" and run.data.tags["prefect_raytrain.ray_job"] == submission_id
+    assert sorted(logged_epochs()) == list(range(8))  # each epoch logged once: none was trained twice
+    run_dir = tmp_path / "storage" / "runs" / run_key
+    assert sorted(p.name for p in run_dir.glob("epoch-*")) == [checkpoint_dir_name(n) for n in range(8)]
+    (version,) = client.search_model_versions("name='digits-classifier'")
+    assert version.run_id == run.info.run_id
+    print(f"\nkilled the orchestrator after epoch {at_kill}; the resume re-attached to {submission_id}, which finished")
+
+
+@pytest.mark.slow
+def test_stopping_a_ray_job_fit_stops_the_job_and_a_resume_continues_in_a_new_one(
+    external_cluster: ExternalCluster, tmp_path: Path, prefect_api: None
+) -> None:
+    """Ctrl-C (a cancellation does the same through Prefect's SIGTERM) stops the job, marks the MLflow run
+    KILLED and keeps the checkpoints; `--resume` then finds the job gone and continues in a new one."""
+    from prefect.settings import PREFECT_API_URL
+
+    tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    command = [sys.executable, "-m", "flows.training", "--ray-address", external_cluster.address]
+    command += ["--launch-mode", "ray_job", "--ray-dashboard-url", external_cluster.dashboard_url, "--no-register"]
+    command += ["--storage-path", str(tmp_path / "storage"), "--mlflow-tracking-uri", tracking_uri, *JOB_RUN]
+    env = {**os.environ, **CLIENT_ENV, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
+    client = MlflowClient(tracking_uri)
+
+    def only_run() -> Any:
+        experiment = client.get_experiment_by_name("job")
+        runs = client.search_runs([experiment.experiment_id]) if experiment else []
+        assert len(runs) <= 1
+        return runs[0] if runs else None
+
+    def logged_epochs() -> list[int]:
+        run = only_run()
+        return [] if run is None else [int(m.step) for m in client.get_metric_history(run.info.run_id, "val_accuracy")]
+
+    log = (tmp_path / "first.log").open("w")
+    first = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while 1 not in logged_epochs():
+            assert first.poll() is None, (tmp_path / "first.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "epoch 1 was not logged within 300 s"
+            time.sleep(0.2)
+        first.send_signal(signal.SIGINT)
+        first.wait(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+        log.close()
+    first_output = (tmp_path / "first.log").read_text()
+    assert first.returncode != 0, first_output[-4000:]
+    match = re.search(r"submitted Ray Job (prt-fit-(\d{8}-\d{6}-[0-9a-f]{6}))", first_output)
+    assert match, first_output[-4000:]
+    submission_id, run_key = match[1], match[2]
+    assert f"Ray Job {submission_id} stopped" in first_output, first_output[-4000:]
+    assert ray_jobs(external_cluster)[submission_id] == "STOPPED"
+    stopped = only_run()
+    assert stopped.info.status == "KILLED", stopped.info.status  # not left RUNNING, not FAILED
+    done_before = set(logged_epochs())
+
+    resumed = subprocess.run(
+        [*command, "--resume", run_key], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output[-4000:]
+    assert f"submitted Ray Job {submission_id}-1" in output and "STOPPED" in output, output[-4000:]
+    jobs = {name: status for name, status in ray_jobs(external_cluster).items() if run_key in name}
+    assert jobs == {submission_id: "STOPPED", f"{submission_id}-1": "SUCCEEDED"}
+    run = only_run()
+    assert run.info.run_id == stopped.info.run_id and run.info.status == "FINISHED"
+    assert sorted(logged_epochs()) == list(range(8))  # the epochs before the stop were kept, none logged twice
+    print(f"\nstopped after epochs {sorted(done_before)}; {submission_id}-1 continued from the last checkpoint")

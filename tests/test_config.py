@@ -112,3 +112,26 @@ def test_cli_rejects_bad_value_with_exit_2_and_field_named(capsys: pytest.Captur
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "num_workers (--num-workers)" in err and "epochs (--epochs)" in err
+
+
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        ({}, "ray_address"),  # a local Ray dies with this process: a job there would not outlive it
+        ({"ray_address": "ray://head:10001"}, "ray_address"),
+        ({"ray_address": "head:6379", "mlflow_tracking_uri": "https://user:pw@mlflow:5000"}, "mlflow_tracking_uri"),
+        ({"ray_address": "head:6379", "dataset": "s3://k:secret@bucket/data.csv"}, "dataset"),
+    ],
+)
+def test_ray_job_mode_refuses_what_it_cannot_run_or_would_expose(settings: dict[str, str], named: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        TrainingConfig(launch_mode="ray_job", **settings)
+    shown = describe_validation_error(info.value)  # what the CLI prints
+    assert f"`{named}`" in shown and "launch_mode" in shown
+    assert "pw" not in shown and "secret" not in shown
+
+
+def test_ray_job_mode_submits_to_the_dashboard_of_the_address_unless_told() -> None:
+    assert TrainingConfig(launch_mode="ray_job", ray_address="10.0.0.5:6379").dashboard_url == "http://10.0.0.5:8265"
+    told = TrainingConfig(launch_mode="ray_job", ray_address="10.0.0.5:6379", ray_dashboard_url="https://ray.corp/")
+    assert told.dashboard_url == "https://ray.corp"
