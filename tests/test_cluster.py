@@ -12,7 +12,7 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +23,6 @@ from mlflow import MlflowClient
 
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import ClusterError
-from raytrain_tasks.resume import checkpoint_dir_name
 from tasks.cluster import check_reachable, storage_shared_with_nodes
 from tests.conftest import REPO_ROOT, free_port, stop_process_group, wait_for_http
 
@@ -33,6 +32,9 @@ RAY = str(Path(sys.executable).with_name("ray"))
 # machine's ~/.ray/auth_token, shared by the head here).
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 CLIENT_ENV = {**LOOPBACK_ENV, "RAY_AUTH_MODE": "token"}
+# `ray start --block` does not exit within 20 s of a SIGTERM (measured: every head's teardown took 20 s, the
+# wait, then a SIGKILL of its process group). The cluster is thrown away with its temp dir either way.
+HEAD_STOP_GRACE_S = 3.0
 # A node's image has its Python first on PATH: a Ray Job's `python` entrypoint is that one.
 NODE_PATH = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
 
@@ -104,7 +106,7 @@ def head_node(env: dict[str, str] | None = None, num_cpus: int = 2) -> Iterator[
     finally:
         # The head's process group holds this cluster's processes (not the session's local Ray): `ray stop`
         # would stop every Ray on the machine.
-        stop_process_group(head, signal.SIGTERM, timeout=20)
+        stop_process_group(head, signal.SIGTERM, timeout=HEAD_STOP_GRACE_S)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
@@ -366,8 +368,10 @@ def test_an_address_that_accepts_but_is_not_ray_fails_within_the_connect_timeout
     assert seconds < 30 and "ray_connect_timeout_s" in done.stdout and "ray_address" in done.stdout
 
 
-# Epochs of a few seconds on 2 cores: a kill lands inside the run, and the job outlasts a new CLI's start.
-JOB_RUN = ["--dataset", "synthetic", "--synthetic-samples", "24000", "--synthetic-features", "20", "--epochs", "8"]
+# Epochs of about 3 s on 2 cores (0.5 s with 24,000 samples): the job outlasts a new CLI's start (about 15 s).
+JOB_EPOCHS = 12
+JOB_RUN = ["--dataset", "synthetic", "--synthetic-samples", "150000", "--synthetic-features", "20"]
+JOB_RUN += ["--epochs", str(JOB_EPOCHS)]
 JOB_RUN += ["--batch-size", "64", "--checkpoints-to-keep", "10", "--num-workers", "2", "--experiment-name", "job"]
 
 
@@ -390,114 +394,78 @@ def ray_jobs(cluster: ExternalCluster) -> dict[str, str]:
 def test_a_ray_job_fit_outlives_its_orchestrator_and_the_next_run_reattaches(
     external_cluster: ExternalCluster, tmp_path: Path, prefect_api: None
 ) -> None:
-    """launch_mode=ray_job: SIGKILL the flow-run process mid-fit; the job trains on, and `--resume` follows the
-    same job to the end instead of starting another. Every epoch is trained and logged once, one version."""
+    """launch_mode=ray_job, one run key through three orchestrators:
+    1. SIGKILL the flow-run process after epoch 1: the job trains on without it.
+    2. `--resume` re-attaches to that same job (no second job, no epoch trained twice); Ctrl-C it once the job
+       logged one more epoch (a Prefect cancellation does the same through its SIGTERM): the job is stopped, the
+       MLflow run KILLED.
+    3. `--resume` finds the job stopped and continues from the last checkpoint in a new job, to the end:
+       one MLflow run with every epoch once, one registered version."""
     from prefect.settings import PREFECT_API_URL
 
     tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     command = [sys.executable, "-m", "flows.training", "--ray-address", external_cluster.address]
     command += ["--launch-mode", "ray_job", "--ray-dashboard-url", external_cluster.dashboard_url]
     command += ["--storage-path", str(tmp_path / "storage"), "--mlflow-tracking-uri", tracking_uri, *JOB_RUN]
-    env = {**os.environ, **CLIENT_ENV, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
-    client = MlflowClient(tracking_uri)
-
-    def logged_epochs() -> list[int]:
-        experiment = client.get_experiment_by_name("job")
-        runs = client.search_runs([experiment.experiment_id]) if experiment else []
-        return [int(m.step) for run in runs for m in client.get_metric_history(run.info.run_id, "val_accuracy")]
-
-    log = (tmp_path / "first.log").open("w")
-    first = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 300
-        while 1 not in logged_epochs():
-            assert first.poll() is None, (tmp_path / "first.log").read_text()[-4000:]
-            assert time.monotonic() < deadline, "epoch 1 was not logged within 300 s"
-            time.sleep(0.2)
-        first.send_signal(signal.SIGKILL)  # the orchestrator dies (an OOM kill); nothing can warn the job
-        first.wait(timeout=60)
-    finally:
-        if first.poll() is None:
-            first.kill()
-        log.close()
-    first_output = (tmp_path / "first.log").read_text()
-    match = re.search(r"submitted Ray Job (prt-fit-(\d{8}-\d{6}-[0-9a-f]{6}))", first_output)
-    assert match, first_output[-4000:]
-    submission_id, run_key = match[1], match[2]
-    at_kill = max(logged_epochs())
-    assert ray_jobs(external_cluster)[submission_id] == "RUNNING"  # training went on without its orchestrator
-
-    resumed = subprocess.run(
-        [*command, "--resume", run_key], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
-    )
-    output = resumed.stdout + resumed.stderr
-    assert resumed.returncode == 0, output[-4000:]
-    assert f"re-attaching to Ray Job {submission_id}" in output, output[-4000:]
-    assert f"[{submission_id}]" in output  # the job's log reached the task's log
-    jobs = {name: status for name, status in ray_jobs(external_cluster).items() if run_key in name}
-    assert jobs == {submission_id: "SUCCEEDED"}  # one job did all the training
-
-    experiment = client.get_experiment_by_name("job")
-    (run,) = client.search_runs([experiment.experiment_id])
-    assert run.info.status == "FINISHED" and run.data.tags["prefect_raytrain.ray_job"] == submission_id
-    assert sorted(logged_epochs()) == list(range(8))  # each epoch logged once: none was trained twice
-    run_dir = tmp_path / "storage" / "runs" / run_key
-    assert sorted(p.name for p in run_dir.glob("epoch-*")) == [checkpoint_dir_name(n) for n in range(8)]
-    (version,) = client.search_model_versions("name='digits-classifier'")
-    assert version.run_id == run.info.run_id
-    print(f"\nkilled the orchestrator after epoch {at_kill}; the resume re-attached to {submission_id}, which finished")
-
-
-@pytest.mark.slow
-def test_stopping_a_ray_job_fit_stops_the_job_and_a_resume_continues_in_a_new_one(
-    external_cluster: ExternalCluster, tmp_path: Path, prefect_api: None
-) -> None:
-    """Ctrl-C (a cancellation does the same through Prefect's SIGTERM) stops the job, marks the MLflow run
-    KILLED and keeps the checkpoints; `--resume` then finds the job gone and continues in a new one."""
-    from prefect.settings import PREFECT_API_URL
-
-    tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    command = [sys.executable, "-m", "flows.training", "--ray-address", external_cluster.address]
-    command += ["--launch-mode", "ray_job", "--ray-dashboard-url", external_cluster.dashboard_url, "--no-register"]
-    command += ["--storage-path", str(tmp_path / "storage"), "--mlflow-tracking-uri", tracking_uri, *JOB_RUN]
-    env = {**os.environ, **CLIENT_ENV, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
+    env = {**os.environ, **CLIENT_ENV, "PREFECT_API_URL": str(PREFECT_API_URL.value()), **DRIVER_SECRETS}
     client = MlflowClient(tracking_uri)
 
     def only_run() -> Any:
         experiment = client.get_experiment_by_name("job")
         runs = client.search_runs([experiment.experiment_id]) if experiment else []
-        assert len(runs) <= 1
+        assert len(runs) <= 1, "one run key must be one MLflow run"
         return runs[0] if runs else None
 
     def logged_epochs() -> list[int]:
         run = only_run()
         return [] if run is None else [int(m.step) for m in client.get_metric_history(run.info.run_id, "val_accuracy")]
 
-    log = (tmp_path / "first.log").open("w")
-    first = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 300
-        while 1 not in logged_epochs():
-            assert first.poll() is None, (tmp_path / "first.log").read_text()[-4000:]
-            assert time.monotonic() < deadline, "epoch 1 was not logged within 300 s"
-            time.sleep(0.2)
-        first.send_signal(signal.SIGINT)
-        first.wait(timeout=120)
-    finally:
-        if first.poll() is None:
-            first.kill()
-        log.close()
-    first_output = (tmp_path / "first.log").read_text()
-    assert first.returncode != 0, first_output[-4000:]
-    match = re.search(r"submitted Ray Job (prt-fit-(\d{8}-\d{6}-[0-9a-f]{6}))", first_output)
-    assert match, first_output[-4000:]
+    def run_until(name: str, args: list[str], until: Callable[[str], bool], sig: int) -> str:
+        """Run the CLI until ``until(its output so far)``, then send it ``sig``; return its whole output."""
+        path = tmp_path / f"{name}.log"
+        with path.open("w") as log:
+            process = subprocess.Popen([*command, *args], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                deadline = time.monotonic() + 300
+                while not until(path.read_text()):
+                    assert process.poll() is None, path.read_text()[-4000:]
+                    assert time.monotonic() < deadline, f"{name}: not there within 300 s"
+                    time.sleep(0.2)
+                process.send_signal(sig)
+                assert process.wait(timeout=120) != 0
+            finally:
+                if process.poll() is None:
+                    process.kill()
+        return path.read_text()
+
+    # 1. The orchestrator dies (an OOM kill): nothing can warn the job.
+    first = run_until("first", [], lambda _: 1 in logged_epochs(), signal.SIGKILL)
+    killed_at = time.monotonic()
+    match = re.search(r"submitted Ray Job (prt-fit-(\d{8}-\d{6}-[0-9a-f]{6}))", first)
+    assert match, first[-4000:]
     submission_id, run_key = match[1], match[2]
-    assert f"Ray Job {submission_id} stopped" in first_output, first_output[-4000:]
-    assert ray_jobs(external_cluster)[submission_id] == "STOPPED"
+    assert f"[{submission_id}]" in first  # the job's log reached the task's log
+    assert ray_jobs(external_cluster)[submission_id] == "RUNNING"  # training went on without its orchestrator
+
+    # 2. The next run re-attaches to the same job.
+    reattached: list[float] = []  # seconds from the kill, the last epoch logged then
+
+    def reattached_and_one_more_epoch(output: str) -> bool:
+        if f"re-attaching to Ray Job {submission_id}" not in output:
+            return False
+        if not reattached:
+            reattached.extend([time.monotonic() - killed_at, max(logged_epochs())])
+        return max(logged_epochs()) > reattached[1]
+
+    second = run_until("second", ["--resume", run_key], reattached_and_one_more_epoch, signal.SIGINT)
+    assert sorted(logged_epochs()) == list(range(max(logged_epochs()) + 1))  # no epoch trained twice
+    assert {k: v for k, v in ray_jobs(external_cluster).items() if run_key in k} == {submission_id: "STOPPED"}
+    assert f"Ray Job {submission_id} stopped" in second, second[-4000:]
     stopped = only_run()
     assert stopped.info.status == "KILLED", stopped.info.status  # not left RUNNING, not FAILED
-    done_before = set(logged_epochs())
+    epochs_kept = max(logged_epochs())
 
+    # 3. The job is gone: a new one continues from the last checkpoint.
     resumed = subprocess.run(
         [*command, "--resume", run_key], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )
@@ -508,5 +476,17 @@ def test_stopping_a_ray_job_fit_stops_the_job_and_a_resume_continues_in_a_new_on
     assert jobs == {submission_id: "STOPPED", f"{submission_id}-1": "SUCCEEDED"}
     run = only_run()
     assert run.info.run_id == stopped.info.run_id and run.info.status == "FINISHED"
-    assert sorted(logged_epochs()) == list(range(8))  # the epochs before the stop were kept, none logged twice
-    print(f"\nstopped after epochs {sorted(done_before)}; {submission_id}-1 continued from the last checkpoint")
+    assert run.data.tags["prefect_raytrain.ray_job"] == f"{submission_id}-1"  # the job that trained last
+    assert sorted(logged_epochs()) == list(range(JOB_EPOCHS))  # each epoch logged once
+    (version,) = client.search_model_versions("name='digits-classifier'")
+    assert version.run_id == run.info.run_id
+    # The jobs' entrypoints and runtime_envs, as anyone who reaches the dashboard reads them: no driver secret.
+    answers = dashboard_answers(external_cluster, ["/api/jobs/"])
+    assert run_key in answers["/api/jobs/"]
+    for name, secret in DRIVER_SECRETS.items():
+        assert secret not in answers["/api/jobs/"], f"{name} is readable on the dashboard"
+    print(
+        f"\norchestrator SIGKILLed after epoch 1; the next run re-attached {reattached[0]:.1f} s later to "
+        f"{submission_id}, which had kept training (epoch {reattached[1]:.0f} logged by then); Ctrl-C stopped it "
+        f"after epoch {epochs_kept}; {submission_id}-1 continued from there to epoch {JOB_EPOCHS - 1}"
+    )

@@ -25,7 +25,7 @@ from mlflow import MlflowClient
 
 from devtools.s3_server import LocalS3
 from tests.conftest import free_port, stop_process_group
-from tests.test_cluster import CLIENT_ENV, RAY, ExternalCluster, head_node, run_python
+from tests.test_cluster import CLIENT_ENV, HEAD_STOP_GRACE_S, RAY, ExternalCluster, head_node, run_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
@@ -102,7 +102,7 @@ def second_node(head: ExternalCluster) -> Iterator[tuple[subprocess.Popen[bytes]
         assert "NODE " in seen, (temp_dir / "ray-start.log").read_text()[-3000:]
         yield node, seen.split("NODE ", 1)[1].split()[0]
     finally:
-        stop_process_group(node, signal.SIGTERM, timeout=20)
+        stop_process_group(node, signal.SIGTERM, timeout=HEAD_STOP_GRACE_S)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
