@@ -10,6 +10,7 @@ placed waits RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (60 s here) per attempt.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import tempfile
@@ -59,7 +60,7 @@ def main() -> None:
                 "s3_endpoint_url": f"http://127.0.0.1:{_closed_port()}",
             },
         }
-        ray.init(address="local", num_cpus=2, runtime_env={"env_vars": worker_env()}, logging_level="ERROR")
+        ray.init(address="local", num_cpus=2, runtime_env={"env_vars": worker_env()}, logging_level=logging.ERROR)
         rows = []
         with prefect_test_harness(server_startup_timeout=120):
             for number, (case, overrides) in enumerate(cases.items()):

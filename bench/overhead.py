@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import re
@@ -300,10 +301,12 @@ def bare_fit(workdir: Path, epochs: int, manifest: Path) -> None:
     config = TrainingConfig(epochs=epochs, batch_size=FLOW_BATCH_SIZE, storage_path=str(workdir / "storage"))
     dataset = DatasetRef.model_validate_json(manifest.read_text())
     started = time.perf_counter()
-    ray.init(address="local", runtime_env={"env_vars": worker_env()}, logging_level="ERROR")
+    ray.init(address="local", runtime_env={"env_vars": worker_env()}, logging_level=logging.ERROR)
     print(f"RAY_START {time.perf_counter() - started:.3f}")
     runs = locate(config.storage_path, config.storage_options).child("runs")
     result = build_trainer(config, dataset, "bare", runs).fit()
+    if result.checkpoint is None:
+        raise SystemExit("the bare fit reported no checkpoint")
     history = _read_history(result.checkpoint)
     print(f"IN_LOOP {sum(h['epoch_seconds'] for h in history):.4f}")
     ray.shutdown()
@@ -403,7 +406,10 @@ def _mlflow_in_loop(tracking_uri: str, experiment: str) -> float:
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri)
-    experiment_id = client.get_experiment_by_name(experiment).experiment_id
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        raise SystemExit(f"no MLflow experiment {experiment!r} at {tracking_uri}")
+    experiment_id = found.experiment_id
     (run,) = client.search_runs([experiment_id], order_by=["attributes.start_time DESC"], max_results=1)
     return sum(m.value for m in client.get_metric_history(run.info.run_id, "epoch_seconds"))
 
@@ -461,7 +467,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="prt-bench-") as tmp_name:
         tmp = Path(tmp_name)
         plain, ray_2, ray_1 = [], [], []
-        ray.init(address="local", runtime_env={"env_vars": worker_env()}, logging_level="ERROR")
+        ray.init(address="local", runtime_env={"env_vars": worker_env()}, logging_level=logging.ERROR)
         try:
             for rep in range(reps):
                 plain.append(run_plain(workload, world, tmp))

@@ -10,6 +10,7 @@ the epoch's commit time minus its own duration.
 from __future__ import annotations
 
 import contextvars
+import logging
 import os
 import signal
 import tempfile
@@ -46,7 +47,7 @@ def main() -> None:
             mlflow_tracking_uri=tracking,
             register=False,
         )
-        ray.init(address="local", num_cpus=2, runtime_env={"env_vars": worker_env()}, logging_level="ERROR")
+        ray.init(address="local", num_cpus=2, runtime_env={"env_vars": worker_env()}, logging_level=logging.ERROR)
         with prefect_test_harness(server_startup_timeout=120), ThreadPoolExecutor(1) as pool:
             future = pool.submit(contextvars.copy_context().run, training_pipeline, config=config)
             client = MlflowClient(tracking)
@@ -67,7 +68,10 @@ def main() -> None:
                 filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")],
             )
             killed_at = time.time()
-            os.kill(int(workers[-1].pid), signal.SIGKILL)
+            pid = workers[-1].pid
+            if pid is None:
+                raise SystemExit("the State API reported a training worker without a pid")
+            os.kill(int(pid), signal.SIGKILL)
             result = future.result(timeout=900)
         ray.shutdown()
         history = {int(e["epoch"]): e for e in result.fit.history}
