@@ -131,6 +131,14 @@ def fit_in_this_process(
             return _distributed_fit(config, dataset, run_key, runs, run_dir, origin or prefect_origin(run_key))
 
 
+def check_cluster(config: TrainingConfig, runs: StorageLocation) -> None:
+    """With Ray connected: the cluster can host the workers and every node can write the run's storage."""
+    check_resources(config, ray.cluster_resources())
+    storage_shared_with_nodes(config.storage_path, alive_node_count(), read_mounts())
+    if config.ray_address:  # a local Ray's node is this process's machine, with this process's credentials
+        check_storage_on_nodes(runs.uri, config.storage_options)
+
+
 def run_logger() -> logging.Logger | logging.LoggerAdapter[Any]:
     """The Prefect task's logger; a plain one where no Prefect run is (the fit's Ray Job on a cluster)."""
     try:
@@ -161,10 +169,7 @@ def _distributed_fit(
     run_id: str | None = None
     try:
         with ray_session(config):
-            check_resources(config, ray.cluster_resources())
-            storage_shared_with_nodes(config.storage_path, alive_node_count(), read_mounts())
-            if config.ray_address:  # a local Ray's node is this process's machine, with this process's credentials
-                check_storage_on_nodes(runs.uri, config.storage_options)
+            check_cluster(config, runs)
             experiment_id = tracking.ensure_experiment(
                 client, config.experiment_name, config.mlflow_tracking_uri, config.storage_path
             )

@@ -84,18 +84,15 @@ def fit_as_ray_job(
     origin: dict[str, str],
 ) -> FitResult:
     """Run (or re-attach to) the run key's fit as a Ray Job and return what it recorded."""
-    import ray
-
     from tasks import tracking
-    from tasks.cluster import check_resources, check_storage_on_nodes, ray_session
-    from tasks.fit import _finished_fit, run_logger
+    from tasks.cluster import ray_session
+    from tasks.fit import _finished_fit, check_cluster, run_logger
 
     logger = run_logger()
     # The same pre-flight as a driver run, from here: a wrong setting fails before any job is submitted.
     mlflow = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
     with ray_session(config):
-        check_resources(config, ray.cluster_resources())
-        check_storage_on_nodes(runs.uri, config.storage_options)
+        check_cluster(config, runs)
     client = connect(config)
     existing = jobs_of(client, run_key)
     newest = next((name for name in reversed(submission_ids(run_key)) if name in existing), None)
