@@ -294,7 +294,7 @@ def bare_fit(workdir: Path, epochs: int, manifest: Path) -> None:
 
     from raytrain_tasks.config import TrainingConfig
     from raytrain_tasks.data import DatasetRef
-    from tasks.cluster import worker_env
+    from tasks.cluster import sized_for_cluster, worker_env
     from tasks.fit import _read_history, build_trainer
     from tasks.storage import locate
 
@@ -304,6 +304,8 @@ def bare_fit(workdir: Path, epochs: int, manifest: Path) -> None:
     ray.init(address="local", runtime_env={"env_vars": worker_env()}, logging_level=logging.ERROR)
     print(f"RAY_START {time.perf_counter() - started:.3f}")
     runs = locate(config.storage_path, config.storage_options).child("runs")
+    # The flow sizes cpus_per_worker to the cluster the same way.
+    config = sized_for_cluster(config, [n["Resources"] for n in ray.nodes() if n["Alive"]], streams=False)
     result = build_trainer(config, dataset, "bare", runs).fit()
     if result.checkpoint is None:
         raise SystemExit("the bare fit reported no checkpoint")

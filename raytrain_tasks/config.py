@@ -101,7 +101,15 @@ class TrainingConfig(BaseModel):
         description="One GPU per worker and the NCCL backend; gloo on CPUs otherwise.",
     )
     cpus_per_worker: float = Field(
-        default=1.0, gt=0.0, le=256, title="CPUs per worker", description="CPU cores reserved per worker."
+        default=0.0,
+        ge=0.0,
+        le=256,
+        title="CPUs per worker",
+        description=(
+            "CPU cores reserved per worker (and its torch threads). 0: sized to the cluster when the fit starts, "
+            "its CPUs shared among the most workers the run can have (one node each), less what a streamed "
+            "Ray Data pipeline needs beside them; the value used is logged."
+        ),
     )
 
     data_loader: Literal["torch", "ray_data"] = Field(
@@ -109,8 +117,9 @@ class TrainingConfig(BaseModel):
         title="Data loader",
         description=(
             "'torch': every worker reads the split and a DistributedSampler shards it. 'ray_data': Ray Data "
-            "reads the Parquet split and standardises it on CPU tasks, streaming a disjoint shard to each worker "
-            "(leave CPUs free for it beside the workers)."
+            "reads the Parquet split and standardises it on CPU tasks, once per run into Ray's object store when "
+            "it fits (streamed every epoch beside the workers otherwise), and feeds a disjoint shard to each "
+            "worker."
         ),
     )
 

@@ -17,6 +17,9 @@ ROW_INDEX_COLUMN = "__row__"  # position within its split: lets a reader tell wh
 STORAGE_LAYOUT = 3  # 2: raw features, standardised by readers; 3: train/val/test assigned by a stable row hash
 # CPU that each Ray Data read/preprocess task reserves beside the training workers (data_loader="ray_data").
 DATA_TASK_CPUS = 0.5
+# A split is preprocessed once per run and kept in Ray's object store when both splits take at most this share of
+# the cluster's object store memory; larger data streams through read and preprocess tasks every epoch.
+MATERIALIZE_SHARE = 0.25
 MANIFEST_NAME = "dataset.json"
 Split = Literal["train", "val", "test"]
 SPLITS: tuple[Split, ...] = ("train", "val", "test")
@@ -50,6 +53,17 @@ class DatasetRef(BaseModel):
 
     def split_uri(self, split: Split) -> str:
         return f"{self.uri.rstrip('/')}/{split}.parquet"
+
+    @property
+    def preprocessed_bytes(self) -> int:
+        """Train and val splits as the workers' pipeline holds them: float32 features, int64 label and row."""
+        return (self.train_rows + self.val_rows) * (4 * self.num_features + 16)
+
+
+def streams(data_loader: str, dataset: DatasetRef, object_store_bytes: float) -> bool:
+    """Whether a ``ray_data`` fit reads and preprocesses its splits on CPU tasks every epoch, beside the workers
+    (too big to keep), rather than once per run before the workers start (see ``MATERIALIZE_SHARE``)."""
+    return data_loader == "ray_data" and dataset.preprocessed_bytes > MATERIALIZE_SHARE * object_store_bytes
 
 
 def read_split(

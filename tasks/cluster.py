@@ -314,6 +314,36 @@ def read_mounts() -> str:
         return ""
 
 
+# The least CPU an automatically sized worker gets; smaller shares must be set by hand.
+MIN_SIZED_CPUS = 0.5
+
+
+def sized_for_cluster(config: TrainingConfig, nodes: list[dict[str, float]], streams: bool) -> TrainingConfig:
+    """``config`` with ``cpus_per_worker`` set when it is 0 (unset): the largest share (in hundredths of a CPU)
+    such that the run's most workers fit on the alive nodes, no worker spanning two nodes (nor, with
+    ``use_gpu``, two workers sharing a GPU), and, when a Ray Data pipeline ``streams`` beside the workers,
+    ``DATA_TASK_CPUS`` left free for its tasks. ``nodes``: each alive node's resources. Unchanged when set; when
+    nothing fits in shares of at least ``MIN_SIZED_CPUS``, that much, and ``check_resources`` says what is missing
+    (eight workers on two CPUs is a mistake to report, not a run of starved processes)."""
+    if config.cpus_per_worker:
+        return config
+    workers = config.worker_range[1]
+    cpus = sorted((node.get("CPU", 0.0) for node in nodes), reverse=True)
+    gpus = [node.get("GPU", 0.0) for node in sorted(nodes, key=lambda n: n.get("CPU", 0.0), reverse=True)]
+    if streams and cpus:
+        cpus[0] -= DATA_TASK_CPUS
+
+    def hosted(share: float) -> int:
+        fits = [int(c / share + 1e-9) for c in cpus]
+        if config.use_gpu:
+            fits = [min(f, int(g)) for f, g in zip(fits, gpus, strict=True)]
+        return sum(fits)
+
+    candidates = sorted({int(c / k * 100 + 1e-9) / 100 for c in cpus for k in range(1, workers + 1)}, reverse=True)
+    share = next((c for c in candidates if c >= MIN_SIZED_CPUS and hosted(c) >= workers), MIN_SIZED_CPUS)
+    return config.model_copy(update={"cpus_per_worker": share})
+
+
 def requested_resources(config: TrainingConfig) -> ResourceRequest:
     """What the smallest worker group needs (an elastic group starts with at least `num_workers`)."""
     return ResourceRequest(
@@ -322,8 +352,9 @@ def requested_resources(config: TrainingConfig) -> ResourceRequest:
     )
 
 
-def check_resources(config: TrainingConfig, available: dict[str, float]) -> None:
-    """Fail in seconds when the cluster cannot host the worker group (Ray Train would wait forever)."""
+def check_resources(config: TrainingConfig, available: dict[str, float], streams: bool = False) -> None:
+    """Fail in seconds when the cluster cannot host the worker group (Ray Train would wait forever); ``config``
+    sized (``sized_for_cluster``), ``streams``: a Ray Data pipeline runs tasks beside the workers."""
     request = requested_resources(config)
     cpus, gpus = available.get("CPU", 0.0), available.get("GPU", 0.0)
     if request.gpus and gpus < request.gpus:
@@ -336,10 +367,11 @@ def check_resources(config: TrainingConfig, available: dict[str, float]) -> None
             f"{config.num_workers} workers x {config.cpus_per_worker:g} CPUs need {request.cpus:g} CPUs but the "
             f"Ray cluster has {cpus:g} CPUs; lower `num_workers` or `cpus_per_worker`"
         )
-    if config.data_loader == "ray_data" and cpus < request.cpus + DATA_TASK_CPUS:
+    if streams and cpus < request.cpus + DATA_TASK_CPUS:
         raise ClusterError(
-            f"data_loader='ray_data' runs its read and preprocessing tasks on CPUs beside the workers, but "
-            f"{config.num_workers} workers x {config.cpus_per_worker:g} CPUs take all {cpus:g} CPUs of the Ray "
-            f"cluster; leave {DATA_TASK_CPUS:g} CPU free (lower `cpus_per_worker` or `num_workers`), or use "
-            "data_loader='torch'"
+            f"data_loader='ray_data' streams this dataset (too big to keep in Ray's object store) through read "
+            f"and preprocessing tasks on CPUs beside the workers, but {config.num_workers} workers x "
+            f"{config.cpus_per_worker:g} CPUs take all {cpus:g} CPUs of the Ray cluster; leave {DATA_TASK_CPUS:g} "
+            "CPU free (set `cpus_per_worker` to 0 to size it automatically, or lower it or `num_workers`), or "
+            "use data_loader='torch'"
         )

@@ -27,7 +27,7 @@ from ray.train.v2.api.callback import RayTrainCallback
 
 from raytrain_tasks.checkpoint import STATE_FILE
 from raytrain_tasks.config import TrainingConfig, check_run_key
-from raytrain_tasks.data import DatasetRef
+from raytrain_tasks.data import DATA_TASK_CPUS, DatasetRef, streams
 from raytrain_tasks.errors import (
     CheckpointError,
     ClusterError,
@@ -47,6 +47,7 @@ from tasks.cluster import (
     check_storage_on_nodes,
     ray_session,
     read_mounts,
+    sized_for_cluster,
     storage_shared_with_nodes,
 )
 from tasks.lease import run_lease
@@ -131,12 +132,27 @@ def fit_in_this_process(
             return _distributed_fit(config, dataset, run_key, runs, run_dir, origin or prefect_origin(run_key))
 
 
-def check_cluster(config: TrainingConfig, runs: StorageLocation) -> None:
-    """With Ray connected: the cluster can host the workers and every node can write the run's storage."""
-    check_resources(config, ray.cluster_resources())
+def check_cluster(config: TrainingConfig, dataset: DatasetRef, runs: StorageLocation) -> TrainingConfig:
+    """With Ray connected: the cluster can host the workers and every node can write the run's storage. Returns
+    ``config`` sized to the cluster (``cpus_per_worker`` when unset), what the trainer is built from; the user's
+    settings, not this copy, are the run's MLflow params."""
+    available = ray.cluster_resources()
+    streamed = streams(config.data_loader, dataset, available.get("object_store_memory", 0.0))
+    nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+    sized = sized_for_cluster(config, nodes, streamed)
+    check_resources(sized, available, streamed)
     storage_shared_with_nodes(config.storage_path, alive_node_count(), read_mounts())
     if config.ray_address:  # a local Ray's node is this process's machine, with this process's credentials
         check_storage_on_nodes(runs.uri, config.storage_options)
+    if not config.cpus_per_worker:
+        run_logger().info(
+            "cpus_per_worker unset: %s workers x %g CPUs each, sized to the cluster's %g CPUs%s",
+            "-".join(map(str, sorted(set(config.worker_range)))),
+            sized.cpus_per_worker,
+            available.get("CPU", 0.0),
+            f" ({DATA_TASK_CPUS:g} left to Ray Data's streaming tasks)" if streamed else "",
+        )
+    return sized
 
 
 def run_logger() -> logging.Logger | logging.LoggerAdapter[Any]:
@@ -169,7 +185,7 @@ def _distributed_fit(
     run_id: str | None = None
     try:
         with ray_session(config):
-            check_cluster(config, runs)
+            sized = check_cluster(config, dataset, runs)
             experiment_id = tracking.ensure_experiment(
                 client, config.experiment_name, config.mlflow_tracking_uri, config.storage_path
             )
@@ -204,7 +220,7 @@ def _distributed_fit(
             preexisting = frozenset(name for name in run_dir.list_names() if name.startswith(CHECKPOINT_PREFIX))
             pinned = pinned_digests(client.get_run(run_id).data.tags) if reopened else {}
             trainer = build_trainer(
-                config,
+                sized,
                 dataset,
                 run_key,
                 runs,
@@ -377,11 +393,13 @@ def build_trainer(
     from raytrain_tasks.train_loop import WorkerSpec, train_loop_per_worker
     from tasks.trainer import RunTrainer
 
+    if not config.cpus_per_worker:
+        raise ValueError("cpus_per_worker is unset: build the trainer from check_cluster's sized config")
     data: dict[str, Any] = {}
     if config.data_loader == "ray_data":
         from raytrain_tasks.ingest import data_config, ray_datasets
 
-        data = {"datasets": ray_datasets(config, dataset), "dataset_config": data_config()}
+        data = {"datasets": ray_datasets(config, dataset, run_logger()), "dataset_config": data_config()}
     low, high = config.worker_range
     return RunTrainer(
         train_loop_per_worker,

@@ -283,8 +283,8 @@ def test_max_workers_makes_the_worker_group_elastic(tmp_path: Path) -> None:
         feature_std=(1.0,),
     )
     runs = locate(str(tmp_path / "runs"), TrainingConfig().storage_options)
-    elastic = build_trainer(TrainingConfig(num_workers=2, max_workers=4), dataset, "k", runs)
-    fixed = build_trainer(TrainingConfig(num_workers=2), dataset, "k", runs)
+    elastic = build_trainer(TrainingConfig(num_workers=2, max_workers=4, cpus_per_worker=0.5), dataset, "k", runs)
+    fixed = build_trainer(TrainingConfig(num_workers=2, cpus_per_worker=1), dataset, "k", runs)
     assert elastic.scaling_config.num_workers == (2, 4)
     assert fixed.scaling_config.num_workers == 2
 

@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from flows.cli import parse_config
 from raytrain_tasks.config import TrainingConfig, describe_validation_error, new_run_key
+from raytrain_tasks.errors import ClusterError
 
 
 @pytest.mark.parametrize(
@@ -135,3 +136,48 @@ def test_ray_job_mode_submits_to_the_dashboard_of_the_address_unless_told() -> N
     assert TrainingConfig(launch_mode="ray_job", ray_address="10.0.0.5:6379").dashboard_url == "http://10.0.0.5:8265"
     told = TrainingConfig(launch_mode="ray_job", ray_address="10.0.0.5:6379", ray_dashboard_url="https://ray.corp/")
     assert told.dashboard_url == "https://ray.corp"
+
+
+@pytest.mark.parametrize(
+    ("settings", "nodes", "streams", "share"),
+    [
+        # This machine's local Ray: the default is what fits it, with or without a streamed Ray Data pipeline.
+        ({}, [{"CPU": 2.0}], False, 1.0),
+        ({}, [{"CPU": 2.0}], True, 0.75),
+        # Elastic: sized so that the most workers fit.
+        ({"max_workers": 4}, [{"CPU": 2.0}], False, 0.5),
+        # A worker never spans nodes: two workers on a 4-CPU node beat one there and one on a 1-CPU node.
+        ({}, [{"CPU": 4.0}, {"CPU": 1.0}, {"CPU": 1.0}], False, 2.0),
+        ({"num_workers": 3}, [{"CPU": 16.0}, {"CPU": 16.0}], False, 8.0),
+        # One GPU per worker: the share comes from the nodes that have them.
+        ({"use_gpu": True}, [{"CPU": 16.0, "GPU": 1.0}, {"CPU": 4.0, "GPU": 1.0}], False, 4.0),
+        ({"use_gpu": True}, [{"CPU": 16.0, "GPU": 2.0}], False, 8.0),
+        # Set by hand: kept as it is, fit or not (the pre-flight says when it does not).
+        ({"cpus_per_worker": 1.5}, [{"CPU": 2.0}], True, 1.5),
+        # Nothing to size from, or shares under half a CPU: the least share, which the pre-flight refuses
+        # (naming the settings) rather than start starved workers.
+        ({}, [], False, 0.5),
+        ({"num_workers": 8}, [{"CPU": 2.0}], False, 0.5),
+    ],
+)
+def test_cpus_per_worker_unset_is_sized_to_the_cluster(
+    settings: dict[str, object], nodes: list[dict[str, float]], streams: bool, share: float
+) -> None:
+    from tasks.cluster import check_resources, sized_for_cluster
+
+    config = TrainingConfig.model_validate(settings)
+    sized = sized_for_cluster(config, nodes, streams)
+    assert sized.cpus_per_worker == share
+    assert sized.model_copy(update={"cpus_per_worker": config.cpus_per_worker}) == config  # nothing else changes
+    total = {"CPU": sum(n["CPU"] for n in nodes), "GPU": sum(n.get("GPU", 0.0) for n in nodes)}
+    if share * config.num_workers > total["CPU"]:
+        with pytest.raises(ClusterError, match="lower `num_workers` or `cpus_per_worker`"):
+            check_resources(sized, total, streams)
+    elif not config.cpus_per_worker:
+        check_resources(sized, total, streams)  # the pre-flight accepts what it sized
+
+
+def test_cpus_per_worker_defaults_to_sized_and_is_never_negative() -> None:
+    assert TrainingConfig().cpus_per_worker == 0.0
+    with pytest.raises(ValidationError):
+        TrainingConfig(cpus_per_worker=-1)

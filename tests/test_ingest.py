@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import ray.train
+from ray.data.dataset import MaterializedDataset
 from ray.train.torch import TorchTrainer
 
 from flows.training import training_pipeline
@@ -37,17 +38,23 @@ def _record_rows(loop_config: dict[str, Any]) -> None:
     ray.train.report({"done": 1})
 
 
-@pytest.mark.parametrize("loader", ["torch", "ray_data"])
+@pytest.mark.parametrize("loader", ["torch", "ray_data", "ray_data streamed"])
 def test_each_worker_sees_a_disjoint_shard_that_covers_the_data_once_per_epoch(
-    loader: str, tmp_path: Path, ray_cluster: object, prefect_api: None
+    loader: str, tmp_path: Path, ray_cluster: object, prefect_api: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    config = small_config(tmp_path, data_loader=loader, cpus_per_worker=0.5, batch_size=64).resolved(tmp_path, {})
+    data_loader = loader.split()[0]
+    config = small_config(tmp_path, data_loader=data_loader, cpus_per_worker=0.5, batch_size=64)
+    config = config.resolved(tmp_path, {})
     dataset = prepare_data(config)
     datasets: dict[str, Any] = {}
-    if loader == "ray_data":
+    if data_loader == "ray_data":
         from raytrain_tasks.ingest import data_config, ray_datasets
 
-        datasets = {"datasets": ray_datasets(config, dataset), "dataset_config": data_config()}
+        # Kept in the object store by default (small data); streamed every epoch when it would not fit there.
+        monkeypatch.setattr("raytrain_tasks.data.MATERIALIZE_SHARE", 0.0 if "streamed" in loader else 0.25)
+        pipelines = ray_datasets(config, dataset)
+        assert isinstance(pipelines["train"], MaterializedDataset) == ("streamed" not in loader)
+        datasets = {"datasets": pipelines, "dataset_config": data_config()}
     out = tmp_path / "rows"
     out.mkdir()
     previous_handler = signal.getsignal(signal.SIGINT)
@@ -55,7 +62,7 @@ def test_each_worker_sees_a_disjoint_shard_that_covers_the_data_once_per_epoch(
         _record_rows,
         train_loop_config={"config": config.model_dump(), "dataset": dataset.model_dump(), "out": str(out)},
         scaling_config=ray.train.ScalingConfig(num_workers=WORLD_SIZE, resources_per_worker={"CPU": 0.5}),
-        run_config=ray.train.RunConfig(name=f"rows-{loader}", storage_path=str(tmp_path / "runs")),
+        run_config=ray.train.RunConfig(name=f"rows-{loader.replace(' ', '-')}", storage_path=str(tmp_path / "runs")),
         **datasets,
     ).fit()
     # fit() on the main thread installs a SIGINT handler that keeps its controller actor alive until the next
@@ -83,7 +90,8 @@ def test_torch_and_ray_data_loaders_reach_the_same_accuracy(
 ) -> None:
     results = {}
     for loader in ("torch", "ray_data"):
-        config = small_config(tmp_path / loader, data_loader=loader, cpus_per_worker=0.5, register=False, epochs=4)
+        # The default cpus_per_worker (sized to the cluster): 2 workers and Ray Data on this 2-CPU Ray.
+        config = small_config(tmp_path / loader, data_loader=loader, register=False, epochs=4)
         results[loader] = training_pipeline(config=config).fit
     torch_run, ray_data_run = results["torch"], results["ray_data"]
     assert torch_run.final_metrics["val_accuracy"] >= 0.9
@@ -100,14 +108,40 @@ def test_torch_and_ray_data_loaders_reach_the_same_accuracy(
         )
 
 
-def test_ray_data_needs_cpus_beside_the_workers(tmp_path: Path, ray_cluster: dict[str, float]) -> None:
+def test_ray_data_that_streams_needs_cpus_beside_the_workers(tmp_path: Path, ray_cluster: dict[str, float]) -> None:
+    from raytrain_tasks.data import streams
     from raytrain_tasks.errors import ClusterError
-    from tasks.cluster import check_resources
+    from tasks.cluster import check_resources, sized_for_cluster
 
     config = small_config(tmp_path, data_loader="ray_data", num_workers=2, cpus_per_worker=1.0)
-    with pytest.raises(ClusterError, match="data_loader='ray_data'.*cpus_per_worker"):
-        check_resources(config, ray_cluster)
-    check_resources(config.model_copy(update={"cpus_per_worker": 0.5}), ray_cluster)
+    object_store = ray_cluster["object_store_memory"]
+    small = DatasetRef.model_validate({**DATASET_FIELDS, "train_rows": 1_000})
+    big = DatasetRef.model_validate({**DATASET_FIELDS, "train_rows": int(object_store / (4 * 8 + 16))})
+    assert not streams("ray_data", small, object_store) and streams("ray_data", big, object_store)
+    assert not streams("torch", big, object_store)
+    # Kept in the object store: preprocessed before the workers start, so they may take every CPU.
+    check_resources(config, ray_cluster, streams=False)
+    with pytest.raises(ClusterError, match="data_loader='ray_data' streams.*cpus_per_worker"):
+        check_resources(config, ray_cluster, streams=True)
+    # Unset, the share leaves the streaming tasks their CPU.
+    nodes = [{"CPU": ray_cluster["CPU"]}]
+    sized = sized_for_cluster(config.model_copy(update={"cpus_per_worker": 0.0}), nodes, streams=True)
+    assert sized.cpus_per_worker == 0.75
+    check_resources(sized, ray_cluster, streams=True)
+
+
+DATASET_FIELDS: dict[str, Any] = {
+    "uri": "/nowhere",
+    "content_hash": "0" * 16,
+    "source": "bench",
+    "label_column": "label",
+    "feature_names": tuple(f"f{i}" for i in range(8)),
+    "class_labels": ("0", "1"),
+    "train_rows": 1,
+    "val_rows": 0,
+    "feature_mean": (0.0,) * 8,
+    "feature_std": (1.0,) * 8,
+}
 
 
 def test_a_run_without_ray_datasets_starts_no_dataset_manager(
