@@ -56,8 +56,9 @@ class DatasetRef(BaseModel):
 
     @property
     def preprocessed_bytes(self) -> int:
-        """Train and val splits as the workers' pipeline holds them: float32 features, int64 label and row."""
-        return (self.train_rows + self.val_rows) * (4 * self.num_features + 16)
+        """Train and val splits as the workers' pipeline holds them (float32 features, int64 label and row), the
+        train split twice: whole, and divided into the workers' shards."""
+        return (2 * self.train_rows + self.val_rows) * (4 * self.num_features + 16)
 
 
 def streams(data_loader: str, dataset: DatasetRef, object_store_bytes: float) -> bool:

@@ -106,6 +106,8 @@ def train_loop_per_worker(train_loop_config: dict[str, Any]) -> None:
         restore_rng_state(rng_state)
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
 
+    if start_epoch < config.epochs:
+        batches.warm(start_epoch)
     for epoch in range(start_epoch, config.epochs):
         started = time.perf_counter()
         model.train()

@@ -395,12 +395,13 @@ def build_trainer(
 
     if not config.cpus_per_worker:
         raise ValueError("cpus_per_worker is unset: build the trainer from check_cluster's sized config")
+    low, high = config.worker_range
     data: dict[str, Any] = {}
     if config.data_loader == "ray_data":
         from raytrain_tasks.ingest import data_config, ray_datasets
 
-        data = {"datasets": ray_datasets(config, dataset, run_logger()), "dataset_config": data_config()}
-    low, high = config.worker_range
+        datasets = ray_datasets(config, dataset, run_logger())
+        data = {"datasets": datasets, "dataset_config": data_config(datasets["train"], low if low == high else 0)}
     return RunTrainer(
         train_loop_per_worker,
         train_loop_config=WorkerSpec(config=config, dataset=dataset, preexisting=pins[0], pinned=pins[1]).model_dump(

@@ -54,7 +54,7 @@ def test_each_worker_sees_a_disjoint_shard_that_covers_the_data_once_per_epoch(
         monkeypatch.setattr("raytrain_tasks.data.MATERIALIZE_SHARE", 0.0 if "streamed" in loader else 0.25)
         pipelines = ray_datasets(config, dataset)
         assert isinstance(pipelines["train"], MaterializedDataset) == ("streamed" not in loader)
-        datasets = {"datasets": pipelines, "dataset_config": data_config()}
+        datasets = {"datasets": pipelines, "dataset_config": data_config(pipelines["train"], WORLD_SIZE)}
     out = tmp_path / "rows"
     out.mkdir()
     previous_handler = signal.getsignal(signal.SIGINT)
