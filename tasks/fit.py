@@ -204,6 +204,8 @@ def _distributed_fit(
                 run_key,
                 run_name=origin.get("run_name", run_key),
                 tags=_run_tags(config, dataset, run_key, run_dir, backend)
+                # The CPUs each worker got (the param is the setting, 0 when sized to the cluster).
+                | {"prefect_raytrain.cpus_per_worker": f"{sized.cpus_per_worker:g}"}
                 | {k: v for k, v in origin.items() if k != "run_name"},
                 params=config.public_params(),
             )

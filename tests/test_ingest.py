@@ -7,6 +7,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import mlflow
 import pytest
 import ray.train
 from ray.data.dataset import MaterializedDataset
@@ -101,6 +102,10 @@ def test_torch_and_ray_data_loaders_reach_the_same_accuracy(
         torch_run.final_metrics["val_accuracy"], abs=0.03
     )
     assert [m["epoch"] for m in ray_data_run.history] == [0, 1, 2, 3]
+    # The setting stays unset in the params; the CPUs each worker got are recorded beside it.
+    run = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'ray_data' / 'mlflow.db'}").get_run(ray_data_run.mlflow_run_id)
+    assert run.data.params["cpus_per_worker"] == "0.0"
+    assert run.data.tags["prefect_raytrain.cpus_per_worker"] == "1"
     for loader, fit in results.items():
         print(
             f"\n{loader}: val_accuracy {fit.final_metrics['val_accuracy']:.4f}, "

@@ -26,3 +26,11 @@ def test_worker_code_imports_without_prefect(module: str) -> None:
 @pytest.mark.parametrize("module", ["flows.training", "tasks.fit", "tasks.register", "tasks.data"])
 def test_flow_and_task_modules_do_not_load_torch(module: str) -> None:
     assert not _loaded_after_import(module, "torch")
+
+
+def test_the_license_is_an_spdx_expression() -> None:
+    """A `license = { text = ... }` table makes setuptools print a deprecation warning at every install."""
+    import tomllib
+
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0"
