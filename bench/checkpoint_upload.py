@@ -19,6 +19,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import torch
 
+from bench.summary import write_figures
 from devtools.s3_server import ADMIN, LocalS3
 from raytrain_tasks.checkpoint import ModelSpec, TrainingState, capture_rng_state, save_checkpoint
 from raytrain_tasks.fs import StorageOptions, open_filesystem
@@ -57,6 +58,7 @@ def main() -> None:
             client = s3_client(options)
             client.create_bucket(Bucket=BUCKET)
             filesystem, _ = open_filesystem(f"s3://{BUCKET}/x", options)
+            sizes = []
             for hidden in ([128, 64], [1024, 1024], [4096, 4096]):
                 source = Path(tmp) / f"ckpt-{hidden[0]}"
                 size = make_checkpoint(source, hidden)
@@ -84,8 +86,10 @@ def main() -> None:
                     f" | boto3 put_object {t_raw:6.3f} s {mb / t_raw:7.1f} MB/s"
                     f" | throughput ratio {t_raw / t_ours:4.2f}x"
                 )
+                sizes.append({"mb": mb, "pyarrow_s": t_ours, "boto3_s": t_raw, "throughput_ratio": t_raw / t_ours})
         finally:
             server.stop()
+    print(f"written: {write_figures('checkpoint_upload', {'sizes': sizes, 'repeats': args.repeats})}")
 
 
 if __name__ == "__main__":

@@ -120,6 +120,8 @@ def measure(workdir: Path) -> dict[str, float] | None:
 
 
 def main() -> None:
+    from bench.summary import write_figures
+
     runs: list[dict[str, float]] = []
     for attempt in range(1, ATTEMPTS + 1):
         with tempfile.TemporaryDirectory(prefix="prt-bench-") as tmp:
@@ -141,6 +143,7 @@ def main() -> None:
     print(f"recovery / fresh start: {ratio:.2f}x (target <= {TARGET}x: {'met' if ratio <= TARGET else 'missed'})")
     print(f"kill -> epoch 2 committed: {r['kill_to_commit_s']:.1f} s")
     print("epochs of work lost: the part of epoch 2 done before the kill (under 1 epoch); epochs 0-1 kept")
+    print(f"written: {write_figures('recovery', r)}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,199 @@
+"""Every target of the benchmarks and its figure, in one table: bench/results/targets.md.
+
+    python -m bench.summary      # the last step of `make bench`
+
+Reads what each benchmark wrote to bench/results/ (overhead.json, checkpoint_upload.json, recovery.json,
+failfast.json) and bench/results/started (written by `make bench` when it starts: the wall time of the run).
+A target whose benchmark did not run, or cannot run on this machine (GPU), says so instead of a figure.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).with_name("results")
+BENCH_WALL_TARGET_S = 15 * 60
+
+
+def write_figures(name: str, figures: dict[str, Any]) -> Path:
+    """One benchmark's figures, as bench/results/<name>.json."""
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(figures, indent=1))
+    return path
+
+
+def _load(name: str) -> dict[str, Any] | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+Row = tuple[str, str, str, str]  # target, figure, verdict, where it comes from
+
+
+def _ratio_row(target: str, value: float, limit: float, at_most: bool, detail: str, source: str) -> Row:
+    met = value <= limit if at_most else value >= limit
+    return target, f"{value:.2f}x ({detail})", "met" if met else "missed", source
+
+
+def rows() -> list[Row]:
+    out: list[Row] = []
+    overhead = _load("overhead")
+    if overhead is None:
+        out.append(("overhead targets", "not measured", "-", "python -m bench.overhead"))
+    else:
+        p, i, lf, o = overhead["parity"], overhead["ingest"], overhead["loader_fit"], overhead["orchestration"]
+        n = overhead["world_size"]
+        source = "bench.overhead"
+        out += [
+            _ratio_row(
+                f"in-loop time, Ray Train vs plain DDP, {n} workers <= 1.03x",
+                p["ray_train"]["in_loop_s"] / p["plain_ddp"]["in_loop_s"],
+                1.03,
+                True,
+                f"{p['ray_train']['in_loop_s']:.2f} s vs {p['plain_ddp']['in_loop_s']:.2f} s",
+                source,
+            ),
+            _ratio_row(
+                "Ray Data ingest rows/s per epoch vs the torch loader >= 0.9x",
+                i["ray_data_epoch_rows_per_s"] / i["torch_epoch_rows_per_s"],
+                0.9,
+                False,
+                f"{i['ray_data_epoch_rows_per_s']:.0f} vs {i['torch_epoch_rows_per_s']:.0f}; once per fit "
+                f"{i['ray_data_once_s']:.2f} s vs {i['torch_once_s']:.2f} s",
+                source,
+            ),
+            _ratio_row(
+                f"in-loop samples/s, {n}-worker fit, data_loader ray_data vs torch >= 0.9x",
+                lf["ray_data"]["samples_per_s"] / lf["torch"]["samples_per_s"],
+                0.9,
+                False,
+                f"{lf['ray_data']['samples_per_s']:.0f} vs {lf['torch']['samples_per_s']:.0f}",
+                source,
+            ),
+            _ratio_row(
+                "fixed cost, whole flow (repeat run) vs bare TorchTrainer.fit() <= 1.3x",
+                o["flow"]["fixed_s"] / o["bare_fit"]["fixed_s"],
+                1.3,
+                True,
+                f"{o['flow']['fixed_s']:.1f} s vs {o['bare_fit']['fixed_s']:.1f} s",
+                source,
+            ),
+            (
+                "checkpointing share of epoch time <= 3%",
+                f"{100 * o['flow']['checkpoint_share']:.1f}% ({o['flow']['checkpoint_s_per_epoch']:.3f} s per epoch)",
+                "met" if o["flow"]["checkpoint_share"] <= 0.03 else "missed",
+                source,
+            ),
+            (
+                "peak memory (PSS) of the whole flow's processes <= 3 GiB",
+                f"{o['flow']['peak_pss_gib']:.2f} GiB",
+                "met" if o["flow"]["peak_pss_gib"] <= 3 else "missed",
+                source,
+            ),
+        ]
+    out.append(
+        (
+            "fixed cost of a warm served run vs a bare fit <= 1.0x",
+            "not measured (issue 18 item 3 is open)",
+            "-",
+            "-",
+        )
+    )
+    upload = _load("checkpoint_upload")
+    if upload is None:
+        out.append(
+            ("checkpoint upload vs raw boto3 (parity)", "not measured", "-", "python -m bench.checkpoint_upload")
+        )
+    else:
+        # Throughput means something from a megabyte up; below, one request's latency is the whole figure, and
+        # it is shown in seconds instead.
+        sized = [s for s in upload["sizes"] if s["mb"] >= 1]
+        small = [s for s in upload["sizes"] if s["mb"] < 1]
+        worst = min(sized, key=lambda s: s["throughput_ratio"])
+        out.append(
+            _ratio_row(
+                "checkpoint upload throughput (1 MB and up), Ray's pyarrow path vs raw boto3 >= 0.9x (parity)",
+                worst["throughput_ratio"],
+                0.9,
+                False,
+                "lowest of "
+                + ", ".join(f"{s['mb']:.1f} MB {s['throughput_ratio']:.2f}x" for s in sized)
+                + "".join(f"; {s['mb']:.2f} MB: {s['pyarrow_s']:.3f} s vs {s['boto3_s']:.3f} s" for s in small),
+                "bench.checkpoint_upload",
+            )
+        )
+    recovery = _load("recovery")
+    if recovery is None:
+        out.append(("recovery vs a fresh worker group start <= 1.2x", "not measured", "-", "python -m bench.recovery"))
+    else:
+        out.append(
+            _ratio_row(
+                "recovery (kill -> first resumed step) vs a fresh worker group start <= 1.2x",
+                recovery["recovery_s"] / recovery["fresh_start_s"],
+                1.2,
+                True,
+                f"{recovery['recovery_s']:.1f} s vs {recovery['fresh_start_s']:.1f} s",
+                "bench.recovery",
+            )
+        )
+    failfast = _load("failfast")
+    if failfast is None:
+        out.append(("a wrong setting fails before any worker starts", "not measured", "-", "python -m bench.failfast"))
+    else:
+        cases = failfast["cases"]
+        slowest = max(cases, key=lambda c: c["seconds"])
+        started = sum(c["actors"] or 0 for c in cases)  # None: no cluster to start any on
+        out.append(
+            (
+                "a wrong setting fails before any Ray Train actor starts",
+                f"{len(cases)} settings, {started} actors started; slowest {slowest['seconds']:.1f} s "
+                f"({slowest['case']})",
+                "met" if started == 0 and all(c["error"] != "" for c in cases) else "missed",
+                "bench.failfast",
+            )
+        )
+    out.append(
+        (
+            "GPU: in-loop vs plain NCCL DDP <= 1.03x; 1 worker vs a bare single-GPU loop >= 0.97x",
+            "not measured (no GPU lent to this project yet)",
+            "-",
+            "python -m bench.overhead --use-gpu",
+        )
+    )
+    started_file = RESULTS / "started"
+    if started_file.exists():
+        wall = time.time() - float(started_file.read_text())
+        out.append(
+            (
+                "`make bench` wall time < 15 min",
+                f"{wall / 60:.1f} min",
+                "met" if wall < BENCH_WALL_TARGET_S else "missed",
+                "make bench",
+            )
+        )
+    return out
+
+
+def render(table: list[Row], header: Callable[[], str] = lambda: "") -> str:
+    lines = [header(), "| target | figure | verdict | benchmark |", "|---|---|---|---|"]
+    lines += [f"| {target} | {figure} | {verdict} | {source} |" for target, figure, verdict, source in table]
+    return "\n".join(line for line in lines if line) + "\n"
+
+
+def main() -> None:
+    overhead = _load("overhead")
+    machine = overhead["machine"] if overhead else {}
+    markdown = render(rows(), lambda: "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()) + ".\n")
+    print(markdown)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "targets.md").write_text(markdown)
+    print(f"written: {RESULTS / 'targets.md'}")
+
+
+if __name__ == "__main__":
+    main()
