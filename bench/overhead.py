@@ -257,10 +257,8 @@ def run_loader_fit(w: Workload, world: int, dataset: Any, loader: str, tmp: Path
     in-loop samples/s from its own per-epoch metrics."""
     import signal
 
-    import ray
-
     from raytrain_tasks.config import TrainingConfig
-    from tasks.cluster import sized_for_cluster
+    from tasks.cluster import alive_node_resources, sized_for_cluster
     from tasks.fit import _read_history, build_trainer
     from tasks.storage import locate
 
@@ -273,8 +271,7 @@ def run_loader_fit(w: Workload, world: int, dataset: Any, loader: str, tmp: Path
         epochs=w.epochs,
         storage_path=str(tmp / f"loader-fit-{loader}-{time.monotonic_ns()}"),
     )
-    nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
-    config = sized_for_cluster(config, nodes, streams=False)
+    config = sized_for_cluster(config, alive_node_resources(), streams=False)
     runs = locate(config.storage_path, config.storage_options).child("runs")
     handler = signal.getsignal(signal.SIGINT)
     try:
@@ -356,7 +353,7 @@ def bare_fit(workdir: Path, epochs: int, manifest: Path) -> None:
 
     from raytrain_tasks.config import TrainingConfig
     from raytrain_tasks.data import DatasetRef
-    from tasks.cluster import sized_for_cluster, worker_env
+    from tasks.cluster import alive_node_resources, sized_for_cluster, worker_env
     from tasks.fit import _read_history, build_trainer
     from tasks.storage import locate
 
@@ -367,7 +364,7 @@ def bare_fit(workdir: Path, epochs: int, manifest: Path) -> None:
     print(f"RAY_START {time.perf_counter() - started:.3f}")
     runs = locate(config.storage_path, config.storage_options).child("runs")
     # The flow sizes cpus_per_worker to the cluster the same way.
-    config = sized_for_cluster(config, [n["Resources"] for n in ray.nodes() if n["Alive"]], streams=False)
+    config = sized_for_cluster(config, alive_node_resources(), streams=False)
     result = build_trainer(config, dataset, "bare", runs).fit()
     if result.checkpoint is None:
         raise SystemExit("the bare fit reported no checkpoint")

@@ -300,10 +300,11 @@ def check_storage_on_nodes(storage_uri: str, options: StorageOptions, timeout_s:
     return len(nodes)
 
 
-def alive_node_count() -> int:
+def alive_node_resources() -> list[dict[str, float]]:
+    """The resources (CPU, GPU, object store ...) of each alive node of the connected Ray."""
     import ray
 
-    return sum(1 for node in ray.nodes() if node.get("Alive"))
+    return [node["Resources"] for node in ray.nodes() if node.get("Alive")]
 
 
 def read_mounts() -> str:
@@ -328,10 +329,11 @@ def sized_for_cluster(config: TrainingConfig, nodes: list[dict[str, float]], str
     if config.cpus_per_worker:
         return config
     workers = config.worker_range[1]
-    cpus = sorted((node.get("CPU", 0.0) for node in nodes), reverse=True)
-    gpus = [node.get("GPU", 0.0) for node in sorted(nodes, key=lambda n: n.get("CPU", 0.0), reverse=True)]
+    largest_first = sorted(nodes, key=lambda node: node.get("CPU", 0.0), reverse=True)
+    cpus = [node.get("CPU", 0.0) for node in largest_first]
+    gpus = [node.get("GPU", 0.0) for node in largest_first]
     if streams and cpus:
-        cpus[0] -= DATA_TASK_CPUS
+        cpus[0] -= DATA_TASK_CPUS  # the streaming tasks' CPU, taken where it hurts the packing least
 
     def hosted(share: float) -> int:
         fits = [int(c / share + 1e-9) for c in cpus]

@@ -42,7 +42,7 @@ from raytrain_tasks.tracking import MlflowEpochLogger, OpenMlflowEarly, pinned_d
 from tasks import evaluation, tracking
 from tasks.cluster import (
     WORKER_GROUP_START_TIMEOUT_S,
-    alive_node_count,
+    alive_node_resources,
     check_resources,
     check_storage_on_nodes,
     ray_session,
@@ -138,10 +138,10 @@ def check_cluster(config: TrainingConfig, dataset: DatasetRef, runs: StorageLoca
     settings, not this copy, are the run's MLflow params."""
     available = ray.cluster_resources()
     streamed = streams(config.data_loader, dataset, available.get("object_store_memory", 0.0))
-    nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+    nodes = alive_node_resources()
     sized = sized_for_cluster(config, nodes, streamed)
     check_resources(sized, available, streamed)
-    storage_shared_with_nodes(config.storage_path, alive_node_count(), read_mounts())
+    storage_shared_with_nodes(config.storage_path, len(nodes), read_mounts())
     if config.ray_address:  # a local Ray's node is this process's machine, with this process's credentials
         check_storage_on_nodes(runs.uri, config.storage_options)
     if not config.cpus_per_worker:
