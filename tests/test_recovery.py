@@ -297,10 +297,14 @@ def test_a_tampered_checkpoint_stops_the_restarted_workers_and_runs_nothing(tmp_
     def tamper_latest_checkpoint() -> None:
         import torch
 
+        # Epoch 1's checkpoint (committed) and any later one already on disk: the one a restarted group resumes
+        # from may be either, if epoch 2 was saved by the time of the kill (seen once in CI: epoch-0002 alone
+        # was swapped and the workers resumed from an untouched epoch-0001). Epoch 0 stays intact: the workers
+        # must not fall back to it.
         (run_dir,) = (tmp_path / "storage" / "runs").iterdir()
-        latest = max(run_dir.glob("epoch-*"))
-        torch.save({"numpy": CreatesAFile(marker)}, latest / RNG_FILE)
-        rewrite_manifest(latest)
+        for folder in sorted(run_dir.glob("epoch-*"))[1:]:
+            torch.save({"numpy": CreatesAFile(marker)}, folder / RNG_FILE)
+            rewrite_manifest(folder)
 
     config = chaos_config(tmp_path, max_failures=1, fit_retries=2, retry_delay_seconds=0)
     state, _ = run_killing_a_worker(tmp_path, config, before_kill=tamper_latest_checkpoint)
