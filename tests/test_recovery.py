@@ -8,6 +8,7 @@ code: worker PIDs come from Ray's State API, the CLI is killed by its PID.
 from __future__ import annotations
 
 import contextvars
+import json
 import os
 import re
 import signal
@@ -16,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,7 @@ from tests.conftest import REPO_ROOT, small_config, this_ray_address
 pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.usefixtures("ray_cluster", "prefect_api")]
 
 EPOCHS = 4
-# Big enough that an epoch takes a few seconds on 2 cores, so a kill lands inside a chosen epoch.
+# An epoch takes about 0.5 s on 2 cores: a kill is placed by stopping the workers (see run_killing_a_worker).
 CHAOS = {
     "dataset": "synthetic",
     "synthetic_samples": 24_000,
@@ -52,13 +54,13 @@ def start_flow(pool: ThreadPoolExecutor, config: Any) -> Any:
     return pool.submit(contextvars.copy_context().run, training_pipeline, config=config, return_state=True)
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
-        time.sleep(0.2)
+        time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
@@ -82,29 +84,50 @@ def committed_epochs(workdir: Path) -> set[int]:
     return {int(m.step) for m in mlflow_client(workdir).get_metric_history(run.info.run_id, "val_accuracy")}
 
 
-def kill_one_train_worker() -> int:
+def train_worker_pids(workers: int) -> list[int]:
+    """The PIDs of the run's Ray Train workers once all ``workers`` are up (empty before)."""
     from ray.util.state import list_actors
 
     alive = [("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")]
-    workers = list_actors(address=this_ray_address(), filters=alive)
-    assert workers, "no live Ray Train worker to kill"
-    pid = int(workers[-1].pid)
-    os.kill(pid, signal.SIGKILL)
-    return pid
+    pids = [int(actor.pid) for actor in list_actors(address=this_ray_address(), filters=alive)]
+    return pids if len(pids) == workers else []
+
+
+@dataclass(frozen=True)
+class Kill:
+    at: float  # time.time() of the SIGKILL
+    resume_epoch: int  # the newest epoch Ray Train had registered: the restarted group resumes from it
 
 
 def run_killing_a_worker(
-    workdir: Path, config: Any, after_epoch: int = 1, before_kill: Callable[[], None] | None = None
-) -> tuple[Any, float]:
-    """Run the flow, SIGKILL one Ray Train worker once ``after_epoch`` is committed; (final state, kill time)."""
+    workdir: Path, config: Any, after_epoch: int = 1, before_kill: Callable[[int], None] | None = None
+) -> tuple[Any, Kill]:
+    """Run the flow and SIGKILL one Ray Train worker once ``after_epoch`` is committed; (final state, the kill).
+
+    The kill cannot be timed to an epoch by polling: an epoch takes about 0.5 s here, and Ray Train's
+    controller registers reports only when it polls the workers (every 2 s), so at the time epoch N is
+    registered the workers may have uploaded the checkpoints of N+1 and N+2 already (seen in CI: the corrupted
+    epoch was no longer the one resumed from). So every worker is stopped (SIGSTOP) as soon as ``after_epoch``
+    is committed: nothing is trained, uploaded or reported after that. The epoch the restarted group resumes
+    from is read then, ``before_kill(resume_epoch)`` runs, one worker is killed and the others continue.
+    """
     with ThreadPoolExecutor(1) as pool:
         future = start_flow(pool, config)
-        wait_for(lambda: after_epoch in committed_epochs(workdir), 300, f"epoch {after_epoch} to be committed")
-        if before_kill is not None:
-            before_kill()
-        killed_at = time.time()
-        kill_one_train_worker()
-        return future.result(timeout=600), killed_at
+        pids = wait_for(lambda: train_worker_pids(config.num_workers), 300, "the worker group to start")
+        wait_for(lambda: after_epoch in committed_epochs(workdir), 300, f"epoch {after_epoch} to be committed", 0.02)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(0.5)  # a registration already under way in the controller lands in MLflow
+            resume_epoch = max(committed_epochs(workdir))
+            if before_kill is not None:
+                before_kill(resume_epoch)
+            killed_at = time.time()
+            os.kill(pids[-1], signal.SIGKILL)
+        finally:
+            for pid in pids[:-1]:
+                os.kill(pid, signal.SIGCONT)
+        return future.result(timeout=600), Kill(killed_at, resume_epoch)
 
 
 def assert_same_as_uninterrupted(workdir: Path, reference: PipelineResult) -> None:
@@ -121,6 +144,15 @@ def assert_same_as_uninterrupted(workdir: Path, reference: PipelineResult) -> No
         assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == list(range(EPOCHS))
 
 
+def assert_resumed_not_restarted(written: dict[str, float], kill: Kill) -> None:
+    """The checkpoints up to the one resumed from were not rewritten; the last epoch was trained after the kill."""
+    resumed_from = checkpoint_dir_name(kill.resume_epoch)
+    assert kill.resume_epoch >= 1 and resumed_from in written
+    assert all(mtime < kill.at for name, mtime in written.items() if name <= resumed_from), written
+    last_epoch = checkpoint_dir_name(EPOCHS - 1)
+    assert max(mtime for name, mtime in written.items() if name.startswith(last_epoch)) > kill.at, written
+
+
 def checkpoint_mtimes(workdir: Path) -> dict[str, float]:
     (run_dir,) = (workdir / "storage" / "runs").iterdir()
     return {p.name: (p / MODEL_FILE).stat().st_mtime for p in run_dir.glob("epoch-*") if (p / MODEL_FILE).exists()}
@@ -133,13 +165,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> PipelineResult:
 
 
 def test_worker_killed_mid_epoch_resumes_from_last_checkpoint(tmp_path: Path, reference: PipelineResult) -> None:
-    state, killed_at = run_killing_a_worker(tmp_path, chaos_config(tmp_path, max_failures=2))
+    state, kill = run_killing_a_worker(tmp_path, chaos_config(tmp_path, max_failures=2))
     assert state.is_completed(), state.message
     assert_same_as_uninterrupted(tmp_path, reference)
-    written = checkpoint_mtimes(tmp_path)
-    # Resumed, not restarted: the committed checkpoints were not rewritten, the later ones were written after.
-    assert written["epoch-0000"] < killed_at and written["epoch-0001"] < killed_at
-    assert written["epoch-0003"] > killed_at
+    assert_resumed_not_restarted(checkpoint_mtimes(tmp_path), kill)
 
 
 def test_fit_task_failure_is_retried_by_prefect_and_resumes(tmp_path: Path, reference: PipelineResult) -> None:
@@ -148,10 +177,10 @@ def test_fit_task_failure_is_retried_by_prefect_and_resumes(tmp_path: Path, refe
 
     # No worker-group restarts: the kill fails the task, and only Prefect's retry can recover it.
     config = chaos_config(tmp_path, max_failures=0, fit_retries=1, retry_delay_seconds=0)
-    state, killed_at = run_killing_a_worker(tmp_path, config)
+    state, kill = run_killing_a_worker(tmp_path, config)
     assert state.is_completed(), state.message
     assert_same_as_uninterrupted(tmp_path, reference)
-    assert checkpoint_mtimes(tmp_path)["epoch-0000"] < killed_at
+    assert checkpoint_mtimes(tmp_path)["epoch-0000"] < kill.at
 
     with get_client(sync_client=True) as client:
         task_runs = client.read_task_runs(
@@ -236,25 +265,30 @@ def test_corrupted_latest_checkpoint_is_skipped_on_resume(tmp_path: Path, refere
     """With the default retention (checkpoints_to_keep=2): Ray's eviction never deletes the re-written epoch."""
     from raytrain_tasks.checkpoint import verify_checkpoint
 
-    def truncate_latest_checkpoint() -> None:
+    corrupted: list[str] = []
+
+    def truncate_the_checkpoint_resumed_from(epoch: int) -> None:
         (run_dir,) = (tmp_path / "storage" / "runs").iterdir()
-        model_file = run_dir / "epoch-0001" / MODEL_FILE
+        model_file = run_dir / checkpoint_dir_name(epoch) / MODEL_FILE
         model_file.write_bytes(model_file.read_bytes()[:100])
+        corrupted.append(model_file.parent.name)
 
     config = chaos_config(tmp_path, max_failures=2, checkpoints_to_keep=2)
-    state, corrupted_at = run_killing_a_worker(tmp_path, config, before_kill=truncate_latest_checkpoint)
+    state, _ = run_killing_a_worker(tmp_path, config, before_kill=truncate_the_checkpoint_resumed_from)
     assert state.is_completed(), state.message
     assert_same_as_uninterrupted(tmp_path, reference)
     (run_dir,) = (tmp_path / "storage" / "runs").iterdir()
-    # Epoch 1 was trained again from epoch-0000 and written to a folder of its own, never into the corrupted one.
-    snapshot = (run_dir / "checkpoint_manager_snapshot.json").read_text()
-    kept = sorted(p.name for p in run_dir.glob("epoch-*") if p.name in snapshot)
-    assert len(kept) == 2 and "epoch-0003" in kept
-    for name in kept:  # every checkpoint Ray Train still tracks is there and intact
+    # The corrupted epoch was trained again from the one before it and written to a folder of its own, never
+    # into the corrupted one: the two checkpoints Ray Train still tracks are there, intact, the newest the last.
+    snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
+    kept = [result["checkpoint_dir_name"] for result in snapshot["checkpoint_results"]]
+    assert len(kept) == 2 and corrupted[0] not in kept, (kept, corrupted)
+    assert snapshot["latest_checkpoint_result"]["metrics"]["epoch"] == EPOCHS - 1
+    for name in kept:
         verify_checkpoint(run_dir / name)
     best = state.result().fit.best_checkpoint_uri
     verify_checkpoint(best)
-    assert not best.endswith("epoch-0001")  # the corrupted folder is never chosen
+    assert not best.endswith(corrupted[0])  # the corrupted folder is never chosen
 
 
 def test_no_intact_checkpoint_left_is_not_retried(tmp_path: Path) -> None:
@@ -264,7 +298,7 @@ def test_no_intact_checkpoint_left_is_not_retried(tmp_path: Path) -> None:
 
     from raytrain_tasks.errors import CheckpointError
 
-    def truncate_every_checkpoint() -> None:
+    def truncate_every_checkpoint(_epoch: int) -> None:
         (run_dir,) = (tmp_path / "storage" / "runs").iterdir()
         for model_file in run_dir.glob(f"epoch-*/{MODEL_FILE}"):
             model_file.write_bytes(model_file.read_bytes()[:100])
@@ -294,20 +328,19 @@ def test_a_tampered_checkpoint_stops_the_restarted_workers_and_runs_nothing(tmp_
 
     marker = tmp_path / "pwned"
 
-    def tamper_latest_checkpoint() -> None:
+    def tamper_the_checkpoint_resumed_from(epoch: int) -> None:
         import torch
 
-        # Epoch 1's checkpoint (committed) and any later one already on disk: the one a restarted group resumes
-        # from may be either, if epoch 2 was saved by the time of the kill (seen once in CI: epoch-0002 alone
-        # was swapped and the workers resumed from an untouched epoch-0001). Epoch 0 stays intact: the workers
-        # must not fall back to it.
+        # That one and any later one already uploaded (a later one cannot be registered any more, but tampering
+        # it too costs nothing). The older ones stay intact: the workers must not fall back to them.
         (run_dir,) = (tmp_path / "storage" / "runs").iterdir()
-        for folder in sorted(run_dir.glob("epoch-*"))[1:]:
-            torch.save({"numpy": CreatesAFile(marker)}, folder / RNG_FILE)
-            rewrite_manifest(folder)
+        for folder in run_dir.glob("epoch-*"):
+            if folder.name >= checkpoint_dir_name(epoch):
+                torch.save({"numpy": CreatesAFile(marker)}, folder / RNG_FILE)
+                rewrite_manifest(folder)
 
     config = chaos_config(tmp_path, max_failures=1, fit_retries=2, retry_delay_seconds=0)
-    state, _ = run_killing_a_worker(tmp_path, config, before_kill=tamper_latest_checkpoint)
+    state, _ = run_killing_a_worker(tmp_path, config, before_kill=tamper_the_checkpoint_resumed_from)
     assert state.is_failed()
     error = state.result(raise_on_failure=False)
     assert isinstance(error, CheckpointError) and RNG_FILE in str(error), error
@@ -329,7 +362,7 @@ def test_worker_killed_on_s3_storage_resumes_from_the_bucket(
         s3_endpoint_url=s3_server.endpoint_url,
         create_bucket=True,
     )
-    state, killed_at = run_killing_a_worker(tmp_path, config)
+    state, kill = run_killing_a_worker(tmp_path, config)
     assert state.is_completed(), state.message
     assert_same_as_uninterrupted(tmp_path, reference)
     result = state.result()
@@ -340,8 +373,8 @@ def test_worker_killed_on_s3_storage_resumes_from_the_bucket(
         for item in client.list_objects_v2(Bucket="prt-chaos", Prefix=prefix)["Contents"]
         if item["Key"].endswith("/model.pt")
     }
-    # The restarted workers read epoch-0001 back from the bucket; it was not rewritten.
-    assert written["epoch-0001"] < killed_at < written["epoch-0003"]
+    # The restarted workers read the checkpoint they resumed from back from the bucket; it was not rewritten.
+    assert_resumed_not_restarted(written, kill)
     assert not (tmp_path / "storage").exists()
 
 
