@@ -16,6 +16,7 @@ from tasks.data import prepare_data
 from tasks.fit import FitResult, distributed_fit
 from tasks.register import ModelRef, register_model
 from tasks.run_page import publish_run_summary
+from tasks.run_settings import settings_for_run
 
 
 class PipelineResult(BaseModel):
@@ -37,6 +38,8 @@ def training_pipeline(
 
     Args:
         config: Everything that defines the run: data, workers, training, storage, MLflow and registry settings.
+            In a run of a deployment, the keys given here are laid over the deployment's own config: the
+            settings not given keep the deployment's values.
         continue_flow_run: Leave empty. Set by the deployment's crash trigger to the id of a Crashed run of this
             deployment: this run then continues that one from its last checkpoint, with its settings and run key
             (`config` is not used).
@@ -47,7 +50,27 @@ def training_pipeline(
             continuation = continuation_of(continue_flow_run)
             log_continuation(continuation, continue_flow_run)
             config = continuation.config
+        else:
+            config = _with_deployment_settings(config)
         return _pipeline(config)
+
+
+def _with_deployment_settings(config: TrainingConfig) -> TrainingConfig:
+    """In a deployment run, the deployment's config with the keys this run set over it (tasks.run_settings)."""
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    flow_run = context.flow_run if context is not None else None
+    if flow_run is None or flow_run.deployment_id is None:
+        return config
+    with get_client(sync_client=True) as client:
+        merged, changed = settings_for_run(client, flow_run)
+    get_run_logger().info(
+        "settings: the deployment's config%s",
+        f", with {', '.join(changed)} set by this run" if changed else " (this run changed none)",
+    )
+    return merged
 
 
 def _pipeline(config: TrainingConfig) -> PipelineResult:

@@ -7,8 +7,9 @@ is that the process worker (or ``serve``) sees the process exit and sets the run
 for runs of that deployment, which runs the deployment again with ``continue_flow_run`` naming the crashed run.
 
 The continuation takes everything from the chain of runs it continues, all of it stored by Prefect (durable,
-nothing in memory): the settings from the chain's first run (a continuation's own ``config`` parameter is only
-the deployment's default), and the run key from the tag every run puts on itself at start. It then runs as
+nothing in memory): the settings from the chain's first run (its deployment's ``config`` with the keys that run
+set, see ``tasks.run_settings``; a continuation's own ``config`` parameter is only the deployment's default), and
+the run key from the tag every run puts on itself at start. It then runs as
 ``resume=<run key>``: the last checkpoint, the same MLflow run, at most one registered version. The run lease
 keeps it from training beside a driver that still lives. The chain's length is the crash count: beyond
 ``max_crash_resumes`` the continuation refuses, and says so in its Failed state.
@@ -24,6 +25,7 @@ from prefect import get_run_logger
 
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import ContinuationError
+from tasks.run_settings import settings_for_run
 
 RUN_KEY_TAG_PREFIX = "run-key:"
 FLOW_RUN_RESOURCE_PREFIX = "prefect.flow-run."
@@ -74,17 +76,18 @@ def continuation_of(crashed: str) -> Continuation:
         raise ContinuationError(f"continue_flow_run={crashed!r} is not a flow run id") from exc
     with get_client(sync_client=True) as client:
         chain = _chain(client, first_id)
-    latest, root = chain[0], chain[-1]
-    if latest.state_type is None or latest.state_type.value != "CRASHED":
-        raise ContinuationError(
-            f"flow run {latest.id} ({latest.name}) is {latest.state_name}, not Crashed: there is nothing to continue"
-        )
-    try:
-        config = TrainingConfig.model_validate(root.parameters["config"])
-    except (KeyError, ValueError) as exc:
-        raise ContinuationError(
-            f"flow run {root.id} ({root.name}) has no valid `config` parameter to continue with: {exc}"
-        ) from exc
+        latest, root = chain[0], chain[-1]
+        if latest.state_type is None or latest.state_type.value != "CRASHED":
+            raise ContinuationError(
+                f"flow run {latest.id} ({latest.name}) is {latest.state_name}, not Crashed: there is nothing to "
+                "continue"
+            )
+        try:
+            config, _ = settings_for_run(client, root)  # its deployment's config, with the keys it set
+        except ValueError as exc:
+            raise ContinuationError(
+                f"flow run {root.id} ({root.name}) has no valid `config` parameter to continue with: {exc}"
+            ) from exc
     keys = {
         tag.removeprefix(RUN_KEY_TAG_PREFIX) for run in chain for tag in run.tags if tag.startswith(RUN_KEY_TAG_PREFIX)
     }

@@ -161,8 +161,11 @@ def _next_nightly_times(now: datetime, count: int) -> list[datetime]:
     return [t for t in times if t > now][:count]
 
 
-def _assert_run_is_tracked_and_published(server: PrefectServer, flow_run: Any, epochs: int) -> str:
-    """Checks the run's artifacts and its MLflow run; returns the Prefect UI link the MLflow run carries."""
+def _assert_run_is_tracked_and_published(
+    server: PrefectServer, flow_run: Any, epochs: int, params: dict[str, Any] | None = None
+) -> str:
+    """Checks the run's artifacts and its MLflow run (with these MLflow params, when given); returns the Prefect
+    UI link the MLflow run carries."""
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
     assert flow_run.state_type.value == "COMPLETED", flow_run.state
@@ -179,6 +182,8 @@ def _assert_run_is_tracked_and_published(server: PrefectServer, flow_run: Any, e
     (run,) = tracking.search_runs([experiment.experiment_id], f"tags.`prefect.flow_run_id` = '{flow_run.id}'")
     assert run.info.status == "FINISHED"
     assert run.data.params["epochs"] == str(epochs)
+    for key, value in (params or {}).items():
+        assert run.data.params[key] == str(value), key
     assert run.data.tags["prefect.flow_run_url"] == f"{server.url}/runs/flow-run/{flow_run.id}"
     assert [m.step for m in tracking.get_metric_history(run.info.run_id, "val_accuracy")] == list(range(epochs))
     return str(run.data.tags["prefect.flow_run_url"])
@@ -204,10 +209,16 @@ def test_deploy_schedules_nightly_runs_and_a_worker_runs_an_override(prefect_ser
 
     worker, worker_log = _start_in_checkout(prefect_server, [PREFECT, "worker", "start", "--pool", "raytrain-process"])
     try:
-        # What a user types; a flow parameter that is a model takes a JSON object.
-        overrides = {"config": {"epochs": 2, "num_workers": 2}}
+        # What a user types to run the nightly now with one setting changed (`--params '{"config": {...}}'` is
+        # the same): a flow parameter that is a model takes a JSON object.
+        overrides = {"config": {"epochs": 2}}
         output = _prefect_cli(
-            prefect_server, "deployment", "run", "training-pipeline/ad-hoc", "--params", json.dumps(overrides)
+            prefect_server,
+            "deployment",
+            "run",
+            "training-pipeline/nightly-retrain",
+            "-p",
+            f"config={json.dumps(overrides['config'])}",
         )
         match = re.search(r"UUID:\s*([0-9a-f-]{36})", output)
         assert match, output
@@ -216,10 +227,11 @@ def test_deploy_schedules_nightly_runs_and_a_worker_runs_an_override(prefect_ser
     finally:
         stop_process_group(worker, signal.SIGINT)
 
-    assert flow_run.parameters == overrides
-    _assert_run_is_tracked_and_published(prefect_server, flow_run, epochs=2)
+    assert flow_run.parameters == overrides  # Prefect replaced the nightly's `config` whole; the flow merged it
+    nightly = SPECS["nightly-retrain"]["parameters"]["config"]
+    _assert_run_is_tracked_and_published(prefect_server, flow_run, epochs=2, params={**nightly, "epochs": 2})
     latency = (flow_run.start_time - flow_run.created).total_seconds()
-    print(f"ad-hoc run via worker: {latency:.1f} s from trigger to start, state {flow_run.state_name}")
+    print(f"nightly run with an override via worker: {latency:.1f} s from trigger to start, {flow_run.state_name}")
 
 
 EPOCHS = 6
