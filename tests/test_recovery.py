@@ -104,10 +104,11 @@ def run_killing_a_worker(
 ) -> tuple[Any, Kill]:
     """Run the flow and SIGKILL one Ray Train worker once ``after_epoch`` is committed; (final state, the kill).
 
-    The kill cannot be timed to an epoch by polling: an epoch takes about 0.5 s here, and Ray Train's
-    controller registers reports only when it polls the workers (every 2 s), so at the time epoch N is
-    registered the workers may have uploaded the checkpoints of N+1 and N+2 already (seen in CI: the corrupted
-    epoch was no longer the one resumed from). So every worker is stopped (SIGSTOP) as soon as ``after_epoch``
+    The kill cannot be timed to an epoch by polling: an epoch takes about 0.5 s here, Ray Train's controller
+    registers one report per poll of the workers (every 0.5 s, tasks.cluster.HEALTH_CHECK_INTERVAL_S), and a
+    worker uploads its next checkpoint before it waits for the controller to take the last report; so by the
+    time epoch N is registered and seen in MLflow, the checkpoints of N+1 and N+2 may be uploaded already (seen
+    in CI: the corrupted epoch was no longer the one resumed from). So every worker is stopped (SIGSTOP) as soon as ``after_epoch``
     is committed: nothing is trained, uploaded or reported after that. The epoch the restarted group resumes
     from is read then, ``before_kill(resume_epoch)`` runs, one worker is killed and the others continue.
     """
