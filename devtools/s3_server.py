@@ -78,7 +78,7 @@ class LocalS3:
             "-s3.port.lance=0",
         ]
         # Admin credentials in its environment too: without them weed runs anonymous and multipart
-        # uploads fail silently (../shared/STACK.md).
+        # uploads fail silently (a known SeaweedFS `weed mini` behaviour).
         env = {**os.environ, "AWS_ACCESS_KEY_ID": ADMIN[0], "AWS_SECRET_ACCESS_KEY": ADMIN[1]}
         log = (self.directory / "weed.log").open("ab")
         self.process = subprocess.Popen(

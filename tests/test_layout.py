@@ -34,3 +34,17 @@ def test_the_license_is_an_spdx_expression() -> None:
 
     project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
     assert project["license"] == "Apache-2.0"
+
+
+def test_nothing_in_the_repository_points_outside_it() -> None:
+    """A clone has no `shared` folder beside it: a comment or doc that sends the reader there sends them nowhere."""
+    needle = "../" + "shared"
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    pointing_out = []
+    for name in tracked.stdout.splitlines():
+        path = REPO_ROOT / name
+        if path.suffix not in {".py", ".md", ".yaml", ".toml", ".cfg", ".txt", ""} or not path.is_file():
+            continue
+        text = path.read_text(errors="replace")
+        pointing_out += [f"{name}:{n}" for n, line in enumerate(text.splitlines(), 1) if needle in line]
+    assert pointing_out == []

@@ -108,9 +108,10 @@ def run_killing_a_worker(
     registers one report per poll of the workers (every 0.5 s, tasks.cluster.HEALTH_CHECK_INTERVAL_S), and a
     worker uploads its next checkpoint before it waits for the controller to take the last report; so by the
     time epoch N is registered and seen in MLflow, the checkpoints of N+1 and N+2 may be uploaded already (seen
-    in CI: the corrupted epoch was no longer the one resumed from). So every worker is stopped (SIGSTOP) as soon as ``after_epoch``
-    is committed: nothing is trained, uploaded or reported after that. The epoch the restarted group resumes
-    from is read then, ``before_kill(resume_epoch)`` runs, one worker is killed and the others continue.
+    in CI: the corrupted epoch was no longer the one resumed from). So every worker is stopped (SIGSTOP) as soon
+    as ``after_epoch`` is committed: nothing is trained, uploaded or reported after that. The epoch the restarted
+    group resumes from is read then, ``before_kill(resume_epoch)`` runs, one worker is killed and the others
+    continue.
     """
     with ThreadPoolExecutor(1) as pool:
         future = start_flow(pool, config)
