@@ -60,6 +60,7 @@ if TYPE_CHECKING:
 # Failures that another attempt cannot fix: the config or the environment must change first.
 # RunLeaseError: another live driver holds the run; a retry seconds later would only be refused again.
 NOT_RETRYABLE = (ClusterError, CheckpointError, TrackingError, RunLeaseError)
+ENTRY_POINT = "flows/training.py:training_pipeline"  # as deployments/prefect.yaml names it
 
 
 class FitResult(BaseModel):
@@ -206,7 +207,8 @@ def _distributed_fit(
                 tags=_run_tags(config, dataset, run_key, run_dir, backend)
                 # The CPUs each worker got (the param is the setting, 0 when sized to the cluster).
                 | {"prefect_raytrain.cpus_per_worker": f"{sized.cpus_per_worker:g}"}
-                | {k: v for k, v in origin.items() if k != "run_name"},
+                | {k: v for k, v in origin.items() if k != "run_name"}
+                | {"mlflow.note.content": run_description(config, run_key, run_dir, origin)},
                 params=config.public_params(),
             )
             if not reopened:
@@ -496,17 +498,40 @@ def _checkpoint_uri(run_dir: StorageLocation, checkpoint: ray.train.Checkpoint) 
 def prefect_origin(run_key: str) -> dict[str, str]:
     """The MLflow run's name and the tags that lead back to the Prefect flow run, taken here, in the Prefect run
     (a Ray Job that trains for it has no Prefect context)."""
-    from prefect.runtime import flow_run
+    from prefect.runtime import deployment, flow_run
     from prefect.utilities.urls import url_for
 
     name = flow_run.get_name()
     origin = {"run_name": f"{name}-{run_key}" if name else run_key}
+    # MLflow's own source tags: the UI's "Source" column and run page show the entry point, not "—".
+    origin["mlflow.source.type"] = "JOB"
+    origin["mlflow.source.name"] = ENTRY_POINT
     if flow_run.get_id():
         origin["prefect.flow_run_id"] = str(flow_run.get_id())
         ui_url = url_for("flow-run", obj_id=str(flow_run.get_id()))  # the UI's route, as Prefect's "View at" log
         if ui_url and ui_url.startswith(("http://", "https://")):  # the temporary server has no UI URL
             origin["prefect.flow_run_url"] = ui_url
+    if deployment.get_name():
+        origin["prefect.deployment_name"] = str(deployment.get_name())
     return origin
+
+
+def run_description(config: TrainingConfig, run_key: str, run_dir: StorageLocation, origin: dict[str, str]) -> str:
+    """The MLflow run's description (``mlflow.note.content``, Markdown): what ran, from where, and how to go on."""
+    workers = f"{config.num_workers}" + (f"-{config.max_workers}" if config.max_workers else "")
+    lines = [
+        f"**{config.model}** on `{config.dataset}`: {config.epochs} epochs, {workers} Ray Train workers "
+        f"({'GPU, nccl' if config.use_gpu else 'CPU, gloo'}), data loader `{config.data_loader}`.",
+        "",
+        f"- run key `{run_key}`: continue an interrupted run with `resume={run_key}`",
+        f"- checkpoints: `{run_dir.uri}`",
+    ]
+    flow_run = origin.get("prefect.flow_run_url") or origin.get("prefect.flow_run_id")
+    if flow_run:
+        via = f" of deployment `{origin['prefect.deployment_name']}`" if "prefect.deployment_name" in origin else ""
+        lines.append(f"- Prefect flow run{via}: {flow_run} (the latest one that trained this run)")
+    lines.append(f"- code: `{ENTRY_POINT}` at commit `{tracking.code_version()}`")
+    return "\n".join(lines)
 
 
 def _run_tags(

@@ -61,6 +61,12 @@ def test_mlflow_run_has_each_epoch_exactly_once(first_run: PipelineResult, clien
     assert run.data.params["num_workers"] == "2" and run.data.params["epochs"] == "3"
     assert run.data.tags["prefect.flow_run_id"]
     assert run.data.tags.get("prefect.flow_run_url", "http").startswith("http")  # a link, or none at all
+    # The MLflow UI shows a source and a description, not "Source —" and "No description".
+    assert run.data.tags["mlflow.source.name"] == "flows/training.py:training_pipeline"
+    assert run.data.tags["mlflow.source.type"] == "JOB" and run.data.tags["mlflow.source.git.commit"]
+    description = run.data.tags["mlflow.note.content"]
+    assert f"resume={first_run.run_key}" in description and first_run.config.storage_path in description
+    assert run.data.tags["prefect.flow_run_id"] in description and "3 epochs" in description
     for key in EPOCH_METRICS:
         steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
         assert sorted(steps) == [0, 1, 2], key
