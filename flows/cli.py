@@ -21,9 +21,9 @@ from raytrain_tasks.errors import ClusterError
 from raytrain_tasks.redact import redact, redact_uri, strip_credentials
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m flows.training") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m flows.training",
+        prog=prog,
         description="Run the training pipeline (prepare-data -> distributed-fit -> register-model) once.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -48,9 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_config(argv: Sequence[str] | None = None) -> TrainingConfig:
+def parse_config(argv: Sequence[str] | None = None, prog: str = "python -m flows.training") -> TrainingConfig:
     """The config the flags describe; exits with status 2 and the invalid fields named otherwise."""
-    parser = build_parser()
+    parser = build_parser(prog)
     overrides = vars(parser.parse_args(argv))
     try:
         return TrainingConfig(**overrides)
@@ -58,9 +58,11 @@ def parse_config(argv: Sequence[str] | None = None) -> TrainingConfig:
         parser.exit(2, describe_validation_error(exc) + "\n")
 
 
-def main(pipeline: Callable[..., Any], argv: Sequence[str] | None = None) -> int:
+def main(
+    pipeline: Callable[..., Any], argv: Sequence[str] | None = None, prog: str = "python -m flows.training"
+) -> int:
     """Run the pipeline once as this process's whole job; the exit status says whether it completed."""
-    config = credentials_to_environment(parse_config(argv))
+    config = credentials_to_environment(parse_config(argv, prog))
     try:
         with local_services(config):
             state = pipeline(config=config, return_state=True)

@@ -26,6 +26,7 @@ from mlflow import MlflowClient
 
 from flows.training import PipelineResult, training_pipeline
 from raytrain_tasks.checkpoint import MODEL_FILE
+from raytrain_tasks.config import RUN_KEY_PATTERN as RUN_KEY
 from raytrain_tasks.resume import checkpoint_dir_name
 from raytrain_tasks.tracking import EPOCH_METRICS
 from tests.conftest import REPO_ROOT, small_config, this_ray_address
@@ -213,20 +214,38 @@ def test_exhausted_retries_fail_the_flow_and_register_nothing(tmp_path: Path) ->
     )
 
 
-def _cli(workdir: Path, prefect_api_url: str, ray_address: str, *extra: str) -> subprocess.Popen[str]:
+def _locations(workdir: Path) -> list[str]:
+    """Where a CLI run keeps its state: the flags `train`, `runs` and `resume` share."""
+    storage = ["--storage-path", str(workdir / "storage"), "--experiment-name", "tests"]
+    return [*storage, "--mlflow-tracking-uri", f"sqlite:///{workdir / 'mlflow.db'}"]
+
+
+def _command(workdir: Path, prefect_api_url: str, *args: str) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     env.update(PREFECT_API_URL=prefect_api_url, PYTHONPATH=str(REPO_ROOT))
+    return subprocess.Popen([*args], cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _cli(workdir: Path, prefect_api_url: str, ray_address: str, *extra: str) -> subprocess.Popen[str]:
     args = [f"--{k.replace('_', '-')}={v}" for k, v in CHAOS.items() if not isinstance(v, bool)]
-    args += ["--no-register", "--storage-path", str(workdir / "storage"), "--experiment-name", "tests"]
-    args += ["--mlflow-tracking-uri", f"sqlite:///{workdir / 'mlflow.db'}", "--ray-address", ray_address]
-    return subprocess.Popen(
-        [sys.executable, "-m", "flows.training", *args, *extra],
-        cwd=workdir,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    args += ["--no-register", *_locations(workdir), "--ray-address", ray_address]
+    return _command(workdir, prefect_api_url, sys.executable, "-m", "flows.training", *args, *extra)
+
+
+PREFECT_RAYTRAIN = str(Path(sys.executable).with_name("prefect-raytrain"))  # the console script pyproject installs
+
+
+def _runs_table(workdir: Path, prefect_api_url: str) -> dict[str, dict[str, str]]:
+    """`prefect-raytrain runs`, parsed: run key -> column -> value."""
+    listing = _command(workdir, prefect_api_url, PREFECT_RAYTRAIN, "runs", *_locations(workdir))
+    output, _ = listing.communicate(timeout=120)
+    assert listing.returncode == 0, output
+    print(f"\n$ prefect-raytrain runs ...\n{output}")
+    lines = output.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("RUN KEY"))
+    columns = re.split(r"\s{2,}", lines[header].strip())
+    rows = [re.split(r"\s{2,}", line.strip()) for line in lines[header + 1 :] if RUN_KEY.match(line)]
+    return {row[0]: dict(zip(columns, row, strict=True)) for row in rows}
 
 
 def test_cli_killed_then_resumed_continues_the_same_run(tmp_path: Path, reference: PipelineResult) -> None:
@@ -245,8 +264,14 @@ def test_cli_killed_then_resumed_continues_the_same_run(tmp_path: Path, referenc
     (run_dir,) = (tmp_path / "storage" / "runs").iterdir()
     logged = max(committed_epochs(tmp_path))
     written = checkpoint_mtimes(tmp_path)
+    # `prefect-raytrain runs` says what to resume; nobody digs through MLflow tags for it.
+    listed = _runs_table(tmp_path, api_url)[run_dir.name]
+    assert listed["STATE"] == "interrupted" and listed["RESUMABLE"] == "yes", listed
+    assert listed["EPOCHS"] == f"{len(committed_epochs(tmp_path))}/{EPOCHS}"
+    assert listed["MLFLOW RUN"] == run_before.info.run_id
 
-    resumed = _cli(tmp_path, api_url, ray_address, "--resume", run_dir.name)
+    # The settings come from the run itself: only where its state is, and the run key, are given.
+    resumed = _command(tmp_path, api_url, PREFECT_RAYTRAIN, "resume", run_dir.name, *_locations(tmp_path))
     output, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, output[-4000:]
     assert f"run key        {run_dir.name}" in output
@@ -261,6 +286,8 @@ def test_cli_killed_then_resumed_continues_the_same_run(tmp_path: Path, referenc
     assert checkpoint_dir_name(resumed_from) in written
     after = checkpoint_mtimes(tmp_path)
     assert all(after[name] == mtime for name, mtime in written.items() if name <= checkpoint_dir_name(resumed_from))
+    listed = _runs_table(tmp_path, api_url)[run_dir.name]
+    assert (listed["STATE"], listed["EPOCHS"], listed["RESUMABLE"]) == ("finished", f"{EPOCHS}/{EPOCHS}", "-")
 
 
 def test_corrupted_latest_checkpoint_is_skipped_on_resume(tmp_path: Path, reference: PipelineResult) -> None:

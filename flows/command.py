@@ -1,0 +1,204 @@
+"""`prefect-raytrain`: train, list runs, resume one, open the MLflow UI.
+
+    prefect-raytrain train [--epochs 3 ...]          the pipeline once (every config field is a flag, as in
+                                                     `python -m flows.training`)
+    prefect-raytrain runs                            recent runs: run key, state, epochs done of planned,
+                                                     resumable or not, MLflow run id
+    prefect-raytrain resume RUN_KEY [--flag ...]     continue a run with the settings it started with
+    prefect-raytrain ui [--port 5000]                the MLflow UI over the local store
+
+`runs`, `resume` and `ui` find the runs with the same `--mlflow-tracking-uri`, `--experiment-name` and
+`--storage-path` flags as `train` (and the same defaults).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from raytrain_tasks.config import TrainingConfig
+from raytrain_tasks.redact import MASK, redact_uri
+
+PROG = "prefect-raytrain"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "train":
+        from flows.cli import main as train
+        from flows.training import training_pipeline
+
+        return train(training_pipeline, rest, prog=f"{PROG} train")
+    if command == "runs":
+        return runs(rest)
+    if command == "resume":
+        return resume(rest)
+    if command == "ui":
+        return ui(rest)
+    print(f"{PROG}: unknown command {command!r}; one of: train, runs, resume, ui", file=sys.stderr)
+    return 2
+
+
+def _location_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The flags that say where runs are, with `train`'s defaults."""
+    parser = argparse.ArgumentParser(prog=f"{PROG} {prog}", description=description)
+    fields = TrainingConfig.model_fields
+    for name in ("mlflow_tracking_uri", "experiment_name", "storage_path"):
+        parser.add_argument(
+            "--" + name.replace("_", "-"), dest=name, default=fields[name].default, help=fields[name].description
+        )
+    return parser
+
+
+def _locations(args: argparse.Namespace) -> TrainingConfig:
+    config = TrainingConfig(
+        mlflow_tracking_uri=args.mlflow_tracking_uri,
+        experiment_name=args.experiment_name,
+        storage_path=args.storage_path,
+    )
+    return config.resolved(Path.cwd(), os.environ)
+
+
+def _experiment_runs(config: TrainingConfig, limit: int) -> tuple[Any, list[Any]]:
+    """(a connected MLflow client, the experiment's runs of this pipeline, newest first)."""
+    from tasks import tracking
+
+    client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
+    experiment = client.get_experiment_by_name(config.experiment_name)
+    if experiment is None:
+        return client, []
+    found = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time DESC"], max_results=limit)
+    return client, [run for run in found if tracking.RUN_KEY_TAG in run.data.tags]
+
+
+def describe_run(client: Any, run: Any) -> dict[str, str]:
+    """What `runs` shows of one MLflow run of the pipeline."""
+    from tasks import tracking
+
+    status = run.info.status
+    state = {"FINISHED": "finished", "FAILED": "failed", "KILLED": "stopped"}.get(status, status.lower())
+    if status == "RUNNING":
+        alive = tracking.driver_alive(run.data.tags.get(tracking.DRIVER_TAG, ""))
+        state = {True: "running", False: "interrupted", None: "running (other host)"}[alive]
+    done = len(client.get_metric_history(run.info.run_id, "val_accuracy"))  # committed epochs, each once
+    planned = run.data.params.get("epochs", "?")
+    if state in ("failed", "stopped", "interrupted"):
+        resumable = "yes" if done else "no (no checkpoint: start again)"
+    else:
+        resumable = "-"
+    return {
+        "run key": run.data.tags[tracking.RUN_KEY_TAG],
+        "state": state,
+        "epochs": f"{done}/{planned}",
+        "resumable": resumable,
+        "MLflow run": run.info.run_id,
+        "started": datetime.fromtimestamp(run.info.start_time / 1000, UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def runs(argv: Sequence[str]) -> int:
+    parser = _location_parser("runs", "Recent runs of the pipeline, newest first.")
+    parser.add_argument("--limit", type=int, default=20, help="How many runs to show.")
+    args = parser.parse_args(argv)
+    config = _locations(args)
+    client, found = _experiment_runs(config, args.limit)
+    where = f"experiment {config.experiment_name!r} at {redact_uri(config.mlflow_tracking_uri)}"
+    if not found:
+        print(f"no runs in {where}")
+        return 0
+    rows = [describe_run(client, run) for run in found]
+    columns = list(rows[0])
+    widths = {c: max(len(c), *(len(row[c]) for row in rows)) for c in columns}
+    print(f"runs in {where}:")
+    print("  ".join(c.upper().ljust(widths[c]) for c in columns).rstrip())
+    for row in rows:
+        print("  ".join(row[c].ljust(widths[c]) for c in columns).rstrip())
+    if any(row["resumable"] == "yes" for row in rows):
+        print(f"\ncontinue one with: {PROG} resume <run key>")
+    return 0
+
+
+def flags_from_params(params: dict[str, str], given: Sequence[str]) -> list[str]:
+    """`train` flags that rebuild the config a run logged as MLflow params (all but ``resume``).
+
+    A value the params hold masked (a password in a URI) must be given again among ``given``."""
+    flags = []
+    for name, field in TrainingConfig.model_fields.items():
+        if name == "resume" or name not in params:
+            continue
+        flag, value = "--" + name.replace("_", "-"), params[name]
+        if MASK in value:
+            if not any(arg == flag or arg.startswith(flag + "=") for arg in given):
+                raise SystemExit(f"{PROG} resume: the run's {name} was logged masked ({value}); pass {flag} again")
+            continue
+        if field.annotation is bool:
+            flags.append(flag if value == "True" else "--no-" + flag[2:])
+        else:
+            flags.append(f"{flag}={value}")
+    return flags
+
+
+def resume(argv: Sequence[str]) -> int:
+    parser = _location_parser(
+        "resume",
+        "Continue a run from its last checkpoint, in the same MLflow run, with the settings it started with. "
+        "Other `train` flags after the run key change settings a resume may change (e.g. --no-register).",
+    )
+    parser.add_argument("run_key", help="The run key `runs` lists (also printed when the run started).")
+    args, extra = parser.parse_known_args(argv)
+    config = _locations(args)
+    from tasks import tracking
+
+    client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
+    experiment = client.get_experiment_by_name(config.experiment_name)
+    run = None if experiment is None else tracking.find_run(client, experiment.experiment_id, args.run_key)
+    if run is None:
+        print(
+            f"{PROG} resume: no run with run key {args.run_key} in experiment {config.experiment_name!r} at "
+            f"{redact_uri(config.mlflow_tracking_uri)}; `{PROG} runs` lists them",
+            file=sys.stderr,
+        )
+        return 2
+    from flows.cli import main as train
+    from flows.training import training_pipeline
+
+    flags = flags_from_params(run.data.params, extra)
+    return train(training_pipeline, [*flags, *extra, "--resume", args.run_key], prog=f"{PROG} resume")
+
+
+def ui(argv: Sequence[str]) -> int:
+    parser = _location_parser("ui", "The MLflow UI over the pipeline's tracking store (runs until Ctrl-C).")
+    parser.add_argument("--port", type=int, default=5000, help="Port of the MLflow UI on 127.0.0.1.")
+    args = parser.parse_args(argv)
+    config = _locations(args)
+    uri = config.mlflow_tracking_uri
+    prefect_ui = _prefect_ui_url()
+    if prefect_ui:
+        print(f"Prefect UI: {prefect_ui}")
+    if uri.startswith(("http://", "https://")):
+        print(f"MLflow UI: {redact_uri(uri)} (the tracking server serves it)")
+        return 0
+    print(f"MLflow UI: http://127.0.0.1:{args.port} over {redact_uri(uri)} (Ctrl-C stops it)", flush=True)
+    command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri]
+    os.execv(sys.executable, [*command, "--host", "127.0.0.1", "--port", str(args.port)])
+    return 0  # pragma: no cover - execv does not return
+
+
+def _prefect_ui_url() -> str:
+    """Where Prefect's UI is, when this process is configured for a Prefect server."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
+
+    return str(PREFECT_UI_URL.value() or "") if PREFECT_API_URL.value() else ""
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

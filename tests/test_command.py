@@ -1,0 +1,104 @@
+"""`prefect-raytrain`, the console script pyproject installs: its subcommands as a user runs them.
+
+`runs` and `resume` after a killed and a finished run are in test_recovery.py
+(test_cli_killed_then_resumed_continues_the_same_run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from mlflow import MlflowClient
+
+from flows.cli import parse_config
+from flows.command import flags_from_params
+from raytrain_tasks.config import TrainingConfig
+from tests.conftest import free_port, stop_process_group
+
+PREFECT_RAYTRAIN = str(Path(sys.executable).with_name("prefect-raytrain"))
+
+
+def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_API"))}
+    return subprocess.run([PREFECT_RAYTRAIN, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_settings_a_run_logged_rebuild_the_same_config() -> None:
+    """`resume` rebuilds the run's config from its MLflow params: every kind of field comes back the same."""
+    config = TrainingConfig(
+        dataset="synthetic",
+        hidden_sizes=[32, 16],
+        use_gpu=False,
+        register=False,
+        learning_rate=0.0025,
+        data_loader="ray_data",
+        storage_path="/data/prt",
+        mlflow_tracking_uri="sqlite:////data/mlflow.db",
+    )
+    params = {key: str(value) for key, value in config.public_params().items()}
+    assert parse_config(flags_from_params(params, [])) == config
+
+
+def test_a_masked_setting_must_be_given_again() -> None:
+    params = {key: str(value) for key, value in TrainingConfig().public_params().items()}
+    params["mlflow_tracking_uri"] = "http://user:***@mlflow.example:5000"
+    try:
+        flags_from_params(params, [])
+    except SystemExit as exc:
+        assert "mlflow_tracking_uri was logged masked" in str(exc) and "--mlflow-tracking-uri" in str(exc)
+    else:
+        raise AssertionError("a masked value was used as it is")
+    given = ["--mlflow-tracking-uri=http://mlflow.example:5000"]
+    assert not any(flag.startswith("--mlflow-tracking-uri") for flag in flags_from_params(params, given))
+
+
+def test_runs_on_an_empty_store_and_unknown_commands(tmp_path: Path) -> None:
+    listing = _run("runs", cwd=tmp_path)
+    assert listing.returncode == 0 and "no runs in experiment 'prefect-raytrain'" in listing.stdout
+    assert str(tmp_path / ".pipeline" / "mlflow.db") in listing.stdout  # train's default store, in this folder
+    missing = _run("resume", "20261123-120000-abcdef", cwd=tmp_path)
+    assert missing.returncode == 2 and "no run with run key 20261123-120000-abcdef" in missing.stderr
+    unknown = _run("fit", cwd=tmp_path)
+    assert unknown.returncode == 2 and "one of: train, runs, resume, ui" in unknown.stderr
+    helped = _run("train", "--help", cwd=tmp_path)
+    assert helped.returncode == 0 and "--num-workers" in helped.stdout and "prefect-raytrain train" in helped.stdout
+    invalid = _run("train", "--num-workers", "0", cwd=tmp_path)
+    assert invalid.returncode == 2 and "num_workers" in invalid.stderr
+
+
+def test_ui_serves_the_mlflow_ui_over_the_local_store(tmp_path: Path) -> None:
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    MlflowClient(store).create_experiment("seen-in-the-ui", artifact_location=str(tmp_path / "artifacts"))
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_API"))}
+    ui = subprocess.Popen(
+        [PREFECT_RAYTRAIN, "ui", "--mlflow-tracking-uri", store, "--port", str(port)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}/api/2.0/mlflow/experiments/get-by-name?experiment_name=seen-in-the-ui"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert ui.poll() is None, ui.communicate()[0]
+            try:
+                with urllib.request.urlopen(url, timeout=5) as reply:
+                    experiment = json.load(reply)["experiment"]
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the MLflow UI never answered"
+                time.sleep(0.5)
+        assert experiment["name"] == "seen-in-the-ui"
+    finally:
+        stop_process_group(ui)
+    assert f"MLflow UI: http://127.0.0.1:{port}" in ui.communicate()[0]
