@@ -15,7 +15,7 @@ export PREFECT_HOME ?= $(CURDIR)/.pipeline/prefect
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: install run test lint typecheck s3 server serve bench bench-smoke clean
+.PHONY: install run test lint typecheck s3 server serve bench bench-smoke docs clean
 
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -58,6 +58,9 @@ bench: install  ## benchmarks that print figures (not tests); results in bench/r
 
 bench-smoke: install  ## the overhead benchmark at tiny sizes, one repetition (CI runs it so it never rots)
 	$(PY) -m bench.overhead --smoke
+
+docs: install  ## regenerate docs/configuration.md from the config model (tests/test_docs.py checks it)
+	$(PY) -m devtools.config_reference
 
 clean:
 	rm -rf .pipeline

@@ -3,7 +3,7 @@
 Only the endpoint and region come from the config. S3 credentials always come from the standard AWS chain
 (environment, profile, instance role) of the process that uses them, on the driver and on every Ray node
 alike: they are never part of the config, and never copied to a cluster unless
-`forward_credentials_to_cluster` asks for it (README, "Security and trust").
+`forward_credentials_to_cluster` asks for it (docs/security.md).
 """
 
 from __future__ import annotations

@@ -1,17 +1,35 @@
-"""The README documents every config field and flag, so the docs cannot drift from the model."""
+"""The docs cannot drift from the code: the configuration reference is generated from the config model, and
+every link between the README, docs/ and the repository resolves."""
 
 from __future__ import annotations
 
+import re
+
+from devtools.config_reference import TARGET, render
 from raytrain_tasks.config import TrainingConfig
 from tests.conftest import REPO_ROOT
 
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
-def test_readme_documents_every_config_field() -> None:
+
+def test_the_configuration_reference_is_generated_from_the_config_model() -> None:
+    assert TARGET.read_text() == render(), "docs/configuration.md is out of date: python -m devtools.config_reference"
+    reference = TARGET.read_text()
+    for name, field in TrainingConfig.model_fields.items():
+        assert f"| `{name}` (`--{name.replace('_', '-')}`) |" in reference
+        assert " ".join((field.description or "").split())[:60] in reference, name
+
+
+def test_readme_starts_with_the_two_commands_and_points_to_the_docs() -> None:
     readme = (REPO_ROOT / "README.md").read_text()
-    missing = [name for name in TrainingConfig.model_fields if f"`--{name.replace('_', '-')}`" not in readme]
-    assert missing == []
+    assert "make run" in readme[:1500] and "make test" in readme[:1500]
+    assert "docs/configuration.md" in readme
 
 
-def test_readme_starts_with_the_two_commands() -> None:
-    head = (REPO_ROOT / "README.md").read_text()[:1500]
-    assert "make run" in head and "make test" in head
+def test_every_relative_link_resolves() -> None:
+    broken = []
+    for page in [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]:
+        for target in LINK.findall(page.read_text()):
+            if not target.startswith(("http://", "https://", "mailto:")) and not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(REPO_ROOT)} -> {target}")
+    assert broken == []
