@@ -6,6 +6,7 @@ import contextvars
 import logging
 import threading
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 from raytrain_tasks.redact import redact, redact_uri
 from raytrain_tasks.tracking import STEP_KEY
@@ -95,9 +96,33 @@ def mlflow_run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
     return f"run `{run_id}` in `{tracking_uri}` (browse with `mlflow ui --backend-store-uri {tracking_uri}`)"
 
 
+LEARNING_CURVES = "evaluation/learning_curves.png"  # logged by tasks.evaluation
+
+
+def mlflow_ui_base(tracking_uri: str) -> str | None:
+    """The MLflow server's address, when the tracking URI is one (its UI and artifact routes live there)."""
+    tracking_uri = redact_uri(tracking_uri)
+    if "***" in tracking_uri or not tracking_uri.startswith(("http://", "https://")):
+        return None  # a local store has no UI to link to; a masked password would make a dead link
+    return tracking_uri.rstrip("/")
+
+
+def mlflow_version_link(tracking_uri: str, name: str, version: str) -> str:
+    base = mlflow_ui_base(tracking_uri)
+    label = f"`{name}` version **{version}**"
+    return f"[{label}]({base}/#/models/{quote(name)}/versions/{version})" if base else label
+
+
+def learning_curves_url(tracking_uri: str, run_id: str) -> str | None:
+    """Where the MLflow server serves the run's learning-curve image (the route its UI uses)."""
+    base = mlflow_ui_base(tracking_uri)
+    return f"{base}/get-artifact?path={quote(LEARNING_CURVES)}&run_uuid={run_id}" if base else None
+
+
 def publish_run_summary(result: Any, registry_error: str = "") -> None:
-    """A markdown artifact on the flow run: final metrics, where things are, what the registry decided."""
-    from prefect.artifacts import create_markdown_artifact
+    """Artifacts on the flow run: a markdown summary (final metrics, links to the MLflow run and the registered
+    version, where things are, what the registry decided) and, with an MLflow server, the learning curves."""
+    from prefect.artifacts import create_image_artifact, create_markdown_artifact
 
     fit, model, config = result.fit, result.model, result.config
     rows = "\n".join(
@@ -110,13 +135,13 @@ def publish_run_summary(result: Any, registry_error: str = "") -> None:
     elif model is None:
         registry = "not registered (`register` is off)"
     else:
-        registry = (
-            f"`{model.name}` version **{model.version}** -> {', '.join(model.aliases)} "
-            f"({model.decision}: {model.reason})"
-        )
+        version = mlflow_version_link(config.mlflow_tracking_uri, model.name, str(model.version))
+        registry = f"{version} -> {', '.join(model.aliases)} ({model.decision}: {model.reason})"
     data = result.dataset
     split_sizes = f"{data.train_rows} train / {data.val_rows} val / {data.test_rows} test rows"
     scores = ", ".join(f"{k} {v:.4f}" for k, v in fit.scores.items() if k.startswith("test_")) or "not scored"
+    curves = learning_curves_url(config.mlflow_tracking_uri, fit.mlflow_run_id)
+    where_curves = f"![learning curves]({curves})" if curves else f"`{LEARNING_CURVES}` in the MLflow run"
     markdown = f"""# Training run `{result.run_key}`
 
 | metric | final (epoch {fit.epochs_completed - 1}) | best (epoch {fit.best_epoch}) |
@@ -124,6 +149,7 @@ def publish_run_summary(result: Any, registry_error: str = "") -> None:
 {rows}
 
 - **MLflow**: {mlflow_run_link(config.mlflow_tracking_uri, fit.mlflow_experiment_id, fit.mlflow_run_id)}
+- **Learning curves**: {where_curves}
 - **Model**: {registry}
 - **Checkpoints**: `{fit.run_uri}` (best: `{fit.best_checkpoint_uri}`)
 - **Test split** (held out, compared for promotion): {scores}
@@ -131,3 +157,9 @@ def publish_run_summary(result: Any, registry_error: str = "") -> None:
 - **Workers**: {config.num_workers} x {fit.backend}; continue an interrupted run with `resume={result.run_key}`
 """
     create_markdown_artifact(markdown, key="training-summary", description=f"Run {result.run_key}")
+    if curves:
+        create_image_artifact(
+            image_url=curves,
+            key="learning-curves",
+            description=f"Run {result.run_key}: loss and accuracy per epoch (best epoch {fit.best_epoch})",
+        )

@@ -90,3 +90,33 @@ def test_champion_over_http_loads_and_predicts(served_run: PipelineResult, mlflo
     x_val, y_val = read_split(served_run.dataset, "test", standardised=False)  # raw features; score is on test
     accuracy = float((np.asarray(model.predict(x_val)).argmax(axis=1) == y_val).mean())
     assert accuracy == pytest.approx(served_run.model.score, abs=1e-9)
+
+
+@pytest.mark.slow
+def test_the_run_page_shows_the_learning_curves_and_links_the_version(
+    served_run: PipelineResult, mlflow_server: str
+) -> None:
+    """The Prefect run page: the learning curves as an image artifact (served by the MLflow server) and links
+    to the MLflow run and the registered version."""
+    import urllib.request
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    run = MlflowClient(mlflow_server).get_run(served_run.fit.mlflow_run_id)
+    flow_run_id = UUID(run.data.tags["prefect.flow_run_id"])
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
+    by_key = {artifact.key: artifact for artifact in artifacts if artifact.key}
+    image = by_key["learning-curves"]
+    assert image.type == "image" and str(image.data).startswith(mlflow_server)
+    with urllib.request.urlopen(str(image.data), timeout=30) as reply:
+        assert reply.read()[:8] == PNG_MAGIC
+    summary = str(by_key["training-summary"].data)
+    assert served_run.model is not None
+    assert f"{mlflow_server}/#/models/served/versions/{served_run.model.version})" in summary
+    assert f"{mlflow_server}/#/experiments/{served_run.fit.mlflow_experiment_id}/runs/{run.info.run_id}" in summary
+    assert f"![learning curves]({image.data})" in summary
