@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextvars
 import gc
+import logging
 import os
 import sys
 import threading
@@ -48,21 +49,66 @@ def build_parser(prog: str = "python -m flows.training") -> argparse.ArgumentPar
     return parser
 
 
-def parse_config(argv: Sequence[str] | None = None, prog: str = "python -m flows.training") -> TrainingConfig:
-    """The config the flags describe; exits with status 2 and the invalid fields named otherwise."""
+def parse_args(
+    argv: Sequence[str] | None = None, prog: str = "python -m flows.training"
+) -> tuple[TrainingConfig, bool]:
+    """(the config the flags describe, --verbose); exits with status 2 and the invalid fields named otherwise."""
     parser = build_parser(prog)
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="Show everything on the console: every Ray process's output, Ray's, MLflow's and Prefect's own "
+        "messages. Without it, the pipeline's progress, its summary and warnings that need you.",
+    )
     overrides = vars(parser.parse_args(argv))
+    verbose = bool(overrides.pop("verbose"))
     try:
-        return TrainingConfig(**overrides)
+        return TrainingConfig(**overrides), verbose
     except ValidationError as exc:
         parser.exit(2, describe_validation_error(exc) + "\n")
+
+
+def parse_config(argv: Sequence[str] | None = None, prog: str = "python -m flows.training") -> TrainingConfig:
+    """The config the flags describe; exits with status 2 and the invalid fields named otherwise."""
+    return parse_args(argv, prog)[0]
+
+
+# Messages a default console leaves out (with --verbose they show): what each library says about itself.
+QUIET_LOGGERS = (
+    "ray._private.authentication.authentication_token_setup",  # "Token authentication is enabled ..."
+    "mlflow.store.db.utils",  # "Creating initial MLflow database tables..."
+    "alembic.runtime.migration",
+)
+TEMPORARY_SERVER = ("Starting temporary server", "Stopping temporary server")
+
+
+def _not_about_the_temporary_server(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(TEMPORARY_SERVER)
+
+
+def quiet_console() -> None:
+    """The console shows the pipeline's own lines (progress, summary, errors) and warnings that need the user.
+
+    Nothing is lost: the output of every Ray process (the controller's worker-group lines, each worker's) stays
+    in Ray's session logs (``/tmp/ray/session_latest/logs``) instead of being copied to this console, and the
+    run's own log lines go to Prefect as before."""
+    from tasks.cluster import LOG_TO_DRIVER_ENV
+
+    os.environ.setdefault(LOG_TO_DRIVER_ENV, "0")
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    # A filter on the "prefect" logger sees only what it logs itself, not the flow and task run loggers below it.
+    logging.getLogger("prefect").addFilter(_not_about_the_temporary_server)
 
 
 def main(
     pipeline: Callable[..., Any], argv: Sequence[str] | None = None, prog: str = "python -m flows.training"
 ) -> int:
     """Run the pipeline once as this process's whole job; the exit status says whether it completed."""
-    config = credentials_to_environment(parse_config(argv, prog))
+    config, verbose = parse_args(argv, prog)
+    config = credentials_to_environment(config)
+    if not verbose:
+        quiet_console()
     try:
         with local_services(config):
             state = pipeline(config=config, return_state=True)

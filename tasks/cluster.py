@@ -23,6 +23,9 @@ from raytrain_tasks.redact import redact
 # one per 2 s (measured here: 8 epochs of ~0.5 s took 36 s of fit with 2 s, 17 s with 0.25 s). A poll is one
 # small actor call per worker, and a slow answer is not a failure (Ray waits on it for 10 minutes).
 HEALTH_CHECK_INTERVAL_S = "0.5"
+# "0": the Ray processes' output stays in Ray's session logs, not copied to this process's console (the CLI's
+# default console; --verbose and every deployment run keep Ray's default, "1").
+LOG_TO_DRIVER_ENV = "PREFECT_RAYTRAIN_LOG_TO_DRIVER"
 WORKER_GROUP_START_TIMEOUT_S = "60"
 
 
@@ -137,12 +140,22 @@ def _init(config: TrainingConfig) -> None:
             address=config.ray_address,
             runtime_env=cluster_runtime_env(config),
             logging_level=logging.WARNING,
+            log_to_driver=_log_to_driver(),
         )
     else:
         # address="local" always starts a fresh cluster, never joins one left by `ray start`. The
         # dashboard stays on: Ray Train's placement-group cleaner polls the State API it serves, and
         # warns every second without it.
-        ray.init(address="local", runtime_env={"env_vars": worker_env()}, logging_level=logging.WARNING)
+        ray.init(
+            address="local",
+            runtime_env={"env_vars": worker_env()},
+            logging_level=logging.WARNING,
+            log_to_driver=_log_to_driver(),
+        )
+
+
+def _log_to_driver() -> bool:
+    return os.environ.get(LOG_TO_DRIVER_ENV, "1") != "0"
 
 
 @contextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -80,8 +81,13 @@ def log_dataset_input(client: MlflowClient, run_id: str, dataset: DatasetRef) ->
     from mlflow.types import ColSpec, DataType, Schema
 
     schema = Schema([ColSpec(DataType.float, name) for name in dataset.feature_names])
+    with warnings.catch_warnings():
+        # MLflow registers LocalArtifactDatasetSource twice and warns that a local path "can be interpreted in
+        # multiple ways" (the two are the same class): nothing for the user to act on.
+        warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted in multiple ways")
+        source = resolve_dataset_source(dataset.uri)
     meta = MetaDataset(  # type: ignore[abstract]  # concrete at runtime; the stub marks profile abstract
-        resolve_dataset_source(dataset.uri),
+        source,
         name=f"{dataset.source}-{dataset.content_hash}",
         digest=dataset.content_hash,
         schema=schema,

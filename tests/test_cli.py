@@ -48,6 +48,27 @@ def test_cli_runs_the_pipeline_on_embedded_defaults(tmp_path: Path) -> None:
     assert version.tags["run_key"] == runs[0].name
     assert runs[0].name in summary
 
+    # A quiet console: the pipeline's progress and summary, not what each library says about itself.
+    console = proc.stdout + proc.stderr
+    assert "epoch 1/2 committed" in console and "epoch 2/2 committed" in console
+    for noise in NOISE:
+        assert noise not in console, noise
+    # --verbose shows everything (here: the Ray processes' own output).
+    verbose = _run_cli(tmp_path, "--epochs", "1", "--no-register", "--verbose", timeout=600)
+    assert verbose.returncode == 0, verbose.stderr[-4000:]
+    assert "(TrainController pid=" in verbose.stdout + verbose.stderr
+
+
+# What a default run printed before the console was quieted (issue 19), none of it for the user to act on.
+NOISE = (
+    "(TrainController pid=",  # Ray Train's worker-group lines
+    "(RayTrainWorker pid=",  # each worker's output, its epoch lines repeating the driver's
+    "Token authentication is enabled",
+    "Creating initial MLflow database tables",
+    "can be interpreted in multiple ways",  # MLflow's UserWarning about the dataset source
+    "Starting temporary server",
+)
+
 
 def test_cli_rejects_bad_flags_before_doing_anything(tmp_path: Path) -> None:
     proc = _run_cli(tmp_path, "--num-workers", "0", "--dataset", "imagenet", timeout=120)
