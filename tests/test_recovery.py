@@ -271,7 +271,9 @@ def test_cli_killed_then_resumed_continues_the_same_run(tmp_path: Path, referenc
     assert listed["MLFLOW RUN"] == run_before.info.run_id
 
     # The settings come from the run itself: only where its state is, and the run key, are given.
-    resumed = _command(tmp_path, api_url, PREFECT_RAYTRAIN, "resume", run_dir.name, *_locations(tmp_path))
+    # --verbose: "resuming from ...: next epoch N" is rank 0's line, which the quiet console leaves in Ray's logs.
+    resume = [PREFECT_RAYTRAIN, "resume", run_dir.name, *_locations(tmp_path), "--verbose"]
+    resumed = _command(tmp_path, api_url, *resume)
     output, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, output[-4000:]
     assert f"run key        {run_dir.name}" in output

@@ -242,7 +242,8 @@ def test_a_fixed_worker_count_fails_within_its_bound_and_resumes_when_the_node_i
     print(f"\nnode lost -> the run failed after {took:.1f} s (1 restart allowed, 10 s start timeout each)")
 
     with second_node(head):
-        resumed = start_cli(tmp_path, head, s3_server, *fixed, "--resume", run_key.group(1))
+        # --verbose: "resuming from ...: next epoch N" is rank 0's line, which the quiet console leaves in Ray's logs.
+        resumed = start_cli(tmp_path, head, s3_server, *fixed, "--resume", run_key.group(1), "--verbose")
         output, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, output[-4000:]
     match = re.search(r"next epoch (\d+)", output)
