@@ -68,12 +68,19 @@ def _locations(args: argparse.Namespace) -> TrainingConfig:
     return config.resolved(Path.cwd(), os.environ)
 
 
+def _experiment(config: TrainingConfig) -> tuple[Any, Any]:
+    """(a connected MLflow client, the experiment the locations name, or None when it does not exist yet)."""
+    from tasks import tracking
+
+    client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
+    return client, client.get_experiment_by_name(config.experiment_name)
+
+
 def _experiment_runs(config: TrainingConfig, limit: int) -> tuple[Any, list[Any]]:
     """(a connected MLflow client, the experiment's runs of this pipeline, newest first)."""
     from tasks import tracking
 
-    client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
-    experiment = client.get_experiment_by_name(config.experiment_name)
+    client, experiment = _experiment(config)
     if experiment is None:
         return client, []
     found = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time DESC"], max_results=limit)
@@ -158,8 +165,7 @@ def resume(argv: Sequence[str]) -> int:
     config = _locations(args)
     from tasks import tracking
 
-    client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
-    experiment = client.get_experiment_by_name(config.experiment_name)
+    client, experiment = _experiment(config)
     run = None if experiment is None else tracking.find_run(client, experiment.experiment_id, args.run_key)
     if run is None:
         print(

@@ -89,13 +89,6 @@ class EpochProgress:
         return round(100.0 * len(self._seen) / self.epochs, 1)
 
 
-def mlflow_run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
-    tracking_uri = redact_uri(tracking_uri)
-    if tracking_uri.startswith(("http://", "https://")):
-        return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
-    return f"run `{run_id}` in `{tracking_uri}` (browse with `mlflow ui --backend-store-uri {tracking_uri}`)"
-
-
 LEARNING_CURVES = "evaluation/learning_curves.png"  # logged by tasks.evaluation
 
 
@@ -105,6 +98,14 @@ def mlflow_ui_base(tracking_uri: str) -> str | None:
     if "***" in tracking_uri or not tracking_uri.startswith(("http://", "https://")):
         return None  # a local store has no UI to link to; a masked password would make a dead link
     return tracking_uri.rstrip("/")
+
+
+def mlflow_run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    base = mlflow_ui_base(tracking_uri)
+    if base:
+        return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
+    tracking_uri = redact_uri(tracking_uri)
+    return f"run `{run_id}` in `{tracking_uri}` (browse with `mlflow ui --backend-store-uri {tracking_uri}`)"
 
 
 def mlflow_version_link(tracking_uri: str, name: str, version: str) -> str:

@@ -24,9 +24,7 @@ class DeploymentSettingsError(PipelineError):
 
 def given_config(parameters: dict[str, Any]) -> dict[str, Any]:
     """The ``config`` keys a flow run was created with (as Prefect stored them, before any default)."""
-    given = parameters.get("config") or {}
-    if isinstance(given, TrainingConfig):  # a run created from Python with a model, not JSON
-        return given.model_dump(include=given.model_fields_set)
+    given = parameters.get("config") or {}  # JSON as stored: a model passed from Python arrives serialized
     if not isinstance(given, dict):
         raise DeploymentSettingsError(f"the flow run's `config` parameter is not an object: {type(given).__name__}")
     return dict(given)
