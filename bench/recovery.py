@@ -90,7 +90,8 @@ def measure(workdir: Path) -> dict[str, float] | None:
                 runs = client.search_runs([experiment.experiment_id]) if experiment else []
                 if not runs:
                     return set()
-                return {m.step for m in client.get_metric_history(runs[0].info.run_id, "val_accuracy")}
+                # epoch indices (MLflow's step is the epoch number, index + 1)
+                return {m.step - 1 for m in client.get_metric_history(runs[0].info.run_id, "val_accuracy")}
 
             while 1 not in committed():
                 if future.done():
@@ -106,7 +107,8 @@ def measure(workdir: Path) -> dict[str, float] | None:
         tasks.fit.fit_interruptibly = original  # type: ignore[assignment]
         ray.shutdown()
     history = {int(e["epoch"]): e for e in result.fit.history}
-    times = {m.step: m.timestamp / 1000 for m in client.get_metric_history(result.fit.mlflow_run_id, "val_accuracy")}
+    logged = client.get_metric_history(result.fit.mlflow_run_id, "val_accuracy")
+    times = {m.step - 1: m.timestamp / 1000 for m in logged}  # by epoch index, as the history is
     first_step = {epoch: times[epoch] - history[epoch]["epoch_seconds"] for epoch in (0, 2)}
     if first_step[2] <= killed_at:  # the epoch 2 that was committed began before the kill: it missed
         print(f"  the kill came {killed_at - times[2]:.1f} s after epoch 2 was committed; discarded")

@@ -21,6 +21,7 @@ from ray.train import Checkpoint
 
 from raytrain_tasks.checkpoint import LoadedCheckpoint, load_checkpoint, manifest_digest
 from raytrain_tasks.errors import CheckpointError, UnsafeCheckpointError
+from raytrain_tasks.tracking import epoch_number
 
 logger = logging.getLogger(__name__)
 
@@ -28,12 +29,13 @@ CHECKPOINT_PREFIX = "epoch-"
 
 
 def checkpoint_dir_name(epoch: int, taken: frozenset[str] = frozenset()) -> str:
-    """``epoch-NNNN``, or ``epoch-NNNN-rK`` when an earlier attempt left a folder of that name.
+    """``epoch-NNNN`` for the epoch of index ``epoch`` (NNNN is its number: ``epoch-0001`` is the first), or
+    ``epoch-NNNN-rK`` when an earlier attempt left a folder of that name.
 
     An epoch re-trained after a fallback to an older checkpoint must not reuse the folder of the checkpoint it
     replaces: Ray Train would later evict the old entry and delete the folder, taking the new one with it.
     """
-    base = f"{CHECKPOINT_PREFIX}{epoch:04d}"
+    base = f"{CHECKPOINT_PREFIX}{epoch_number(epoch):04d}"
     if base not in taken:
         return base
     attempt = 1
@@ -43,6 +45,7 @@ def checkpoint_dir_name(epoch: int, taken: frozenset[str] = frozenset()) -> str:
 
 
 def checkpoint_epoch(name: str) -> int:
+    """The epoch number in a checkpoint folder's name (``epoch-0003-r1`` -> 3)."""
     return int(name.removeprefix(CHECKPOINT_PREFIX).split("-", 1)[0])
 
 
@@ -118,7 +121,9 @@ def load_newest_intact(
                 logger.warning("not resuming from %s: %s", name, exc)
             continue
         if announce and name != latest_name:
-            logger.warning("falling back to the last intact checkpoint %s (epoch %d)", name, loaded.state.epoch)
+            logger.warning(
+                "falling back to the last intact checkpoint %s (epoch %d)", name, epoch_number(loaded.state.epoch)
+            )
         return loaded, candidate
     raise CheckpointError(
         f"no intact checkpoint left in {run_dir}: {'; '.join(problems)}. Start a new run (without `resume`), "

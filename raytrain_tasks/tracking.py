@@ -32,6 +32,16 @@ MANIFEST_METRIC = "checkpoint_manifest_sha256"
 PIN_TAG_PREFIX = "prefect_raytrain.checkpoint_sha256."
 
 
+def epoch_number(index: int | float) -> int:
+    """The epoch as people and MLflow count it, 1 to ``epochs``, from its 0-based index.
+
+    Checkpoints and Ray Train's reports keep the index (``TrainingState.epoch``, ``history[i]["epoch"]``).
+    Everything a person reads uses the number: the console and Prefect logs, the run summary and artifacts,
+    MLflow's ``step`` and tags, and the checkpoint folders (``epoch-0001`` holds the first epoch).
+    """
+    return int(index) + 1
+
+
 def pin_tag(checkpoint_name: str) -> str:
     return f"{PIN_TAG_PREFIX}{checkpoint_name}"
 
@@ -42,15 +52,15 @@ def pinned_digests(tags: dict[str, str]) -> dict[str, str]:
 
 
 def logged_steps(client: Any, run_id: str) -> set[int]:
-    """Epochs already in the run's metric history."""
+    """Epoch numbers already in the run's metric history (MLflow's ``step`` is the epoch number)."""
     return {int(m.step) for m in client.get_metric_history(run_id, STEP_KEY)}
 
 
 def log_epoch(client: Any, run_id: str, metrics: dict[str, Any], checkpoint_path: str | None) -> None:
-    """One batched write per epoch: the metrics at ``step=epoch`` and the latest checkpoint's location."""
+    """One batched write per epoch: the metrics at ``step`` = the epoch number, and the latest checkpoint's location."""
     from mlflow.entities import Metric, RunTag
 
-    step = int(metrics["epoch"])
+    step = epoch_number(metrics["epoch"])
     timestamp = int(time.time() * 1000)
     batch = [Metric(key, float(metrics[key]), timestamp, step) for key in EPOCH_METRICS if key in metrics]
     tags = [RunTag(LAST_CHECKPOINT_TAG, checkpoint_path)] if checkpoint_path else []
@@ -122,7 +132,7 @@ class MlflowEpochLogger(UserCallback):
                 self._client = MlflowClient(self.tracking_uri)
             if self._logged is None:
                 self._logged = logged_steps(self._client, self.run_id)
-            step = int(epoch_metrics["epoch"])
+            step = epoch_number(epoch_metrics["epoch"])
             if step in self._logged:
                 return
             log_epoch(self._client, self.run_id, epoch_metrics, checkpoint.path)

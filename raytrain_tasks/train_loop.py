@@ -37,7 +37,7 @@ from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.ingest import TrainBatches, validation_slice
 from raytrain_tasks.models import build_model
 from raytrain_tasks.resume import CheckpointPins, checkpoint_dir_name, existing_checkpoint_names, load_newest_intact
-from raytrain_tasks.tracking import MANIFEST_METRIC
+from raytrain_tasks.tracking import MANIFEST_METRIC, epoch_number
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def train_loop_per_worker(train_loop_config: dict[str, Any]) -> None:
         start_epoch, history = loaded.state.epoch + 1, list(loaded.state.history)
         rng_state, optimizer_state = loaded.rng_state, loaded.optimizer_state
         if rank == 0:
-            logger.info("resuming from %s: next epoch %d", checkpoint.path, start_epoch)
+            logger.info("resuming from %s: next epoch %d", checkpoint.path, epoch_number(start_epoch))
 
     model = ray.train.torch.prepare_model(net)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate)
@@ -185,7 +185,7 @@ def _report(
     # One line per epoch; the checkpoint figure is what the epoch boundary cost (save, upload, report barrier).
     logger.info(
         "epoch %d/%d train_loss=%.4f val_loss=%.4f val_accuracy=%.4f (%.2fs, %.0f samples/s; checkpoint %.3fs)",
-        epoch + 1,
+        epoch_number(epoch),
         config.epochs,
         metrics["train_loss"],
         metrics["val_loss"],

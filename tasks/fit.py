@@ -37,8 +37,8 @@ from raytrain_tasks.errors import (
     UnsafeCheckpointError,
 )
 from raytrain_tasks.redact import redacted_errors
-from raytrain_tasks.resume import CHECKPOINT_PREFIX
-from raytrain_tasks.tracking import MlflowEpochLogger, OpenMlflowEarly, pinned_digests
+from raytrain_tasks.resume import CHECKPOINT_PREFIX, checkpoint_epoch
+from raytrain_tasks.tracking import MlflowEpochLogger, OpenMlflowEarly, epoch_number, pinned_digests
 from tasks import evaluation, tracking
 from tasks.cluster import (
     WORKER_GROUP_START_TIMEOUT_S,
@@ -74,7 +74,7 @@ class FitResult(BaseModel):
     mlflow_experiment_id: str
     backend: str
     epochs_completed: int
-    best_epoch: int
+    best_epoch: int  # its number, 1 to epochs (tracking.epoch_number)
     best_checkpoint_uri: str
     best_metrics: dict[str, float]
     final_metrics: dict[str, float]
@@ -208,7 +208,7 @@ def _distributed_fit(
                 # The CPUs each worker got (the param is the setting, 0 when sized to the cluster).
                 | {"prefect_raytrain.cpus_per_worker": f"{sized.cpus_per_worker:g}"}
                 | {k: v for k, v in origin.items() if k != "run_name"}
-                | {"mlflow.note.content": run_description(config, run_key, run_dir, origin)},
+                | {tracking.NOTE_TAG: run_description(config, run_key, run_dir, origin)},
                 params=config.public_params(),
             )
             if not reopened:
@@ -223,6 +223,7 @@ def _distributed_fit(
             # What existed before this fit is trusted only as far as MLflow vouches for it (resume.CheckpointPins).
             preexisting = frozenset(name for name in run_dir.list_names() if name.startswith(CHECKPOINT_PREFIX))
             pinned = pinned_digests(client.get_run(run_id).data.tags) if reopened else {}
+            announce_resume(logger, config, run_dir, preexisting, pinned)
             trainer = build_trainer(
                 sized,
                 dataset,
@@ -246,7 +247,7 @@ def _distributed_fit(
         added = tracking.reconcile_epochs(client, run_id, fit.history)
         if added:
             logger.warning("logged %d epoch(s) to MLflow that the controller could not log live", added)
-        tracking.log_summary(client, run_id, fit.history, selection_metric(config))
+        tracking.log_summary(client, run_id, fit.history, selection_metric(config), fit.best_epoch)
         pointer = {"uri": fit.best_checkpoint_uri, "epoch": fit.best_epoch, "run_uri": fit.run_uri, "run_key": run_key}
         digest = tracking.recorded_digest(client, run_id, fit.best_checkpoint_uri)
         scores = evaluation.log_evaluation(
@@ -289,6 +290,25 @@ def _distributed_fit(
 
 
 FIT_RECORD = "fit.json"
+
+
+def announce_resume(
+    logger: Any, config: TrainingConfig, run_dir: StorageLocation, preexisting: frozenset[str], pinned: dict[str, str]
+) -> None:
+    """Say which checkpoint a continued run resumes from, on the driver, where the default console shows it.
+
+    The workers resume from the newest checkpoint that is both in storage and pinned in MLflow (an unpinned one
+    is passed over, see ``resume.CheckpointPins``); a damaged one makes them fall back further and say so in
+    the Ray logs.
+    """
+    trusted = sorted(name for name in preexisting if name in pinned)
+    if not trusted:
+        return
+    epoch, uri = checkpoint_epoch(trusted[-1]), run_dir.child(trusted[-1]).uri
+    if epoch >= config.epochs:
+        logger.info("resuming from checkpoint %s: all %d epochs were committed; finishing the run", uri, epoch)
+    else:
+        logger.info("resuming from checkpoint %s (epoch %d of %d): next epoch %d", uri, epoch, config.epochs, epoch + 1)
 
 
 def selection_metric(config: TrainingConfig) -> str:
@@ -467,7 +487,7 @@ def summarize(
         mlflow_experiment_id=experiment_id,
         backend=backend,
         epochs_completed=len(history),
-        best_epoch=int(best["epoch"]),
+        best_epoch=epoch_number(best["epoch"]),
         best_checkpoint_uri=_checkpoint_uri(run_dir, best_checkpoint),
         best_metrics={k: float(v) for k, v in best["metrics"].items()},
         final_metrics=history[-1] if history else {},

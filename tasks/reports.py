@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from raytrain_tasks.data import DatasetRef
+from raytrain_tasks.tracking import epoch_number
 
 
 def evaluation_report(logits: np.ndarray, labels: np.ndarray, class_labels: tuple[str, ...]) -> dict[str, Any]:
@@ -80,7 +81,7 @@ def write_report_files(
 
 def plot_learning_curves(history: list[dict[str, float]], path: Path) -> None:
     figure, (loss_axis, accuracy_axis) = _figure(ncols=2, size=(10, 4))
-    epochs = [int(entry["epoch"]) for entry in history]
+    epochs = [epoch_number(entry["epoch"]) for entry in history]
     loss_axis.plot(epochs, [e["train_loss"] for e in history], marker="o", label="train")
     loss_axis.plot(epochs, [e["val_loss"] for e in history], marker="o", label="validation")
     loss_axis.set(title="Loss", xlabel="epoch", ylabel="cross-entropy")

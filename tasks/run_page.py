@@ -72,7 +72,7 @@ class EpochProgress:
         for step in new:
             self.logger.info(
                 "epoch %d/%d committed: train_loss=%.4f val_loss=%.4f val_accuracy=%.4f (%.1f s)",
-                step + 1,
+                step,  # the epoch number
                 self.epochs,
                 histories["train_loss"].get(step, float("nan")),
                 histories["val_loss"].get(step, float("nan")),
@@ -145,7 +145,7 @@ def publish_run_summary(result: Any, registry_error: str = "") -> None:
     where_curves = f"![learning curves]({curves})" if curves else f"`{LEARNING_CURVES}` in the MLflow run"
     markdown = f"""# Training run `{result.run_key}`
 
-| metric | final (epoch {fit.epochs_completed - 1}) | best (epoch {fit.best_epoch}) |
+| metric | final (epoch {fit.epochs_completed}) | best (epoch {fit.best_epoch}) |
 |---|---|---|
 {rows}
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from raytrain_tasks.config import check_run_key
 from raytrain_tasks.errors import CheckpointError, TrackingError
 from raytrain_tasks.redact import redact, redact_exception, redact_uri
-from raytrain_tasks.tracking import EPOCH_METRICS, log_epoch
+from raytrain_tasks.tracking import EPOCH_METRICS, epoch_number, log_epoch
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -242,25 +242,48 @@ def reconcile_epochs(client: MlflowClient, run_id: str, history: list[dict[str, 
     from raytrain_tasks.tracking import logged_steps
 
     present = logged_steps(client, run_id)
-    missing = [entry for entry in history if int(entry["epoch"]) not in present]
+    missing = [entry for entry in history if epoch_number(entry["epoch"]) not in present]
     for entry in missing:
         log_epoch(client, run_id, entry, checkpoint_path=None)
     return len(missing)
 
 
-def log_summary(client: MlflowClient, run_id: str, history: list[dict[str, float]], metric: str) -> None:
-    from mlflow.entities import Metric
+NOTE_TAG = "mlflow.note.content"  # the run's description in the MLflow UI (Markdown)
+SUMMARY_TAG_PREFIX = "summary."
+RESULT_HEADING = "\n\n#### Result\n"
+
+
+def log_summary(
+    client: MlflowClient, run_id: str, history: list[dict[str, float]], metric: str, best_epoch: int
+) -> None:
+    """The best epoch (``best_epoch``, the number of the checkpoint the fit chose) and the final one, as tags
+    (``summary.best_epoch``, ``summary.best_<metric>``, ``summary.final_<key>``: searchable, a column in the
+    runs table) and a table at the end of the run's description.
+
+    Not as metrics: the MLflow UI draws every metric as a chart, and one-point charts of values the per-epoch
+    curves already hold would sit among those curves.
+    """
+    from mlflow.entities import RunTag
 
     if not history:
         return
     last = history[-1]
-    sign = -1.0 if metric == "val_loss" else 1.0
-    best = max(history, key=lambda entry: sign * entry[metric])
-    summary = {f"final_{key}": last[key] for key in EPOCH_METRICS if key in last}
-    summary[f"best_{metric}"] = best[metric]
-    summary["best_epoch"] = best["epoch"]
-    step = int(last["epoch"])
-    client.log_batch(run_id, metrics=[Metric(k, float(v), 0, step) for k, v in summary.items()])
+    best = next(entry for entry in history if epoch_number(entry["epoch"]) == best_epoch)
+    summary = {"best_epoch": str(epoch_number(best["epoch"])), f"best_{metric}": f"{best[metric]:.6f}"}
+    summary |= {f"final_{key}": f"{last[key]:.6f}" for key in EPOCH_METRICS if key in last}
+    columns = [key for key in ("train_loss", "val_loss", "val_accuracy") if key in last]
+    table = [
+        f"| epoch | {' | '.join(columns)} |",
+        f"|---|{'---|' * len(columns)}",
+        *(
+            f"| {label} {epoch_number(entry['epoch'])} | {' | '.join(f'{entry[key]:.4f}' for key in columns)} |"
+            for label, entry in ((f"best by {metric}:", best), ("final:", last))
+        ),
+    ]
+    description = client.get_run(run_id).data.tags.get(NOTE_TAG, "").split(RESULT_HEADING, 1)[0]
+    tags = [RunTag(SUMMARY_TAG_PREFIX + key, value) for key, value in summary.items()]
+    tags.append(RunTag(NOTE_TAG, description + RESULT_HEADING + "\n".join(table)))
+    client.log_batch(run_id, tags=tags)
 
 
 def finish_run(client: MlflowClient, run_id: str) -> None:

@@ -42,7 +42,7 @@ def test_cli_runs_the_pipeline_on_embedded_defaults(tmp_path: Path) -> None:
     state = tmp_path / ".pipeline"
     assert (state / "mlflow.db").is_file()
     runs = list((state / "storage" / "runs").iterdir())
-    assert len(runs) == 1 and sorted(p.name for p in runs[0].glob("epoch-*")) == ["epoch-0000", "epoch-0001"]
+    assert len(runs) == 1 and sorted(p.name for p in runs[0].glob("epoch-*")) == ["epoch-0001", "epoch-0002"]
     client = MlflowClient(f"sqlite:///{state / 'mlflow.db'}")
     version = client.get_model_version_by_alias("digits-classifier", "champion")
     assert version.tags["run_key"] == runs[0].name

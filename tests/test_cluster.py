@@ -418,7 +418,9 @@ def test_a_ray_job_fit_outlives_its_orchestrator_and_the_next_run_reattaches(
 
     def logged_epochs() -> list[int]:
         run = only_run()
-        return [] if run is None else [int(m.step) for m in client.get_metric_history(run.info.run_id, "val_accuracy")]
+        # 0-based indices: MLflow's step is the epoch number, index + 1
+        steps = [] if run is None else client.get_metric_history(run.info.run_id, "val_accuracy")
+        return [int(m.step) - 1 for m in steps]
 
     def run_until(name: str, args: list[str], until: Callable[[str], bool], sig: int) -> str:
         """Run the CLI until ``until(its output so far)``, then send it ``sig``; return its whole output."""

@@ -196,7 +196,7 @@ def test_a_second_driver_on_a_running_key_is_refused(tmp_path: Path) -> None:
     )
     try:
         deadline = time.monotonic() + 300
-        while not list((tmp_path / "storage" / "runs").glob("*/epoch-0000")):
+        while not list((tmp_path / "storage" / "runs").glob("*/epoch-0001")):
             assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-3000:]
             time.sleep(0.5)
         (run_dir,) = (tmp_path / "storage" / "runs").iterdir()
@@ -224,5 +224,5 @@ def test_a_second_driver_on_a_running_key_is_refused(tmp_path: Path) -> None:
     client = MlflowClient(tracking_uri)
     (run,) = client.search_runs([client.get_experiment_by_name("lease").experiment_id])
     assert run.info.status == "FINISHED"
-    assert sorted(int(m.step) for m in client.get_metric_history(run.info.run_id, "val_accuracy")) == list(range(10))
+    assert sorted(int(m.step) for m in client.get_metric_history(run.info.run_id, "val_accuracy")) == list(range(1, 11))
     assert not (run_dir / LEASE_FILE).exists()

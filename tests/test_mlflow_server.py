@@ -56,7 +56,7 @@ def test_a_run_as_the_ui_shows_it(served_run: PipelineResult, mlflow_server: str
     assert run.data.params["learning_rate"] == str(served_run.config.learning_rate)
 
     for key in ("train_loss", "val_loss", "val_accuracy", "epoch_seconds", "samples_per_second"):
-        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == [0, 1, 2]
+        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == [1, 2, 3]
     assert run.data.metrics["best_val_accuracy"] >= 0.9
     assert any(key.startswith("system/cpu_utilization") for key in run.data.metrics)  # system_metrics=True
 

@@ -47,8 +47,9 @@ def test_two_workers_three_epochs_reach_accuracy(first_run: PipelineResult) -> N
 def test_every_epoch_checkpointed_in_storage_keeping_the_best(first_run: PipelineResult, workdir: Path) -> None:
     run_dir = workdir / "storage" / "runs" / first_run.run_key
     kept = sorted(p.name for p in run_dir.glob("epoch-*"))
-    # checkpoints_to_keep=2: the two best by val_accuracy survive (the latest always does).
-    assert kept == ["epoch-0001", "epoch-0002"]
+    # checkpoints_to_keep=2: the two best by val_accuracy survive (the latest always does). Folders are named by
+    # the epoch's number, as the console counts: epoch-0003 holds "epoch 3/3".
+    assert kept == ["epoch-0002", "epoch-0003"]
     for name in kept:
         verify_checkpoint(run_dir / name)
     assert Path(first_run.fit.best_checkpoint_uri) == run_dir / f"epoch-{first_run.fit.best_epoch:04d}"
@@ -69,10 +70,27 @@ def test_mlflow_run_has_each_epoch_exactly_once(first_run: PipelineResult, clien
     assert run.data.tags["prefect.flow_run_id"] in description and "3 epochs" in description
     for key in EPOCH_METRICS:
         steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
-        assert sorted(steps) == [0, 1, 2], key
+        assert sorted(steps) == [1, 2, 3], key  # MLflow's step is the epoch number
     history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val_accuracy")}
-    assert history[2] == pytest.approx(first_run.fit.final_metrics["val_accuracy"])
-    assert run.data.metrics["best_val_accuracy"] == pytest.approx(max(history.values()))
+    assert history[3] == pytest.approx(first_run.fit.final_metrics["val_accuracy"])
+
+
+def test_one_epoch_numbering_and_the_summary_as_a_table(first_run: PipelineResult, client: MlflowClient) -> None:
+    """The epoch a person reads is the same number in the summary, MLflow's step, tags, description and folder,
+    and the summary values are not metrics (the MLflow UI would draw each as a one-point chart)."""
+    run = client.get_run(first_run.fit.mlflow_run_id)
+    history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val_accuracy")}
+    best = first_run.fit.best_epoch
+    assert history[best] == max(history.values())
+    assert first_run.fit.best_checkpoint_uri.endswith(f"/epoch-{best:04d}")
+    assert set(run.data.metrics) <= {*EPOCH_METRICS, *(f"best_checkpoint_{k}" for k in first_run.fit.scores)}
+    tags = run.data.tags
+    assert tags["summary.best_epoch"] == str(best)
+    assert float(tags["summary.best_val_accuracy"]) == pytest.approx(history[best], abs=1e-6)
+    assert float(tags["summary.final_val_accuracy"]) == pytest.approx(history[3], abs=1e-6)
+    description = tags["mlflow.note.content"]
+    assert f"| best by val_accuracy: {best} |" in description and "| final: 3 |" in description
+    assert description.count("#### Result") == 1
 
 
 def test_champion_loads_and_reproduces_logged_accuracy(first_run: PipelineResult, client: MlflowClient) -> None:
@@ -159,6 +177,7 @@ def test_run_page_shows_progress_per_epoch_and_a_summary(first_run: PipelineResu
     assert f"version **{first_run.model.version}** -> champion" in summary.data
     # The metric table has one row per metric with its final and best value, and the split sizes are listed.
     final_accuracy = first_run.fit.final_metrics["val_accuracy"]
+    assert f"| metric | final (epoch 3) | best (epoch {first_run.fit.best_epoch}) |" in summary.data, summary.data
     assert f"| val_accuracy | {final_accuracy:.4f} |" in summary.data, summary.data
     assert f"| train_loss | {first_run.fit.final_metrics['train_loss']:.4f} |" in summary.data
     assert f"{first_run.dataset.test_rows} test rows" in summary.data
@@ -222,13 +241,13 @@ def test_the_best_checkpoint_by_val_loss_is_the_lowest_loss_not_the_highest_accu
     by_loss = min(range(len(history)), key=lambda epoch: history[epoch]["val_loss"])
     by_accuracy = max(range(len(history)), key=lambda epoch: history[epoch]["val_accuracy"])
     assert by_loss != by_accuracy, f"the metrics agree on epoch {by_loss}: the test needs a config where they do not"
-    assert result.fit.best_epoch == by_loss
+    assert result.fit.best_epoch == by_loss + 1  # epochs are numbered from 1 where people read them
     assert result.fit.best_metrics["val_loss"] == pytest.approx(history[by_loss]["val_loss"])
     run_dir = workdir / "by-loss" / "storage" / "runs" / result.run_key
     two_best = sorted(range(len(history)), key=lambda epoch: history[epoch]["val_loss"])[:2]
-    expected = sorted({f"epoch-{epoch:04d}" for epoch in [*two_best, len(history) - 1]})
+    expected = sorted({f"epoch-{epoch + 1:04d}" for epoch in [*two_best, len(history) - 1]})
     assert sorted(p.name for p in run_dir.glob("epoch-*")) == expected
-    assert Path(result.fit.best_checkpoint_uri) == run_dir / f"epoch-{by_loss:04d}"
+    assert Path(result.fit.best_checkpoint_uri) == run_dir / f"epoch-{by_loss + 1:04d}"
     assert result.model is not None and result.model.metric == "test_loss"
     version = MlflowClient(config.mlflow_tracking_uri).get_model_version(config.model_name, result.model.version)
-    assert version.tags["best_epoch"] == str(by_loss)
+    assert version.tags["best_epoch"] == str(by_loss + 1)

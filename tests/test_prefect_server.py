@@ -185,7 +185,7 @@ def _assert_run_is_tracked_and_published(
     for key, value in (params or {}).items():
         assert run.data.params[key] == str(value), key
     assert run.data.tags["prefect.flow_run_url"] == f"{server.url}/runs/flow-run/{flow_run.id}"
-    assert [m.step for m in tracking.get_metric_history(run.info.run_id, "val_accuracy")] == list(range(epochs))
+    assert [m.step for m in tracking.get_metric_history(run.info.run_id, "val_accuracy")] == list(range(1, epochs + 1))
     return str(run.data.tags["prefect.flow_run_url"])
 
 
@@ -302,7 +302,7 @@ def _assert_continued_to_the_end(
     assert run.info.run_id == mlflow_run_id and run.info.status == "FINISHED"
     assert run.data.tags["prefect_raytrain.run_key"] == run_key
     history = tracking.get_metric_history(run.info.run_id, "val_accuracy")
-    assert sorted(m.step for m in history) == list(range(EPOCHS))  # each epoch exactly once
+    assert sorted(m.step for m in history) == list(range(1, EPOCHS + 1))  # each epoch exactly once
     versions = tracking.search_model_versions(f"name = '{name}'")
     assert [v.tags.get("run_key") for v in versions] == [run_key]
     started = finished.start_time.timestamp()
@@ -396,7 +396,7 @@ def test_cancelling_a_run_stops_training_and_keeps_it_resumable(prefect_server: 
         finished = _wait_for_final_state(prefect_server, resumed.id)
         assert finished.state_type.value == "COMPLETED", worker_log.read_text()[-8000:]
     history = tracking.get_metric_history(mlflow_run_id, "val_accuracy")
-    assert sorted(m.step for m in history) == list(range(EPOCHS))
+    assert sorted(m.step for m in history) == list(range(1, EPOCHS + 1))
     assert tracking.get_run(mlflow_run_id).info.status == "FINISHED"
     print(f"\ncancel: Cancelled after {to_cancelled:.1f} s, every process it started gone after {to_stopped:.1f} s")
 

@@ -28,7 +28,7 @@ from flows.training import PipelineResult, training_pipeline
 from raytrain_tasks.checkpoint import MODEL_FILE
 from raytrain_tasks.config import RUN_KEY_PATTERN as RUN_KEY
 from raytrain_tasks.resume import checkpoint_dir_name
-from raytrain_tasks.tracking import EPOCH_METRICS
+from raytrain_tasks.tracking import EPOCH_METRICS, epoch_number
 from tests.conftest import REPO_ROOT, small_config, this_ray_address
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.usefixtures("ray_cluster", "prefect_api")]
@@ -78,11 +78,12 @@ def only_run(workdir: Path) -> Any:
 
 
 def committed_epochs(workdir: Path) -> set[int]:
-    """Epochs whose checkpoint Ray Train registered (the controller logs them to MLflow only then)."""
+    """The 0-based indices of the epochs whose checkpoint Ray Train registered (the controller logs them to MLflow
+    only then, at ``step`` = the epoch number, index + 1)."""
     run = only_run(workdir)
     if run is None:
         return set()
-    return {int(m.step) for m in mlflow_client(workdir).get_metric_history(run.info.run_id, "val_accuracy")}
+    return {int(m.step) - 1 for m in mlflow_client(workdir).get_metric_history(run.info.run_id, "val_accuracy")}
 
 
 def train_worker_pids(workers: int) -> list[int]:
@@ -137,14 +138,15 @@ def assert_same_as_uninterrupted(workdir: Path, reference: PipelineResult) -> No
     run = only_run(workdir)
     assert run is not None and run.info.status == "FINISHED"
     client = mlflow_client(workdir)
-    expected = {int(e["epoch"]): e for e in reference.fit.history}
+    expected = {epoch_number(e["epoch"]): e for e in reference.fit.history}
+    numbers = list(range(1, EPOCHS + 1))  # MLflow's step is the epoch number
     for key in ("train_loss", "val_loss", "val_accuracy"):
         history = client.get_metric_history(run.info.run_id, key)
-        assert sorted(m.step for m in history) == list(range(EPOCHS)), f"{key}: each epoch exactly once"
+        assert sorted(m.step for m in history) == numbers, f"{key}: each epoch exactly once"
         for metric in history:
             assert metric.value == pytest.approx(expected[metric.step][key], abs=1e-6), (key, metric.step)
     for key in EPOCH_METRICS:
-        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == list(range(EPOCHS))
+        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == numbers
 
 
 def assert_resumed_not_restarted(written: dict[str, float], kill: Kill) -> None:
@@ -183,7 +185,7 @@ def test_fit_task_failure_is_retried_by_prefect_and_resumes(tmp_path: Path, refe
     state, kill = run_killing_a_worker(tmp_path, config)
     assert state.is_completed(), state.message
     assert_same_as_uninterrupted(tmp_path, reference)
-    assert checkpoint_mtimes(tmp_path)["epoch-0000"] < kill.at
+    assert checkpoint_mtimes(tmp_path)[checkpoint_dir_name(0)] < kill.at
 
     with get_client(sync_client=True) as client:
         task_runs = client.read_task_runs(
@@ -271,8 +273,7 @@ def test_cli_killed_then_resumed_continues_the_same_run(tmp_path: Path, referenc
     assert listed["MLFLOW RUN"] == run_before.info.run_id
 
     # The settings come from the run itself: only where its state is, and the run key, are given.
-    # --verbose: "resuming from ...: next epoch N" is rank 0's line, which the quiet console leaves in Ray's logs.
-    resume = [PREFECT_RAYTRAIN, "resume", run_dir.name, *_locations(tmp_path), "--verbose"]
+    resume = [PREFECT_RAYTRAIN, "resume", run_dir.name, *_locations(tmp_path)]
     resumed = _command(tmp_path, api_url, *resume)
     output, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, output[-4000:]
@@ -281,9 +282,12 @@ def test_cli_killed_then_resumed_continues_the_same_run(tmp_path: Path, referenc
     assert_same_as_uninterrupted(tmp_path, reference)
     # The kill can land after Ray registered a checkpoint but before its epoch reached MLflow (the driver
     # backfills it), so the resume point is the newest checkpoint on disk, never older than MLflow's last step.
-    match = re.search(r"next epoch (\d+)", output)
+    # The default console says where it resumes from (the driver's line; the workers' own is in Ray's logs).
+    announced = rf"resuming from checkpoint \S+/(epoch-\d+) \(epoch (\d+) of {EPOCHS}\): next epoch (\d+)"
+    match = re.search(announced, output)
     assert match, output[-4000:]
-    resumed_from = int(match[1]) - 1
+    resumed_from = int(match[2]) - 1  # the epoch's index
+    assert match[1] == checkpoint_dir_name(resumed_from) and int(match[3]) == int(match[2]) + 1
     assert resumed_from >= logged
     assert checkpoint_dir_name(resumed_from) in written
     after = checkpoint_mtimes(tmp_path)
@@ -423,7 +427,7 @@ def test_cli_killed_in_register_model_registers_one_version_on_resume(tmp_path: 
     client = mlflow_client(tmp_path)
 
     def logged_models() -> list[Any]:
-        run = only_run(tmp_path) if list((tmp_path / "storage" / "runs").glob("*/epoch-0000")) else None
+        run = only_run(tmp_path) if list((tmp_path / "storage" / "runs").glob("*/epoch-0001")) else None
         return [] if run is None else list(client.search_logged_models([run.info.experiment_id]))
 
     def versions() -> list[Any]:

@@ -44,17 +44,17 @@ def _latest(run_dir: Path, epoch: int) -> Checkpoint:
 def test_intact_latest_is_used(tmp_path: Path) -> None:
     _run_with_checkpoints(tmp_path, 3)
     loaded, used = load_newest_intact(_latest(tmp_path, 2), announce=False)
-    assert loaded.state.epoch == 2 and used.path.endswith("epoch-0002")
+    assert loaded.state.epoch == 2 and used.path.endswith("epoch-0003")  # the third epoch: index 2, number 3
 
 
 def test_truncated_latest_falls_back_to_previous_and_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     _run_with_checkpoints(tmp_path, 3)
-    model_file = tmp_path / "epoch-0002" / MODEL_FILE
+    model_file = tmp_path / "epoch-0003" / MODEL_FILE
     model_file.write_bytes(model_file.read_bytes()[:10])
     with caplog.at_level("WARNING"):
         loaded, used = load_newest_intact(_latest(tmp_path, 2), announce=True)
-    assert loaded.state.epoch == 1 and used.path.endswith("epoch-0001")
-    assert "falling back to the last intact checkpoint epoch-0001" in caplog.text
+    assert loaded.state.epoch == 1 and used.path.endswith("epoch-0002")
+    assert "falling back to the last intact checkpoint epoch-0002 (epoch 2)" in caplog.text
     assert model_file.exists()  # never deleted behind Ray Train's back
 
 

@@ -60,7 +60,7 @@ def test_everything_lands_in_the_bucket(s3_run: tuple[PipelineResult, Path], s3_
     assert {f"{dataset_prefix}{name}" for name in ("train.parquet", "val.parquet", "dataset.json")} <= set(keys)
     run_prefix = f"e2e/runs/{result.run_key}/"
     kept = sorted({key[len(run_prefix) :].split("/")[0] for key in keys if key.startswith(f"{run_prefix}epoch-")})
-    assert kept == ["epoch-0001", "epoch-0002"]
+    assert kept == ["epoch-0002", "epoch-0003"]
     for name in kept:
         assert f"{run_prefix}{name}/manifest.json" in keys and f"{run_prefix}{name}/model.pt" in keys
     assert any(key.startswith("e2e/mlartifacts/") and key.endswith("/MLmodel") for key in keys)

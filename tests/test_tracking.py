@@ -72,6 +72,6 @@ def test_live_epoch_logging_survives_an_mlflow_outage(tmp_path: Path) -> None:
         logger.after_report(None, _epoch(1), _Checkpoint())
         logger.after_report(None, _epoch(2), _Checkpoint())
         steps = sorted(m.step for m in MlflowClient(url).get_metric_history(run_id, "val_accuracy"))
-        assert steps == [1, 2]  # epoch 0 is the driver's to backfill (reconcile_epochs) after fit()
+        assert steps == [2, 3]  # epoch 1 (step 1) is the driver's to backfill (reconcile_epochs) after fit()
     finally:
         stop_process_group(server)

@@ -134,15 +134,17 @@ def start_cli(workdir: Path, head: ExternalCluster, s3: LocalS3, *flags: str, **
 
 
 def committed(workdir: Path) -> set[int]:
+    """The 0-based indices of the epochs logged to MLflow (its ``step`` is the epoch number, index + 1)."""
     client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("nodes")
     runs = [] if experiment is None else client.search_runs([experiment.experiment_id])
     if not runs:
         return set()
-    return {int(m.step) for m in client.get_metric_history(runs[0].info.run_id, "val_accuracy")}
+    return {int(m.step) - 1 for m in client.get_metric_history(runs[0].info.run_id, "val_accuracy")}
 
 
 def the_run(workdir: Path) -> Any:
+    """The run, and the epoch numbers in its MLflow history."""
     client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("nodes").experiment_id])
     history = client.get_metric_history(run.info.run_id, "val_accuracy")
@@ -208,11 +210,11 @@ def test_elastic_training_spans_both_nodes_and_survives_losing_one(
     assert cli.returncode == 0, output[-4000:]
     assert len(survivors) == 1  # elastic: one worker on the surviving node, not a wait for two
     run, steps = the_run(tmp_path)
-    assert run.info.status == "FINISHED" and steps == list(range(EPOCHS))  # every epoch exactly once
+    assert run.info.status == "FINISHED" and steps == list(range(1, EPOCHS + 1))  # every epoch exactly once
     # Checkpoints went to the bucket, from whichever node held rank 0; none was written under a node's folder.
     # (An epoch cut off by the loss is trained again into a folder of its own, epoch-NNNN-r1.)
     written = checkpoints_in_bucket(s3_server, tmp_path)
-    assert {name[:10] for name in written} == {f"epoch-{e:04d}" for e in range(EPOCHS)}, written
+    assert {name[:10] for name in written} == {f"epoch-{e:04d}" for e in range(1, EPOCHS + 1)}, written
     assert not list(head.temp_dir.rglob("epoch-0*"))
     print(f"\nnode lost -> worker group of one on the survivor: {restarted:.1f} s")
 
@@ -242,12 +244,11 @@ def test_a_fixed_worker_count_fails_within_its_bound_and_resumes_when_the_node_i
     print(f"\nnode lost -> the run failed after {took:.1f} s (1 restart allowed, 10 s start timeout each)")
 
     with second_node(head):
-        # --verbose: "resuming from ...: next epoch N" is rank 0's line, which the quiet console leaves in Ray's logs.
-        resumed = start_cli(tmp_path, head, s3_server, *fixed, "--resume", run_key.group(1), "--verbose")
+        resumed = start_cli(tmp_path, head, s3_server, *fixed, "--resume", run_key.group(1))
         output, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, output[-4000:]
-    match = re.search(r"next epoch (\d+)", output)
-    assert match and int(match.group(1)) >= max(before), output[-3000:]  # from the last checkpoint, not epoch 0
+    match = re.search(r"resuming from checkpoint \S+ \(epoch (\d+) of \d+\): next epoch (\d+)", output)
+    assert match and int(match.group(1)) >= max(before), output[-3000:]  # from the last checkpoint, not epoch 1
     run_after, steps = the_run(tmp_path)
     assert run_after.info.run_id == run.info.run_id and run_after.info.status == "FINISHED"
-    assert steps == list(range(EPOCHS))
+    assert steps == list(range(1, EPOCHS + 1))
