@@ -17,6 +17,9 @@ from tasks.storage import download_dir, locate
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
+    from mlflow.entities import Metric
+
+    from tasks.fit import FitResult
 
 EVALUATION_ARTIFACT_DIR = "evaluation"
 
@@ -100,15 +103,15 @@ def log_evaluation(
     client: MlflowClient,
     run_id: str,
     dataset: DatasetRef,
-    history: list[dict[str, float]],
+    fit: FitResult,
     checkpoint: dict[str, Any],
     options: StorageOptions,
     expected_digest: str,
+    model_id: str | None,
 ) -> dict[str, float]:
     """Score the best checkpoint on the validation and test splits, log plots and reports as run artifacts and
-    the scores as metrics; returns them (``val_accuracy``, ``val_loss``, ``test_accuracy``, ``test_loss``)."""
-    from mlflow.entities import Metric
-
+    the scores as metrics (``best_checkpoint_*`` at the best epoch's step, linked to the checkpoint's LoggedModel
+    ``model_id``); returns them (``val_accuracy``, ``val_loss``, ``test_accuracy``, ``test_loss``)."""
     model = load_checkpoint_model(checkpoint["uri"], options, expected_digest)
     _, y_train = read_split(dataset, "train", options)
     x_val, y_val = read_split(dataset, "val", options)
@@ -119,7 +122,7 @@ def log_evaluation(
     with tempfile.TemporaryDirectory(prefix="prt-report-") as tmp:
         write_report_files(
             Path(tmp),
-            history=history,
+            history=fit.history,
             evaluation=evaluation,
             summary=dataset_summary(dataset, y_train, y_val),
             class_labels=dataset.class_labels,
@@ -133,5 +136,15 @@ def log_evaluation(
         "test_accuracy": test_scores.accuracy,
         "test_loss": test_scores.loss,
     }
-    client.log_batch(run_id, metrics=[Metric(f"best_checkpoint_{k}", v, 0, 0) for k, v in scores.items()])
+    client.log_batch(run_id, metrics=scores_as_metrics(scores, fit.best_epoch, model_id))
     return scores
+
+
+def scores_as_metrics(scores: dict[str, float], best_epoch: int, model_id: str | None) -> list[Metric]:
+    """``best_checkpoint_<score>`` at the best epoch's step, linked to the LoggedModel ``model_id``.
+
+    A fixed timestamp: a retry logs the same points, which MLflow skips instead of adding a second one.
+    """
+    from mlflow.entities import Metric
+
+    return [Metric(f"best_checkpoint_{k}", v, 0, best_epoch, model_id=model_id) for k, v in scores.items()]

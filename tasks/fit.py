@@ -82,6 +82,8 @@ class FitResult(BaseModel):
     reopened_mlflow_run: bool
     # The best checkpoint scored once, on the driver: val_accuracy, val_loss, test_accuracy, test_loss.
     scores: dict[str, float] = {}
+    # The MLflow LoggedModel that stands for the best checkpoint (tracking.log_checkpoint_models).
+    best_checkpoint_model_id: str | None = None
 
 
 def is_retryable(task: Any, task_run: Any, state: Any) -> bool:
@@ -248,12 +250,19 @@ def _distributed_fit(
         if added:
             logger.warning("logged %d epoch(s) to MLflow that the controller could not log live", added)
         tracking.log_summary(client, run_id, fit.history, selection_metric(config), fit.best_epoch)
+        kept = {
+            _name(checkpoint): _checkpoint_uri(run_dir, checkpoint) for checkpoint, _ in result.best_checkpoints or []
+        }
+        model_ids = tracking.log_checkpoint_models(
+            client, experiment_id, run_id, kept, pinned_digests(client.get_run(run_id).data.tags)
+        )
+        model_id = model_ids.get(fit.best_checkpoint_uri.rstrip("/").rsplit("/", 1)[-1])
         pointer = {"uri": fit.best_checkpoint_uri, "epoch": fit.best_epoch, "run_uri": fit.run_uri, "run_key": run_key}
         digest = tracking.recorded_digest(client, run_id, fit.best_checkpoint_uri)
         scores = evaluation.log_evaluation(
-            client, run_id, dataset, fit.history, pointer, config.storage_options, digest
+            client, run_id, dataset, fit, pointer, config.storage_options, digest, model_id
         )
-        fit = fit.model_copy(update={"scores": scores})
+        fit = fit.model_copy(update={"scores": scores, "best_checkpoint_model_id": model_id})
         # The record goes last: a run with it is complete, and a resume of it trains and logs nothing again.
         # Its digest goes to MLflow after it: a record without one is not trusted (see _finished_fit).
         record = fit.model_dump_json(indent=1)

@@ -27,7 +27,7 @@ from raytrain_tasks.errors import PromotionError, TrackingError
 from raytrain_tasks.models import with_standardisation
 from raytrain_tasks.redact import redacted_errors
 from tasks import tracking
-from tasks.evaluation import load_checkpoint_model, score
+from tasks.evaluation import load_checkpoint_model, score, scores_as_metrics
 from tasks.fit import FitResult
 from tasks.promotion import Champion, Promotion, PromotionDecision, decide_promotion
 from tasks.registry_lock import LockHandle, model_lock
@@ -79,6 +79,7 @@ def _register_model(config: TrainingConfig, dataset: DatasetRef, fit: FitResult)
     # also exports as MLFLOW_TRACKING_URI: scoped here, so a later run in this process is not redirected.
     with tracking.using_tracking_uri(config.mlflow_tracking_uri):
         model_uri = _logged_model_uri(fit) or _log_model(client, config, dataset, fit)
+        _link_logged_model(client, fit, model_uri.removeprefix("models:/"))
         with model_lock(client, config.model_name, owner=fit.run_key) as lock:
             version = _version_of_run(client, config.model_name, fit.run_key)
             if version is None:
@@ -347,6 +348,20 @@ def _log_model(client: MlflowClient, config: TrainingConfig, dataset: DatasetRef
             metadata={"run_key": fit.run_key, "dataset_hash": dataset.content_hash},
         )
     return str(info.model_uri)
+
+
+def _link_logged_model(client: MlflowClient, fit: FitResult, model_id: str) -> None:
+    """The registered model's LoggedModel carries the best checkpoint's scores (so the experiment's Models tab
+    can sort by them) and says which checkpoint it was made from; idempotent (MLflow skips a metric it has)."""
+    client.log_batch(fit.mlflow_run_id, metrics=scores_as_metrics(fit.scores, fit.best_epoch, model_id))
+    tags = {
+        "prefect_raytrain.run_key": fit.run_key,
+        "prefect_raytrain.epoch": str(fit.best_epoch),
+        tracking.CHECKPOINT_URI_TAG: fit.best_checkpoint_uri,
+    }
+    if fit.best_checkpoint_model_id:
+        tags["prefect_raytrain.checkpoint_model_id"] = fit.best_checkpoint_model_id
+    client.set_logged_model_tags(model_id, tags)
 
 
 def input_example(config: TrainingConfig, dataset: DatasetRef) -> np.ndarray:

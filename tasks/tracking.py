@@ -286,6 +286,64 @@ def log_summary(
     client.log_batch(run_id, tags=tags)
 
 
+CHECKPOINT_MODEL_TYPE = "checkpoint"  # the model_type of the LoggedModels that stand for kept checkpoints
+CHECKPOINT_URI_TAG = "prefect_raytrain.checkpoint_uri"
+CHECKPOINT_KEPT_TAG = "prefect_raytrain.checkpoint_kept"
+
+
+def log_checkpoint_models(
+    client: MlflowClient, experiment_id: str, run_id: str, kept: dict[str, str], digests: dict[str, str]
+) -> dict[str, str]:
+    """Each checkpoint Ray Train kept, as an MLflow 3 LoggedModel of the run linked to its epoch's metrics;
+    returns checkpoint folder name -> model_id.
+
+    In the experiment's Models tab the kept checkpoints are then rows with their epoch's metrics, so the best one
+    is a sort. The LoggedModel holds no copy of the weights: its tags say where the checkpoint is
+    (``kept``: folder name -> URI) and its manifest digest. Idempotent: a retry or a resume finds the models an
+    earlier attempt created, and links a metric once (MLflow skips a metric it already has). A model whose
+    checkpoint Ray Train has since deleted (a resume trained more epochs) is tagged ``checkpoint_kept=false``.
+    """
+    from mlflow.entities import LoggedModelStatus, Metric
+
+    from raytrain_tasks.resume import checkpoint_epoch
+
+    existing = {
+        model.name: model
+        for model in client.search_logged_models([experiment_id], filter_string=f"source_run_id = '{run_id}'")
+        if model.model_type == CHECKPOINT_MODEL_TYPE
+    }
+    histories = {key: {int(m.step): m for m in client.get_metric_history(run_id, key)} for key in EPOCH_METRICS}
+    model_ids = {}
+    for name, uri in sorted(kept.items()):
+        model = existing.get(name)
+        if model is None:
+            tags = {
+                CHECKPOINT_URI_TAG: uri,
+                CHECKPOINT_KEPT_TAG: "true",
+                "prefect_raytrain.epoch": str(checkpoint_epoch(name)),
+            }
+            if name in digests:
+                tags["prefect_raytrain.checkpoint_sha256"] = digests[name]
+            model = client.create_logged_model(
+                experiment_id, name=name, source_run_id=run_id, tags=tags, model_type=CHECKPOINT_MODEL_TYPE
+            )
+        if model.status != LoggedModelStatus.READY:
+            step = checkpoint_epoch(name)
+            # The run's own points (same timestamp, step and value), now also linked to the model.
+            linked = [
+                Metric(key, point.value, point.timestamp, point.step, model_id=model.model_id)
+                for key in EPOCH_METRICS
+                if (point := histories[key].get(step)) is not None
+            ]
+            client.log_batch(run_id, metrics=linked)
+            client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
+        model_ids[name] = model.model_id
+    for name, model in existing.items():
+        if name not in kept and model.tags.get(CHECKPOINT_KEPT_TAG) != "false":
+            client.set_logged_model_tags(model.model_id, {CHECKPOINT_KEPT_TAG: "false"})
+    return model_ids
+
+
 def finish_run(client: MlflowClient, run_id: str) -> None:
     client.set_terminated(run_id, status="FINISHED")
 

@@ -57,7 +57,17 @@ def test_a_run_as_the_ui_shows_it(served_run: PipelineResult, mlflow_server: str
 
     for key in ("train_loss", "val_loss", "val_accuracy", "epoch_seconds", "samples_per_second"):
         assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == [1, 2, 3]
-    assert run.data.metrics["best_val_accuracy"] >= 0.9
+    assert float(tags["summary.best_val_accuracy"]) >= 0.9 and "best_val_accuracy" not in run.data.metrics
+    # Through the REST API too: the kept checkpoints are LoggedModels with their epoch's metrics linked.
+    checkpoints = client.search_logged_models(
+        [experiment.experiment_id],
+        filter_string=f"source_run_id = '{run.info.run_id}'",
+        order_by=[{"field_name": "metrics.val_accuracy", "ascending": False}],
+    )
+    checkpoints = [m for m in checkpoints if m.model_type == "checkpoint"]
+    assert len(checkpoints) == served_run.config.checkpoints_to_keep
+    assert checkpoints[0].model_id == served_run.fit.best_checkpoint_model_id
+    assert {m.key for m in checkpoints[0].metrics} >= {"val_accuracy", "best_checkpoint_test_accuracy"}
     assert any(key.startswith("system/cpu_utilization") for key in run.data.metrics)  # system_metrics=True
 
     (dataset_input,) = run.inputs.dataset_inputs

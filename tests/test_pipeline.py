@@ -93,6 +93,43 @@ def test_one_epoch_numbering_and_the_summary_as_a_table(first_run: PipelineResul
     assert description.count("#### Result") == 1
 
 
+def test_kept_checkpoints_are_logged_models_and_the_version_links_its_model_and_run(
+    first_run: PipelineResult, client: MlflowClient, workdir: Path
+) -> None:
+    """MLflow 3: each kept checkpoint is a LoggedModel with its epoch's metrics (the best one is a sort in the
+    Models tab), and the registered version points to its LoggedModel and its run."""
+    fit = first_run.fit
+    models = client.search_logged_models(
+        [fit.mlflow_experiment_id],
+        filter_string=f"source_run_id = '{fit.mlflow_run_id}'",
+        order_by=[{"field_name": "metrics.val_accuracy", "ascending": False}],
+    )
+    checkpoints = [m for m in models if m.model_type == "checkpoint"]
+    run_dir = workdir / "storage" / "runs" / first_run.run_key
+    assert sorted(m.name for m in checkpoints) == sorted(p.name for p in run_dir.glob("epoch-*"))
+    history = {m.step: m.value for m in client.get_metric_history(fit.mlflow_run_id, "val_accuracy")}
+    for model in checkpoints:
+        epoch = int(model.name.removeprefix("epoch-"))
+        assert str(model.status).endswith("READY") and model.tags["prefect_raytrain.epoch"] == str(epoch)
+        assert model.tags["prefect_raytrain.checkpoint_uri"] == str(run_dir / model.name)
+        linked = {m.key: m for m in model.metrics}
+        assert linked["val_accuracy"].step == epoch and linked["val_accuracy"].value == history[epoch]
+    assert checkpoints[0].model_id == fit.best_checkpoint_model_id  # best first, by the sort alone
+    assert {m.key for m in checkpoints[0].metrics} >= {"best_checkpoint_test_accuracy", "train_loss"}
+    # Linking re-logged the run's own points: the run still has each epoch once.
+    assert sorted(history) == [1, 2, 3] and len(client.get_metric_history(fit.mlflow_run_id, "val_accuracy")) == 3
+
+    assert first_run.model is not None
+    version = client.get_model_version(first_run.model.name, first_run.model.version)
+    # The version's source is its LoggedModel (models:/<model_id>), which the MLflow UI links, and its run.
+    assert version.source.startswith("models:/m-") and version.run_id == fit.mlflow_run_id
+    registered = client.get_logged_model(version.source.removeprefix("models:/"))
+    assert registered.source_run_id == fit.mlflow_run_id
+    assert registered.tags["prefect_raytrain.checkpoint_model_id"] == fit.best_checkpoint_model_id
+    scores = {m.key: m.value for m in registered.metrics}
+    assert scores["best_checkpoint_test_accuracy"] == pytest.approx(fit.scores["test_accuracy"])
+
+
 def test_champion_loads_and_reproduces_logged_accuracy(first_run: PipelineResult, client: MlflowClient) -> None:
     import mlflow
 
