@@ -288,7 +288,6 @@ def log_summary(
 
 CHECKPOINT_MODEL_TYPE = "checkpoint"  # the model_type of the LoggedModels that stand for kept checkpoints
 CHECKPOINT_URI_TAG = "prefect_raytrain.checkpoint_uri"
-CHECKPOINT_KEPT_TAG = "prefect_raytrain.checkpoint_kept"
 
 
 def log_checkpoint_models(
@@ -300,8 +299,9 @@ def log_checkpoint_models(
     In the experiment's Models tab the kept checkpoints are then rows with their epoch's metrics, so the best one
     is a sort. The LoggedModel holds no copy of the weights: its tags say where the checkpoint is
     (``kept``: folder name -> URI) and its manifest digest. Idempotent: a retry or a resume finds the models an
-    earlier attempt created, and links a metric once (MLflow skips a metric it already has). A model whose
-    checkpoint Ray Train has since deleted (a resume trained more epochs) is tagged ``checkpoint_kept=false``.
+    earlier attempt created, and links a metric once (MLflow skips a metric it already has). They are created
+    once the fit is done, when Ray Train deletes no more checkpoints of the run (a resume cannot change
+    ``epochs`` or ``checkpoints_to_keep``), so every one of them points to a checkpoint in storage.
     """
     from mlflow.entities import LoggedModelStatus, Metric
 
@@ -319,7 +319,6 @@ def log_checkpoint_models(
         if model is None:
             tags = {
                 CHECKPOINT_URI_TAG: uri,
-                CHECKPOINT_KEPT_TAG: "true",
                 "prefect_raytrain.epoch": str(checkpoint_epoch(name)),
             }
             if name in digests:
@@ -338,9 +337,6 @@ def log_checkpoint_models(
             client.log_batch(run_id, metrics=linked)
             client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
         model_ids[name] = model.model_id
-    for name, model in existing.items():
-        if name not in kept and model.tags.get(CHECKPOINT_KEPT_TAG) != "false":
-            client.set_logged_model_tags(model.model_id, {CHECKPOINT_KEPT_TAG: "false"})
     return model_ids
 
 

@@ -242,6 +242,38 @@ def test_resuming_a_finished_run_trains_and_registers_nothing_new(
     assert client.get_run(first_run.fit.mlflow_run_id).info.status == "FINISHED"
 
 
+def test_a_run_finished_again_from_its_checkpoints_records_nothing_twice(
+    first_run: PipelineResult, client: MlflowClient, workdir: Path
+) -> None:
+    """A crash between writing fit.json and recording its digest: the resume finishes the run again from its
+    checkpoints (Ray Train finds every epoch done) and adds no metric point, LoggedModel or version."""
+    from tasks.tracking import FIT_RECORD_TAG
+
+    assert first_run.model is not None
+    fit, name = first_run.fit, first_run.model.name
+
+    def recorded() -> tuple[object, ...]:
+        models = client.search_logged_models([fit.mlflow_experiment_id], f"source_run_id = '{fit.mlflow_run_id}'")
+        run = client.get_run(fit.mlflow_run_id)
+        points = {key: len(client.get_metric_history(fit.mlflow_run_id, key)) for key in run.data.metrics}
+        return (
+            sorted((m.name, m.model_id, len(m.metrics)) for m in models),
+            sorted(str(v.version) for v in client.search_model_versions(f"name = '{name}'")),
+            points,
+            run.data.tags["mlflow.note.content"].split("#### Result"),  # the flow run it names is the latest
+        )
+
+    before = recorded()
+    client.delete_tag(fit.mlflow_run_id, FIT_RECORD_TAG)
+    again = training_pipeline(config=small_config(workdir, resume=first_run.run_key))
+    assert again.fit.best_checkpoint_model_id == fit.best_checkpoint_model_id
+    assert again.model is not None and again.model.version == first_run.model.version
+    after = recorded()
+    assert after[:3] == before[:3]
+    assert len(after[3]) == len(before[3]) == 2 and after[3][1] == before[3][1]  # one result table, the same
+    assert client.get_run(fit.mlflow_run_id).data.tags[FIT_RECORD_TAG]  # complete again
+
+
 def test_a_resume_with_changed_settings_is_refused_before_anything_is_written(
     first_run: PipelineResult, client: MlflowClient, workdir: Path
 ) -> None:
