@@ -101,8 +101,29 @@ def main(argv: list[str] | None = None) -> int:
     for spec in specs:
         os.environ.update(((spec.get("work_pool") or {}).get("job_variables") or {}).get("env") or {})
     ensure_zombie_automation(training_pipeline.name)
-    serve(*build_deployments(specs))
+    try:
+        serve(*build_deployments(specs))
+    finally:
+        pause_served([spec["name"] for spec in specs])
     return 0
+
+
+def pause_served(names: list[str]) -> None:
+    """Pause the served deployments once serving has stopped, whatever stopped it.
+
+    Prefect's runner pauses them itself on a clean shutdown, but on SIGTERM its pause runs while asyncio cancels
+    the runner's tasks, and now and then it never reaches the server (seen in CI: the nightly still scheduled
+    30 s after serve exited). With nobody serving them, a paused deployment is the safe state: no scheduled run
+    piles up waiting for a process that is gone. Pausing twice is harmless.
+    """
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        for name in names:
+            deployment = client.read_deployment_by_name(f"{training_pipeline.name}/{name}")
+            if not deployment.paused:
+                client.pause_deployment(deployment.id)
+                print(f"paused deployment {training_pipeline.name}/{name} (serving stopped)", file=sys.stderr)
 
 
 if __name__ == "__main__":

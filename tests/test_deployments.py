@@ -82,3 +82,26 @@ def test_runs_under_the_zombie_watch_send_heartbeats_often_enough(spec: dict[str
     assert HEARTBEAT_TAG in spec["tags"]
     env = spec["work_pool"]["job_variables"]["env"]
     assert int(env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"]) == HEARTBEAT_SECONDS <= SILENCE_SECONDS / 3
+
+
+def test_the_served_deployments_end_paused_whatever_stopped_serving(
+    prefect_api: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prefect's runner pauses what it served on a clean stop, but its SIGTERM path (sys.exit in the handler)
+    now and then never gets the pause to the server; deployments.serve pauses them itself once serving ends."""
+    import prefect
+    from prefect.client.orchestration import get_client
+
+    from deployments import serve
+
+    def serve_until_sigterm(*deployments: Any) -> None:
+        for deployment in deployments:
+            deployment.apply()  # registered and scheduled, as serve does
+        raise SystemExit(0)  # what the runner's SIGTERM handler raises; here before its own pause ran
+
+    monkeypatch.setattr(prefect, "serve", serve_until_sigterm)
+    with pytest.raises(SystemExit):
+        serve.main([])
+    with get_client(sync_client=True) as client:
+        for name in ("nightly-retrain", "ad-hoc"):
+            assert client.read_deployment_by_name(f"training-pipeline/{name}").paused, name

@@ -492,5 +492,5 @@ def test_serve_and_a_custom_run_from_the_ui(prefect_server: PrefectServer, chrom
         and time.monotonic() < deadline
     ):
         time.sleep(1)
-    assert nightly.paused
+    assert nightly.paused, f"serve exited with {serve.returncode}:\n{serve_log.read_text()[-3000:]}"
     assert not [r for r in _deployment_runs(prefect_server, "nightly-retrain") if r.state_name == "Scheduled"]
