@@ -69,8 +69,6 @@ def register_model(config: TrainingConfig, dataset: DatasetRef, fit: FitResult) 
 
 
 def _register_model(config: TrainingConfig, dataset: DatasetRef, fit: FitResult) -> ModelRef:
-    import mlflow
-
     logger = get_run_logger()
     client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
     metric = test_metric(config.promotion_metric)
@@ -83,10 +81,13 @@ def _register_model(config: TrainingConfig, dataset: DatasetRef, fit: FitResult)
         with model_lock(client, config.model_name, owner=fit.run_key) as lock:
             version = _version_of_run(client, config.model_name, fit.run_key)
             if version is None:
-                tags = _version_tags(dataset, fit)
-                version = str(mlflow.register_model(model_uri, config.model_name, tags=tags).version)
-                client.update_model_version(
-                    config.model_name, version, description=_description(config, dataset, fit, metric)
+                version = _create_version(
+                    client,
+                    config.model_name,
+                    model_uri,
+                    fit,
+                    tags=_version_tags(dataset, fit),
+                    description=_description(config, dataset, fit, metric),
                 )
             else:
                 logger.info("run %s already registered %s version %s", fit.run_key, config.model_name, version)
@@ -348,6 +349,33 @@ def _log_model(client: MlflowClient, config: TrainingConfig, dataset: DatasetRef
             metadata={"run_key": fit.run_key, "dataset_hash": dataset.content_hash},
         )
     return str(info.model_uri)
+
+
+def _create_version(
+    client: MlflowClient, name: str, model_uri: str, fit: FitResult, tags: dict[str, str], description: str
+) -> str:
+    """Register one version of ``model_uri`` (``models:/<model_id>``) with its tags and description in one call.
+
+    MlflowClient, not ``mlflow.register_model``: the fluent call prints to stderr on its own ("Successfully
+    registered model ...", which the register-model log line says already) and sets the description in a
+    second request, which a crash in between would leave unset.
+    """
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.create_registered_model(name)
+    except MlflowException as exc:
+        if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    created = client.create_model_version(
+        name,
+        source=model_uri,
+        run_id=fit.mlflow_run_id,
+        tags=tags,
+        description=description,
+        model_id=model_uri.removeprefix("models:/"),
+    )
+    return str(created.version)
 
 
 def _link_logged_model(client: MlflowClient, fit: FitResult, model_id: str) -> None:

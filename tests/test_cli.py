@@ -51,6 +51,7 @@ def test_cli_runs_the_pipeline_on_embedded_defaults(tmp_path: Path) -> None:
     # A quiet console: the pipeline's progress and summary, not what each library says about itself.
     console = proc.stdout + proc.stderr
     assert "epoch 1/2 committed" in console and "epoch 2/2 committed" in console
+    assert "digits-classifier version 1 (test_accuracy" in console  # the registry decision, said once
     for noise in NOISE:
         assert noise not in console, noise
     # --verbose shows everything (here: the Ray processes' own output).
@@ -67,6 +68,8 @@ NOISE = (
     "Creating initial MLflow database tables",
     "can be interpreted in multiple ways",  # MLflow's UserWarning about the dataset source
     "Starting temporary server",
+    "Successfully registered model",  # MLflow's fluent register_model printing for itself
+    "Created version",
 )
 
 
