@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -48,3 +49,18 @@ def test_nothing_in_the_repository_points_outside_it() -> None:
         text = path.read_text(errors="replace")
         pointing_out += [f"{name}:{n}" for n, line in enumerate(text.splitlines(), 1) if needle in line]
     assert pointing_out == []
+
+
+def test_the_editable_install_warns_about_nothing(tmp_path: Path) -> None:
+    """`make install` (pip install -e) printed setuptools' "Editable installation ... Please be careful with folders
+    in your working directory" warning at every install; the flat layout is now stated (a plain .pth entry)."""
+    build = "import sys; from setuptools import build_meta; print(build_meta.build_editable(sys.argv[1]))"
+    proc = subprocess.run(
+        [sys.executable, "-W", "error::UserWarning", "-c", build, str(tmp_path)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Warning" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith(".whl")
