@@ -305,8 +305,10 @@ def run_flow(workdir: Path, epochs: int) -> dict[str, float]:
     workdir.mkdir(exist_ok=True)
     env = {**os.environ, "PREFECT_HOME": str(workdir / "prefect")}
     env.pop("PREFECT_API_URL", None)
+    # --verbose: the workers' per-epoch lines (the checkpoint figures below) are Ray output, which the default
+    # console leaves in Ray's logs.
     command = [sys.executable, "-m", "flows.training", "--epochs", str(epochs), "--experiment-name", "bench"]
-    command += FLOW_JOB
+    command += [*FLOW_JOB, "--verbose"]
     started_at = datetime.now()
     run = _run_measured(command, workdir, env)
     marks = _log_marks(run.output, started_at)
@@ -319,7 +321,10 @@ def run_flow(workdir: Path, epochs: int) -> dict[str, float]:
         "peak_rss_gib": run.peak_rss_gib,
     }
     figures.update(marks)
-    figures.update(_checkpoint_figures(run.output))
+    checkpoints = _checkpoint_figures(run.output)
+    if not checkpoints:
+        raise RuntimeError(f"no worker epoch lines in the flow's output:\n{run.output[-3000:]}")
+    figures.update(checkpoints)
     if "fit_s" in marks:
         figures["fit_outside_loop_s"] = marks["fit_s"] - in_loop
     return figures

@@ -3,16 +3,17 @@
     python -m bench.recovery
 
 Runs the real flow (local Ray, temporary Prefect API, MLflow on SQLite) on a synthetic job and SIGKILLs one
-Ray Train worker just after epoch 1 is committed, inside epoch 2 (epochs of several seconds). It reports:
+Ray Train worker just after epoch 2 is committed, inside epoch 3 (epochs of several seconds; epochs are
+numbered from 1, as the console and MLflow's step count them). It reports:
 
-- fresh start: ``TorchTrainer.fit()`` called -> the first training step of epoch 0 (controller, placement group,
+- fresh start: ``TorchTrainer.fit()`` called -> the first training step of epoch 1 (controller, placement group,
   worker processes, process group, data and model set-up);
-- recovery: the kill -> the first training step of the resumed epoch 2 (failure detected, worker group torn
+- recovery: the kill -> the first training step of the resumed epoch 3 (failure detected, worker group torn
   down and started again, checkpoint restored);
 
 where "first training step" is the epoch's commit time in MLflow minus the epoch's own duration. Workers are
 found among this process's descendants by their process title (``ray::RayTrainWorker``), not through the
-dashboard's State API. A measurement whose kill missed epoch 2 (the epoch had already been committed) is
+dashboard's State API. A measurement whose kill missed epoch 3 (the epoch had already been committed) is
 discarded and the whole run retried; nothing is retried inside a run.
 """
 
@@ -59,6 +60,7 @@ def measure(workdir: Path) -> dict[str, float] | None:
     import tasks.fit
     from flows.training import training_pipeline
     from raytrain_tasks.config import TrainingConfig
+    from raytrain_tasks.tracking import epoch_number
     from tasks.cluster import worker_env
 
     tracking = f"sqlite:///{workdir / 'mlflow.db'}"
@@ -90,12 +92,11 @@ def measure(workdir: Path) -> dict[str, float] | None:
                 runs = client.search_runs([experiment.experiment_id]) if experiment else []
                 if not runs:
                     return set()
-                # epoch indices (MLflow's step is the epoch number, index + 1)
-                return {m.step - 1 for m in client.get_metric_history(runs[0].info.run_id, "val_accuracy")}
+                return {m.step for m in client.get_metric_history(runs[0].info.run_id, "val_accuracy")}
 
-            while 1 not in committed():
+            while 2 not in committed():
                 if future.done():
-                    raise SystemExit(f"the run ended before epoch 1 was committed: {future.result()}")
+                    raise SystemExit(f"the run ended before epoch 2 was committed: {future.result()}")
                 time.sleep(0.05)
             workers = training_workers()
             if not workers:
@@ -106,18 +107,17 @@ def measure(workdir: Path) -> dict[str, float] | None:
     finally:
         tasks.fit.fit_interruptibly = original  # type: ignore[assignment]
         ray.shutdown()
-    history = {int(e["epoch"]): e for e in result.fit.history}
-    logged = client.get_metric_history(result.fit.mlflow_run_id, "val_accuracy")
-    times = {m.step - 1: m.timestamp / 1000 for m in logged}  # by epoch index, as the history is
-    first_step = {epoch: times[epoch] - history[epoch]["epoch_seconds"] for epoch in (0, 2)}
-    if first_step[2] <= killed_at:  # the epoch 2 that was committed began before the kill: it missed
-        print(f"  the kill came {killed_at - times[2]:.1f} s after epoch 2 was committed; discarded")
+    history = {epoch_number(e["epoch"]): e for e in result.fit.history}  # by epoch number, as MLflow's step
+    times = {m.step: m.timestamp / 1000 for m in client.get_metric_history(result.fit.mlflow_run_id, "val_accuracy")}
+    first_step = {epoch: times[epoch] - history[epoch]["epoch_seconds"] for epoch in (1, 3)}
+    if first_step[3] <= killed_at:  # the epoch 3 that was committed began before the kill: it missed
+        print(f"  the kill came {killed_at - times[3]:.1f} s after epoch 3 was committed; discarded")
         return None
     return {
-        "epoch_s": history[1]["epoch_seconds"],
-        "fresh_start_s": first_step[0] - fit_called[0],
-        "recovery_s": first_step[2] - killed_at,
-        "kill_to_commit_s": times[2] - killed_at,
+        "epoch_s": history[2]["epoch_seconds"],
+        "fresh_start_s": first_step[1] - fit_called[0],
+        "recovery_s": first_step[3] - killed_at,
+        "kill_to_commit_s": times[3] - killed_at,
     }
 
 
@@ -138,13 +138,13 @@ def main() -> None:
     if not runs:
         raise SystemExit(f"no kill landed inside an epoch in {ATTEMPTS} runs")
     r = {k: statistics.median(run[k] for run in runs) for k in runs[0]}
-    print(f"epoch time (uninterrupted epoch 1): {r['epoch_s']:.2f} s")
-    print(f"fresh start (fit() called -> first step of epoch 0): {r['fresh_start_s']:.1f} s")
-    print(f"recovery (kill -> first step of the resumed epoch 2): {r['recovery_s']:.1f} s")
+    print(f"epoch time (uninterrupted epoch 2): {r['epoch_s']:.2f} s")
+    print(f"fresh start (fit() called -> first step of epoch 1): {r['fresh_start_s']:.1f} s")
+    print(f"recovery (kill -> first step of the resumed epoch 3): {r['recovery_s']:.1f} s")
     ratio = r["recovery_s"] / r["fresh_start_s"]
     print(f"recovery / fresh start: {ratio:.2f}x (target <= {TARGET}x: {'met' if ratio <= TARGET else 'missed'})")
-    print(f"kill -> epoch 2 committed: {r['kill_to_commit_s']:.1f} s")
-    print("epochs of work lost: the part of epoch 2 done before the kill (under 1 epoch); epochs 0-1 kept")
+    print(f"kill -> epoch 3 committed: {r['kill_to_commit_s']:.1f} s")
+    print("epochs of work lost: the part of epoch 3 done before the kill (under 1 epoch); epochs 1-2 kept")
     print(f"written: {write_figures('recovery', r)}")
 
 
