@@ -315,7 +315,7 @@ def announce_resume(
         return
     epoch, uri = checkpoint_epoch(trusted[-1]), run_dir.child(trusted[-1]).uri
     if epoch >= config.epochs:
-        logger.info("resuming from checkpoint %s: all %d epochs were committed; finishing the run", uri, epoch)
+        logger.info("resuming from checkpoint %s: epoch %d, the last, was committed; finishing the run", uri, epoch)
     else:
         logger.info("resuming from checkpoint %s (epoch %d of %d): next epoch %d", uri, epoch, config.epochs, epoch + 1)
 
