@@ -330,11 +330,12 @@ def run_flow(workdir: Path, epochs: int) -> dict[str, float]:
     return figures
 
 
-def run_bare(tmp: Path, epochs: int) -> dict[str, float]:
+def run_bare(tmp: Path, epochs: int, manifest: Path | None = None) -> dict[str, float]:
+    """The bare contender in a fresh process, on the dataset of ``manifest`` (default: the flow runs' one)."""
     workdir = tmp / f"bare-{time.monotonic_ns()}"
     workdir.mkdir()
     # The dataset version the flow runs prepared: the bare contender trains on the same files.
-    manifest = next(tmp.glob("flow/.pipeline/storage/datasets/*/dataset.json"))
+    manifest = manifest or next(tmp.glob("flow/.pipeline/storage/datasets/*/dataset.json"))
     command = [sys.executable, "-m", "bench.overhead", "--bare-fit", str(workdir), "--epochs", str(epochs)]
     command += ["--dataset", str(manifest)]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}

@@ -27,6 +27,9 @@ HEALTH_CHECK_INTERVAL_S = "0.5"
 # default console; --verbose and every deployment run keep Ray's default, "1").
 LOG_TO_DRIVER_ENV = "PREFECT_RAYTRAIN_LOG_TO_DRIVER"
 WORKER_GROUP_START_TIMEOUT_S = "60"
+# Set by `python -m deployments.serve` for the runs it starts: the address of the local Ray it keeps warm. A run
+# whose `ray_address` is empty joins it instead of starting (and stopping) a Ray of its own.
+WARM_RAY_ENV = "PREFECT_RAYTRAIN_WARM_RAY"
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,9 @@ def ray_session(config: TrainingConfig) -> Iterator[None]:
         yield
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if not config.ray_address and _join_warm_ray(config):
+        yield
+        return
     if config.ray_address:
         check_reachable(config.ray_address)
     try:
@@ -152,6 +158,68 @@ def _init(config: TrainingConfig) -> None:
             logging_level=logging.WARNING,
             log_to_driver=_log_to_driver(),
         )
+
+
+def _join_warm_ray(config: TrainingConfig) -> bool:
+    """Connect to the local Ray that `deployments.serve` keeps warm, when it runs this process; False: none.
+
+    A warm Ray that no longer answers (its serve process died, leaving this run behind) is not a reason to fail
+    a run that asked for a local Ray: it gets its own, as without serve, and says so.
+    """
+    from tasks.fit import run_logger
+
+    address = os.environ.get(WARM_RAY_ENV, "")
+    if not address:
+        return False
+    try:
+        check_reachable(address, timeout_s=1.0)
+    except ClusterError as exc:
+        run_logger().warning(
+            "the warm Ray at %s (%s, set by deployments.serve) does not answer: %s. Starting a local Ray for "
+            "this run instead",
+            address,
+            WARM_RAY_ENV,
+            exc,
+        )
+        return False
+    try:
+        with _sigterm_stays_with_the_orchestrator():
+            init_within(
+                config.ray_connect_timeout_s,
+                address=address,
+                runtime_env={"env_vars": worker_env()},
+                logging_level=logging.WARNING,
+                log_to_driver=_log_to_driver(),
+            )
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise ClusterError(
+            f"cannot join the warm Ray at {address!r} that deployments.serve keeps for its runs ({WARM_RAY_ENV}): "
+            f"{exc}. Restart `make serve`, or serve with --no-warm-ray to give each run its own local Ray"
+        ) from exc
+    run_logger().info("training on the warm local Ray at %s (kept by deployments.serve)", address)
+    return True
+
+
+@contextmanager
+def warm_ray() -> Iterator[str]:
+    """A local Ray for the runs of this process's children, for the block; yields its address.
+
+    The runs find it through WARM_RAY_ENV (set here) and connect as drivers of their own: they pay neither Ray's
+    start nor its stop. Its processes are children of this one and end with it (``ray.shutdown()`` on exit).
+    """
+    import ray
+
+    with _sigterm_stays_with_the_orchestrator():
+        ray.init(address="local", runtime_env={"env_vars": worker_env()}, logging_level=logging.WARNING)
+    try:
+        address = ray.get_runtime_context().gcs_address
+        os.environ[WARM_RAY_ENV] = address
+        # A local Ray takes tokens (Ray >= 2.52); the machine's token file is shared, the mode must be said.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        yield address
+    finally:
+        os.environ.pop(WARM_RAY_ENV, None)
+        ray.shutdown()
 
 
 def _log_to_driver() -> bool:

@@ -248,6 +248,30 @@ def test_an_unreachable_address_fails_in_seconds_naming_the_setting() -> None:
         check_reachable("not-an-address")
 
 
+def test_a_warm_ray_gone_with_its_serve_process_leaves_the_run_a_local_ray_of_its_own() -> None:
+    # What a run started by `deployments.serve` meets when serve (and its Ray) died after starting it.
+    dead = f"127.0.0.1:{free_port()}"
+    code = textwrap.dedent(
+        f"""
+        import logging, os
+        import ray
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+        from raytrain_tasks.config import TrainingConfig
+        from tasks.cluster import WARM_RAY_ENV, ray_session
+        os.environ[WARM_RAY_ENV] = "{dead}"
+        with ray_session(TrainingConfig()):
+            print("CONNECTED", ray.get_runtime_context().gcs_address)
+        print("AFTER", ray.is_initialized())
+        """
+    )
+    done = run_python(code)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(rf"WARNING the warm Ray at {dead} .*does not answer.*Starting a local Ray", done.stderr)
+    connected = done.stdout.split("CONNECTED ", 1)[1].split()[0]
+    assert connected != dead
+    assert "AFTER False" in done.stdout  # the local Ray was the run's own: stopped with it
+
+
 MOUNTS = """\
 /dev/sda1 / ext4 rw 0 0
 nfs-server:/export /mnt/shared nfs4 rw 0 0

@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -399,6 +400,79 @@ def test_cancelling_a_run_stops_training_and_keeps_it_resumable(prefect_server: 
     assert sorted(m.step for m in history) == list(range(1, EPOCHS + 1))
     assert tracking.get_run(mlflow_run_id).info.status == "FINISHED"
     print(f"\ncancel: Cancelled after {to_cancelled:.1f} s, every process it started gone after {to_stopped:.1f} s")
+
+
+def _ray_leftovers(address: str) -> tuple[list[str], int]:
+    """What is left on the Ray at ``address``: its live actors and its placement groups not removed."""
+    probe = textwrap.dedent(
+        f"""
+        import json
+        from ray.util.state import list_actors, list_placement_groups
+        actors = list_actors(address="{address}", filters=[("state", "!=", "DEAD")], limit=10_000)
+        groups = list_placement_groups(address="{address}", filters=[("state", "!=", "REMOVED")], limit=10_000)
+        print("LEFT" + json.dumps([sorted(a.class_name for a in actors), len(groups)]))
+        """
+    )
+    seen = subprocess.run(
+        [sys.executable, "-c", probe],
+        env={**os.environ, "RAY_AUTH_MODE": "token"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert seen.returncode == 0, seen.stderr[-3000:]
+    actors, groups = json.loads(seen.stdout.split("LEFT", 1)[1])
+    return list(actors), int(groups)
+
+
+def test_served_runs_share_one_warm_ray_that_ends_with_serve(prefect_server: PrefectServer) -> None:
+    import psutil
+
+    serve, serve_log = _start_in_checkout(prefect_server, [sys.executable, "-m", "deployments.serve", "--replace"])
+    try:
+        deadline = time.monotonic() + 120
+        while "being served" not in serve_log.read_text():
+            assert serve.poll() is None and time.monotonic() < deadline, serve_log.read_text()[-3000:]
+            time.sleep(0.5)
+        announced = re.search(r"warm local Ray at (\S+)", serve_log.read_text())
+        assert announced, serve_log.read_text()[-3000:]
+        address = announced.group(1)
+        ray_processes = [
+            p for p in psutil.Process(serve.pid).children(recursive=True) if p.name() in ("gcs_server", "raylet")
+        ]
+        assert len(ray_processes) == 2, [p.name() for p in psutil.Process(serve.pid).children(recursive=True)]
+
+        deployment = _api(prefect_server, lambda client: client.read_deployment_by_name("training-pipeline/ad-hoc"))
+        config = {"epochs": 1, "num_workers": 2, "experiment_name": "warm", "model_name": "warm"}
+        finished, left = [], []
+        for _ in range(2):
+            created = _api(
+                prefect_server,
+                lambda c: c.create_flow_run_from_deployment(deployment.id, parameters={"config": config}),
+            )
+            flow_run = _wait_for_final_state(prefect_server, created.id)
+            assert flow_run.state_type.value == "COMPLETED", serve_log.read_text()[-5000:]
+            finished.append(flow_run)
+            left.append(_ray_leftovers(address))
+        # Both trained on serve's Ray, which is still up. Nothing of a run stays on it: no Ray Train actor, no
+        # placement group; what Ray keeps once per cluster (Ray Data's autoscaling coordinator) does not grow.
+        tracking = _tracking(prefect_server)
+        runs = tracking.search_runs([tracking.get_experiment_by_name("warm").experiment_id])
+        assert sorted(run.data.tags["prefect.flow_run_id"] for run in runs) == sorted(str(run.id) for run in finished)
+        assert [run.data.tags["prefect_raytrain.ray_cluster"] for run in runs] == [address, address]
+        assert all(p.is_running() for p in ray_processes)
+        assert left[0] == left[1], left
+        actors, groups = left[1]
+        assert groups == 0 and not [name for name in actors if "Train" in name], left
+        waits = [(run.start_time - run.created).total_seconds() for run in finished]
+        print(f"\nserved runs on the warm Ray at {address}: created -> started {waits} s")
+
+        serve.send_signal(signal.SIGTERM)  # serve alone: it stops its Ray itself
+        serve.wait(timeout=60)
+        alive = psutil.wait_procs(ray_processes, timeout=30)[1]
+        assert not alive, f"Ray processes left by serve: {[p.name() for p in alive]}"
+    finally:
+        stop_process_group(serve, signal.SIGTERM, timeout=60)
 
 
 @pytest.fixture(scope="module")
