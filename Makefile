@@ -46,11 +46,12 @@ server: install  ## a local Prefect server and UI on http://127.0.0.1:4200
 	$(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200
 
 serve: install  ## serve the deployments of deployments/prefect.yaml from this process (schedules included)
-	PREFECT_API_URL=$${PREFECT_API_URL:-http://127.0.0.1:4200/api} $(PY) -m deployments.serve
+	PREFECT_API_URL=$${PREFECT_API_URL:-http://127.0.0.1:4200/api} $(PY) -m deployments.serve $(ARGS)
 
 bench: install  ## benchmarks that print figures (not tests); results in bench/results/, every target in targets.md
 	@mkdir -p bench/results && date +%s > bench/results/started
 	$(PY) -m bench.overhead
+	$(PY) -m bench.served --bare-from bench/results/overhead.json
 	$(PY) -m bench.checkpoint_upload
 	$(PY) -m bench.recovery
 	$(PY) -m bench.failfast

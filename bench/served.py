@@ -12,7 +12,9 @@ batch size), as the UI's custom run or `prefect deployment run` would:
   worker group, MLflow, register. Run 1 (a new dataset version, a new MLflow experiment and model) is reported
   on its own; the figure is the median of the later runs.
 - the bare contender, as in bench.overhead: a fresh process doing ray.init + TorchTrainer.fit() of the same
-  train loop on the same dataset files, fixed cost = wall - in-loop. It runs between served runs (3 times).
+  train loop on the same dataset files, fixed cost = wall - in-loop; run BARE_FITS times once serve and the
+  server have stopped (nothing idles beside it). `make bench` passes `--bare-from bench/results/overhead.json`:
+  the median of the bare fits bench.overhead ran minutes before, on the same job, instead of running more.
 - leaks: after run 1 and after the last run, the actors not dead and the placement groups not removed on the
   warm Ray (State API, with its address), and the memory (PSS) of serve's processes (serve and its Ray).
 """
@@ -42,7 +44,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 EPOCHS = 3  # bench.overhead's flow_epochs: the same job as its whole-flow and bare-fit contenders
-BARE_AFTER = (2, 5, 8)  # the bare fit runs after these served runs
+BARE_FITS = 2
 JOB = {
     "dataset": "synthetic",
     "synthetic_samples": 24000,
@@ -114,6 +116,21 @@ def pss_gib(root: int) -> float:
     return total / 2**30
 
 
+def pss_by_name(root: int) -> dict[str, float]:
+    """MiB of PSS per process name under ``root`` (where the memory of a warm Ray goes)."""
+    import psutil
+
+    names: dict[str, float] = {}
+    process = psutil.Process(root)
+    for member in [process, *process.children(recursive=True)]:
+        try:
+            name, pss = member.name(), member.memory_full_info().pss
+        except psutil.Error:
+            continue
+        names[name] = names.get(name, 0.0) + pss / 2**20
+    return {name: round(mib) for name, mib in sorted(names.items(), key=lambda item: -item[1])}
+
+
 def leftovers(address: str) -> dict[str, Any]:
     """Actors not dead and placement groups not removed on the Ray at ``address``."""
     from ray.util.state import list_actors, list_placement_groups
@@ -144,12 +161,49 @@ def served_run(client: Any, deployment_id: Any, tracking: Any) -> dict[str, floa
         "to_start_s": (run.start_time - run.created).total_seconds(),
         "in_loop_s": in_loop,
         "fixed_s": total - in_loop,
+        **stages(client, run),
     }
+
+
+def stages(client: Any, run: Any) -> dict[str, float]:
+    """Where a served run's seconds go, from its task runs' timestamps: each task, and the gaps around them."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+    spans = {t.name.split("-")[0]: (t.start_time, t.end_time) for t in tasks if t.start_time and t.end_time}
+    if set(spans) != {"prepare", "fit", "register"}:
+        return {}
+    return {
+        "start_to_prepare_s": (spans["prepare"][0] - run.start_time).total_seconds(),
+        "prepare_s": (spans["prepare"][1] - spans["prepare"][0]).total_seconds(),
+        "fit_s": (spans["fit"][1] - spans["fit"][0]).total_seconds(),
+        "register_s": (spans["register"][1] - spans["register"][0]).total_seconds(),
+        "register_to_end_s": (run.end_time - spans["register"][1]).total_seconds(),
+    }
+
+
+def bare_contender(overhead: Path | None, root: Path, checkout: Path) -> dict[str, Any]:
+    """The bare fit's figures: from bench.overhead's results when given (the same job), else measured here."""
+    if overhead is not None:
+        import json
+
+        results = json.loads(overhead.read_text())
+        if results.get("flow_epochs") != EPOCHS:
+            raise SystemExit(f"{overhead} has bare fits of {results.get('flow_epochs')} epochs, not {EPOCHS}")
+        return {**results["orchestration"]["bare_fit"], "source": str(overhead)}
+    manifest = next((checkout / ".pipeline" / "storage" / "datasets").glob("*/dataset.json"))
+    bares = []
+    for _ in range(BARE_FITS):
+        bares.append(run_bare(root, EPOCHS, manifest))
+        print(f"  bare fit: {bares[-1]['wall_s']:.1f} s, fixed {bares[-1]['fixed_s']:.1f} s", flush=True)
+    return {key: statistics.median(b[key] for b in bares) for key in ("wall_s", "in_loop_s", "fixed_s")}
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.served", description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--bare-from", type=Path, help="bench.overhead's results: take its bare fits' median")
+    parser.add_argument("--keep", action="store_true", help="keep the work folder (logs of serve and the server)")
     args = parser.parse_args(argv)
 
     from mlflow import MlflowClient
@@ -167,55 +221,60 @@ def main(argv: list[str] | None = None) -> None:
     env.update({"PREFECT_HOME": str(root / "home"), "PREFECT_API_URL": f"{url}/api"})
     server_log, serve_log = root / "server.log", root / "serve.log"
     port = url.rsplit(":", 1)[1]
-    server = _start(
-        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", port], root, env, server_log
-    )
-    serve = None
-    results: dict[str, Any] = {"machine": machine(), "runs": args.runs, "job": JOB}
     try:
-        _wait_for(lambda: _answers(f"{url}/api/health"), "prefect server", server, server_log, 120)
-        serve = _start([sys.executable, "-m", "deployments.serve"], checkout, env, serve_log)
-        _wait_for(lambda: "being served" in serve_log.read_text(), "deployments.serve", serve, serve_log, 180)
-        found = re.search(r"warm local Ray at (\S+)", serve_log.read_text())
-        if found is None:
-            raise RuntimeError(f"serve announced no warm Ray:\n{serve_log.read_text()[-3000:]}")
-        address = found.group(1)
-        print(f"serve keeps a warm Ray at {address}; PSS of serve and its Ray {pss_gib(serve.pid):.2f} GiB", flush=True)
-        results["idle_pss_gib"] = pss_gib(serve.pid)
-        tracking = MlflowClient(f"sqlite:///{checkout / '.pipeline' / 'mlflow.db'}")
-        runs: list[dict[str, float]] = []
-        bares: list[dict[str, float]] = []
-        with temporary_settings({PREFECT_API_URL: f"{url}/api"}), get_client(sync_client=True) as client:
-            deployment = client.read_deployment_by_name("training-pipeline/ad-hoc")
-            for number in range(1, args.runs + 1):
-                runs.append(served_run(client, deployment.id, tracking))
-                print(
-                    f"  served run {number}/{args.runs}: {runs[-1]['total_s']:.1f} s created -> Completed "
-                    f"(started after {runs[-1]['to_start_s']:.1f} s), fixed {runs[-1]['fixed_s']:.1f} s",
-                    flush=True,
-                )
-                if number in (1, args.runs):
-                    time.sleep(2)  # the run's driver has gone: what is left on the cluster stays
-                    state = {**leftovers(address), "serve_pss_gib": pss_gib(serve.pid)}
-                    results[f"after_run_{number}"] = state
-                    print(f"  after run {number}: {state}", flush=True)
-                if number in BARE_AFTER:
-                    manifest = next((checkout / ".pipeline" / "storage" / "datasets").glob("*/dataset.json"))
-                    bares.append(run_bare(root, EPOCHS, manifest))
-                    print(f"  bare fit: {bares[-1]['wall_s']:.1f} s, fixed {bares[-1]['fixed_s']:.1f} s", flush=True)
-        results["first_run"] = runs[0]
-        later = runs[1:] or runs
-        results["served"] = {key: statistics.median(r[key] for r in later) for key in later[0]}
-        results["bare_fit"] = {
-            key: statistics.median(b[key] for b in bares) for key in ("wall_s", "in_loop_s", "fixed_s")
-        }
+        server = _start(
+            [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", port], root, env, server_log
+        )
+        serve = None
+        results: dict[str, Any] = {"machine": machine(), "runs": args.runs, "job": JOB}
+        try:
+            _wait_for(lambda: _answers(f"{url}/api/health"), "prefect server", server, server_log, 120)
+            serve = _start([sys.executable, "-m", "deployments.serve"], checkout, env, serve_log)
+            _wait_for(lambda: "being served" in serve_log.read_text(), "deployments.serve", serve, serve_log, 180)
+            found = re.search(r"warm local Ray at (\S+)", serve_log.read_text())
+            if found is None:
+                raise RuntimeError(f"serve announced no warm Ray:\n{serve_log.read_text()[-3000:]}")
+            address = found.group(1)
+            print(
+                f"serve keeps a warm Ray at {address}; PSS of serve and its Ray {pss_gib(serve.pid):.2f} GiB",
+                flush=True,
+            )
+            results["idle_pss_gib"] = pss_gib(serve.pid)
+            tracking = MlflowClient(f"sqlite:///{checkout / '.pipeline' / 'mlflow.db'}")
+            runs: list[dict[str, float]] = []
+            with temporary_settings({PREFECT_API_URL: f"{url}/api"}), get_client(sync_client=True) as client:
+                deployment = client.read_deployment_by_name("training-pipeline/ad-hoc")
+                for number in range(1, args.runs + 1):
+                    runs.append(served_run(client, deployment.id, tracking))
+                    print(
+                        f"  served run {number}/{args.runs}: {runs[-1]['total_s']:.1f} s created -> Completed "
+                        f"(started after {runs[-1]['to_start_s']:.1f} s), fixed {runs[-1]['fixed_s']:.1f} s",
+                        flush=True,
+                    )
+                    if number in (1, args.runs):
+                        time.sleep(2)  # the run's driver has gone: what is left on the cluster stays
+                        state = {
+                            **leftovers(address),
+                            "serve_pss_gib": pss_gib(serve.pid),
+                            "pss_mib_by_process": pss_by_name(serve.pid),
+                        }
+                        results[f"after_run_{number}"] = state
+                        print(f"  after run {number}: {state}", flush=True)
+            results["first_run"] = runs[0]
+            later = runs[1:] or runs
+            results["served"] = {key: statistics.median(r[key] for r in later if key in r) for key in later[0]}
+        finally:
+            if serve is not None:
+                _stop(serve)
+            _stop(server)
+        if serve is not None and serve.returncode != 0:
+            raise RuntimeError(f"serve exited {serve.returncode}:\n{serve_log.read_text()[-3000:]}")
+        results["bare_fit"] = bare_contender(args.bare_from, root, checkout)
     finally:
-        if serve is not None:
-            _stop(serve)
-        _stop(server)
-    if serve is not None and serve.returncode != 0:
-        raise RuntimeError(f"serve exited {serve.returncode}:\n{serve_log.read_text()[-3000:]}")
-    shutil.rmtree(root, ignore_errors=True)
+        if args.keep:
+            print(f"kept: {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
 
     served, bare = results["served"], results["bare_fit"]
     first, last = results["after_run_1"], results[f"after_run_{args.runs}"]
@@ -228,6 +287,10 @@ def main(argv: list[str] | None = None) -> None:
         f"after run 1 / run {args.runs}: actors {first['actors']} / {last['actors']}, placement groups "
         f"{first['placement_groups']} / {last['placement_groups']}, PSS of serve and its Ray "
         f"{first['serve_pss_gib']:.2f} / {last['serve_pss_gib']:.2f} GiB"
+    )
+    print(
+        "where a served run's seconds go (median): "
+        + ", ".join(f"{key.removesuffix('_s')} {value:.1f} s" for key, value in served.items())
     )
     print(f"written: {write_figures('served', results)}")
 

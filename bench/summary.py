@@ -2,8 +2,9 @@
 
     python -m bench.summary      # the last step of `make bench`
 
-Reads what each benchmark wrote to bench/results/ (overhead.json, checkpoint_upload.json, recovery.json,
-failfast.json) and bench/results/started (written by `make bench` when it starts: the wall time of the run).
+Reads what each benchmark wrote to bench/results/ (overhead.json, served.json, checkpoint_upload.json,
+recovery.json, failfast.json) and bench/results/started (written by `make bench` when it starts: the wall time
+of the run).
 A target whose benchmark did not run, or cannot run on this machine (GPU), says so instead of a figure.
 """
 
@@ -96,14 +97,38 @@ def rows() -> list[Row]:
                 source,
             ),
         ]
-    out.append(
-        (
-            "fixed cost of a warm served run vs a bare fit <= 1.0x",
-            "not measured (issue 18 item 3 is open)",
-            "-",
-            "-",
+    served = _load("served")
+    if served is None:
+        out.append(
+            ("fixed cost of a warm served run vs a bare fit <= 1.0x", "not measured", "-", "python -m bench.served")
         )
-    )
+    else:
+        runs = served["runs"]
+        first, last = served["after_run_1"], served[f"after_run_{runs}"]
+        out += [
+            _ratio_row(
+                f"fixed cost, warm served run (trigger -> Completed - in-loop; median of runs 2-{runs}) vs bare "
+                "TorchTrainer.fit() <= 1.0x",
+                served["served"]["fixed_s"] / served["bare_fit"]["fixed_s"],
+                1.0,
+                True,
+                f"{served['served']['fixed_s']:.1f} s vs {served['bare_fit']['fixed_s']:.1f} s; run 1 "
+                f"{served['first_run']['fixed_s']:.1f} s; trigger -> start {served['served']['to_start_s']:.1f} s",
+                "bench.served",
+            ),
+            (
+                f"nothing leaks between served runs (after run 1 / run {runs})",
+                f"actors alive {len(first['actors'])} / {len(last['actors'])}, placement groups "
+                f"{first['placement_groups']} / {last['placement_groups']}, PSS of serve and its Ray "
+                f"{first['serve_pss_gib']:.2f} / {last['serve_pss_gib']:.2f} GiB",
+                "met"
+                if first["actors"] == last["actors"]
+                and last["placement_groups"] == 0
+                and last["serve_pss_gib"] <= first["serve_pss_gib"] * 1.1
+                else "missed",
+                "bench.served",
+            ),
+        ]
     upload = _load("checkpoint_upload")
     if upload is None:
         out.append(

@@ -30,7 +30,7 @@ from tasks.continuation import ensure_zombie_automation
 PREFECT_YAML = Path(__file__).with_name("prefect.yaml")
 # How often serving asks the server for runs to start, unless PREFECT_RUNNER_POLL_FREQUENCY says (Prefect's
 # default, 10 s, was on average 5 s of every triggered run's wait; one small query per poll).
-RUNNER_POLL_S = 2.0
+RUNNER_POLL_S = 1.0
 
 
 def load_deployment_specs(path: Path = PREFECT_YAML) -> list[dict[str, Any]]:

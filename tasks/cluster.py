@@ -267,8 +267,15 @@ def init_within(timeout_s: float, **init_args: Any) -> None:
         finally:
             finished.set()
 
+    quiet = _DropRecords("SIGTERM handler is not set")  # by design: the orchestrator's handler stays (see above)
+    ray_worker_logger = logging.getLogger("ray._private.worker")
+    ray_worker_logger.addFilter(quiet)
     threading.Thread(target=connect, name="ray-connect", daemon=True).start()
-    if not finished.wait(timeout_s):
+    try:
+        connected = finished.wait(timeout_s)
+    finally:
+        ray_worker_logger.removeFilter(quiet)
+    if not connected:
         raise ClusterError(
             f"ray.init() did not connect to {init_args.get('address')!r} within {timeout_s:g} s: something accepts "
             "connections there but does not complete Ray's handshake (not the head's GCS port, 6379 by default, or a "
@@ -277,6 +284,17 @@ def init_within(timeout_s: float, **init_args: Any) -> None:
         )
     if failure:
         raise failure[0]
+
+
+class _DropRecords(logging.Filter):
+    """Drops the log records whose message starts with ``prefix``."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
 
 
 def check_reachable(address: str, timeout_s: float = 3.0) -> None:

@@ -94,14 +94,14 @@ def test_the_served_deployments_end_paused_whatever_stopped_serving(
 
     from deployments import serve
 
-    def serve_until_sigterm(*deployments: Any) -> None:
+    def serve_until_sigterm(*deployments: Any, **runner_options: Any) -> None:
         for deployment in deployments:
             deployment.apply()  # registered and scheduled, as serve does
         raise SystemExit(0)  # what the runner's SIGTERM handler raises; here before its own pause ran
 
     monkeypatch.setattr(prefect, "serve", serve_until_sigterm)
     with pytest.raises(SystemExit):
-        serve.main([])
+        serve.main(["--no-warm-ray"])  # the warm Ray: test_prefect_server.py
     with get_client(sync_client=True) as client:
         for name in ("nightly-retrain", "ad-hoc"):
             assert client.read_deployment_by_name(f"training-pipeline/{name}").paused, name
