@@ -148,17 +148,34 @@ def test_preflight_fails_fast_naming_the_setting(
 
 def test_the_s3_filesystem_keeps_its_retries_when_ray_pickles_it() -> None:
     """Ray Train pickles the storage filesystem to its controller and workers; pyarrow's own pickling drops the
-    retry strategy, so uploads there would get 3 tries over about 2 s. Against a port nobody listens on, the
-    unpickled copy must still wait out its retries (several seconds), and say which request failed."""
+    retry strategy, so uploads there would get 3 tries over about 2 s. Against an endpoint that hangs up on every
+    connection, the unpickled copy must still make all its attempts, and say which request failed."""
     import pickle
+    import threading
 
     from raytrain_tasks.fs import RetryingS3FileSystem, open_filesystem
 
-    options = StorageOptions(endpoint_url=f"http://127.0.0.1:{_closed_port()}", max_attempts=5)
-    filesystem, path = open_filesystem(f"s3://{BUCKET}/x", options)
-    copy = pickle.loads(pickle.dumps(filesystem))
-    assert isinstance(copy, RetryingS3FileSystem) and copy.max_attempts == 5
-    started = time.monotonic()
-    with pytest.raises(OSError, match="NETWORK_CONNECTION"):
-        copy.get_file_info(f"{path}/probe")
-    assert time.monotonic() - started > 4  # five tries with AWS's standard backoff; three would take about 1.5 s
+    # Counting connections, not seconds: AWS's backoff has full jitter, so 5 tries can take less time than 3.
+    endpoint = socket.create_server(("127.0.0.1", 0))
+    attempts = []
+
+    def hang_up() -> None:
+        while True:
+            try:
+                connection, _ = endpoint.accept()
+            except OSError:  # closed at the end of the test
+                return
+            attempts.append(time.monotonic())
+            connection.close()
+
+    threading.Thread(target=hang_up, daemon=True).start()
+    try:
+        options = StorageOptions(endpoint_url=f"http://127.0.0.1:{endpoint.getsockname()[1]}", max_attempts=5)
+        filesystem, path = open_filesystem(f"s3://{BUCKET}/x", options)
+        copy = pickle.loads(pickle.dumps(filesystem))
+        assert isinstance(copy, RetryingS3FileSystem) and copy.max_attempts == 5
+        with pytest.raises(OSError, match=f"bucket '{BUCKET}'.*NETWORK_CONNECTION during HeadObject"):
+            copy.get_file_info(f"{path}/probe")
+    finally:
+        endpoint.close()
+    assert len(attempts) == 5  # pyarrow's unpickled default: 3
