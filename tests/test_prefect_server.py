@@ -402,6 +402,13 @@ def test_cancelling_a_run_stops_training_and_keeps_it_resumable(prefect_server: 
     print(f"\ncancel: Cancelled after {to_cancelled:.1f} s, every process it started gone after {to_stopped:.1f} s")
 
 
+def _wait_until_served(serve: subprocess.Popen[bytes], serve_log: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while "being served" not in serve_log.read_text():
+        assert serve.poll() is None and time.monotonic() < deadline, serve_log.read_text()[-3000:]
+        time.sleep(0.5)
+
+
 def _ray_leftovers(address: str) -> tuple[list[str], int]:
     """What is left on the Ray at ``address``: its live actors and its placement groups not removed."""
     probe = textwrap.dedent(
@@ -430,10 +437,7 @@ def test_served_runs_share_one_warm_ray_that_ends_with_serve(prefect_server: Pre
 
     serve, serve_log = _start_in_checkout(prefect_server, [sys.executable, "-m", "deployments.serve", "--replace"])
     try:
-        deadline = time.monotonic() + 120
-        while "being served" not in serve_log.read_text():
-            assert serve.poll() is None and time.monotonic() < deadline, serve_log.read_text()[-3000:]
-            time.sleep(0.5)
+        _wait_until_served(serve, serve_log)
         announced = re.search(r"warm local Ray at (\S+)", serve_log.read_text())
         assert announced, serve_log.read_text()[-3000:]
         address = announced.group(1)
@@ -496,10 +500,7 @@ def test_serve_and_a_custom_run_from_the_ui(prefect_server: PrefectServer, chrom
 
     serve, serve_log = _start_in_checkout(prefect_server, [sys.executable, "-m", "deployments.serve", "--replace"])
     try:
-        deadline = time.monotonic() + 120
-        while "being served" not in serve_log.read_text():
-            assert serve.poll() is None and time.monotonic() < deadline, serve_log.read_text()[-3000:]
-            time.sleep(0.5)
+        _wait_until_served(serve, serve_log)
         _wait_for_scheduled_runs(prefect_server, "nightly-retrain")  # serving keeps the schedule
         before = {run.id for run in _deployment_runs(prefect_server, "ad-hoc")}
         deployment = _api(prefect_server, lambda client: client.read_deployment_by_name("training-pipeline/ad-hoc"))
