@@ -35,7 +35,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.overhead import FLOW_BATCH_SIZE, machine, run_bare
+from bench.overhead import FLOW_BATCH_SIZE, _free_port, machine, run_bare
 from bench.summary import write_figures
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -54,14 +54,6 @@ JOB = {
     "experiment_name": "bench-served",
     "model_name": "bench-served",
 }
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _start(command: list[str], cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:

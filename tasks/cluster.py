@@ -109,15 +109,18 @@ def ray_session(config: TrainingConfig) -> Iterator[None]:
         yield
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if not config.ray_address and _join_warm_ray(config):
-        yield
-        return
+    warm = "" if config.ray_address else _warm_ray_address()
     if config.ray_address:
         check_reachable(config.ray_address)
     try:
         with _sigterm_stays_with_the_orchestrator():
-            _init(config)
+            _init(config, warm)
     except (ConnectionError, RuntimeError, ValueError) as exc:
+        if warm:
+            raise ClusterError(
+                f"cannot join the warm Ray at {warm!r} that deployments.serve keeps for its runs ({WARM_RAY_ENV}): "
+                f"{exc}. Restart `make serve`, or serve with --no-warm-ray to give each run its own local Ray"
+            ) from exc
         where = f"at {config.ray_address!r}" if config.ray_address else "locally"
         if "AuthToken" in repr(exc.__cause__) or "AuthenticationError" in type(exc.__cause__).__name__:
             raise ClusterError(
@@ -128,7 +131,11 @@ def ray_session(config: TrainingConfig) -> Iterator[None]:
         raise ClusterError(
             f"cannot start or reach Ray {where}: {exc}; check `ray_address` (empty starts a local Ray)"
         ) from exc
-    if config.ray_address:
+    if warm:
+        from tasks.fit import run_logger
+
+        run_logger().info("training on the warm local Ray at %s (kept by deployments.serve)", warm)
+    if config.ray_address or warm:
         yield
         return
     try:
@@ -137,14 +144,16 @@ def ray_session(config: TrainingConfig) -> Iterator[None]:
         ray.shutdown()
 
 
-def _init(config: TrainingConfig) -> None:
+def _init(config: TrainingConfig, warm: str = "") -> None:
+    """``warm``: the address of the local Ray that deployments.serve keeps, joined instead of starting one."""
     import ray
 
-    if config.ray_address:
+    if warm or config.ray_address:
         init_within(
             config.ray_connect_timeout_s,
-            address=config.ray_address,
-            runtime_env=cluster_runtime_env(config),
+            address=warm or config.ray_address,
+            # The warm Ray is this machine's, started by serve: its processes have this environment and code.
+            runtime_env={"env_vars": worker_env()} if warm else cluster_runtime_env(config),
             logging_level=logging.WARNING,
             log_to_driver=_log_to_driver(),
         )
@@ -160,8 +169,8 @@ def _init(config: TrainingConfig) -> None:
         )
 
 
-def _join_warm_ray(config: TrainingConfig) -> bool:
-    """Connect to the local Ray that `deployments.serve` keeps warm, when it runs this process; False: none.
+def _warm_ray_address() -> str:
+    """The local Ray that `deployments.serve` keeps warm for the runs it starts, or "": none, or gone.
 
     A warm Ray that no longer answers (its serve process died, leaving this run behind) is not a reason to fail
     a run that asked for a local Ray: it gets its own, as without serve, and says so.
@@ -170,7 +179,7 @@ def _join_warm_ray(config: TrainingConfig) -> bool:
 
     address = os.environ.get(WARM_RAY_ENV, "")
     if not address:
-        return False
+        return ""
     try:
         check_reachable(address, timeout_s=1.0)
     except ClusterError as exc:
@@ -181,23 +190,8 @@ def _join_warm_ray(config: TrainingConfig) -> bool:
             WARM_RAY_ENV,
             exc,
         )
-        return False
-    try:
-        with _sigterm_stays_with_the_orchestrator():
-            init_within(
-                config.ray_connect_timeout_s,
-                address=address,
-                runtime_env={"env_vars": worker_env()},
-                logging_level=logging.WARNING,
-                log_to_driver=_log_to_driver(),
-            )
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise ClusterError(
-            f"cannot join the warm Ray at {address!r} that deployments.serve keeps for its runs ({WARM_RAY_ENV}): "
-            f"{exc}. Restart `make serve`, or serve with --no-warm-ray to give each run its own local Ray"
-        ) from exc
-    run_logger().info("training on the warm local Ray at %s (kept by deployments.serve)", address)
-    return True
+        return ""
+    return address
 
 
 @contextmanager
@@ -267,7 +261,9 @@ def init_within(timeout_s: float, **init_args: Any) -> None:
         finally:
             finished.set()
 
-    quiet = _DropRecords("SIGTERM handler is not set")  # by design: the orchestrator's handler stays (see above)
+    def quiet(record: logging.LogRecord) -> bool:  # by design: the orchestrator's handler stays (see above)
+        return not str(record.msg).startswith("SIGTERM handler is not set")
+
     ray_worker_logger = logging.getLogger("ray._private.worker")
     ray_worker_logger.addFilter(quiet)
     threading.Thread(target=connect, name="ray-connect", daemon=True).start()
@@ -284,17 +280,6 @@ def init_within(timeout_s: float, **init_args: Any) -> None:
         )
     if failure:
         raise failure[0]
-
-
-class _DropRecords(logging.Filter):
-    """Drops the log records whose message starts with ``prefix``."""
-
-    def __init__(self, prefix: str) -> None:
-        super().__init__()
-        self.prefix = prefix
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.prefix)
 
 
 def check_reachable(address: str, timeout_s: float = 3.0) -> None:
