@@ -108,7 +108,8 @@ class TrainingConfig(BaseModel):
         description=(
             "CPU cores reserved per worker (and its torch threads). 0: sized to the cluster when the fit starts, "
             "its CPUs shared among the most workers the run can have (one node each), less what a streamed "
-            "Ray Data pipeline needs beside them; the value used is logged."
+            "Ray Data pipeline needs beside them; the value used is logged, and kept by the run's retries and "
+            "resumes while `num_workers` fit at it."
         ),
     )
 

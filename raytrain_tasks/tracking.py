@@ -22,7 +22,8 @@ from raytrain_tasks.redact import redact
 
 logger = logging.getLogger(__name__)
 
-EPOCH_METRICS = ("train_loss", "val_loss", "val_accuracy", "epoch_seconds", "samples_per_second")
+# ``workers``: how many trained the epoch (an elastic run's count changes with the cluster).
+EPOCH_METRICS = ("train_loss", "val_loss", "val_accuracy", "epoch_seconds", "samples_per_second", "workers")
 STEP_KEY = "val_accuracy"
 LAST_CHECKPOINT_TAG = "prefect_raytrain.last_checkpoint"
 # Rank 0 reports the SHA-256 of each checkpoint's manifest (computed before upload) under this metrics key;

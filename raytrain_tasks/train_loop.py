@@ -141,6 +141,7 @@ def train_loop_per_worker(train_loop_config: dict[str, Any]) -> None:
             "val_accuracy": val_correct / val_count,
             "epoch_seconds": seconds,
             "samples_per_second": train_count / seconds if seconds > 0 else math.nan,
+            "workers": world_size,
         }
         history.append({k: float(v) for k, v in metrics.items()})
         _report(config, dataset, epoch, metrics, history, model, optimizer, rank, taken)

@@ -405,13 +405,20 @@ def read_mounts() -> str:
 MIN_SIZED_CPUS = 0.5
 
 
-def sized_for_cluster(config: TrainingConfig, nodes: list[dict[str, float]], streams: bool) -> TrainingConfig:
+def sized_for_cluster(
+    config: TrainingConfig, nodes: list[dict[str, float]], streams: bool, earlier: float | None = None
+) -> TrainingConfig:
     """``config`` with ``cpus_per_worker`` set when it is 0 (unset): the largest share (in hundredths of a CPU)
     such that the run's most workers fit on the alive nodes, no worker spanning two nodes (nor, with
     ``use_gpu``, two workers sharing a GPU), and, when a Ray Data pipeline ``streams`` beside the workers,
     ``DATA_TASK_CPUS`` left free for its tasks. ``nodes``: each alive node's resources. Unchanged when set; when
     nothing fits in shares of at least ``MIN_SIZED_CPUS``, that much, and ``check_resources`` says what is missing
-    (eight workers on two CPUs is a mistake to report, not a run of starved processes)."""
+    (eight workers on two CPUs is a mistake to report, not a run of starved processes).
+
+    ``earlier``: the share an earlier attempt of the same run trained with (a Prefect retry, a resume). It is kept
+    while at least ``num_workers`` fit at it: an elastic run on a cluster that lost a node continues with fewer
+    workers of the same size (what ``max_workers`` is for), not with ``max_workers`` squeezed onto what is left.
+    A fixed worker count that no longer fits at it is sized anew."""
     if config.cpus_per_worker:
         return config
     workers = config.worker_range[1]
@@ -427,6 +434,8 @@ def sized_for_cluster(config: TrainingConfig, nodes: list[dict[str, float]], str
             fits = [min(f, int(g)) for f, g in zip(fits, gpus, strict=True)]
         return sum(fits)
 
+    if earlier is not None and earlier >= MIN_SIZED_CPUS and hosted(earlier) >= config.worker_range[0]:
+        return config.model_copy(update={"cpus_per_worker": earlier})
     candidates = sorted({int(c / k * 100 + 1e-9) / 100 for c in cpus for k in range(1, workers + 1)}, reverse=True)
     share = next((c for c in candidates if c >= MIN_SIZED_CPUS and hosted(c) >= workers), MIN_SIZED_CPUS)
     return config.model_copy(update={"cpus_per_worker": share})

@@ -135,23 +135,28 @@ def fit_in_this_process(
             return _distributed_fit(config, dataset, run_key, runs, run_dir, origin or prefect_origin(run_key))
 
 
-def check_cluster(config: TrainingConfig, dataset: DatasetRef, runs: StorageLocation) -> TrainingConfig:
+def check_cluster(
+    config: TrainingConfig, dataset: DatasetRef, runs: StorageLocation, client: Any, run_key: str
+) -> TrainingConfig:
     """With Ray connected: the cluster can host the workers and every node can write the run's storage. Returns
-    ``config`` sized to the cluster (``cpus_per_worker`` when unset), what the trainer is built from; the user's
+    ``config`` sized to the cluster (``cpus_per_worker`` when unset; an earlier attempt's share of the run, read
+    from its MLflow run through ``client``, while it still fits), what the trainer is built from; the user's
     settings, not this copy, are the run's MLflow params."""
     available = ray.cluster_resources()
     streamed = streams(config.data_loader, dataset, available.get("object_store_memory", 0.0))
     nodes = alive_node_resources()
-    sized = sized_for_cluster(config, nodes, streamed)
+    earlier = None if config.cpus_per_worker else tracking.earlier_share(client, config.experiment_name, run_key)
+    sized = sized_for_cluster(config, nodes, streamed, earlier)
     check_resources(sized, available, streamed)
     storage_shared_with_nodes(config.storage_path, len(nodes), read_mounts())
     if config.ray_address:  # a local Ray's node is this process's machine, with this process's credentials
         check_storage_on_nodes(runs.uri, config.storage_options)
     if not config.cpus_per_worker:
         run_logger().info(
-            "cpus_per_worker unset: %s workers x %g CPUs each, sized to the cluster's %g CPUs%s",
+            "cpus_per_worker unset: %s workers x %g CPUs each, %s the cluster's %g CPUs%s",
             "-".join(map(str, sorted(set(config.worker_range)))),
             sized.cpus_per_worker,
+            "as the run's earlier attempt trained, on" if sized.cpus_per_worker == earlier else "sized to",
             available.get("CPU", 0.0),
             f" ({DATA_TASK_CPUS:g} left to Ray Data's streaming tasks)" if streamed else "",
         )
@@ -188,7 +193,7 @@ def _distributed_fit(
     run_id: str | None = None
     try:
         with ray_session(config):
-            sized = check_cluster(config, dataset, runs)
+            sized = check_cluster(config, dataset, runs, client, run_key)
             experiment_id = tracking.ensure_experiment(
                 client, config.experiment_name, config.mlflow_tracking_uri, config.storage_path
             )
@@ -207,8 +212,7 @@ def _distributed_fit(
                 run_key,
                 run_name=origin.get("run_name", run_key),
                 tags=_run_tags(config, dataset, run_key, run_dir, backend)
-                # The CPUs each worker got (the param is the setting, 0 when sized to the cluster).
-                | {"prefect_raytrain.cpus_per_worker": f"{sized.cpus_per_worker:g}"}
+                | {tracking.CPUS_PER_WORKER_TAG: f"{sized.cpus_per_worker:g}"}
                 | {k: v for k, v in origin.items() if k != "run_name"}
                 | {tracking.NOTE_TAG: run_description(config, run_key, run_dir, origin)},
                 params=config.public_params(),

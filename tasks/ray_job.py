@@ -92,7 +92,7 @@ def fit_as_ray_job(
     # The same pre-flight as a driver run, from here: a wrong setting fails before any job is submitted.
     mlflow = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
     with ray_session(config):
-        check_cluster(config, dataset, runs)
+        check_cluster(config, dataset, runs, mlflow, run_key)
     client = connect(config)
     existing = jobs_of(client, run_key)
     newest = next((name for name in reversed(submission_ids(run_key)) if name in existing), None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import subprocess
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 RUN_KEY_TAG = "prefect_raytrain.run_key"
+# The CPUs each worker got (the param is the setting, 0 when sized to the cluster).
+CPUS_PER_WORKER_TAG = "prefect_raytrain.cpus_per_worker"
 # Settings that steer the run, not what it trains: a resumed run may change them.
 MAY_CHANGE_ON_RESUME = frozenset(
     {
@@ -108,6 +111,18 @@ def find_run(client: MlflowClient, experiment_id: str, run_key: str) -> Any | No
     check_run_key(run_key)  # it goes into a filter string
     runs = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'", max_results=2)
     return runs[0] if runs else None
+
+
+def earlier_share(client: MlflowClient, experiment_name: str, run_key: str) -> float | None:
+    """The CPUs per worker an earlier attempt of ``run_key`` trained with; None for a new run, or a tag that is
+    not a number (the share is then sized anew). Reads only: nothing is created for a run that has not started."""
+    experiment = client.get_experiment_by_name(experiment_name)
+    run = find_run(client, experiment.experiment_id, run_key) if experiment is not None else None
+    try:
+        share = float(run.data.tags[CPUS_PER_WORKER_TAG]) if run is not None else None
+    except (KeyError, ValueError):
+        return None
+    return share if share is not None and math.isfinite(share) else None
 
 
 def start_or_reopen_run(

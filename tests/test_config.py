@@ -181,3 +181,29 @@ def test_cpus_per_worker_defaults_to_sized_and_is_never_negative() -> None:
     assert TrainingConfig().cpus_per_worker == 0.0
     with pytest.raises(ValidationError):
         TrainingConfig(cpus_per_worker=-1)
+
+
+@pytest.mark.parametrize(
+    ("settings", "earlier", "nodes", "share"),
+    [
+        # Elastic (1-2 workers), sized at 1 CPU on two 1-CPU nodes; one node is lost and the fit is retried:
+        # the same share, so Ray Train starts one worker on the survivor, not two at half a CPU each.
+        ({"num_workers": 1, "max_workers": 2}, 1.0, [{"CPU": 1.0}], 1.0),
+        # The node is back: still the run's share (two workers fit again).
+        ({"num_workers": 1, "max_workers": 2}, 1.0, [{"CPU": 1.0}, {"CPU": 1.0}], 1.0),
+        # A fixed count that no longer fits at the earlier share is sized anew (the pre-flight judges the rest).
+        ({"num_workers": 2}, 1.0, [{"CPU": 1.0}], 0.5),
+        # Not even `num_workers` fits at it, or it is below the least share that is ever sized: sized anew.
+        ({"num_workers": 1, "max_workers": 2}, 4.0, [{"CPU": 2.0}], 1.0),
+        ({"num_workers": 1, "max_workers": 2}, 0.01, [{"CPU": 2.0}], 1.0),
+        # Set by hand: the setting wins.
+        ({"cpus_per_worker": 0.5}, 1.0, [{"CPU": 2.0}], 0.5),
+    ],
+)
+def test_a_retried_or_resumed_run_keeps_the_cpus_per_worker_it_trained_with(
+    settings: dict[str, object], earlier: float, nodes: list[dict[str, float]], share: float
+) -> None:
+    from tasks.cluster import sized_for_cluster
+
+    config = TrainingConfig.model_validate(settings)
+    assert sized_for_cluster(config, nodes, streams=False, earlier=earlier).cpus_per_worker == share

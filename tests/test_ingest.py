@@ -177,3 +177,42 @@ def test_a_run_without_ray_datasets_starts_no_dataset_manager(
 
     assert result.checkpoint is not None  # it trained and checkpointed
     assert dataset_managers() == before
+
+
+def test_a_retried_elastic_fit_keeps_the_cpus_per_worker_it_trained_with(
+    tmp_path: Path, ray_cluster: object, prefect_api: None
+) -> None:
+    """A fit retried after its cluster shrank keeps the share its earlier attempt trained with, and Ray Train
+    starts the workers that fit at it. Seen in CI with two 1-CPU nodes, 1-2 workers sized at 1 CPU: the second
+    node was lost, Prefect retried the fit, and the retry sized the share anew to fit both workers on the
+    survivor's one CPU (two DDP processes at half a CPU each, slower than one). Here the earlier attempt trained
+    at 2 CPUs per worker (a bigger cluster) and the retry runs on this 2-CPU Ray: one worker, at 2 CPUs."""
+    from prefect import flow
+
+    from raytrain_tasks.config import new_run_key
+    from tasks import tracking
+    from tasks.fit import distributed_fit
+
+    config = small_config(tmp_path, num_workers=1, max_workers=2, epochs=1, register=False).resolved(tmp_path, {})
+    dataset = prepare_data(config)
+    run_key = new_run_key()
+    client = mlflow.MlflowClient(config.mlflow_tracking_uri)
+    experiment_id = tracking.ensure_experiment(
+        client, config.experiment_name, config.mlflow_tracking_uri, config.storage_path
+    )
+    earlier_tags = {tracking.CPUS_PER_WORKER_TAG: "2"}
+    run_id, _ = tracking.start_or_reopen_run(
+        client, experiment_id, run_key, run_key, earlier_tags, config.public_params()
+    )
+    tracking.fail_run(client, run_id, RuntimeError("the worker group could not start: a node was lost"))
+
+    @flow(name="fit-retry")
+    def fit_retry() -> Any:
+        return distributed_fit.with_options(retries=0)(config, dataset, run_key)
+
+    fit = fit_retry()
+    assert fit.mlflow_run_id == run_id  # the same run, continued
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags[tracking.CPUS_PER_WORKER_TAG] == "2"
+    assert [m.value for m in client.get_metric_history(run_id, "workers")] == [1.0]

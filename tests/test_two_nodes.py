@@ -151,6 +151,10 @@ def the_run(workdir: Path) -> Any:
     return run, sorted(int(m.step) for m in history)
 
 
+def the_history(workdir: Path, run: Any, key: str) -> list[Any]:
+    return list(MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}").get_metric_history(run.info.run_id, key))
+
+
 def wait_until(predicate: Any, timeout: float, what: str, cli: subprocess.Popen[str]) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -211,6 +215,9 @@ def test_elastic_training_spans_both_nodes_and_survives_losing_one(
     assert len(survivors) == 1  # elastic: one worker on the surviving node, not a wait for two
     run, steps = the_run(tmp_path)
     assert run.info.status == "FINISHED" and steps == list(range(1, EPOCHS + 1))  # every epoch exactly once
+    # The run page shows the elastic run's worker count per epoch: both nodes at first, then the survivor alone.
+    workers = [int(m.value) for m in sorted(the_history(tmp_path, run, "workers"), key=lambda m: m.step)]
+    assert max(workers) == 2 and workers[-1] == 1, workers
     # Checkpoints went to the bucket, from whichever node held rank 0; none was written under a node's folder.
     # (An epoch cut off by the loss is trained again into a folder of its own, epoch-NNNN-r1.)
     written = checkpoints_in_bucket(s3_server, tmp_path)
