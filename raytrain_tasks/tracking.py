@@ -43,6 +43,12 @@ def epoch_number(index: int | float) -> int:
     return int(index) + 1
 
 
+def checkpoint_name(path: str) -> str:
+    """The folder name of the checkpoint at ``path`` (a local path or a URI, with or without a trailing slash):
+    the key of its pin tag, its LoggedModel and its place in Ray Train's run folder."""
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
 def pin_tag(checkpoint_name: str) -> str:
     return f"{PIN_TAG_PREFIX}{checkpoint_name}"
 
@@ -67,7 +73,7 @@ def log_epoch(client: Any, run_id: str, metrics: dict[str, Any], checkpoint_path
     tags = [RunTag(LAST_CHECKPOINT_TAG, checkpoint_path)] if checkpoint_path else []
     digest = metrics.get(MANIFEST_METRIC)
     if checkpoint_path and isinstance(digest, str):
-        tags.append(RunTag(pin_tag(checkpoint_path.rstrip("/").rsplit("/", 1)[-1]), digest))
+        tags.append(RunTag(pin_tag(checkpoint_name(checkpoint_path)), digest))
     client.log_batch(run_id, metrics=batch, tags=tags)
 
 

@@ -38,7 +38,7 @@ from raytrain_tasks.errors import (
 )
 from raytrain_tasks.redact import redacted_errors
 from raytrain_tasks.resume import CHECKPOINT_PREFIX, checkpoint_epoch
-from raytrain_tasks.tracking import MlflowEpochLogger, OpenMlflowEarly, epoch_number, pinned_digests
+from raytrain_tasks.tracking import MlflowEpochLogger, OpenMlflowEarly, checkpoint_name, epoch_number, pinned_digests
 from tasks import evaluation, tracking
 from tasks.cluster import (
     WORKER_GROUP_START_TIMEOUT_S,
@@ -247,7 +247,9 @@ def _distributed_fit(
             ):
                 result = fit_interruptibly(trainer)
 
-        reported = [(_name(checkpoint), metrics) for checkpoint, metrics in result.best_checkpoints or []]
+        reported = [
+            (checkpoint_name(checkpoint.path), metrics) for checkpoint, metrics in result.best_checkpoints or []
+        ]
         tracking.pin_checkpoints(client, run_id, [(n, m) for n, m in reported if n not in preexisting])
         fit = summarize(result, config, run_key, run_dir, run_id, experiment_id, backend, reopened)
         added = tracking.reconcile_epochs(client, run_id, fit.history)
@@ -255,12 +257,13 @@ def _distributed_fit(
             logger.warning("logged %d epoch(s) to MLflow that the controller could not log live", added)
         tracking.log_summary(client, run_id, fit.history, selection_metric(config), fit.best_epoch)
         kept = {
-            _name(checkpoint): _checkpoint_uri(run_dir, checkpoint) for checkpoint, _ in result.best_checkpoints or []
+            checkpoint_name(checkpoint.path): _checkpoint_uri(run_dir, checkpoint)
+            for checkpoint, _ in result.best_checkpoints or []
         }
         model_ids = tracking.log_checkpoint_models(
             client, experiment_id, run_id, kept, pinned_digests(client.get_run(run_id).data.tags)
         )
-        model_id = model_ids.get(fit.best_checkpoint_uri.rstrip("/").rsplit("/", 1)[-1])
+        model_id = model_ids.get(checkpoint_name(fit.best_checkpoint_uri))
         pointer = {"uri": fit.best_checkpoint_uri, "epoch": fit.best_epoch, "run_uri": fit.run_uri, "run_key": run_key}
         digest = tracking.recorded_digest(client, run_id, fit.best_checkpoint_uri)
         scores = evaluation.log_evaluation(
@@ -520,12 +523,8 @@ def _read_history(checkpoint: ray.train.Checkpoint) -> list[dict[str, float]]:
     return [{k: float(v) for k, v in entry.items()} for entry in _read_state(checkpoint)["history"]]
 
 
-def _name(checkpoint: ray.train.Checkpoint) -> str:
-    return checkpoint.path.rstrip("/").rsplit("/", 1)[-1]
-
-
 def _checkpoint_uri(run_dir: StorageLocation, checkpoint: ray.train.Checkpoint) -> str:
-    return run_dir.child(_name(checkpoint)).uri
+    return run_dir.child(checkpoint_name(checkpoint.path)).uri
 
 
 def prefect_origin(run_key: str) -> dict[str, str]:

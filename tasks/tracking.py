@@ -223,9 +223,9 @@ FIT_RECORD_TAG = "prefect_raytrain.fit_record_sha256"
 
 def recorded_digest(client: MlflowClient, run_id: str, checkpoint_uri: str) -> str:
     """The manifest digest run ``run_id`` recorded for the checkpoint at ``checkpoint_uri``; CheckpointError if none."""
-    from raytrain_tasks.tracking import pinned_digests
+    from raytrain_tasks.tracking import checkpoint_name, pinned_digests
 
-    name = checkpoint_uri.rstrip("/").rsplit("/", 1)[-1]
+    name = checkpoint_name(checkpoint_uri)
     digest = pinned_digests(client.get_run(run_id).data.tags).get(name)
     if digest is None:
         raise CheckpointError(

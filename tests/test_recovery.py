@@ -107,7 +107,7 @@ def run_killing_a_worker(
     """Run the flow and SIGKILL one Ray Train worker once ``after_epoch`` is committed; (final state, the kill).
 
     The kill cannot be timed to an epoch by polling: an epoch takes about 0.5 s here, Ray Train's controller
-    registers one report per poll of the workers (every 0.5 s, tasks.cluster.HEALTH_CHECK_INTERVAL_S), and a
+    registers one report per poll of the workers (every 0.1 s, tasks.cluster.HEALTH_CHECK_INTERVAL_S), and a
     worker uploads its next checkpoint before it waits for the controller to take the last report; so by the
     time epoch N is registered and seen in MLflow, the checkpoints of N+1 and N+2 may be uploaded already (seen
     in CI: the corrupted epoch was no longer the one resumed from). So every worker is stopped (SIGSTOP) as soon

@@ -75,3 +75,17 @@ def test_live_epoch_logging_survives_an_mlflow_outage(tmp_path: Path) -> None:
         assert steps == [2, 3]  # epoch 1 (step 1) is the driver's to backfill (reconcile_epochs) after fit()
     finally:
         stop_process_group(server)
+
+
+def test_the_pin_the_controller_records_is_found_for_every_spelling_of_the_checkpoint_uri(tmp_path: Path) -> None:
+    """The controller pins a checkpoint under the path Ray reports (a bucket key on S3, maybe with a trailing
+    slash); evaluation and registration look it up by the URI the fit returns: both must reach the same pin."""
+    from raytrain_tasks.tracking import MANIFEST_METRIC, log_epoch
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = client.create_run(client.create_experiment("pins")).info.run_id
+    metrics = {"epoch": 1, "train_loss": 0.5, MANIFEST_METRIC: "a" * 64}
+    log_epoch(client, run_id, metrics, "bucket/runs/key/epoch-0002/")
+    for uri in ("s3://bucket/runs/key/epoch-0002", "s3://bucket/runs/key/epoch-0002/", "/local/runs/key/epoch-0002"):
+        assert tracking.recorded_digest(client, run_id, uri) == "a" * 64
+    assert [m.step for m in client.get_metric_history(run_id, "train_loss")] == [2]
