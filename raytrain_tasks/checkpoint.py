@@ -15,8 +15,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import pickle
 import random
+import shutil
+import stat
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -147,6 +153,54 @@ def save_checkpoint(
     # Written last: a directory without it is an incomplete checkpoint.
     (directory / MANIFEST_FILE).write_text(json.dumps({"format_version": FORMAT_VERSION, "files": files}, indent=1))
     return directory
+
+
+STAGING_PREFIX = "prefect-raytrain-staging-"
+
+
+@contextmanager
+def staging_folder(run_key: str | None) -> Iterator[Path]:
+    """An empty local folder to write one checkpoint into before Ray Train copies it to storage; removed after.
+
+    A worker killed while it writes or uploads a checkpoint cannot remove its folder. With a run key the folder
+    is ``<temp dir>/prefect-raytrain-staging-<uid>/<run key>``: the run's next checkpoint on that node (after
+    Ray Train or Prefect restarts it, or a resume) removes what the killed attempt left, so a run that is killed
+    night after night does not fill the disk with copies of its model. Only one driver holds a run key at a time
+    (the run lease) and only rank 0 writes, so nothing else uses that folder. The parent is this user's own
+    (mode 0700, not a link); if it is anything else, or there is no run key, a fresh temporary folder is used,
+    as before, and nothing is removed but it.
+    """
+    root = _staging_root() if run_key else None
+    if root is None or run_key is None:
+        with tempfile.TemporaryDirectory(prefix="prt-ckpt-") as tmp:
+            yield Path(tmp)
+        return
+    folder = root / run_key
+    shutil.rmtree(folder, ignore_errors=True)  # what a killed attempt of this run left on this node
+    folder.mkdir(mode=0o700)  # FileExistsError if it could not be removed: this checkpoint fails, loudly
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _staging_root() -> Path | None:
+    """This user's private staging parent in the temp dir; None (with a warning) where it is not safe to use."""
+    root = Path(tempfile.gettempdir()) / f"{STAGING_PREFIX}{os.getuid()}"
+    try:
+        root.mkdir(mode=0o700, exist_ok=True)
+        info = os.lstat(root)
+    except OSError as exc:
+        logger.warning("checkpoint staging folder %s is not usable (%s): using a fresh temporary folder", root, exc)
+        return None
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        logger.warning(
+            "checkpoint staging folder %s is not a private folder of this user (a link, another owner, or open "
+            "to others): using a fresh temporary folder",
+            root,
+        )
+        return None
+    return root
 
 
 def verify_checkpoint(directory: str | Path) -> int:

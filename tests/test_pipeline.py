@@ -324,3 +324,35 @@ def test_the_best_checkpoint_by_val_loss_is_the_lowest_loss_not_the_highest_accu
     assert result.model is not None and result.model.metric == "test_loss"
     version = MlflowClient(config.mlflow_tracking_uri).get_model_version(config.model_name, result.model.version)
     assert version.tags["best_epoch"] == str(by_loss + 1)
+
+
+def test_what_a_killed_checkpoint_write_left_on_the_node_is_gone_after_the_runs_next_checkpoint(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker SIGKILLed while it wrote or uploaded an epoch's checkpoint leaves its local folder behind. The
+    run's next checkpoint on that node (here: the run's next attempt) removes it, and none of it reaches storage."""
+    import tempfile
+
+    from raytrain_tasks.checkpoint import STAGING_PREFIX
+    from raytrain_tasks.config import new_run_key
+
+    key = new_run_key()
+    monkeypatch.setattr("flows.training.new_run_key", lambda: key)
+    root = Path(tempfile.gettempdir()) / f"{STAGING_PREFIX}{os.getuid()}"
+    root.mkdir(mode=0o700, exist_ok=True)
+    left = root / key
+    left.mkdir()
+    (left / "model.pt").write_bytes(os.urandom(1 << 20))  # a model half-written when the worker was killed
+    (left / "stale.bin").write_bytes(b"from the killed attempt")
+    try:
+        result = training_pipeline(config=small_config(workdir, epochs=1, register=False))
+        assert result.run_key == key and result.fit.epochs_completed == 1
+        assert not left.exists()
+        stored = workdir / "storage" / "runs" / key
+        assert sorted(p.name for p in stored.rglob("stale.bin")) == []
+        verify_checkpoint(result.fit.best_checkpoint_uri)
+    finally:
+        if left.exists():
+            import shutil
+
+            shutil.rmtree(left)
