@@ -40,6 +40,7 @@ def main() -> None:
         from prefect.testing.utilities import prefect_test_harness
         from ray.util.state import list_actors
 
+        from flows.parameters import parameters_of
         from flows.training import training_pipeline
         from raytrain_tasks.config import TrainingConfig
         from tasks.cluster import worker_env
@@ -87,7 +88,7 @@ def main() -> None:
                 config = TrainingConfig(**(values | overrides))
                 before = train_actors() if ray.is_initialized() else None
                 started = time.monotonic()
-                state = training_pipeline(config=config, return_state=True)
+                state = training_pipeline(**parameters_of(config), return_state=True)
                 seconds = time.monotonic() - started
                 error = state.result(raise_on_failure=False)
                 named = type(error).__name__ if state.is_failed() else "no error (the run did not fail)"

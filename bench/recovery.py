@@ -27,6 +27,7 @@ import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,7 @@ def measure(workdir: Path) -> dict[str, float] | None:
     from prefect.testing.utilities import prefect_test_harness
 
     import tasks.fit
+    from flows.parameters import parameters_of
     from flows.training import training_pipeline
     from raytrain_tasks.config import TrainingConfig
     from raytrain_tasks.tracking import epoch_number
@@ -84,7 +86,7 @@ def measure(workdir: Path) -> dict[str, float] | None:
     ray.init(address="local", num_cpus=2, runtime_env={"env_vars": worker_env()}, logging_level=logging.ERROR)
     try:
         with prefect_test_harness(server_startup_timeout=120), ThreadPoolExecutor(1) as pool:
-            future = pool.submit(contextvars.copy_context().run, training_pipeline, config=config)
+            future = pool.submit(contextvars.copy_context().run, partial(training_pipeline, **parameters_of(config)))
             client = MlflowClient(tracking)
 
             def committed() -> set[int]:

@@ -134,7 +134,7 @@ def leftovers(address: str) -> dict[str, Any]:
 
 def served_run(client: Any, deployment_id: Any, tracking: Any) -> dict[str, float]:
     """Trigger one run and wait for it: its seconds from created to Completed, in the loop, and the rest."""
-    created = client.create_flow_run_from_deployment(deployment_id, parameters={"config": JOB})
+    created = client.create_flow_run_from_deployment(deployment_id, parameters=JOB)
     deadline = time.monotonic() + 600
     while (run := client.read_flow_run(created.id)).state_type.value not in ("COMPLETED", "FAILED", "CRASHED"):
         if time.monotonic() > deadline:

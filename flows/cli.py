@@ -17,6 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from flows.parameters import parameters_of
 from raytrain_tasks.config import TrainingConfig, describe_validation_error
 from raytrain_tasks.errors import ClusterError
 from raytrain_tasks.redact import redact, redact_uri, strip_credentials
@@ -111,7 +112,7 @@ def main(
         quiet_console()
     try:
         with local_services(config):
-            state = pipeline(config=config, return_state=True)
+            state = pipeline(**parameters_of(config), return_state=True)
     except ClusterError as exc:
         print(f"\npipeline failed: {redact(str(exc))}", file=sys.stderr)
         return 1

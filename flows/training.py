@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict
 
+from flows.parameters import with_settings_as_parameters
 from raytrain_tasks.config import TrainingConfig, new_run_key
 from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.redact import install_log_redaction, redacted_errors, strip_credentials
@@ -16,7 +18,7 @@ from tasks.data import prepare_data
 from tasks.fit import FitResult, distributed_fit
 from tasks.register import ModelRef, register_model
 from tasks.run_page import publish_run_summary
-from tasks.run_settings import settings_for_run
+from tasks.run_settings import config_from_parameters, non_default_settings
 
 
 class PipelineResult(BaseModel):
@@ -30,19 +32,17 @@ class PipelineResult(BaseModel):
 
 
 @flow(name="training-pipeline")
-def training_pipeline(
-    config: TrainingConfig = TrainingConfig(),  # noqa: B008
-    continue_flow_run: str | None = None,
-) -> PipelineResult:
+@with_settings_as_parameters
+def training_pipeline(continue_flow_run: str | None = None, **settings: Any) -> PipelineResult:
     """Train a model on Ray and register it in MLflow; `resume` continues an interrupted run.
 
+    Every training setting (`TrainingConfig`'s fields: data, workers, training, storage, MLflow and registry) is
+    a parameter of its own: a deployment run that sets some keeps the deployment's values for the others.
+
     Args:
-        config: Everything that defines the run: data, workers, training, storage, MLflow and registry settings.
-            In a run of a deployment, the keys given here are laid over the deployment's own config: the
-            settings not given keep the deployment's values.
         continue_flow_run: Leave empty. Set by the deployment's crash trigger to the id of a Crashed run of this
             deployment: this run then continues that one from its last checkpoint, with its settings and run key
-            (`config` is not used).
+            (the other parameters are not used).
     """
     install_log_redaction("prefect", "prefect.flow_runs", "prefect.task_runs", "ray", "mlflow")
     with redacted_errors():
@@ -51,26 +51,9 @@ def training_pipeline(
             log_continuation(continuation, continue_flow_run)
             config = continuation.config
         else:
-            config = _with_deployment_settings(config)
+            config = config_from_parameters(settings)
+            get_run_logger().info("settings: %s", non_default_settings(config) or "the defaults")
         return _pipeline(config)
-
-
-def _with_deployment_settings(config: TrainingConfig) -> TrainingConfig:
-    """In a deployment run, the deployment's config with the keys this run set over it (tasks.run_settings)."""
-    from prefect.client.orchestration import get_client
-    from prefect.context import FlowRunContext
-
-    context = FlowRunContext.get()
-    flow_run = context.flow_run if context is not None else None
-    if flow_run is None or flow_run.deployment_id is None:
-        return config
-    with get_client(sync_client=True) as client:
-        merged, changed = settings_for_run(client, flow_run)
-    get_run_logger().info(
-        "settings: the deployment's config%s",
-        f", with {', '.join(changed)} set by this run" if changed else " (this run changed none)",
-    )
-    return merged
 
 
 def _pipeline(config: TrainingConfig) -> PipelineResult:

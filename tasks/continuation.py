@@ -7,9 +7,9 @@ is that the process worker (or ``serve``) sees the process exit and sets the run
 for runs of that deployment, which runs the deployment again with ``continue_flow_run`` naming the crashed run.
 
 The continuation takes everything from the chain of runs it continues, all of it stored by Prefect (durable,
-nothing in memory): the settings from the chain's first run (its deployment's ``config`` with the keys that run
-set, see ``tasks.run_settings``; a continuation's own ``config`` parameter is only the deployment's default), and
-the run key from the tag every run puts on itself at start. It then runs as
+nothing in memory): the settings from the chain's first run (the parameters Prefect stored for it: its
+deployment's, with the ones that run set laid over them; a continuation's own settings are only the
+deployment's), and the run key from the tag every run puts on itself at start. It then runs as
 ``resume=<run key>``: the last checkpoint, the same MLflow run, at most one registered version. The run lease
 keeps it from training beside a driver that still lives. The chain's length is the crash count: beyond
 ``max_crash_resumes`` the continuation refuses, and says so in its Failed state.
@@ -25,7 +25,7 @@ from prefect import get_run_logger
 
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import ContinuationError
-from tasks.run_settings import settings_for_run
+from tasks.run_settings import SettingsError, config_from_parameters
 
 RUN_KEY_TAG_PREFIX = "run-key:"
 FLOW_RUN_RESOURCE_PREFIX = "prefect.flow-run."
@@ -83,10 +83,10 @@ def continuation_of(crashed: str) -> Continuation:
                 "continue"
             )
         try:
-            config, _ = settings_for_run(client, root)  # its deployment's config, with the keys it set
-        except ValueError as exc:
+            config = config_from_parameters(root.parameters or {})  # already laid over its deployment's
+        except SettingsError as exc:
             raise ContinuationError(
-                f"flow run {root.id} ({root.name}) has no valid `config` parameter to continue with: {exc}"
+                f"flow run {root.id} ({root.name}) has no valid settings to continue with: {exc}"
             ) from exc
     keys = {
         tag.removeprefix(RUN_KEY_TAG_PREFIX) for run in chain for tag in run.tags if tag.startswith(RUN_KEY_TAG_PREFIX)

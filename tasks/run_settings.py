@@ -1,57 +1,44 @@
-"""The settings a deployment run trains with: its deployment's ``config``, with the keys the run itself set.
+"""The settings a flow run trains with, read back from the parameters Prefect stored for it.
 
-Prefect merges a run's parameters into its deployment's at the top level only, and this flow has one
-``config`` parameter: a run triggered with ``--params '{"config": {"epochs": 3}}'`` (or ``-p 'config={...}'``,
-``run_deployment(parameters=...)``, an automation's run-deployment action) would otherwise train with
-``epochs=3`` and the defaults for everything else, dropping the deployment's own settings (a nightly's
-``min_improvement``, its model name). So the flow reads its deployment's ``config`` when the run starts and lays
-the run's keys over it. A run that sets the whole config (the UI's custom-run form sends every field) gets
-exactly what it sent. A run that cannot read its deployment fails before anything starts: it never trains with
-settings nobody chose.
+Each training setting is a flow parameter of its own (flows/parameters.py), so Prefect's server has already laid a
+run's parameters over its deployment's: what a run stores is what it trains with, and a continuation rebuilds the
+config of the run it continues from that run's parameters alone.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from raytrain_tasks.config import TrainingConfig
+from pydantic import ValidationError
+
+from raytrain_tasks.config import TrainingConfig, describe_validation_error
 from raytrain_tasks.errors import PipelineError
 
-
-class DeploymentSettingsError(PipelineError):
-    """A deployment run cannot tell which settings its deployment gives it."""
+SETTINGS = frozenset(TrainingConfig.model_fields)
 
 
-def given_config(parameters: dict[str, Any]) -> dict[str, Any]:
-    """The ``config`` keys a flow run was created with (as Prefect stored them, before any default)."""
-    given = parameters.get("config") or {}  # JSON as stored: a model passed from Python arrives serialized
-    if not isinstance(given, dict):
-        raise DeploymentSettingsError(f"the flow run's `config` parameter is not an object: {type(given).__name__}")
-    return dict(given)
+class SettingsError(PipelineError):
+    """A flow run's parameters do not make a valid training config."""
 
 
-def deployment_config(client: Any, deployment_id: Any) -> dict[str, Any]:
-    """The ``config`` parameter of the deployment ``deployment_id``, as it is now on the Prefect server."""
-    from prefect.exceptions import ObjectNotFound
-
+def config_from_parameters(parameters: Mapping[str, Any]) -> TrainingConfig:
+    """The config a flow run's settings make; SettingsError naming each invalid field otherwise."""
+    if isinstance(parameters.get("config"), Mapping):
+        raise SettingsError(
+            "this flow run was created with the settings in one `config` parameter, the form of prefect-raytrain "
+            "before each setting became a parameter of its own: nothing was trained. Give the settings one by one "
+            "(`-p epochs=3`, `--params '{\"epochs\": 3}'`), and deploy again (prefect deploy, or python -m "
+            "deployments.serve) to update a deployment made before"
+        )
+    settings = {name: value for name, value in parameters.items() if name in SETTINGS}
     try:
-        deployment = client.read_deployment(deployment_id)
-    except ObjectNotFound as exc:
-        raise DeploymentSettingsError(
-            f"deployment {deployment_id} of this flow run no longer exists, so its settings are unknown: nothing "
-            "was trained. Run the flow with the whole `config` instead (python -m flows.training, or a run of an "
-            "existing deployment)"
-        ) from exc
-    return dict((deployment.parameters or {}).get("config") or {})
+        return TrainingConfig.model_validate(settings)
+    except ValidationError as exc:
+        raise SettingsError(describe_validation_error(exc)) from exc
 
 
-def settings_for_run(client: Any, flow_run: Any) -> tuple[TrainingConfig, list[str]]:
-    """(the config ``flow_run`` trains with, the keys it set over its deployment's config).
-
-    A run of no deployment (called from Python, the CLI) trains with its own config as given."""
-    given = given_config(flow_run.parameters or {})
-    if flow_run.deployment_id is None:
-        return TrainingConfig.model_validate(given), sorted(given)
-    base = deployment_config(client, flow_run.deployment_id)
-    changed = sorted(key for key, value in given.items() if key not in base or base[key] != value)
-    return TrainingConfig.model_validate({**base, **given}), changed
+def non_default_settings(config: TrainingConfig) -> str:
+    """``name=value, ...`` for the settings of ``config`` that differ from the defaults, credentials masked."""
+    changed = config.model_dump(exclude_defaults=True)
+    return ", ".join(f"{name}={value}" for name, value in config.public_params().items() if name in changed)

@@ -69,6 +69,10 @@ def head_node(env: dict[str, str] | None = None, num_cpus: int = 2) -> Iterator[
     """`ray start --head --block` on free 127.0.0.1 ports with its own temp dir; only its processes are stopped.
 
     ``env``: what differs in the node's environment from this process's (a node has its own credentials)."""
+    # The cluster and its clients share the machine's token (~/.ray/auth_token). `ray start` does not create it,
+    # a first `ray.init()` does: without this, a fresh machine's first cluster test depends on a local-Ray test
+    # having run before it (seen with `-m "not slow"`: AuthenticationError, no token found).
+    subprocess.run([RAY, "get-auth-token", "--generate"], check=True, capture_output=True, timeout=60)
     ports = [free_port() for _ in range(9)]
     # Short: Ray's socket paths live under the temp dir and must stay under the OS's 107-byte limit.
     temp_dir = Path(tempfile.mkdtemp(prefix="ray-prt-"))

@@ -47,33 +47,33 @@ def _run(parameters: dict[str, Any], tags: list[str], state: Any = None) -> str:
 
 def test_a_crash_is_continued_with_the_first_runs_settings_and_its_run_key(tmp_path: Path) -> None:
     config = small_config(tmp_path, epochs=7, max_crash_resumes=2)
-    crashed = _run({"config": config.model_dump(mode="json")}, ["training", f"run-key:{KEY}"])
+    crashed = _run(config.model_dump(mode="json"), ["training", f"run-key:{KEY}"])
     continuation = continuation_of(crashed)
     assert (continuation.run_key, continuation.crashes) == (KEY, 1)
     assert continuation.config.resume == KEY and continuation.config.epochs == 7
 
-    # The continuation crashes too: its own `config` is the deployment's default, the chain's first run decides.
-    again = _run({"config": {}, "continue_flow_run": crashed}, [f"run-key:{KEY}"])
+    # The continuation crashes too: its own settings are the deployment's, the chain's first run decides.
+    again = _run({"epochs": 3, "continue_flow_run": crashed}, [f"run-key:{KEY}"])
     continuation = continuation_of(again)
     assert (continuation.run_key, continuation.crashes, continuation.config.epochs) == (KEY, 2, 7)
 
 
 def test_a_crash_loop_stops_at_max_crash_resumes_and_says_how_to_go_on(tmp_path: Path) -> None:
     config = small_config(tmp_path, max_crash_resumes=1)
-    crashed = _run({"config": config.model_dump(mode="json")}, [f"run-key:{KEY}"])
+    crashed = _run(config.model_dump(mode="json"), [f"run-key:{KEY}"])
     assert continuation_of(crashed).crashes == 1
-    again = _run({"config": {}, "continue_flow_run": crashed}, [f"run-key:{KEY}"])
+    again = _run({"continue_flow_run": crashed}, [f"run-key:{KEY}"])
     with pytest.raises(ContinuationError, match=rf"crashed 2 times .*max_crash_resumes=1.*resume={KEY}"):
         continuation_of(again)
 
     off = small_config(tmp_path, max_crash_resumes=0)
     with pytest.raises(ContinuationError, match="max_crash_resumes=0"):
-        continuation_of(_run({"config": off.model_dump(mode="json")}, [f"run-key:{KEY}"]))
+        continuation_of(_run(off.model_dump(mode="json"), [f"run-key:{KEY}"]))
 
 
 def test_only_a_crashed_run_is_continued(tmp_path: Path) -> None:
     config = small_config(tmp_path).model_dump(mode="json")
-    finished = _run({"config": config}, [f"run-key:{KEY}"], state=Completed())
+    finished = _run(config, [f"run-key:{KEY}"], state=Completed())
     with pytest.raises(ContinuationError, match="is Completed, not Crashed"):
         continuation_of(finished)
     with pytest.raises(ContinuationError, match="not a flow run id"):
@@ -82,7 +82,7 @@ def test_only_a_crashed_run_is_continued(tmp_path: Path) -> None:
 
 def test_a_run_that_crashed_before_it_had_a_run_key_starts_afresh(tmp_path: Path) -> None:
     config = small_config(tmp_path).model_dump(mode="json")
-    continuation = continuation_of(_run({"config": config}, ["training"]))
+    continuation = continuation_of(_run(config, ["training"]))
     assert continuation.run_key is None and continuation.config.resume == ""
 
 
@@ -132,3 +132,10 @@ def test_a_watched_run_that_beats_too_rarely_is_refused_before_it_trains() -> No
     with get_client(sync_client=True) as client:
         started = client.read_flow_run(state.state_details.flow_run_id)
     assert f"run-key:{KEY}" in started.tags
+
+
+def test_a_crashed_run_from_before_settings_were_parameters_is_not_continued_with_defaults(tmp_path: Path) -> None:
+    """A run created with the old single `config` parameter must not be continued as if it had set nothing."""
+    config = small_config(tmp_path, epochs=7).model_dump(mode="json")
+    with pytest.raises(ContinuationError, match="one `config` parameter.*nothing was trained"):
+        continuation_of(_run({"config": config}, [f"run-key:{KEY}"]))

@@ -9,6 +9,7 @@ from prefect.flows import load_flow_from_entrypoint
 
 from deployments.serve import PREFECT_YAML, build_deployments, load_deployment_specs
 from raytrain_tasks.config import TrainingConfig
+from tasks.run_settings import config_from_parameters
 from tests.conftest import REPO_ROOT
 
 SPECS = load_deployment_specs()
@@ -19,7 +20,7 @@ def test_entrypoint_imports_and_parameters_validate(spec: dict[str, Any], monkey
     monkeypatch.chdir(REPO_ROOT)  # prefect deploy runs from the repository root
     flow = load_flow_from_entrypoint(spec["entrypoint"])
     validated = flow.validate_parameters(spec.get("parameters") or {})
-    assert isinstance(validated["config"], TrainingConfig)
+    assert config_from_parameters(validated) == TrainingConfig.model_validate(spec["parameters"])
     assert spec["work_pool"]["name"] == "raytrain-process"
 
 
@@ -34,17 +35,18 @@ def test_a_nightly_schedule_with_timezone_and_an_unscheduled_ad_hoc_deployment()
 def test_invalid_values_are_rejected_before_a_run_starts() -> None:
     flow = load_flow_from_entrypoint(f"{REPO_ROOT}/flows/training.py:training_pipeline")
     with pytest.raises(Exception, match="num_workers"):
-        flow.validate_parameters({"config": {"num_workers": 0}})
+        flow.validate_parameters({"num_workers": 0})
 
 
 def test_parameter_form_is_typed_and_described() -> None:
     flow = load_flow_from_entrypoint(f"{REPO_ROOT}/flows/training.py:training_pipeline")
     schema = flow.parameters.model_dump()
-    definitions = schema.get("definitions") or schema.get("$defs") or {}
-    fields = definitions["TrainingConfig"]["properties"]
-    assert set(fields) == set(TrainingConfig.model_fields)
-    assert schema["properties"]["config"]["description"]
+    fields = schema["properties"]
+    # One parameter per setting, in the config's order, then the crash trigger's; none required.
+    assert list(fields) == [*TrainingConfig.model_fields, "continue_flow_run"]
+    assert not schema.get("required")
     assert all(field.get("title") and field.get("description") for field in fields.values())
+    assert fields["num_workers"]["title"] == "Workers" and fields["epochs"]["default"] == 3
     # A one-member Literal renders as a fixed value (const); it becomes a choice once a second model exists.
     assert fields["model"].get("enum", [fields["model"].get("const")]) == ["mlp"]
     assert fields["promotion_metric"]["enum"] == ["val_accuracy", "val_loss"]
@@ -57,7 +59,8 @@ def test_serve_builds_the_same_deployments() -> None:
     (schedule,) = deployments["nightly-retrain"].schedules
     assert schedule.schedule.cron == "0 2 * * *" and schedule.schedule.timezone == "Europe/Berlin"
     assert not deployments["ad-hoc"].schedules
-    assert deployments["ad-hoc"].parameters["config"]["epochs"] == 3
+    assert deployments["ad-hoc"].parameters["epochs"] == 3
+    assert deployments["nightly-retrain"].parameters["epochs"] == 10
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=[s["name"] for s in SPECS])

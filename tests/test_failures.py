@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from flows.parameters import parameters_of
 from flows.training import training_pipeline
 from raytrain_tasks.errors import CheckpointError, ClusterError, TrackingError
 from tests.conftest import small_config, this_ray_address
@@ -29,7 +30,7 @@ def _train_actors() -> set[str]:
 def _run_failing(config: object) -> tuple[BaseException, set[str]]:
     """Run the flow, which must fail; return its error and the Ray Train actors the run started."""
     before = _train_actors()
-    state = training_pipeline(config=config, return_state=True)
+    state = training_pipeline(**parameters_of(config), return_state=True)
     assert state.is_failed()
     error = state.result(raise_on_failure=False)
     assert isinstance(error, BaseException)

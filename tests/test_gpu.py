@@ -8,6 +8,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
+from flows.parameters import parameters_of
 from flows.training import training_pipeline
 from tests.conftest import small_config
 
@@ -43,7 +44,7 @@ def test_training_on_gpus_uses_nccl_and_reaches_the_cpu_accuracy(
 ) -> None:
     workers = min(2, GPUS)
     config = small_config(tmp_path, use_gpu=True, num_workers=workers, data_loader=loader, cpus_per_worker=1.0)
-    result = training_pipeline(config=config)
+    result = training_pipeline(**parameters_of(config))
 
     assert result.fit.backend == "nccl"
     assert result.fit.final_metrics["val_accuracy"] >= 0.9

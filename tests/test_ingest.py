@@ -13,6 +13,7 @@ import ray.train
 from ray.data.dataset import MaterializedDataset
 from ray.train.torch import TorchTrainer
 
+from flows.parameters import parameters_of
 from flows.training import training_pipeline
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DatasetRef
@@ -93,7 +94,7 @@ def test_torch_and_ray_data_loaders_reach_the_same_accuracy(
     for loader in ("torch", "ray_data"):
         # The default cpus_per_worker (sized to the cluster): 2 workers and Ray Data on this 2-CPU Ray.
         config = small_config(tmp_path / loader, data_loader=loader, register=False, epochs=4)
-        results[loader] = training_pipeline(config=config).fit
+        results[loader] = training_pipeline(**parameters_of(config)).fit
     torch_run, ray_data_run = results["torch"], results["ray_data"]
     assert torch_run.final_metrics["val_accuracy"] >= 0.9
     assert ray_data_run.final_metrics["val_accuracy"] >= 0.9

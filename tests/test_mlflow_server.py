@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from mlflow import MlflowClient
 
+from flows.parameters import parameters_of
 from flows.training import PipelineResult, training_pipeline
 from raytrain_tasks.data import read_split
 from tests.conftest import small_config
@@ -23,12 +24,14 @@ def served_run(
 ) -> PipelineResult:
     workdir = tmp_path_factory.mktemp("served")
     return training_pipeline(
-        config=small_config(
-            workdir,
-            mlflow_tracking_uri=mlflow_server,
-            experiment_name=EXPERIMENT,
-            model_name="served",
-            system_metrics=True,
+        **parameters_of(
+            small_config(
+                workdir,
+                mlflow_tracking_uri=mlflow_server,
+                experiment_name=EXPERIMENT,
+                model_name="served",
+                system_metrics=True,
+            )
         )
     )
 

@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 from mlflow import MlflowClient
 
+from flows.parameters import parameters_of
 from flows.training import PipelineResult, training_pipeline
 from raytrain_tasks.checkpoint import verify_checkpoint
 from raytrain_tasks.data import LABEL_INDEX_COLUMN
@@ -27,7 +28,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def first_run(workdir: Path, ray_cluster: object, prefect_api: None) -> PipelineResult:
     exported = os.environ.get("MLFLOW_TRACKING_URI")
-    result = training_pipeline(config=small_config(workdir))
+    result = training_pipeline(**parameters_of(small_config(workdir)))
     # A run leaves the process's MLflow settings as it found them: the next run's default is not redirected.
     assert os.environ.get("MLFLOW_TRACKING_URI") == exported
     return result
@@ -179,7 +180,7 @@ def test_champion_moves_only_for_a_better_model(first_run: PipelineResult, clien
     assert first_run.model is not None
     name, first_version = first_run.model.name, first_run.model.version
 
-    worse = training_pipeline(config=small_config(workdir, epochs=1, learning_rate=1e-4))
+    worse = training_pipeline(**parameters_of(small_config(workdir, epochs=1, learning_rate=1e-4)))
     assert worse.model is not None and worse.model.decision == "keep_champion"
     assert str(client.get_model_version_by_alias(name, "champion").version) == first_version
     assert str(client.get_model_version_by_alias(name, "challenger").version) == worse.model.version
@@ -187,7 +188,7 @@ def test_champion_moves_only_for_a_better_model(first_run: PipelineResult, clien
     assert tags["promotion.decision"] == "keep_champion"
     assert float(tags["promotion.champion_score"]) == pytest.approx(first_run.model.score)
 
-    better = training_pipeline(config=small_config(workdir, epochs=8))
+    better = training_pipeline(**parameters_of(small_config(workdir, epochs=8)))
     assert better.model is not None and better.model.decision == "promote", better.model.reason
     assert better.model.score > first_run.model.score
     assert str(client.get_model_version_by_alias(name, "champion").version) == better.model.version
@@ -237,7 +238,7 @@ def test_resuming_a_finished_run_trains_and_registers_nothing_new(
     run_dir = workdir / "storage" / "runs" / first_run.run_key
     written = {p.name: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
 
-    again = training_pipeline(config=small_config(workdir, resume=first_run.run_key))
+    again = training_pipeline(**parameters_of(small_config(workdir, resume=first_run.run_key)))
     assert again.fit.mlflow_run_id == first_run.fit.mlflow_run_id
     assert again.model is not None and again.model.version == first_run.model.version
     assert sorted(str(v.version) for v in client.search_model_versions(f"name = '{name}'")) == versions_before
@@ -269,7 +270,7 @@ def test_a_run_finished_again_from_its_checkpoints_records_nothing_twice(
 
     before = recorded()
     client.delete_tag(fit.mlflow_run_id, FIT_RECORD_TAG)
-    again = training_pipeline(config=small_config(workdir, resume=first_run.run_key))
+    again = training_pipeline(**parameters_of(small_config(workdir, resume=first_run.run_key)))
     assert again.fit.best_checkpoint_model_id == fit.best_checkpoint_model_id
     assert again.model is not None and again.model.version == first_run.model.version
     after = recorded()
@@ -285,7 +286,8 @@ def test_a_resume_with_changed_settings_is_refused_before_anything_is_written(
 
     before = client.get_run(first_run.fit.mlflow_run_id)
     state = training_pipeline(
-        config=small_config(workdir, resume=first_run.run_key, epochs=5, learning_rate=0.01), return_state=True
+        **parameters_of(small_config(workdir, resume=first_run.run_key, epochs=5, learning_rate=0.01)),
+        return_state=True,
     )
     assert state.is_failed()
     error = state.result(raise_on_failure=False)
@@ -309,7 +311,7 @@ def test_the_best_checkpoint_by_val_loss_is_the_lowest_loss_not_the_highest_accu
         learning_rate=0.05,
         promotion_metric="val_loss",
     )
-    result = training_pipeline(config=config)
+    result = training_pipeline(**parameters_of(config))
     history = result.fit.history
     by_loss = min(range(len(history)), key=lambda epoch: history[epoch]["val_loss"])
     by_accuracy = max(range(len(history)), key=lambda epoch: history[epoch]["val_accuracy"])
@@ -345,7 +347,7 @@ def test_what_a_killed_checkpoint_write_left_on_the_node_is_gone_after_the_runs_
     (left / "model.pt").write_bytes(os.urandom(1 << 20))  # a model half-written when the worker was killed
     (left / "stale.bin").write_bytes(b"from the killed attempt")
     try:
-        result = training_pipeline(config=small_config(workdir, epochs=1, register=False))
+        result = training_pipeline(**parameters_of(small_config(workdir, epochs=1, register=False)))
         assert result.run_key == key and result.fit.epochs_completed == 1
         assert not left.exists()
         stored = workdir / "storage" / "runs" / key

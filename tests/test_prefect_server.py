@@ -202,7 +202,7 @@ def test_deploy_schedules_nightly_runs_and_a_worker_runs_an_override(prefect_ser
     assert scheduled[0].parameters == SPECS["nightly-retrain"]["parameters"]
     # What the UI form submits is validated by the server against the flow's schema: no run is created.
     ad_hoc = _api(prefect_server, lambda client: client.read_deployment_by_name("training-pipeline/ad-hoc"))
-    invalid = {"config": {"num_workers": 0}}
+    invalid = {"num_workers": 0}
     with pytest.raises(Exception, match="num_workers|minimum|greater"):
         _api(prefect_server, lambda client: client.create_flow_run_from_deployment(ad_hoc.id, parameters=invalid))
     assert _deployment_runs(prefect_server, "ad-hoc") == []
@@ -210,16 +210,9 @@ def test_deploy_schedules_nightly_runs_and_a_worker_runs_an_override(prefect_ser
 
     worker, worker_log = _start_in_checkout(prefect_server, [PREFECT, "worker", "start", "--pool", "raytrain-process"])
     try:
-        # What a user types to run the nightly now with one setting changed (`--params '{"config": {...}}'` is
-        # the same): a flow parameter that is a model takes a JSON object.
-        overrides = {"config": {"epochs": 2}}
+        # What a user types to run the nightly now with one setting changed, in Prefect's usual form.
         output = _prefect_cli(
-            prefect_server,
-            "deployment",
-            "run",
-            "training-pipeline/nightly-retrain",
-            "-p",
-            f"config={json.dumps(overrides['config'])}",
+            prefect_server, "deployment", "run", "training-pipeline/nightly-retrain", "-p", "epochs=2"
         )
         match = re.search(r"UUID:\s*([0-9a-f-]{36})", output)
         assert match, output
@@ -228,8 +221,8 @@ def test_deploy_schedules_nightly_runs_and_a_worker_runs_an_override(prefect_ser
     finally:
         stop_process_group(worker, signal.SIGINT)
 
-    assert flow_run.parameters == overrides  # Prefect replaced the nightly's `config` whole; the flow merged it
-    nightly = SPECS["nightly-retrain"]["parameters"]["config"]
+    nightly = SPECS["nightly-retrain"]["parameters"]
+    assert flow_run.parameters == {**nightly, "epochs": 2}  # the server laid the override over the nightly's
     _assert_run_is_tracked_and_published(prefect_server, flow_run, epochs=2, params={**nightly, "epochs": 2})
     latency = (flow_run.start_time - flow_run.created).total_seconds()
     print(f"nightly run with an override via worker: {latency:.1f} s from trigger to start, {flow_run.state_name}")
@@ -256,8 +249,7 @@ def _start_until_epoch_2(server: PrefectServer, deployment: Any, name: str, work
         "experiment_name": name,
         "model_name": name,
     }
-    parameters = {"config": config}
-    created = _api(server, lambda c: c.create_flow_run_from_deployment(deployment.id, parameters=parameters))
+    created = _api(server, lambda c: c.create_flow_run_from_deployment(deployment.id, parameters=config))
     tracking = _tracking(server)
     deadline = time.monotonic() + 300
     while True:
@@ -390,9 +382,11 @@ def test_cancelling_a_run_stops_training_and_keeps_it_resumable(prefect_server: 
         runs = _deployment_runs(prefect_server, "ad-hoc")
         assert not [other for other in runs if other.parameters.get("continue_flow_run") == continues]
 
-        config = {**flow_run.parameters["config"], "resume": run_key}
-        resumed = _api(
-            prefect_server, lambda c: c.create_flow_run_from_deployment(ad_hoc.id, parameters={"config": config})
+        resumed = _api(  # what `prefect deployment run training-pipeline/ad-hoc -p resume=<run key>` does
+            prefect_server,
+            lambda c: c.create_flow_run_from_deployment(
+                ad_hoc.id, parameters={**flow_run.parameters, "resume": run_key}
+            ),
         )
         finished = _wait_for_final_state(prefect_server, resumed.id)
         assert finished.state_type.value == "COMPLETED", worker_log.read_text()[-8000:]
@@ -452,7 +446,7 @@ def test_served_runs_share_one_warm_ray_that_ends_with_serve(prefect_server: Pre
         for _ in range(2):
             created = _api(
                 prefect_server,
-                lambda c: c.create_flow_run_from_deployment(deployment.id, parameters={"config": config}),
+                lambda c: c.create_flow_run_from_deployment(deployment.id, parameters=config),
             )
             flow_run = _wait_for_final_state(prefect_server, created.id)
             assert flow_run.state_type.value == "COMPLETED", serve_log.read_text()[-5000:]
@@ -539,7 +533,7 @@ def test_serve_and_a_custom_run_from_the_ui(prefect_server: PrefectServer, chrom
                 flow_run = _wait_for_final_state(prefect_server, created.id)
                 assert flow_run.state_type.value == "COMPLETED", serve_log.read_text()[-5000:]
 
-                assert flow_run.parameters["config"]["epochs"] == 1
+                assert flow_run.parameters["epochs"] == 1
                 link = _assert_run_is_tracked_and_published(prefect_server, flow_run, epochs=1)
 
                 # From the MLflow run, its Prefect link opens the run page: completed, with the summary artifact.

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 from mlflow import MlflowClient
 
+from flows.parameters import parameters_of
 from flows.training import PipelineResult, training_pipeline
 from raytrain_tasks.checkpoint import MODEL_FILE
 from raytrain_tasks.config import RUN_KEY_PATTERN as RUN_KEY
@@ -52,7 +53,7 @@ def chaos_config(workdir: Path, **overrides: Any) -> Any:
 
 def start_flow(pool: ThreadPoolExecutor, config: Any) -> Any:
     """Run the flow in a thread that sees this thread's Prefect settings (they live in context variables)."""
-    return pool.submit(contextvars.copy_context().run, training_pipeline, config=config, return_state=True)
+    return pool.submit(contextvars.copy_context().run, training_pipeline, **parameters_of(config), return_state=True)
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
@@ -166,7 +167,7 @@ def checkpoint_mtimes(workdir: Path) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> PipelineResult:
     """The uninterrupted run every recovered run must match."""
-    return training_pipeline(config=chaos_config(tmp_path_factory.mktemp("reference")))
+    return training_pipeline(**parameters_of(chaos_config(tmp_path_factory.mktemp("reference"))))
 
 
 def test_worker_killed_mid_epoch_resumes_from_last_checkpoint(tmp_path: Path, reference: PipelineResult) -> None:

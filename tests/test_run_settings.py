@@ -1,9 +1,10 @@
 """A deployment run with some settings changed keeps every other setting of its deployment.
 
-Deployments and flow runs are created in the test Prefect API, as `prefect deploy` and `prefect deployment run
---params` / `-p` / `run_deployment` create them (the server merges a run's parameters into its deployment's at
-the top level only). The end-to-end run of the nightly deployment with one override, by a process worker on
-`prefect server`, is in test_prefect_server.py.
+Each training setting is a flow parameter of its own, so the Prefect server's own merge of a run's parameters
+into its deployment's (by top-level key) is the merge users expect. Deployments and flow runs of the real
+training flow are created in the test Prefect API, as `prefect deploy` and `prefect deployment run -p` /
+`--params` / `run_deployment` create them. The end-to-end run of the nightly deployment with one override, by
+`serve` on `prefect server`, is in test_prefect_server.py.
 """
 
 from __future__ import annotations
@@ -12,32 +13,32 @@ from typing import Any
 from uuid import UUID
 
 import pytest
-from prefect import flow
 from prefect.client.orchestration import get_client
-from prefect.flow_engine import run_flow
+from prefect.exceptions import PrefectHTTPStatusError, SignatureMismatchError
 from prefect.states import Crashed
 
+from flows.parameters import parameters_of
+from flows.training import training_pipeline
 from raytrain_tasks.config import TrainingConfig
 from tasks.continuation import continuation_of
-from tasks.run_settings import DeploymentSettingsError, settings_for_run
+from tasks.run_settings import SettingsError, config_from_parameters, non_default_settings
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
 NIGHTLY = {"dataset": "digits", "num_workers": 2, "epochs": 10, "model_name": "nightly-model", "min_improvement": 0.002}
 
 
-@flow(name="run-settings-probe")
-def probe(config: TrainingConfig = TrainingConfig(), continue_flow_run: str | None = None) -> TrainingConfig:  # noqa: B008
-    """Returns what the training flow would train with, by the same function the training flow calls."""
-    from flows.training import _with_deployment_settings
-
-    return _with_deployment_settings(config)
-
-
 def _deployment(parameters: dict[str, Any]) -> UUID:
+    """The training flow deployed as `prefect deploy` does it: its parameter schema enforced by the server."""
     with get_client(sync_client=True) as client:
-        flow_id = client.create_flow(probe)
-        return client.create_deployment(flow_id=flow_id, name="nightly", parameters=parameters)
+        flow_id = client.create_flow(training_pipeline)
+        return client.create_deployment(
+            flow_id=flow_id,
+            name="nightly",
+            parameters=parameters,
+            parameter_openapi_schema=training_pipeline.parameters.model_dump(),
+            enforce_parameter_schema=True,
+        )
 
 
 def _trigger(deployment_id: UUID, parameters: dict[str, Any], state: Any = None) -> Any:
@@ -45,47 +46,66 @@ def _trigger(deployment_id: UUID, parameters: dict[str, Any], state: Any = None)
         return client.create_flow_run_from_deployment(deployment_id, parameters=parameters, state=state)
 
 
+def _trained_with(flow_run: Any) -> TrainingConfig:
+    """What the flow trains with for this run: Prefect's validation of the stored parameters, then the flow's."""
+    return config_from_parameters(training_pipeline.validate_parameters(flow_run.parameters))
+
+
 def test_a_run_with_one_override_keeps_the_deployments_other_settings() -> None:
-    deployment = _deployment({"config": NIGHTLY})
-    flow_run = _trigger(deployment, {"config": {"epochs": 3}})  # --params '{"config": {"epochs": 3}}'
-    assert flow_run.parameters == {"config": {"epochs": 3}}  # what Prefect stores: the deployment's are gone
+    deployment = _deployment(NIGHTLY)
+    flow_run = _trigger(deployment, {"epochs": 3})  # -p epochs=3, --params '{"epochs": 3}', run_deployment
+    config = _trained_with(flow_run)
+    assert config.epochs == 3
+    assert config.min_improvement == 0.002 and config.model_name == "nightly-model"
+    assert config.dataset == "digits" and config.num_workers == 2
+    assert config.batch_size == TrainingConfig().batch_size  # set by neither: the default
 
-    trained_with = run_flow(probe, flow_run=flow_run, parameters=flow_run.parameters)
-    assert trained_with.epochs == 3
-    assert trained_with.min_improvement == 0.002 and trained_with.model_name == "nightly-model"
-    assert trained_with.dataset == "digits" and trained_with.num_workers == 2
+
+def test_a_run_that_sets_nothing_trains_with_the_deployments_settings_and_the_whole_form_wins() -> None:
+    deployment = _deployment(NIGHTLY)
+    assert _trained_with(_trigger(deployment, {})) == TrainingConfig.model_validate(NIGHTLY)
+
+    # The UI's custom-run form sends every field: the run gets exactly what it sent.
+    whole = parameters_of(TrainingConfig.model_validate({**NIGHTLY, "min_improvement": 0.0}))
+    config = _trained_with(_trigger(deployment, whole))
+    assert config.min_improvement == 0.0 and config.epochs == 10
 
 
-def test_a_run_that_sets_nothing_trains_with_the_deployments_settings_and_the_whole_config_wins() -> None:
-    deployment = _deployment({"config": NIGHTLY})
+def test_the_server_refuses_an_invalid_value_before_a_run_exists() -> None:
+    deployment = _deployment(NIGHTLY)
     with get_client(sync_client=True) as client:
-        scheduled = _trigger(deployment, {})
-        config, changed = settings_for_run(client, scheduled)
-        assert config == TrainingConfig.model_validate(NIGHTLY) and changed == []
-
-        # The UI's custom-run form sends every field: the run gets exactly what it sent.
-        whole = TrainingConfig.model_validate({**NIGHTLY, "min_improvement": 0.0}).model_dump(mode="json")
-        config, changed = settings_for_run(client, _trigger(deployment, {"config": whole}))
-        assert config.min_improvement == 0.0 and config.epochs == 10
-        assert "min_improvement" in changed and "epochs" not in changed
-
-        # Invalid values are still refused, merged or not.
-        with pytest.raises(ValueError, match="num_workers"):
-            settings_for_run(client, _trigger(deployment, {"config": {"num_workers": 0}}))
+        before = len(client.read_flow_runs())
+        with pytest.raises(PrefectHTTPStatusError, match="409|422") as refused:
+            _trigger(deployment, {"num_workers": 0})
+        assert "num_workers" in refused.value.response.text
+        assert len(client.read_flow_runs()) == before
 
 
-def test_a_run_whose_deployment_is_gone_trains_nothing() -> None:
-    deployment = _deployment({"config": NIGHTLY})
-    flow_run = _trigger(deployment, {"config": {"epochs": 3}})
-    with get_client(sync_client=True) as client:
-        client.delete_deployment(deployment)
-        with pytest.raises(DeploymentSettingsError, match="no longer exists.*nothing was trained"):
-            settings_for_run(client, flow_run)
+def test_settings_the_fields_allow_but_the_config_does_not_fail_naming_them() -> None:
+    """Rules across fields are not in the form's schema: the flow refuses them before anything starts."""
+    flow_run = _trigger(_deployment(NIGHTLY), {"val_fraction": 0.5, "test_fraction": 0.45})
+    with pytest.raises(SettingsError, match=r"val_fraction \(0.5\) \+ test_fraction \(0.45\)"):
+        _trained_with(flow_run)
+
+
+def test_the_old_single_config_parameter_is_refused_not_dropped() -> None:
+    """`--params '{"config": {...}}'` (the form before settings were parameters) must not train on defaults."""
+    with pytest.raises(SignatureMismatchError, match="config"):
+        training_pipeline.validate_parameters({"config": {"epochs": 3}})
+    with pytest.raises(SettingsError, match="one `config` parameter"):
+        config_from_parameters({"config": {"epochs": 3}})
+
+
+def test_the_log_line_names_what_differs_from_the_defaults_without_credentials() -> None:
+    config = TrainingConfig(epochs=5, mlflow_tracking_uri="http://admin:s3cret@127.0.0.1:5000")
+    line = non_default_settings(config)
+    assert "epochs=5" in line and "s3cret" not in line and "127.0.0.1:5000" in line
+    assert non_default_settings(TrainingConfig()) == ""
 
 
 def test_a_crashed_run_with_an_override_is_continued_with_the_deployments_other_settings() -> None:
-    deployment = _deployment({"config": NIGHTLY})
-    crashed = _trigger(deployment, {"config": {"epochs": 4}}, state=Crashed())
+    deployment = _deployment(NIGHTLY)
+    crashed = _trigger(deployment, {"epochs": 4}, state=Crashed())
     with get_client(sync_client=True) as client:
         client.update_flow_run(crashed.id, tags=["run-key:20261123-120000-abcdef"])
     continuation = continuation_of(f"prefect.flow-run.{crashed.id}")

@@ -13,6 +13,7 @@ import pytest
 from mlflow import MlflowClient
 
 from devtools.s3_server import ADMIN, READER, LocalS3
+from flows.parameters import parameters_of
 from flows.training import PipelineResult, training_pipeline
 from raytrain_tasks.errors import StorageError
 from raytrain_tasks.fs import StorageOptions
@@ -49,7 +50,7 @@ def s3_run(
     s3_server: LocalS3, tmp_path_factory: pytest.TempPathFactory, ray_cluster: object, prefect_api: None
 ) -> tuple[PipelineResult, Path]:
     workdir = tmp_path_factory.mktemp("s3-run")
-    return training_pipeline(config=s3_config(workdir, s3_server, "e2e", model_name="s3-model")), workdir
+    return training_pipeline(**parameters_of(s3_config(workdir, s3_server, "e2e", model_name="s3-model"))), workdir
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from flows.parameters import parameters_of
 from raytrain_tasks.checkpoint import (
     MANIFEST_FILE,
     MODEL_FILE,
@@ -190,7 +191,7 @@ def test_registration_refuses_a_tampered_best_checkpoint_and_registers_nothing(t
     from tests.conftest import small_config
 
     config = small_config(tmp_path, epochs=2, register=False)
-    first = training_pipeline(config=config)
+    first = training_pipeline(**parameters_of(config))
     best = Path(first.fit.best_checkpoint_uri)
     marker = tmp_path / "pwned"
     torch.save({"fc.weight": CreatesAFile(marker)}, best / MODEL_FILE)
@@ -198,7 +199,7 @@ def test_registration_refuses_a_tampered_best_checkpoint_and_registers_nothing(t
     MlflowClient(config.mlflow_tracking_uri).set_tag(first.fit.mlflow_run_id, pin_tag(best.name), manifest_digest(best))
 
     resumed = config.model_copy(update={"resume": first.run_key, "register": True})
-    state = training_pipeline(config=resumed, return_state=True)
+    state = training_pipeline(**parameters_of(resumed), return_state=True)
     assert state.is_failed()
     error = state.result(raise_on_failure=False)
     assert isinstance(error, UnsafeCheckpointError) and MODEL_FILE in str(error), error
@@ -330,7 +331,7 @@ def test_mlflow_credentials_appear_nowhere_the_product_writes(tmp_path: Path, au
     assert code == 1 and "MLFLOW_TRACKING_PASSWORD" in refused, refused[-4000:]
     # 3. A wrong password in the URI of a flow started in-process (as from the Prefect UI's form).
     state = training_pipeline(
-        config=small_config(tmp_path, mlflow_tracking_uri=f"http://admin:{WRONG_PASSWORD}@{auth_server}"),
+        **parameters_of(small_config(tmp_path, mlflow_tracking_uri=f"http://admin:{WRONG_PASSWORD}@{auth_server}")),
         return_state=True,
     )
     assert state.is_failed()
@@ -483,7 +484,7 @@ def test_storage_cannot_vouch_for_itself_a_replaced_record_or_checkpoint_is_refu
     from tests.conftest import small_config
 
     config = small_config(tmp_path, epochs=2, register=False)
-    first = training_pipeline(config=config)
+    first = training_pipeline(**parameters_of(config))
     client = MlflowClient(config.mlflow_tracking_uri)
     run_dir = Path(first.fit.run_uri)
     pinned = pinned_digests(client.get_run(first.fit.mlflow_run_id).data.tags)
@@ -494,14 +495,14 @@ def test_storage_cannot_vouch_for_itself_a_replaced_record_or_checkpoint_is_refu
     record = run_dir / "fit.json"
     original = record.read_text()
     record.write_text(original.replace('"test_accuracy": 0.', '"test_accuracy": 1.0, "x": 0.', 1))
-    state = training_pipeline(config=resumed, return_state=True)
+    state = training_pipeline(**parameters_of(resumed), return_state=True)
     error = state.result(raise_on_failure=False)
     assert state.is_failed() and isinstance(error, UnsafeCheckpointError) and "fit.json" in str(error), error
 
     record.write_text(original)
     best = Path(first.fit.best_checkpoint_uri)
     write_checkpoint(best)  # other weights, in the real format, with a matching manifest
-    state = training_pipeline(config=resumed, return_state=True)
+    state = training_pipeline(**parameters_of(resumed), return_state=True)
     error = state.result(raise_on_failure=False)
     assert state.is_failed() and isinstance(error, UnsafeCheckpointError), error
     assert "is not the one its run committed" in str(error) and best.name in str(error)
