@@ -56,6 +56,7 @@ def measure(workdir: Path) -> dict[str, float] | None:
     """One run with one kill; None when the kill did not land inside epoch 2."""
     import ray
     from mlflow import MlflowClient
+    from prefect import State
     from prefect.testing.utilities import prefect_test_harness
 
     import tasks.fit
@@ -106,6 +107,7 @@ def measure(workdir: Path) -> dict[str, float] | None:
             killed_at = time.time()
             workers[-1].send_signal(signal.SIGKILL)
             result = future.result(timeout=900)
+            assert not isinstance(result, State), result  # only a duplicate continuation returns a state
     finally:
         tasks.fit.fit_interruptibly = original  # type: ignore[assignment]
         ray.shutdown()

@@ -6,14 +6,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import State, flow, get_run_logger
+from prefect.states import Cancelled
 from pydantic import BaseModel, ConfigDict
 
 from flows.parameters import with_settings_as_parameters
 from raytrain_tasks.config import TrainingConfig, new_run_key
 from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.redact import install_log_redaction, redacted_errors, strip_credentials
-from tasks.continuation import continuation_of, log_continuation, prepare_recovery
+from tasks.continuation import already_continued, continuation_of, log_continuation, prepare_recovery
 from tasks.data import prepare_data
 from tasks.fit import FitResult, distributed_fit
 from tasks.register import ModelRef, register_model
@@ -33,7 +34,7 @@ class PipelineResult(BaseModel):
 
 @flow(name="training-pipeline")
 @with_settings_as_parameters
-def training_pipeline(continue_flow_run: str | None = None, **settings: Any) -> PipelineResult:
+def training_pipeline(continue_flow_run: str | None = None, **settings: Any) -> PipelineResult | State:
     """Train a model on Ray and register it in MLflow; `resume` continues an interrupted run.
 
     Every training setting (`TrainingConfig`'s fields: data, workers, training, storage, MLflow and registry) is
@@ -42,11 +43,14 @@ def training_pipeline(continue_flow_run: str | None = None, **settings: Any) -> 
     Args:
         continue_flow_run: Leave empty. Set by the deployment's crash trigger to the id of a Crashed run of this
             deployment: this run then continues that one from its last checkpoint, with its settings and run key
-            (the other parameters are not used).
+            (the other parameters are not used). A second run continuing the same crash ends Cancelled at once.
     """
     install_log_redaction("prefect", "prefect.flow_runs", "prefect.task_runs", "ray", "mlflow")
     with redacted_errors():
         if continue_flow_run:
+            if duplicate := already_continued(continue_flow_run):
+                get_run_logger().warning(duplicate)
+                return Cancelled(message=duplicate)
             continuation = continuation_of(continue_flow_run)
             log_continuation(continuation, continue_flow_run)
             config = continuation.config

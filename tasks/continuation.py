@@ -70,10 +70,7 @@ def continuation_of(crashed: str) -> Continuation:
     its Crashed event) means; ContinuationError when it must not be continued."""
     from prefect.client.orchestration import get_client
 
-    try:
-        first_id = UUID(crashed.removeprefix(FLOW_RUN_RESOURCE_PREFIX))
-    except ValueError as exc:
-        raise ContinuationError(f"continue_flow_run={crashed!r} is not a flow run id") from exc
+    first_id = _flow_run_id(crashed)
     with get_client(sync_client=True) as client:
         chain = _chain(client, first_id)
         latest, root = chain[0], chain[-1]
@@ -105,6 +102,78 @@ def continuation_of(crashed: str) -> Continuation:
     if run_key is not None:
         config = config.model_copy(update={"resume": run_key})
     return Continuation(config=config, run_key=run_key, crashes=crashes)
+
+
+# Prefect's run-deployment action creates one run per invocation of the automation (its idempotency key names the
+# invocation, not the event), and one Crashed event was seen to invoke the crash trigger twice (0.4 s apart, after
+# `prefect deploy` replaced the trigger). The run lease keeps a second continuation from training beside the first,
+# but it would end Failed on that lease, a false alarm at night. So a continuation first looks for an earlier one.
+GIVEN_UP = frozenset({"FAILED", "CANCELLED", "CRASHED"})  # an earlier continuation in these left the crash to us
+
+
+def earlier_continuation(crashed: str, this_run: UUID) -> Any | None:
+    """The first flow run, created before ``this_run``, that continues the same crashed run and has not ended
+    Failed, Cancelled or Crashed; None when ``this_run`` is the one to continue it."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowFilter,
+        FlowFilterId,
+        FlowRunFilter,
+        FlowRunFilterExpectedStartTime,
+    )
+
+    crashed_id = _flow_run_id(crashed)
+    with get_client(sync_client=True) as client:
+        crashed_run = client.read_flow_run(crashed_id)
+        this = client.read_flow_run(this_run)
+        since = crashed_run.state.timestamp if crashed_run.state is not None else crashed_run.created
+        # The continuations of a crash are runs of its flow, created (and expected to start) after it crashed.
+        candidates = client.read_flow_runs(
+            flow_filter=FlowFilter(id=FlowFilterId(any_=[crashed_run.flow_id])),
+            flow_run_filter=FlowRunFilter(expected_start_time=FlowRunFilterExpectedStartTime(after_=since)),
+            limit=200,
+        )
+    earlier = [
+        run
+        for run in candidates
+        if run.id != this.id
+        and _continues(run, crashed_id)
+        and (run.created, str(run.id)) < (this.created, str(this.id))
+        and (run.state_type is None or run.state_type.value not in GIVEN_UP)
+    ]
+    return min(earlier, key=lambda run: (run.created, str(run.id)), default=None)
+
+
+def already_continued(crashed: str) -> str | None:
+    """Why this flow run must leave the crashed run ``crashed`` to another continuation; None when it is the one."""
+    from prefect.runtime import flow_run
+
+    this_run = flow_run.get_id()
+    if not this_run:
+        return None
+    first = earlier_continuation(crashed, UUID(str(this_run)))
+    if first is None:
+        return None
+    return (
+        f"flow run {first.name} ({first.id}) already continues crashed flow run "
+        f"{crashed.removeprefix(FLOW_RUN_RESOURCE_PREFIX)}: this one ends without training (the crash trigger "
+        "fired more than once)"
+    )
+
+
+def _continues(run: Any, crashed_id: UUID) -> bool:
+    named = (run.parameters or {}).get("continue_flow_run")
+    try:
+        return bool(named) and _flow_run_id(str(named)) == crashed_id
+    except ContinuationError:
+        return False
+
+
+def _flow_run_id(crashed: str) -> UUID:
+    try:
+        return UUID(crashed.removeprefix(FLOW_RUN_RESOURCE_PREFIX))
+    except ValueError as exc:
+        raise ContinuationError(f"continue_flow_run={crashed!r} is not a flow run id") from exc
 
 
 def _chain(client: Any, first_id: UUID) -> list[Any]:

@@ -9,13 +9,14 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import pytest
 from prefect import flow, tags
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import StateType
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
-from prefect.states import Completed, Crashed
+from prefect.states import Completed, Crashed, Failed, Running
 
 from raytrain_tasks.errors import ContinuationError
 from tasks.continuation import (
@@ -139,3 +140,30 @@ def test_a_crashed_run_from_before_settings_were_parameters_is_not_continued_wit
     config = small_config(tmp_path, epochs=7).model_dump(mode="json")
     with pytest.raises(ContinuationError, match="one `config` parameter.*nothing was trained"):
         continuation_of(_run({"config": config}, [f"run-key:{KEY}"]))
+
+
+def test_a_crash_the_trigger_fired_for_twice_is_continued_by_one_run_and_the_other_ends_cancelled(
+    tmp_path: Path,
+) -> None:
+    """Prefect's crash trigger can start two continuations of one crash (seen on `prefect server`: two runs 0.4 s
+    apart for one Crashed event). The first continues it; a later one ends Cancelled at once, without training and
+    without the Failed state the run lease would otherwise give it."""
+    from flows.training import training_pipeline
+    from tasks.continuation import earlier_continuation
+
+    crashed = _run(small_config(tmp_path).model_dump(mode="json"), [f"run-key:{KEY}"])
+    first = _run({"continue_flow_run": crashed}, [], state=Running())
+    second = _run({"continue_flow_run": crashed}, [], state=Running())
+    first_id, second_id = (UUID(run.removeprefix("prefect.flow-run.")) for run in (first, second))
+    assert earlier_continuation(crashed, first_id) is None
+    assert earlier_continuation(crashed, second_id).id == first_id
+
+    state = training_pipeline(continue_flow_run=crashed, return_state=True)
+    assert state.type == StateType.CANCELLED, state
+    assert str(first_id) in state.message and "without training" in state.message
+    assert not (tmp_path / "storage" / "runs").exists()  # nothing trained
+
+    # A continuation that failed leaves the crash to the next one, e.g. a person's run with the same parameter.
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(first_id, Failed(), force=True)
+    assert earlier_continuation(crashed, second_id) is None
