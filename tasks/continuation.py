@@ -121,6 +121,7 @@ def earlier_continuation(crashed: str, this_run: UUID) -> Any | None:
         FlowRunFilter,
         FlowRunFilterExpectedStartTime,
     )
+    from prefect.client.schemas.sorting import FlowRunSort
 
     crashed_id = _flow_run_id(crashed)
     with get_client(sync_client=True) as client:
@@ -131,6 +132,7 @@ def earlier_continuation(crashed: str, this_run: UUID) -> Any | None:
         candidates = client.read_flow_runs(
             flow_filter=FlowFilter(id=FlowFilterId(any_=[crashed_run.flow_id])),
             flow_run_filter=FlowRunFilter(expected_start_time=FlowRunFilterExpectedStartTime(after_=since)),
+            sort=FlowRunSort.EXPECTED_START_TIME_ASC,  # the earliest first, should more than the limit follow
             limit=200,
         )
     earlier = [
