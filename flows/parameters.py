@@ -17,10 +17,9 @@ from typing import Annotated, Any, TypeVar
 from pydantic import Field
 
 from raytrain_tasks.config import TrainingConfig
+from tasks.run_settings import SETTINGS
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-SETTINGS = tuple(TrainingConfig.model_fields)  # in the config's order: the form's order
 
 
 def _setting(name: str) -> inspect.Parameter:

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from raytrain_tasks.config import TrainingConfig, describe_validation_error
 from raytrain_tasks.errors import PipelineError
 
-SETTINGS = frozenset(TrainingConfig.model_fields)
+SETTINGS = tuple(TrainingConfig.model_fields)  # every training setting, in the config's order (the form's)
 
 
 class SettingsError(PipelineError):
