@@ -31,7 +31,9 @@ class TrainingConfig(BaseModel):
     """Everything that defines one training pipeline run. No secret belongs here: credentials come from the
     environment (a password put into `mlflow_tracking_uri` anyway is masked wherever this project writes it)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # A refused value is not echoed (it may be a `user:password@host`): messages name the setting, and quote the
+    # value only through redact().
+    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
 
     # --- data ---
     dataset: str = Field(
@@ -324,8 +326,10 @@ class TrainingConfig(BaseModel):
             return value
         if value.lower().endswith(SUPPORTED_FILE_SUFFIXES):
             return value
+        from raytrain_tasks.redact import redact
+
         raise ValueError(
-            f"unknown dataset {value!r}: use one of {sorted(BUILTIN_DATASETS)} "
+            f"unknown dataset {redact(value)!r}: use one of {sorted(BUILTIN_DATASETS)} "
             f"or a path/URI ending in {', '.join(SUPPORTED_FILE_SUFFIXES)}"
         )
 
@@ -393,14 +397,18 @@ class TrainingConfig(BaseModel):
             scheme = value.split("://", 1)[0]
             raise ValueError(f"storage scheme {scheme!r} is not supported: use a directory path or s3://bucket/prefix")
         if value.startswith("s3://") and not value.removeprefix("s3://").split("/", 1)[0]:
-            raise ValueError(f"{value!r} names no bucket: use s3://bucket/prefix")
+            from raytrain_tasks.redact import redact
+
+            raise ValueError(f"{redact(value)!r} names no bucket: use s3://bucket/prefix")
         return value
 
     @field_validator("s3_endpoint_url")
     @classmethod
     def _endpoint_is_url(cls, value: str) -> str:
         if value and not value.startswith(("http://", "https://")):
-            raise ValueError(f"{value!r} is not an http(s) URL, e.g. http://127.0.0.1:8333")
+            from raytrain_tasks.redact import redact
+
+            raise ValueError(f"{redact(value)!r} is not an http(s) URL, e.g. http://127.0.0.1:8333")
         return value.rstrip("/")
 
     @property

@@ -1,8 +1,9 @@
 """One place that knows what a secret looks like, so that none reaches a log, a param, an artifact or an error.
 
 Three kinds are masked with ``***``: the password of a ``scheme://user:password@host`` URL (MLflow embeds the
-full tracking URL in its error messages), the value of a credential-like query parameter (``?token=...``, a
-presigned URL's signature), and the value of every credential environment variable of this process.
+full tracking URL in its error messages) or of a ``user:password@host`` given without a scheme, the value of a
+credential-like query parameter (``?token=...``, a presigned URL's signature), and the value of every credential
+environment variable of this process.
 """
 
 from __future__ import annotations
@@ -23,8 +24,13 @@ SECRET_ENV = (
     "MLFLOW_TRACKING_TOKEN",
     "MLFLOW_TRACKING_CLIENT_CERT_PATH",
     "DATABRICKS_TOKEN",
+    "RAY_AUTH_TOKEN",
+    "PREFECT_API_KEY",
 )
-_URL_PASSWORD = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@'\"]+:)[^@\s/'\"]+@")
+# The password runs to the next '@' and may hold '/': masking a path that has '@' in it too is the safe mistake.
+_URL_PASSWORD = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@'\"]+:)[^@\s'\"]+@")
+# ``user:password@host`` typed without a scheme (a validation error would echo it); not after a word, '/', ':' or '@'.
+_BARE_PASSWORD = re.compile(r"(?<![\w.+%:/@-])([A-Za-z0-9._%+-]+:)(?!//)[^@\s'\"]+@(?=[A-Za-z0-9\[])")
 _SECRET_QUERY = re.compile(
     r"(?i)([?&](?:access_token|token|password|passwd|secret|api_key|apikey|key|signature|sig|"
     r"x-amz-signature|x-amz-credential|x-amz-security-token)=)[^&\s'\"#]+"
@@ -36,6 +42,7 @@ _MIN_SECRET_LENGTH = 6
 def redact(text: str) -> str:
     """``text`` with every secret it contains replaced by ***."""
     text = _URL_PASSWORD.sub(rf"\1{MASK}@", text)
+    text = _BARE_PASSWORD.sub(rf"\1{MASK}@", text)
     text = _SECRET_QUERY.sub(rf"\1{MASK}", text)
     for name in SECRET_ENV:
         value = os.environ.get(name, "")

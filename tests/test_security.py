@@ -380,6 +380,45 @@ def test_secrets_are_masked_in_any_text(text: str, expected: str, monkeypatch: p
     assert redact(text) == expected
 
 
+@pytest.mark.parametrize(
+    ("variable", "text", "expected"),
+    [
+        ("RAY_AUTH_TOKEN", "ray token ray-token-value-77 in a log", "ray token *** in a log"),
+        ("PREFECT_API_KEY", "Authorization: Bearer pnu_prefect-key-88", "Authorization: Bearer pnu_***"),
+        ("", "http://bob:pa/ss-word-1@mlflow:5000/api", "http://bob:***@mlflow:5000/api"),
+        ("", "s3://key:sec/ret/x@bucket/k", "s3://key:***@bucket/k"),
+        ("", "'admin:pw-no-scheme-1@127.0.0.1:8333' is not a URL", "'admin:***@127.0.0.1:8333' is not a URL"),
+        ("", "endpoint admin:pw/no-scheme@h:1 refused", "endpoint admin:***@h:1 refused"),
+        ("", "http://h:5000/api at 10:30, git@github.com:o/r", "http://h:5000/api at 10:30, git@github.com:o/r"),
+    ],
+)  # fmt: skip
+def test_more_secrets_are_masked(variable: str, text: str, expected: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from raytrain_tasks.redact import redact
+
+    if variable == "RAY_AUTH_TOKEN":
+        monkeypatch.setenv(variable, "ray-token-value-77")
+    if variable == "PREFECT_API_KEY":
+        monkeypatch.setenv(variable, "prefect-key-88")
+    assert redact(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("s3_endpoint_url", "admin:pw-no-scheme-2@127.0.0.1:8333"),
+        ("s3_endpoint_url", "admin:pw/no-scheme-2@127.0.0.1:8333"),
+        ("dataset", "admin:pw-no-scheme-2@host/data.txt"),
+        ("epochs", "admin:pw-no-scheme-2@host"),
+        ("storage_path", "gs://admin:pw-no-scheme-2@bucket/x"),
+    ],
+)
+def test_a_rejected_setting_is_not_echoed_with_its_password(setting: str, value: str) -> None:
+    with pytest.raises(ValidationError) as refused:
+        TrainingConfig(**{setting: value})
+    text = str(refused.value)
+    assert setting in text and "no-scheme-2" not in text, text
+
+
 def test_an_exception_leaving_a_task_keeps_its_type_and_loses_its_secrets() -> None:
     from mlflow.exceptions import MlflowException
 
