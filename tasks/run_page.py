@@ -36,10 +36,17 @@ class EpochProgress:
     def __enter__(self) -> EpochProgress:
         from prefect.artifacts import create_progress_artifact
 
-        self._seen = self._committed_steps()  # a resumed run starts where it left off
-        self._artifact_id = create_progress_artifact(
-            progress=self._percent(), description=f"Epochs committed (checkpointed) of {self.epochs}"
-        )
+        # Best effort: an MLflow or Prefect error here must not stop the fit, or replace its outcome.
+        try:
+            self._seen = self._committed_steps()  # a resumed run starts where it left off
+            self._artifact_id = create_progress_artifact(
+                progress=self._percent(), description=f"Epochs committed (checkpointed) of {self.epochs}"
+            )
+        except Exception as exc:  # noqa: BLE001 - the display is off; the fit goes on (tested)
+            self.logger.warning(
+                "epoch progress is not shown on the run page: %s", redact(f"{type(exc).__name__}: {exc}")
+            )
+            return self
         # Prefect's client settings live in context variables: the poller needs a copy of this context.
         context = contextvars.copy_context()
         self._thread = threading.Thread(target=context.run, args=(self._poll_until_stopped,), daemon=True)
@@ -47,10 +54,19 @@ class EpochProgress:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._thread is None:
+            return  # the display never started
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-        self._poll_once()  # epochs committed in the last interval
+        self._thread.join(timeout=30)
+        # Never raises: while the fit's own exception propagates (a cancellation, a CheckpointError), an error of
+        # the display's last poll would replace it; after a fit that succeeded, it would fail it.
+        try:
+            self._poll_once()  # epochs committed in the last interval
+        except Exception as error:  # noqa: BLE001 - tested with MLflow gone at the end of a fit
+            self.logger.warning(
+                "epoch progress on the run page may miss the last epochs: %s",
+                redact(f"{type(error).__name__}: {error}"),
+            )
 
     def _poll_until_stopped(self) -> None:
         while not self._stop.wait(POLL_SECONDS):
