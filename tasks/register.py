@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tempfile
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,6 +29,7 @@ from raytrain_tasks.errors import PromotionError, TrackingError
 from raytrain_tasks.models import with_standardisation
 from raytrain_tasks.redact import redacted_errors
 from tasks import tracking
+from tasks.champion import check_model_layout, download_model, predict_without_pickles
 from tasks.evaluation import load_checkpoint_model, score, scores_as_metrics
 from tasks.fit import FitResult
 from tasks.promotion import Champion, Promotion, PromotionDecision, decide_promotion
@@ -138,34 +141,13 @@ def schema_digest(dataset: DatasetRef) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-def unsafe_model_format(model_uri: str) -> str:
-    """Why loading the model at ``model_uri`` could run code beyond its format, or "" for the format this project
-    logs (MLflow's pytorch flavor in the ``pt2`` format: an exported program, no pickled objects, no code paths).
-
-    Read from the MLmodel file and the artifact listing alone: nothing of the model is loaded to decide.
-    """
-    import mlflow
-
-    flavors = mlflow.models.get_model_info(model_uri).flavors
-    if set(flavors) != {"python_function", "pytorch"}:
-        return f"its model flavors {sorted(flavors)} are not the pytorch pt2 format this project logs and loads"
-    if flavors["python_function"].get("code") or flavors["pytorch"].get("code"):
-        return "it ships its own code (code_paths), which scoring it would import"
-    data = str(flavors["pytorch"].get("model_data", "data"))
-    files = [artifact.path for artifact in mlflow.artifacts.list_artifacts(f"{model_uri.rstrip('/')}/{data}")]
-    if not any(path.endswith(".pt2") for path in files):
-        return (
-            "it is stored as a pickled torch model, and loading it would unpickle arbitrary objects; it was not "
-            "loaded or scored"
-        )
-    return ""
-
-
 def assess_champion(
     client: MlflowClient, name: str, digest: str, x_test: np.ndarray, y_test: np.ndarray, metric: str
 ) -> Champion:
-    """The current champion scored on this run's test split; only a missing alias means there is none."""
-    import mlflow
+    """The current champion scored on this run's test split; only a missing alias means there is none.
+
+    It is scored only in this project's exact pt2 layout, from the local copy that was checked (tasks.champion).
+    """
     from mlflow.exceptions import MlflowException
 
     try:
@@ -185,10 +167,18 @@ def assess_champion(
             incomparable=f"its input schema {recorded} (features, class labels) differs from this run's {digest}",
         )
     try:
-        unsafe = unsafe_model_format(f"models:/{name}/{version}")
-        if unsafe:
-            return Champion(version, incomparable=unsafe)
-        logits = np.asarray(mlflow.pyfunc.load_model(f"models:/{name}/{version}").predict(x_test))
+        with tempfile.TemporaryDirectory(prefix="prt-champion-") as scratch:
+            local = download_model(f"models:/{name}/{version}", Path(scratch))
+            layout = check_model_layout(local)
+            if layout.foreign:
+                return Champion(version, incomparable=layout.foreign)
+            if layout.tampered:
+                return Champion(
+                    version,
+                    error=f"{name} version {version} was refused: {layout.tampered}. Look at who wrote there, then "
+                    f"remove those files or point '{CHAMPION}' at a version you trust",
+                )
+            logits = predict_without_pickles(local, x_test)
     except Exception as exc:  # noqa: BLE001 - any failure to load or run the champion leaves it in place (tested)
         return Champion(
             version, error=f"loading or scoring {name} version {version} failed: {type(exc).__name__}: {exc}"

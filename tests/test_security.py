@@ -546,3 +546,38 @@ def test_storage_cannot_vouch_for_itself_a_replaced_record_or_checkpoint_is_refu
     assert state.is_failed() and isinstance(error, UnsafeCheckpointError), error
     assert "is not the one its run committed" in str(error) and best.name in str(error)
     assert client.search_registered_models() == []
+
+
+# --- the champion is loaded only in the exact layout this project writes, with pickles switched off ----------------
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_a_pickle_placed_beside_the_champions_pt2_never_runs_and_nothing_moves(tmp_path: Path) -> None:
+    """Whoever can write the registry's artifact store adds a pickled ``data/model.pth`` (and the
+    ``pickle_module_info.txt`` MLflow reads with it) beside a real champion's ``model.pt2``. Scoring that champion
+    must not unpickle it: the champion is refused with the reason, no alias moves, the code never runs."""
+    from mlflow import MlflowClient
+
+    from raytrain_tasks.errors import PromotionError
+    from tasks.data import prepare_dataset
+    from tests.conftest import small_config
+    from tests.test_registry import _fit, _register
+
+    config = small_config(tmp_path, model_name="planted", experiment_name="planted")
+    dataset = prepare_dataset(config)
+    client = MlflowClient(config.mlflow_tracking_uri)
+    champion = _register(config, dataset, _fit(client, tmp_path, config, dataset, "20261125-010000-aaaaaa", 0.5))
+    assert champion.decision == "promote"
+    model_dir = Path(client.get_model_version_download_uri("planted", champion.version))
+    assert sorted(p.name for p in (model_dir / "data").iterdir()) == ["model.pt2"]  # what MLflow's pt2 writes
+    marker = tmp_path / "pwned"
+    (model_dir / "data" / "model.pth").write_bytes(pickle.dumps(CreatesAFile(marker)))
+    (model_dir / "data" / "pickle_module_info.txt").write_text("pickle")
+
+    fit = _fit(client, tmp_path, config, dataset, "20261125-020000-bbbbbb", 0.99)
+    error = _register(config, dataset, fit)
+    assert not marker.exists()
+    assert isinstance(error, PromotionError) and "No alias moved" in str(error), error
+    assert "data/model.pth" in str(error) and f"version {champion.version}" in str(error), error
+    aliases = client.get_registered_model("planted").aliases
+    assert str(aliases["champion"]) == champion.version and "previous_champion" not in aliases
