@@ -20,6 +20,7 @@ Contenders alternate within each repetition; medians are reported.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -219,6 +220,10 @@ def bench_dataset(w: Workload, tmp: Path) -> Any:
     columns[LABEL_INDEX_COLUMN], columns[ROW_INDEX_COLUMN] = y, np.arange(len(y))
     for split in ("train", "val"):
         pq.write_table(pa.table(columns), folder / f"{split}.parquet")
+    # What prepare-data records: readers check each split against it.
+    digests = {
+        split: hashlib.sha256((folder / f"{split}.parquet").read_bytes()).hexdigest() for split in ("train", "val")
+    }
     return DatasetRef(
         uri=str(folder),
         content_hash="bench",
@@ -230,6 +235,7 @@ def bench_dataset(w: Workload, tmp: Path) -> Any:
         val_rows=w.rows,
         feature_mean=tuple(float(v) for v in x.mean(0)),
         feature_std=tuple(float(v) for v in x.std(0)),
+        split_sha256=digests,
     )
 
 

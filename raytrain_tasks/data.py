@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Literal
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from raytrain_tasks.errors import DatasetError
 from raytrain_tasks.fs import StorageOptions, open_filesystem
@@ -42,6 +44,8 @@ class DatasetRef(BaseModel):
     split_rule: str = ""
     feature_mean: tuple[float, ...]
     feature_std: tuple[float, ...]
+    # SHA-256 of each split file as prepare-data wrote it: a split is read only if it still hashes to this.
+    split_sha256: dict[str, str] = Field(default_factory=dict)
 
     @property
     def num_features(self) -> int:
@@ -74,18 +78,52 @@ def read_split(
     uri = dataset.split_uri(split)
     try:
         filesystem, path = open_filesystem(uri, options or StorageOptions())
-        table = pq.read_table(path, filesystem=filesystem)
+        with filesystem.open_input_file(path) as stream:
+            data = stream.read()
     except (OSError, ValueError) as exc:
         raise DatasetError(
             f"cannot read the {split} split at {uri}: {exc}. Every Ray node must reach `storage_path`; "
             "re-run prepare-data or check the storage settings."
         ) from exc
+    check_split_digest(dataset, split, hashlib.sha256(data).hexdigest())  # hashed as read: no second read
+    table = pq.read_table(pa.BufferReader(data))
     features = np.column_stack(
         [table.column(name).to_numpy().astype(np.float32, copy=False) for name in dataset.feature_names]
     )
     # A writable copy: Arrow's buffers are read-only, which torch.from_numpy warns about.
     labels = table.column(LABEL_INDEX_COLUMN).to_numpy().astype(np.int64, copy=True)
     return (standardise(features, dataset) if standardised else features), labels
+
+
+def check_split_file(dataset: DatasetRef, split: Split, options: StorageOptions | None = None) -> None:
+    """Raise DatasetError unless the stored ``split`` file hashes to the SHA-256 its dataset.json recorded (for
+    readers that do not go through ``read_split``, such as Ray Data's read tasks); streams, holds no copy."""
+    uri = dataset.split_uri(split)
+    digest = hashlib.sha256()
+    try:
+        filesystem, path = open_filesystem(uri, options or StorageOptions())
+        with filesystem.open_input_stream(path) as stream:
+            while chunk := stream.read(1 << 22):
+                digest.update(chunk)
+    except (OSError, ValueError) as exc:
+        raise DatasetError(f"cannot read the {split} split at {uri}: {exc}; check the storage settings") from exc
+    check_split_digest(dataset, split, digest.hexdigest())
+
+
+def check_split_digest(dataset: DatasetRef, split: Split, actual: str) -> None:
+    uri = dataset.split_uri(split)
+    expected = dataset.split_sha256.get(split)
+    if expected is None:
+        raise DatasetError(
+            f"{MANIFEST_NAME} of dataset {dataset.content_hash} records no SHA-256 for {uri} (prepared by an older "
+            "release); run prepare-data again, which rewrites the version"
+        )
+    if actual != expected:
+        raise DatasetError(
+            f"{uri} is not the split prepare-data wrote: its SHA-256 is {actual}, {dataset.uri}/{MANIFEST_NAME} "
+            f"recorded {expected}. It changed after it was prepared; delete the folder {dataset.uri} and run "
+            "prepare-data again (it rewrites the version from `dataset`)"
+        )
 
 
 def standardise(features: np.ndarray, dataset: DatasetRef) -> np.ndarray:

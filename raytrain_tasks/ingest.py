@@ -31,6 +31,7 @@ from raytrain_tasks.data import (
     MATERIALIZE_SHARE,
     DatasetRef,
     Split,
+    check_split_file,
     read_split,
     standardise_batch,
     streams,
@@ -60,6 +61,7 @@ def ray_datasets(
     context.execution_options.preserve_order = True  # same blocks to the same shard, run after run
     pipelines = {}
     for split in ("train", "val"):
+        check_split_file(dataset, split, config.storage_options)  # Ray Data's read tasks do not hash what they read
         filesystem, path = open_filesystem(dataset.split_uri(split), config.storage_options)
         pipelines[split] = ray.data.read_parquet(path, filesystem=filesystem, num_cpus=DATA_TASK_CPUS).map_batches(
             standardise_batch,  # type: ignore[arg-type]  # extra keyword argument via fn_kwargs

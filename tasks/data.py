@@ -14,7 +14,14 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from raytrain_tasks.config import TrainingConfig
-from raytrain_tasks.data import LABEL_INDEX_COLUMN, MANIFEST_NAME, ROW_INDEX_COLUMN, STORAGE_LAYOUT, DatasetRef
+from raytrain_tasks.data import (
+    LABEL_INDEX_COLUMN,
+    MANIFEST_NAME,
+    ROW_INDEX_COLUMN,
+    SPLITS,
+    STORAGE_LAYOUT,
+    DatasetRef,
+)
 from raytrain_tasks.datasets import BUILTIN_DATASETS, DatasetRequest
 from raytrain_tasks.errors import DatasetError
 from raytrain_tasks.redact import redacted_errors
@@ -54,9 +61,59 @@ def prepare_dataset(config: TrainingConfig) -> DatasetRef:
     content_hash = dataset_hash(frame, config)
     target = root.child(DATASETS_DIR, content_hash)
     manifest = target.child(MANIFEST_NAME)
+    planned, splits = _plan_version(frame, config, target, content_hash)
     if manifest.exists():
-        return DatasetRef.model_validate_json(manifest.read_text())
-    return _write_version(frame, config, target, content_hash)
+        stored = _read_manifest(manifest, content_hash)
+        if stored is not None:
+            _check_manifest(stored, planned, manifest)
+            return stored.model_copy(update={"uri": target.uri})
+    return _write_version(planned, splits, target)
+
+
+def _read_manifest(manifest: StorageLocation, content_hash: str) -> DatasetRef | None:
+    """The stored version's dataset.json; None for one an older release wrote (no split digests: rewritten)."""
+    from pydantic import ValidationError
+
+    try:
+        stored = DatasetRef.model_validate_json(manifest.read_text())
+    except (ValidationError, ValueError) as exc:
+        raise DatasetError(
+            f"{manifest.uri} is not a dataset manifest ({exc}); delete its folder and run prepare-data again"
+        ) from exc
+    if stored.content_hash != content_hash:
+        raise DatasetError(
+            f"{manifest.uri} names dataset {stored.content_hash}, but it lies in the folder of {content_hash} (the "
+            "hash of `dataset` as loaded now); delete the folder and run prepare-data again"
+        )
+    return stored if set(stored.split_sha256) == set(SPLITS) else None
+
+
+def _check_manifest(stored: DatasetRef, planned: DatasetRef, manifest: StorageLocation) -> None:
+    """dataset.json must say what the data its folder is named after gives: the same splits, columns, classes and
+    train statistics (standardisation reads them from here, on every worker and in the registered model)."""
+    differs = [
+        name
+        for name in (
+            "source",
+            "label_column",
+            "feature_names",
+            "class_labels",
+            "train_rows",
+            "val_rows",
+            "test_rows",
+            "split_rule",
+        )
+        if getattr(stored, name) != getattr(planned, name)
+    ]
+    for name in ("feature_mean", "feature_std"):
+        a, b = np.asarray(getattr(stored, name)), np.asarray(getattr(planned, name))
+        if a.shape != b.shape or not np.allclose(a, b, rtol=1e-6, atol=1e-7):
+            differs.append(name)
+    if differs:
+        raise DatasetError(
+            f"{manifest.uri} does not describe the data of dataset {planned.content_hash} (differs in "
+            f"{', '.join(differs)}): it changed after it was prepared; delete its folder and run prepare-data again"
+        )
 
 
 def load_raw_frame(config: TrainingConfig) -> pd.DataFrame:
@@ -177,9 +234,10 @@ def _read_table_file(uri: str, config: TrainingConfig) -> pd.DataFrame:
     return table.to_pandas()
 
 
-def _write_version(
+def _plan_version(
     frame: pd.DataFrame, config: TrainingConfig, target: StorageLocation, content_hash: str
-) -> DatasetRef:
+) -> tuple[DatasetRef, dict[str, pa.Table]]:
+    """The version's description (without split digests) and its split tables, as ``_write_version`` stores them."""
     labels = frame[config.label_column]
     class_values = sorted(labels.unique(), key=str)
     class_index = {value: i for i, value in enumerate(class_values)}
@@ -197,20 +255,16 @@ def _write_version(
     # Constant columns (digits has some all-zero pixels) would divide by zero.
     std = np.where(std > 1e-8, std, 1.0).astype(np.float32)
 
-    target.filesystem.create_dir(target.path, recursive=True)
     # Raw features are stored; readers standardise with the train statistics of the manifest (numpy in
     # read_split, map_batches on Ray Data's CPU workers), so both loaders see the same numbers.
-    rows = {}
+    rows, tables = {}, {}
     for split, code in (("train", TRAIN), ("val", VAL), ("test", TEST)):
         xs, ys = x[assignment == code], y[assignment == code]
         rows[split] = len(ys)
         columns: dict[str, np.ndarray] = {name: xs[:, i] for i, name in enumerate(feature_names)}
         columns[LABEL_INDEX_COLUMN] = ys
         columns[ROW_INDEX_COLUMN] = np.arange(len(ys), dtype=np.int64)
-        buffer = io.BytesIO()
-        pq.write_table(pa.table(columns), buffer)
-        with target.filesystem.open_output_stream(target.child(f"{split}.parquet").path) as stream:
-            stream.write(buffer.getvalue())
+        tables[split] = pa.table(columns)
 
     dataset = DatasetRef(
         uri=target.uri,
@@ -226,6 +280,20 @@ def _write_version(
         feature_mean=tuple(float(v) for v in mean),
         feature_std=tuple(float(v) for v in std),
     )
+    return dataset, tables
+
+
+def _write_version(planned: DatasetRef, tables: dict[str, pa.Table], target: StorageLocation) -> DatasetRef:
+    target.filesystem.create_dir(target.path, recursive=True)
+    digests = {}
+    for split, table in tables.items():
+        buffer = io.BytesIO()
+        pq.write_table(table, buffer)
+        data = buffer.getvalue()
+        digests[split] = hashlib.sha256(data).hexdigest()  # readers check it (raytrain_tasks.data.read_split)
+        with target.filesystem.open_output_stream(target.child(f"{split}.parquet").path) as stream:
+            stream.write(data)
+    dataset = planned.model_copy(update={"split_sha256": digests})
     # The manifest goes last: a version folder without it is incomplete and gets rewritten.
     target.child(MANIFEST_NAME).write_text(dataset.model_dump_json(indent=1))
     return dataset

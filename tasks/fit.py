@@ -201,7 +201,7 @@ def _distributed_fit(
             finished = _finished_fit(run_dir, client, experiment_id, run_key)
             if finished is not None:
                 # Everything was trained and recorded earlier: check the settings match, train nothing.
-                tracking.check_resumable(client, experiment_id, run_key, config.public_params())
+                tracking.check_resumable(client, experiment_id, run_key, config.public_params(), dataset.content_hash)
                 tracking.finish_run(client, finished.mlflow_run_id)
                 logger.info("run key %s finished all %d epochs earlier; nothing to train", run_key, config.epochs)
                 return finished

@@ -145,6 +145,7 @@ def start_or_reopen_run(
         _log_params(client, run_id, params)
         return run_id, reopened
     _check_params_unchanged(existing.data.params, params, run_key)
+    _check_dataset_unchanged(existing.data.tags, tags.get(DATASET_HASH_TAG), run_key)
     driver = existing.data.tags.get(DRIVER_TAG, "")
     if existing.info.status == "RUNNING" and driver != this_driver() and driver_alive(driver) is True:
         raise TrackingError(
@@ -160,14 +161,19 @@ def start_or_reopen_run(
     return run_id, True
 
 
-def check_resumable(client: MlflowClient, experiment_id: str, run_key: str, params: dict[str, Any]) -> None:
-    """Raise TrackingError when ``run_key``'s MLflow run was started with other settings; writes nothing."""
+def check_resumable(
+    client: MlflowClient, experiment_id: str, run_key: str, params: dict[str, Any], dataset_hash: str | None
+) -> None:
+    """Raise TrackingError when ``run_key``'s MLflow run was started with other settings or other data (the
+    prepared dataset's content hash; None: no prepared dataset to compare); writes nothing."""
     existing = find_run(client, experiment_id, run_key)
     if existing is not None:
         _check_params_unchanged(existing.data.params, params, run_key)
+        _check_dataset_unchanged(existing.data.tags, dataset_hash, run_key)
 
 
 DRIVER_TAG = "prefect_raytrain.driver"
+DATASET_HASH_TAG = "prefect_raytrain.dataset_hash"  # set by tasks.fit at the run's start; a resume must match it
 KILLED_TAG = "prefect_raytrain.killed"
 
 
@@ -451,6 +457,17 @@ def _check_params_unchanged(logged: dict[str, str], params: dict[str, Any], run_
         raise TrackingError(
             f"run {run_key} was started with other settings ({details}); resume with the same config, "
             "or start a new run without `resume`"
+        )
+
+
+def _check_dataset_unchanged(tags: dict[str, str], dataset_hash: str | None, run_key: str) -> None:
+    # `dataset` is a path: the same path may hold other rows now. Old weights on new data (and new standardisation)
+    # would train on, and a finished fit would register its old scores wrapped in the new mean and std.
+    recorded = tags.get(DATASET_HASH_TAG)
+    if recorded is not None and dataset_hash is not None and recorded != dataset_hash:
+        raise TrackingError(
+            f"run {run_key} was trained on dataset {recorded}, but `dataset` now prepares dataset {dataset_hash} "
+            "(its content changed); resume with the data it started with, or start a new run without `resume`"
         )
 
 

@@ -153,3 +153,36 @@ def test_data_that_cannot_train_or_be_scored_is_refused_naming_column_and_settin
     with pytest.raises(DatasetError, match=message):
         prepare_dataset(small_config(tmp_path, dataset=path, **overrides))
     assert not (tmp_path / "storage" / "datasets").exists() or not any((tmp_path / "storage" / "datasets").iterdir())
+
+
+def test_a_split_that_changed_after_it_was_prepared_is_refused_when_read(tmp_path: Path) -> None:
+    """Another valid Parquet file in place of the train split (the val split, copied over it) is refused by every
+    reader, naming the file and both SHA-256 digests."""
+    config = small_config(tmp_path)
+    dataset = prepare_dataset(config)
+    train = Path(dataset.split_uri("train"))
+    train.write_bytes(Path(dataset.split_uri("val")).read_bytes())
+    with pytest.raises(DatasetError, match="SHA-256") as refused:
+        read_split(prepare_dataset(config), "train")  # the torch loader, scoring, registration
+    assert str(train) in str(refused.value) and dataset.split_sha256["train"] in str(refused.value)
+    from raytrain_tasks.data import check_split_file
+
+    with pytest.raises(DatasetError, match="SHA-256") as refused:
+        check_split_file(prepare_dataset(config), "train")  # before Ray Data's read tasks
+    assert str(train) in str(refused.value)
+    read_split(dataset, "val")  # the others still read
+
+
+def test_a_manifest_that_changed_after_it_was_prepared_is_refused(tmp_path: Path) -> None:
+    """dataset.json's train statistics (which standardise every input) must be those of the data it is named after."""
+    import json
+
+    config = small_config(tmp_path)
+    dataset = prepare_dataset(config)
+    manifest = Path(dataset.uri) / MANIFEST_NAME
+    stored = json.loads(manifest.read_text())
+    stored["feature_mean"][3] += 0.5
+    manifest.write_text(json.dumps(stored))
+    with pytest.raises(DatasetError, match="feature_mean") as refused:
+        prepare_dataset(config)
+    assert MANIFEST_NAME in str(refused.value) and dataset.content_hash in str(refused.value)

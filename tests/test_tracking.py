@@ -155,3 +155,28 @@ def test_an_mlflow_outage_at_the_end_of_the_progress_display_masks_neither_an_er
             stop_process_group(server)
         assert any("progress" in record.getMessage() for record in caplog.records), caplog.text
         caplog.clear()
+
+
+def test_a_resume_on_data_with_another_content_hash_is_refused_naming_both(tmp_path: Path) -> None:
+    """`dataset` is a path: if the file behind it changed, the run (reopened, or finished and about to register)
+    is refused before anything is written, naming the recorded hash, the new one and the setting."""
+    import pytest
+
+    from raytrain_tasks.errors import TrackingError
+
+    tag = "prefect_raytrain.dataset_hash"  # what tasks.fit tags every run with at its start
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.create_experiment("pinned-data")
+    key, params = "20261125-030000-cccccc", {"dataset": "data.csv", "epochs": 2}
+    run_id, reopened = tracking.start_or_reopen_run(client, experiment, key, key, {tag: "a1" * 8}, params)
+    assert not reopened
+    client.set_terminated(run_id, status="FAILED")
+    with pytest.raises(TrackingError) as refused:
+        tracking.start_or_reopen_run(client, experiment, key, key, {tag: "b2" * 8}, params)
+    assert all(part in str(refused.value) for part in ("a1" * 8, "b2" * 8, "`dataset`", key)), refused.value
+    run = client.get_run(run_id)
+    assert run.info.status == "FAILED" and run.data.tags[tag] == "a1" * 8  # nothing written
+    with pytest.raises(TrackingError, match="b2" * 8):
+        tracking.check_resumable(client, experiment, key, params, "b2" * 8)  # a finished run, before registering
+    tracking.check_resumable(client, experiment, key, params, "a1" * 8)
+    assert tracking.start_or_reopen_run(client, experiment, key, key, {tag: "a1" * 8}, params)[1]
