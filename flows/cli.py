@@ -7,14 +7,17 @@ import contextvars
 import gc
 import logging
 import os
+import signal
 import sys
 import threading
+import time
 import types
 import typing
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from prefect.exceptions import TerminationSignal
 from pydantic import ValidationError
 
 from flows.parameters import parameters_of
@@ -110,12 +113,20 @@ def main(
     config = credentials_to_environment(config)
     if not verbose:
         quiet_console()
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         with local_services(config):
             state = pipeline(**parameters_of(config), return_state=True)
     except ClusterError as exc:
         print(f"\npipeline failed: {redact(str(exc))}", file=sys.stderr)
         return 1
+    except (KeyboardInterrupt, TerminationSignal) as exc:
+        signum = exc.signal if isinstance(exc, TerminationSignal) else signal.SIGINT
+        print(f"\npipeline stopped by {signal.Signals(signum).name}{_how_to_continue(config)}", file=sys.stderr)
+        return 128 + signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if not state.is_completed():
         error = state.result(raise_on_failure=False)
         print(f"\npipeline {state.name.lower()}: {redact(str(error))}", file=sys.stderr)
@@ -125,6 +136,18 @@ def main(
     # MLflow, Ray and torch leave (about 4 s on 2 cores). atexit handlers still run.
     gc.freeze()
     return 0
+
+
+def _stop(signum: int, frame: types.FrameType | None) -> None:
+    """SIGTERM or SIGHUP outside a Prefect run (starting Ray or the temporary API): stop as on Ctrl-C. Inside the
+    run, Prefect's own handler takes them and the run ends Crashed (the fit marks its MLflow run KILLED)."""
+    raise TerminationSignal(signal=signum)
+
+
+def _how_to_continue(config: TrainingConfig) -> str:
+    if config.resume:
+        return f"; continue it with `prefect-raytrain resume {config.resume}`"
+    return "; if it printed a run key, continue it with `prefect-raytrain resume <run key>`"
 
 
 def credentials_to_environment(config: TrainingConfig) -> TrainingConfig:
@@ -159,11 +182,17 @@ def local_services(config: TrainingConfig) -> Iterator[None]:
 
     failure: list[BaseException] = []
 
+    cancelled = threading.Event()
+
     def start_server() -> None:
         try:
             from prefect.server.api.server import SubprocessASGIServer
 
-            SubprocessASGIServer().start()  # the instance Prefect's client uses, and stops at exit
+            from tasks.process_groups import temporary_api_in_its_own_group
+
+            temporary_api_in_its_own_group()
+            if not cancelled.is_set():
+                SubprocessASGIServer().start()  # the instance Prefect's client uses, and stops at exit
         except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
             failure.append(exc)
 
@@ -182,9 +211,30 @@ def local_services(config: TrainingConfig) -> Iterator[None]:
             if failure:
                 raise failure[0]
             yield
+    except BaseException:
+        cancelled.set()
+        _stop_starting_server(helpers[0])
+        raise
     finally:
-        for helper in helpers:
-            helper.join()
+        # The server's starter is waited for even after a signal: Prefect stops at exit only a server whose
+        # process it has already started. The imports ahead are not (they end with the process).
+        helpers[0].join()
+
+
+def _stop_starting_server(starter: threading.Thread, within_s: float = 10.0) -> None:
+    """A signal (or a failure) while the temporary API is still starting (its first migrations take 10 s and more
+    on 2 cores): end its process now rather than wait for it to answer. The starter then fails and returns."""
+    if not starter.is_alive():
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+
+    deadline = time.monotonic() + within_s
+    while starter.is_alive() and time.monotonic() < deadline:
+        server = SubprocessASGIServer()
+        if server.server_process is not None:
+            server.server_process.kill()
+            server.stop()
+        starter.join(timeout=0.1)
 
 
 # What the run imports later, about 9 s on 2 cores: torch, MLflow and its SQL store, the evaluation report, and
@@ -213,6 +263,12 @@ def _import_ahead(modules: Sequence[str]) -> None:
 def format_summary(result: Any) -> str:
     fit, model = result.fit, result.model
     final = fit.final_metrics
+    metrics = (
+        f"val_accuracy={final.get('val_accuracy', float('nan')):.4f} "
+        f"val_loss={final.get('val_loss', float('nan')):.4f} train_loss={final.get('train_loss', float('nan')):.4f}"
+        if result.dataset is not None
+        else " ".join(f"{key}={value:.4g}" for key, value in sorted(final.items()))
+    )
     lines = [
         "",
         "training pipeline finished",
@@ -220,8 +276,7 @@ def format_summary(result: Any) -> str:
         f"  MLflow run     {fit.mlflow_run_id} (experiment {result.config.experiment_name!r}, "
         f"{redact_uri(result.config.mlflow_tracking_uri)})",
         f"  epochs         {fit.epochs_completed}, {result.config.num_workers} workers ({fit.backend})",
-        f"  final metrics  val_accuracy={final.get('val_accuracy', float('nan')):.4f} "
-        f"val_loss={final.get('val_loss', float('nan')):.4f} train_loss={final.get('train_loss', float('nan')):.4f}",
+        f"  final metrics  {metrics}",
         f"  checkpoints    {fit.run_uri} (best: epoch {fit.best_epoch})",
     ]
     if model is None:

@@ -27,7 +27,7 @@ class PipelineResult(BaseModel):
 
     run_key: str
     config: TrainingConfig
-    dataset: DatasetRef
+    dataset: DatasetRef | None  # None for the user's own training code (train_code): its data is its own
     fit: FitResult
     model: ModelRef | None
 
@@ -71,7 +71,8 @@ def _pipeline(config: TrainingConfig) -> PipelineResult:
     run_key = config.resume or new_run_key()
     prepare_recovery(run_key)
     get_run_logger().info("run key %s (after a crash, continue it with resume=%s)", run_key, run_key)
-    dataset = prepare_data(config)
+    # The user's own train_func loads its own data; the built-in classifier trains on a prepared, versioned one.
+    dataset = None if config.train_code else prepare_data(config)
     fit = distributed_fit.with_options(retries=config.fit_retries, retry_delay_seconds=config.retry_delay_seconds)(
         config, dataset, run_key
     )

@@ -6,6 +6,7 @@ as ``train_loop_config`` where each worker validates it again before doing anyth
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 import warnings
@@ -127,6 +128,26 @@ class TrainingConfig(BaseModel):
     )
 
     # --- training ---
+    train_code: str = Field(
+        default="",
+        max_length=300,
+        title="Training code",
+        description=(
+            "Your own training code, 'package.module:attribute' naming a raytrain_tasks.api.TrainFunc (Ray Train's "
+            "train_func with its metric and model loader), imported from the directory the command runs in or "
+            "from the installed packages. Empty: the built-in table classifier (`model`, `dataset`, ...)."
+        ),
+    )
+    train_config: str = Field(
+        default="{}",
+        max_length=20_000,
+        title="Training code config (JSON)",
+        description=(
+            'A JSON object of hyperparameters for `train_code`, e.g. {"hidden": 64}: added to the config its '
+            "train_func receives (beside epochs, batch_size, lr, seed), logged as MLflow params train_config.<key>, "
+            "and kept by a resume."
+        ),
+    )
     model: Literal[tuple(MODELS)] = Field(  # type: ignore[valid-type]
         default="mlp", title="Model", description="Model architecture from raytrain_tasks/models.py."
     )
@@ -319,6 +340,29 @@ class TrainingConfig(BaseModel):
         ),
     )
 
+    @field_validator("train_code")
+    @classmethod
+    def _code_path(cls, value: str) -> str:
+        if value and not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", value):
+            raise ValueError(
+                f"train_code {value!r} must be 'package.module:attribute', e.g. 'my_project.train:training'"
+            )
+        return value
+
+    @field_validator("train_config")
+    @classmethod
+    def _json_object(cls, value: str) -> str:
+        try:
+            parsed = json.loads(value or "{}")
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"train_config is not valid JSON ({exc.msg} at character {exc.pos}): give an object"
+            ) from None
+        if not isinstance(parsed, dict):
+            raise ValueError(f'train_config must be a JSON object like {{"hidden": 64}}, got a {type(parsed).__name__}')
+        # One canonical text: the same settings are the same MLflow param, whatever the spacing.
+        return json.dumps(parsed, sort_keys=True, separators=(",", ":"))
+
     @field_validator("dataset")
     @classmethod
     def _known_dataset(cls, value: str) -> str:
@@ -347,6 +391,15 @@ class TrainingConfig(BaseModel):
         if self.max_workers and self.max_workers < self.num_workers:
             raise ValueError(
                 f"max_workers ({self.max_workers}) must be 0 (fixed size) or at least num_workers ({self.num_workers})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _train_code_runs_from_the_driver(self) -> TrainingConfig:
+        if self.train_code and self.launch_mode == "ray_job":
+            raise ValueError(
+                "train_code runs with launch_mode='driver' only in this release (its code reaches a cluster's "
+                "workers through Ray's runtime_env from the driver); set `launch_mode` to 'driver'"
             )
         return self
 
@@ -452,6 +505,8 @@ class TrainingConfig(BaseModel):
             if isinstance(value, str):  # a URI may carry user:password@ or ?token=
                 value = redact_uri(value) if "://" in value else redact(value)
             params[key] = value
+        for key, value in json.loads(self.train_config).items():
+            params[f"train_config.{key}"] = value if isinstance(value, int | float | bool) else json.dumps(value)
         return params
 
 

@@ -34,6 +34,11 @@ class ContinuationError(PipelineError):
     """A crashed flow run cannot or must not be continued (not crashed, not ours, or its crash budget is spent)."""
 
 
+class UserCodeError(PipelineError):
+    """`train_code` cannot be imported, is not a TrainFunc, or does not do what the pipeline needs of it (report
+    the gate's metric, report a checkpoint). Another attempt cannot fix it: the code must change."""
+
+
 class ClusterError(PipelineError):
     """Ray is unreachable or lacks the resources the config asks for."""
 

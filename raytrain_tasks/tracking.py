@@ -58,18 +58,45 @@ def pinned_digests(tags: dict[str, str]) -> dict[str, str]:
     return {key.removeprefix(PIN_TAG_PREFIX): value for key, value in tags.items() if key.startswith(PIN_TAG_PREFIX)}
 
 
-def logged_steps(client: Any, run_id: str) -> set[int]:
+def logged_steps(client: Any, run_id: str, step_key: str = STEP_KEY) -> set[int]:
     """Epoch numbers already in the run's metric history (MLflow's ``step`` is the epoch number)."""
-    return {int(m.step) for m in client.get_metric_history(run_id, STEP_KEY)}
+    return {int(m.step) for m in client.get_metric_history(run_id, step_key)}
 
 
-def log_epoch(client: Any, run_id: str, metrics: dict[str, Any], checkpoint_path: str | None) -> None:
-    """One batched write per epoch: the metrics at ``step`` = the epoch number, and the latest checkpoint's location."""
+def report_step(metrics: dict[str, Any], logged: set[int]) -> int:
+    """MLflow's step for a checkpointed report: the epoch number when the report says its ``epoch`` (0-based),
+    else the step after the last one logged (each checkpointed report is one step; a resume re-reads them)."""
+    if isinstance(metrics.get("epoch"), int | float):
+        return epoch_number(metrics["epoch"])
+    return max(logged, default=0) + 1
+
+
+def numeric_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    """What MLflow can chart of a report: its numbers (not ``epoch``, which is the step; not the manifest)."""
+    return {
+        key: float(value)
+        for key, value in metrics.items()
+        if isinstance(value, int | float) and not isinstance(value, bool) and key != "epoch"
+    }
+
+
+def log_epoch(
+    client: Any,
+    run_id: str,
+    metrics: dict[str, Any],
+    checkpoint_path: str | None,
+    step: int | None = None,
+    keys: tuple[str, ...] | None = EPOCH_METRICS,
+) -> None:
+    """One batched write per epoch: the metrics at ``step`` = the epoch number, and the latest checkpoint's location.
+
+    ``keys``: the metrics to log; None logs every number the report holds (user code's own metrics)."""
     from mlflow.entities import Metric, RunTag
 
-    step = epoch_number(metrics["epoch"])
+    step = epoch_number(metrics["epoch"]) if step is None else step
     timestamp = int(time.time() * 1000)
-    batch = [Metric(key, float(metrics[key]), timestamp, step) for key in EPOCH_METRICS if key in metrics]
+    values = numeric_metrics(metrics) if keys is None else {k: float(metrics[k]) for k in keys if k in metrics}
+    batch = [Metric(key, value, timestamp, step) for key, value in values.items()]
     tags = [RunTag(LAST_CHECKPOINT_TAG, checkpoint_path)] if checkpoint_path else []
     digest = metrics.get(MANIFEST_METRIC)
     if checkpoint_path and isinstance(digest, str):
@@ -120,9 +147,13 @@ class MlflowEpochLogger(UserCallback):
     which epochs the run already has), and the driver logs whatever is still missing once ``fit()`` returns.
     """
 
-    def __init__(self, tracking_uri: str, run_id: str) -> None:
+    def __init__(
+        self, tracking_uri: str, run_id: str, step_key: str = STEP_KEY, keys: tuple[str, ...] | None = EPOCH_METRICS
+    ) -> None:
         self.tracking_uri = tracking_uri
         self.run_id = run_id
+        # User code: every number it reports is logged, and its gate metric says which steps MLflow has.
+        self.step_key, self.keys = step_key, keys
         self._client: Any = None
         self._logged: set[int] | None = None
 
@@ -138,11 +169,19 @@ class MlflowEpochLogger(UserCallback):
                 bound_mlflow_requests()
                 self._client = MlflowClient(self.tracking_uri)
             if self._logged is None:
-                self._logged = logged_steps(self._client, self.run_id)
-            step = epoch_number(epoch_metrics["epoch"])
+                self._logged = logged_steps(self._client, self.run_id, self.step_key)
+            step = report_step(epoch_metrics, self._logged)
             if step in self._logged:
                 return
-            log_epoch(self._client, self.run_id, epoch_metrics, checkpoint.path)
+            if self.keys is None and checkpoint.filesystem is not None:
+                # The user's own checkpoint: its digest covers every rank's files, as persisted (integrity.py).
+                from raytrain_tasks.integrity import folder_digest
+
+                epoch_metrics = {
+                    **epoch_metrics,
+                    MANIFEST_METRIC: folder_digest(checkpoint.filesystem, checkpoint.path),
+                }
+            log_epoch(self._client, self.run_id, epoch_metrics, checkpoint.path, step, self.keys)
             self._logged.add(step)
         except Exception as exc:  # noqa: BLE001 - tracking must never kill training; tested in test_tracking_outage
             self._logged = None  # unknown after a failed write: re-read at the next report

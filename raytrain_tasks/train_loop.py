@@ -85,10 +85,12 @@ def train_loop_per_worker(train_loop_config: dict[str, Any]) -> None:
 
     net = build_model(config.model, dataset.num_features, dataset.num_classes, config.hidden_sizes)
     start_epoch, history, rng_state, optimizer_state = 0, [], None, None
-    taken: frozenset[str] = frozenset()
+    # A folder left by an earlier attempt (even one Ray never registered: killed mid-upload) is never written
+    # into again.
+    taken = spec.preexisting
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
-        taken = existing_checkpoint_names(checkpoint)
+        taken |= existing_checkpoint_names(checkpoint)
         loaded, checkpoint = load_newest_intact(
             checkpoint, announce=rank == 0, pins=CheckpointPins(spec.preexisting, spec.pinned)
         )

@@ -17,6 +17,7 @@ from raytrain_tasks.data import DATA_TASK_CPUS
 from raytrain_tasks.errors import ClusterError, StorageError
 from raytrain_tasks.fs import StorageOptions, is_s3
 from raytrain_tasks.redact import redact
+from tasks.process_groups import ray_processes_in_their_own_group
 
 # Far faster than Ray's 2 s default. The controller takes one report per worker each time it polls, and a worker
 # waits in report() until its previous report was taken: epochs shorter than the interval are held to one per
@@ -117,7 +118,7 @@ def ray_session(config: TrainingConfig) -> Iterator[None]:
     if config.ray_address:
         check_reachable(config.ray_address)
     try:
-        with _sigterm_stays_with_the_orchestrator():
+        with _sigterm_stays_with_the_orchestrator(), ray_processes_in_their_own_group():
             _init(config, warm)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         if warm:
@@ -207,7 +208,7 @@ def warm_ray() -> Iterator[str]:
     """
     import ray
 
-    with _sigterm_stays_with_the_orchestrator():
+    with _sigterm_stays_with_the_orchestrator(), ray_processes_in_their_own_group():
         ray.init(address="local", runtime_env={"env_vars": worker_env()}, logging_level=logging.WARNING)
     try:
         address = ray.get_runtime_context().gcs_address

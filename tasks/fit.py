@@ -35,10 +35,19 @@ from raytrain_tasks.errors import (
     TrackingError,
     TrainingError,
     UnsafeCheckpointError,
+    UserCodeError,
 )
 from raytrain_tasks.redact import redacted_errors
 from raytrain_tasks.resume import CHECKPOINT_PREFIX, checkpoint_epoch
-from raytrain_tasks.tracking import MlflowEpochLogger, OpenMlflowEarly, checkpoint_name, epoch_number, pinned_digests
+from raytrain_tasks.tracking import (
+    STEP_KEY,
+    MlflowEpochLogger,
+    OpenMlflowEarly,
+    checkpoint_name,
+    epoch_number,
+    pinned_digests,
+)
+from raytrain_tasks.user_code import resolve
 from tasks import evaluation, tracking
 from tasks.cluster import (
     WORKER_GROUP_START_TIMEOUT_S,
@@ -59,7 +68,8 @@ if TYPE_CHECKING:
 
 # Failures that another attempt cannot fix: the config or the environment must change first.
 # RunLeaseError: another live driver holds the run; a retry seconds later would only be refused again.
-NOT_RETRYABLE = (ClusterError, CheckpointError, TrackingError, RunLeaseError)
+# UserCodeError: train_code does not import, or is not what the pipeline needs; the code must change.
+NOT_RETRYABLE = (ClusterError, CheckpointError, TrackingError, RunLeaseError, UserCodeError)
 ENTRY_POINT = "flows/training.py:training_pipeline"  # as deployments/prefect.yaml names it
 
 
@@ -98,7 +108,7 @@ def is_retryable(task: Any, task_run: Any, state: Any) -> bool:
     cache_policy=NONE,
     retry_condition_fn=is_retryable,
 )
-def distributed_fit(config: TrainingConfig, dataset: DatasetRef, run_key: str) -> FitResult:
+def distributed_fit(config: TrainingConfig, dataset: DatasetRef | None, run_key: str) -> FitResult:
     """Train (or continue training) run ``run_key`` and return its best checkpoint and metrics."""
     with redacted_errors():
         check_run_key(run_key)  # it names a folder in storage and goes into MLflow filters
@@ -107,6 +117,8 @@ def distributed_fit(config: TrainingConfig, dataset: DatasetRef, run_key: str) -
         if config.launch_mode == "ray_job":
             from tasks.ray_job import fit_as_ray_job
 
+            assert dataset is not None, "train_code runs in launch_mode='driver'"  # checked by the config
+
             # The job takes the run's lease itself (fit_in_this_process, run by tasks/fit_job.py on the cluster).
             return fit_as_ray_job(config, dataset, run_key, runs, run_dir, origin=prefect_origin(run_key))
         return fit_in_this_process(config, dataset, run_key, runs, run_dir)
@@ -114,7 +126,7 @@ def distributed_fit(config: TrainingConfig, dataset: DatasetRef, run_key: str) -
 
 def fit_in_this_process(
     config: TrainingConfig,
-    dataset: DatasetRef,
+    dataset: DatasetRef | None,
     run_key: str,
     runs: StorageLocation,
     run_dir: StorageLocation,
@@ -124,10 +136,7 @@ def fit_in_this_process(
     Prefect tags, when this process is not the Prefect run (a Ray Job); see ``prefect_origin``."""
     with redacted_errors():
         if config.resume and not run_dir.child("checkpoint_manager_snapshot.json").exists():
-            raise CheckpointError(
-                f"cannot resume run {run_key}: no checkpoints under {run_dir.uri}; check `resume` and "
-                "`storage_path` (they must match the interrupted run)"
-            )
+            check_started_without_checkpoint(config, run_key, run_dir)
         # One driver per run key, whatever host it runs on (tasks/lease.py).
         with run_lease(
             run_dir, run_key, tracking.this_driver(), config.run_lease_seconds, holder_alive=tracking.driver_alive
@@ -135,15 +144,35 @@ def fit_in_this_process(
             return _distributed_fit(config, dataset, run_key, runs, run_dir, origin or prefect_origin(run_key))
 
 
+def check_started_without_checkpoint(config: TrainingConfig, run_key: str, run_dir: StorageLocation) -> None:
+    """A resume of a run that has no checkpoint yet trains from its first epoch, in its MLflow run: it stopped
+    before its first epoch was committed (the likeliest moment to run out of memory: loading data, the first
+    epoch). A run key that never started a fit (no MLflow run, nothing in storage) is a CheckpointError."""
+    client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
+    experiment = client.get_experiment_by_name(config.experiment_name)
+    run = tracking.find_run(client, experiment.experiment_id, run_key) if experiment is not None else None
+    if run is None and not run_dir.exists():
+        raise CheckpointError(
+            f"cannot resume run {run_key}: no MLflow run in experiment {config.experiment_name!r} and no checkpoints "
+            f"under {run_dir.uri}; check `resume`, `experiment_name` and `storage_path` (they must match the "
+            "interrupted run)"
+        )
+    run_logger().warning(
+        "run %s has no committed checkpoint yet (it stopped before its first epoch ended): training from epoch 1%s",
+        run_key,
+        f" in MLflow run {run.info.run_id}" if run is not None else "",
+    )
+
+
 def check_cluster(
-    config: TrainingConfig, dataset: DatasetRef, runs: StorageLocation, client: Any, run_key: str
+    config: TrainingConfig, dataset: DatasetRef | None, runs: StorageLocation, client: Any, run_key: str
 ) -> TrainingConfig:
     """With Ray connected: the cluster can host the workers and every node can write the run's storage. Returns
     ``config`` sized to the cluster (``cpus_per_worker`` when unset; an earlier attempt's share of the run, read
     from its MLflow run through ``client``, while it still fits), what the trainer is built from; the user's
     settings, not this copy, are the run's MLflow params."""
     available = ray.cluster_resources()
-    streamed = streams(config.data_loader, dataset, available.get("object_store_memory", 0.0))
+    streamed = dataset is not None and streams(config.data_loader, dataset, available.get("object_store_memory", 0.0))
     nodes = alive_node_resources()
     earlier = None if config.cpus_per_worker else tracking.earlier_share(client, config.experiment_name, run_key)
     sized = sized_for_cluster(config, nodes, streamed, earlier)
@@ -151,6 +180,11 @@ def check_cluster(
     storage_shared_with_nodes(config.storage_path, len(nodes), read_mounts())
     if config.ray_address:  # a local Ray's node is this process's machine, with this process's credentials
         check_storage_on_nodes(runs.uri, config.storage_options)
+    if config.train_code:
+        from raytrain_tasks.user_code import code_root
+        from tasks.user_fit import check_importable_on_cluster
+
+        check_importable_on_cluster(config.train_code, str(code_root(config.train_code) or ""))
     if not config.cpus_per_worker:
         run_logger().info(
             "cpus_per_worker unset: %s workers x %g CPUs each, %s the cluster's %g CPUs%s",
@@ -179,7 +213,7 @@ def _in_prefect_run() -> bool:
 
 def _distributed_fit(
     config: TrainingConfig,
-    dataset: DatasetRef,
+    dataset: DatasetRef | None,
     run_key: str,
     runs: StorageLocation,
     run_dir: StorageLocation,
@@ -189,6 +223,12 @@ def _distributed_fit(
     # Pre-flight, cheapest first: MLflow answers, Ray is reachable and can host the workers (and, on a cluster,
     # every node can write storage). Nothing is created (no MLflow run, no checkpoint) until they hold; the
     # lease taken above is removed with the folders it made if they fail.
+    spec = resolve(config.train_code) if config.train_code else None  # fails before Ray, naming train_code
+    if spec is not None and config.register and not spec.can_register:
+        raise UserCodeError(
+            f"train_code {config.train_code!r} gives no load_model/input_example, so nothing it trains can be "
+            "registered: add them to its TrainFunc, or set `register` off (--no-register)"
+        )
     client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
     run_id: str | None = None
     try:
@@ -201,7 +241,8 @@ def _distributed_fit(
             finished = _finished_fit(run_dir, client, experiment_id, run_key)
             if finished is not None:
                 # Everything was trained and recorded earlier: check the settings match, train nothing.
-                tracking.check_resumable(client, experiment_id, run_key, config.public_params(), dataset.content_hash)
+                dataset_hash = dataset.content_hash if dataset is not None else None
+                tracking.check_resumable(client, experiment_id, run_key, config.public_params(), dataset_hash)
                 tracking.finish_run(client, finished.mlflow_run_id)
                 logger.info("run key %s finished all %d epochs earlier; nothing to train", run_key, config.epochs)
                 return finished
@@ -217,7 +258,7 @@ def _distributed_fit(
                 | {tracking.NOTE_TAG: run_description(config, run_key, run_dir, origin)},
                 params=config.public_params(),
             )
-            if not reopened:
+            if not reopened and dataset is not None:
                 evaluation.log_dataset_input(client, run_id, dataset)
             logger.info(
                 "run key %s: %s MLflow run %s; checkpoints in %s",
@@ -230,23 +271,45 @@ def _distributed_fit(
             preexisting = frozenset(name for name in run_dir.list_names() if name.startswith(CHECKPOINT_PREFIX))
             pinned = pinned_digests(client.get_run(run_id).data.tags) if reopened else {}
             announce_resume(logger, config, run_dir, preexisting, pinned)
+            epoch_logger = (
+                MlflowEpochLogger(config.mlflow_tracking_uri, run_id)
+                if spec is None
+                else MlflowEpochLogger(config.mlflow_tracking_uri, run_id, step_key=spec.metric.name, keys=None)
+            )
             trainer = build_trainer(
                 sized,
                 dataset,
                 run_key,
                 runs,
                 OpenMlflowEarly(config.mlflow_tracking_uri, run_id),
-                MlflowEpochLogger(config.mlflow_tracking_uri, run_id),
+                epoch_logger,
                 pins=(preexisting, pinned),
+                spec=spec,
             )
             # Off a Prefect run (a Ray Job) there is no run page to update: the job's submitter shows the progress.
-            progress = EpochProgress(client, run_id, config.epochs, logger) if _in_prefect_run() else None
+            progress = (
+                EpochProgress(
+                    client,
+                    run_id,
+                    config.epochs,
+                    logger,
+                    step_key=spec.metric.name if spec is not None else STEP_KEY,
+                    builtin=spec is None,
+                )
+                if _in_prefect_run()
+                else None
+            )
             with (
                 tracking.system_metrics(config.system_metrics, config.mlflow_tracking_uri, run_id, reopened),
                 progress or contextlib.nullcontext(),
             ):
                 result = fit_interruptibly(trainer)
 
+        if spec is not None or dataset is None:
+            assert spec is not None, "the built-in loop trains on a prepared dataset"
+            fit = _record_user_fit(result, spec, config, run_key, run_dir, run_id, experiment_id, backend, reopened)
+            tracking.finish_run(client, run_id)
+            return fit
         reported = [
             (checkpoint_name(checkpoint.path), metrics) for checkpoint, metrics in result.best_checkpoints or []
         ]
@@ -306,6 +369,48 @@ def _distributed_fit(
 
 
 FIT_RECORD = "fit.json"
+
+
+def _record_user_fit(
+    result: ray.train.Result,
+    spec: Any,
+    config: TrainingConfig,
+    run_key: str,
+    run_dir: StorageLocation,
+    run_id: str,
+    experiment_id: str,
+    backend: str,
+    reopened: bool,
+) -> FitResult:
+    """What the user's reports said: the best checkpoint by their metric, and the run's history as MLflow holds
+    it. Their metric is the score the gate compares (no held-out split of the pipeline's own here)."""
+    from tasks.user_fit import best_checkpoint, history_of, log_user_summary, logged_history, step_of
+
+    client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
+    checkpoint, metrics = best_checkpoint(result, spec, run_key)
+    history = history_of(result, logged_history(client, run_id, spec))
+    step = step_of(metrics, history)
+    best = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    best.pop("epoch", None)
+    log_user_summary(run_logger(), spec, step, best)
+    fit = FitResult(
+        run_key=run_key,
+        run_uri=run_dir.uri,
+        mlflow_run_id=run_id,
+        mlflow_experiment_id=experiment_id,
+        backend=backend,
+        epochs_completed=len(history),
+        best_epoch=step,
+        best_checkpoint_uri=_checkpoint_uri(run_dir, checkpoint),
+        best_metrics=best,
+        final_metrics={k: v for k, v in history[-1].items() if k != "epoch"} if history else best,
+        history=history,
+        reopened_mlflow_run=reopened,
+        scores={spec.metric.name: best[spec.metric.name]},
+    )
+    client.set_tag(run_id, "summary.best_epoch", str(step))
+    client.set_tag(run_id, f"summary.best_{spec.metric.name}", f"{best[spec.metric.name]:.6f}")
+    return fit
 
 
 def announce_resume(
@@ -421,11 +526,12 @@ def fit_interruptibly(trainer: TorchTrainer) -> ray.train.Result:
 
 def build_trainer(
     config: TrainingConfig,
-    dataset: DatasetRef,
+    dataset: DatasetRef | None,
     run_key: str,
     runs: StorageLocation,
     *callbacks: RayTrainCallback,  # UserCallbacks and ControllerCallbacks; they run on the controller
     pins: tuple[frozenset[str], dict[str, str]] = (frozenset(), {}),
+    spec: Any = None,
 ) -> TorchTrainer:
     # torch loads here, not when the flow module is imported: a Prefect worker needs no CUDA to plan runs.
     from ray.train.torch import TorchConfig
@@ -437,16 +543,27 @@ def build_trainer(
         raise ValueError("cpus_per_worker is unset: build the trainer from check_cluster's sized config")
     low, high = config.worker_range
     data: dict[str, Any] = {}
-    if config.data_loader == "ray_data":
+    train_func: Any = train_loop_per_worker
+    score_attribute, score_order = selection_metric(config), "min" if selection_metric(config) == "val_loss" else "max"
+    if spec is not None:
+        from raytrain_tasks.user_code import code_root
+        from tasks.user_fit import trainer_function
+
+        train_func, loop_config, data = trainer_function(config, spec, str(code_root(config.train_code) or ""))
+        score_attribute, score_order = spec.metric.name, spec.metric.order
+    else:
+        assert dataset is not None
+        loop_config = WorkerSpec(config=config, dataset=dataset, preexisting=pins[0], pinned=pins[1]).model_dump(
+            mode="json"
+        )
+    if dataset is not None and config.data_loader == "ray_data":
         from raytrain_tasks.ingest import data_config, ray_datasets
 
         datasets = ray_datasets(config, dataset, run_logger())
         data = {"datasets": datasets, "dataset_config": data_config(datasets["train"], low if low == high else 0)}
     return RunTrainer(
-        train_loop_per_worker,
-        train_loop_config=WorkerSpec(config=config, dataset=dataset, preexisting=pins[0], pinned=pins[1]).model_dump(
-            mode="json"
-        ),
+        train_func,
+        train_loop_config=loop_config,
         torch_config=TorchConfig(backend="nccl" if config.use_gpu else "gloo"),
         **data,
         scaling_config=ray.train.ScalingConfig(
@@ -466,8 +583,8 @@ def build_trainer(
             ),  # type: ignore[call-arg]  # mypy resolves ray.train to the V1 classes; V2 is used at runtime
             checkpoint_config=ray.train.CheckpointConfig(
                 num_to_keep=config.checkpoints_to_keep,
-                checkpoint_score_attribute=selection_metric(config),
-                checkpoint_score_order="min" if selection_metric(config) == "val_loss" else "max",
+                checkpoint_score_attribute=score_attribute,
+                checkpoint_score_order=score_order,
             ),
             callbacks=list(callbacks),  # type: ignore[arg-type]  # V2 callbacks, see above
         ),
@@ -551,8 +668,9 @@ def prefect_origin(run_key: str) -> dict[str, str]:
 def run_description(config: TrainingConfig, run_key: str, run_dir: StorageLocation, origin: dict[str, str]) -> str:
     """The MLflow run's description (``mlflow.note.content``, Markdown): what ran, from where, and how to go on."""
     workers = f"{config.num_workers}" + (f"-{config.max_workers}" if config.max_workers else "")
+    what = f"`{config.train_code}`" if config.train_code else f"**{config.model}** on `{config.dataset}`"
     lines = [
-        f"**{config.model}** on `{config.dataset}`: {config.epochs} epochs, {workers} Ray Train workers "
+        f"{what}: {config.epochs} epochs, {workers} Ray Train workers "
         f"({'GPU, nccl' if config.use_gpu else 'CPU, gloo'}), data loader `{config.data_loader}`.",
         "",
         f"- run key `{run_key}`: continue an interrupted run with `resume={run_key}`",
@@ -567,14 +685,18 @@ def run_description(config: TrainingConfig, run_key: str, run_dir: StorageLocati
 
 
 def _run_tags(
-    config: TrainingConfig, dataset: DatasetRef, run_key: str, run_dir: StorageLocation, backend: str
+    config: TrainingConfig, dataset: DatasetRef | None, run_key: str, run_dir: StorageLocation, backend: str
 ) -> dict[str, str]:
+    lineage = (
+        {"prefect_raytrain.dataset_hash": dataset.content_hash, "prefect_raytrain.dataset_uri": dataset.uri}
+        if dataset is not None
+        else {"prefect_raytrain.train_code": config.train_code}
+    )
     tags = {
         tracking.DRIVER_TAG: tracking.this_driver(),
         "prefect_raytrain.ray_run_name": run_key,
         "prefect_raytrain.storage": run_dir.uri,
-        "prefect_raytrain.dataset_hash": dataset.content_hash,
-        "prefect_raytrain.dataset_uri": dataset.uri,
+        **lineage,
         "prefect_raytrain.num_workers": str(config.num_workers),
         "prefect_raytrain.use_gpu": str(config.use_gpu).lower(),
         "prefect_raytrain.backend": backend,

@@ -21,19 +21,24 @@ from typing import TYPE_CHECKING
 import numpy as np
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
+from prefect.exceptions import TerminationSignal
 from pydantic import BaseModel, ConfigDict
 
+from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig, check_run_key
 from raytrain_tasks.data import DatasetRef, read_split
 from raytrain_tasks.errors import PromotionError, TrackingError
 from raytrain_tasks.models import with_standardisation
 from raytrain_tasks.redact import redacted_errors
+from raytrain_tasks.user_code import resolve
 from tasks import tracking
 from tasks.champion import check_model_layout, download_model, predict_without_pickles
 from tasks.evaluation import load_checkpoint_model, score, scores_as_metrics
 from tasks.fit import FitResult
 from tasks.promotion import Champion, Promotion, PromotionDecision, decide_promotion
 from tasks.registry_lock import LockHandle, model_lock
+from tasks.user_register import assess_recorded_champion, user_model
+from tasks.user_register import version_tags as user_version_tags
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -65,21 +70,35 @@ class ModelRef(BaseModel):
 
 
 @task(name="register-model", task_run_name="register-{fit.run_key}", cache_policy=NONE)
-def register_model(config: TrainingConfig, dataset: DatasetRef, fit: FitResult) -> ModelRef:
+def register_model(config: TrainingConfig, dataset: DatasetRef | None, fit: FitResult) -> ModelRef:
     """Log the best checkpoint as an MLflow model in the fit's run and register (at most) one version of it."""
     with redacted_errors():
-        return _register_model(config, dataset, fit)
+        try:
+            return _register_model(config, dataset, fit)
+        except (TerminationSignal, KeyboardInterrupt) as exc:  # a Prefect cancellation (SIGTERM), Ctrl-C
+            how = f"signal {exc.signal}" if isinstance(exc, TerminationSignal) else "Ctrl-C"
+            tracking.stop_run(
+                tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url),
+                fit.mlflow_run_id,
+                f"stopped by {how} during register-model; its checkpoints are kept and at most one version is "
+                f"registered: continue it with resume={fit.run_key}",
+            )
+            raise
 
 
-def _register_model(config: TrainingConfig, dataset: DatasetRef, fit: FitResult) -> ModelRef:
+def _register_model(config: TrainingConfig, dataset: DatasetRef | None, fit: FitResult) -> ModelRef:
     logger = get_run_logger()
     client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
-    metric = test_metric(config.promotion_metric)
+    # The user's own code (train_code) declares its gate metric and direction; the built-in classifier compares
+    # the test split's counterpart of `promotion_metric`.
+    spec = resolve(config.train_code) if config.train_code else None
+    metric = spec.metric.name if spec is not None else test_metric(config.promotion_metric)
+    higher_is_better = spec.metric.higher_is_better if spec is not None else metric != "test_loss"
     candidate_score = fit.scores[metric]
     # MLflow's fluent API (log_model, register_model, pyfunc) reads a process-wide URI that set_tracking_uri
     # also exports as MLFLOW_TRACKING_URI: scoped here, so a later run in this process is not redirected.
     with tracking.using_tracking_uri(config.mlflow_tracking_uri):
-        model_uri = _logged_model_uri(fit) or _log_model(client, config, dataset, fit)
+        model_uri = _logged_model_uri(fit) or _log_model(client, config, dataset, fit, spec)
         _link_logged_model(client, fit, model_uri.removeprefix("models:/"))
         with model_lock(client, config.model_name, owner=fit.run_key) as lock:
             version = _version_of_run(client, config.model_name, fit.run_key)
@@ -89,14 +108,17 @@ def _register_model(config: TrainingConfig, dataset: DatasetRef, fit: FitResult)
                     config.model_name,
                     model_uri,
                     fit,
-                    tags=_version_tags(dataset, fit),
+                    tags=_version_tags(config, dataset, fit, spec),
                     description=_description(config, dataset, fit, metric),
                 )
             else:
                 logger.info("run %s already registered %s version %s", fit.run_key, config.model_name, version)
             ref = _decided(client, config, version, candidate_score, metric)
             if ref is None:
-                if config.promote:
+                if config.promote and spec is not None:
+                    champion = assess_recorded_champion(client, config.model_name, config, spec)
+                elif config.promote:
+                    assert dataset is not None
                     x_test, y_test = read_split(dataset, "test", config.storage_options, standardised=False)
                     champion = assess_champion(
                         client, config.model_name, schema_digest(dataset), x_test, y_test, metric
@@ -108,7 +130,7 @@ def _register_model(config: TrainingConfig, dataset: DatasetRef, fit: FitResult)
                     champion,
                     min_improvement=config.min_improvement,
                     promote=config.promote,
-                    higher_is_better=metric != "test_loss",
+                    higher_is_better=higher_is_better,
                     replace_incomparable=config.replace_incomparable_champion,
                 )
                 aliases = apply_decision(client, config.model_name, version, champion.version, decision, metric, lock)
@@ -303,9 +325,27 @@ def _logged_model_uri(fit: FitResult) -> str | None:
     return f"models:/{ready[0].model_id}" if ready else None
 
 
-def _log_model(client: MlflowClient, config: TrainingConfig, dataset: DatasetRef, fit: FitResult) -> str:
+def _log_model(
+    client: MlflowClient, config: TrainingConfig, dataset: DatasetRef | None, fit: FitResult, spec: TrainFunc | None
+) -> str:
     import mlflow
     import torch
+
+    if spec is not None:  # the user's own code: its load_model, on a verified copy of the best checkpoint
+        model, example = user_model(
+            config, fit, spec, tracking.recorded_digest(client, fit.mlflow_run_id, fit.best_checkpoint_uri)
+        )
+        with mlflow.start_run(run_id=fit.mlflow_run_id):
+            info = mlflow.pytorch.log_model(
+                model,
+                name=LOGGED_MODEL_NAME,
+                input_example=example,
+                serialization_format="pt2",
+                pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}"],
+                metadata={"run_key": fit.run_key, "train_code": config.train_code},
+            )
+        return str(info.model_uri)
+    assert dataset is not None
 
     # The registered model takes raw features (it standardises them itself), as a user's data comes.
     model = with_standardisation(
@@ -397,13 +437,19 @@ def input_example(config: TrainingConfig, dataset: DatasetRef) -> np.ndarray:
     return np.stack([mean, mean - std, mean + std]).astype(np.float32)
 
 
-def _version_tags(dataset: DatasetRef, fit: FitResult) -> dict[str, str]:
+def _version_tags(
+    config: TrainingConfig, dataset: DatasetRef | None, fit: FitResult, spec: TrainFunc | None
+) -> dict[str, str]:
     from prefect.runtime import flow_run
 
+    lineage = (
+        {SCHEMA_TAG: schema_digest(dataset), "dataset_hash": dataset.content_hash}
+        if dataset is not None
+        else user_version_tags(config, spec)
+    )
     tags = {
         RUN_KEY_TAG: fit.run_key,
-        SCHEMA_TAG: schema_digest(dataset),
-        "dataset_hash": dataset.content_hash,
+        **lineage,
         "best_epoch": str(fit.best_epoch),
         **{key: f"{value:.6f}" for key, value in sorted(fit.scores.items())},
     }
@@ -412,8 +458,13 @@ def _version_tags(dataset: DatasetRef, fit: FitResult) -> dict[str, str]:
     return tags
 
 
-def _description(config: TrainingConfig, dataset: DatasetRef, fit: FitResult, metric: str) -> str:
+def _description(config: TrainingConfig, dataset: DatasetRef | None, fit: FitResult, metric: str) -> str:
     scores = ", ".join(f"{key} {value:.4f}" for key, value in sorted(fit.scores.items()))
+    if dataset is None:
+        return (
+            f"{config.train_code} trained by run {fit.run_key} (train_config {config.train_config}); best checkpoint: "
+            f"step {fit.best_epoch} by {metric}; {scores}."
+        )
     return (
         f"{config.model} {config.hidden_sizes} trained on dataset {dataset.content_hash} ({dataset.source}) by "
         f"run {fit.run_key}; best checkpoint: epoch {fit.best_epoch} by {config.promotion_metric}; {scores}. "

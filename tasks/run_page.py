@@ -25,9 +25,17 @@ class EpochProgress:
     """
 
     def __init__(
-        self, client: MlflowClient, run_id: str, epochs: int, logger: logging.Logger | logging.LoggerAdapter[Any]
+        self,
+        client: MlflowClient,
+        run_id: str,
+        epochs: int,
+        logger: logging.Logger | logging.LoggerAdapter[Any],
+        step_key: str = STEP_KEY,
+        builtin: bool = True,
     ) -> None:
         self.client, self.run_id, self.epochs, self.logger = client, run_id, epochs, logger
+        # The user's own code: its gate metric marks a committed report, and every metric it reported is shown.
+        self.step_key, self.builtin = step_key, builtin
         self._seen: set[int] = set()
         self._stop = threading.Event()
         self._artifact_id: Any = None
@@ -81,6 +89,10 @@ class EpochProgress:
         new = sorted(self._committed_steps() - self._seen)
         if not new:
             return
+        if not self.builtin:
+            self._log_reported(new)
+            update_progress_artifact(self._artifact_id, progress=self._percent())
+            return
         histories = {
             key: {int(m.step): m.value for m in self.client.get_metric_history(self.run_id, key)}
             for key in ("train_loss", "val_loss", STEP_KEY, "epoch_seconds")
@@ -98,8 +110,18 @@ class EpochProgress:
             self._seen.add(step)
         update_progress_artifact(self._artifact_id, progress=self._percent())
 
+    def _log_reported(self, new: list[int]) -> None:
+        keys = sorted(key for key in self.client.get_run(self.run_id).data.metrics if not key.startswith("system/"))
+        histories = {
+            key: {int(m.step): m.value for m in self.client.get_metric_history(self.run_id, key)} for key in keys
+        }
+        for step in new:
+            values = " ".join(f"{key}={histories[key][step]:.4f}" for key in keys if step in histories[key])
+            self.logger.info("epoch %d/%d committed: %s", step, self.epochs, values)
+            self._seen.add(step)
+
     def _committed_steps(self) -> set[int]:
-        return {int(m.step) for m in self.client.get_metric_history(self.run_id, STEP_KEY)}
+        return {int(m.step) for m in self.client.get_metric_history(self.run_id, self.step_key)}
 
     def _percent(self) -> float:
         return round(100.0 * len(self._seen) / self.epochs, 1)
@@ -142,9 +164,11 @@ def publish_run_summary(result: Any, registry_error: str = "") -> None:
     from prefect.artifacts import create_image_artifact, create_markdown_artifact
 
     fit, model, config = result.fit, result.model, result.config
+    data = result.dataset
+    shown = ("train_loss", "val_loss", "val_accuracy") if data is not None else tuple(sorted(fit.final_metrics))
     rows = "\n".join(
         f"| {key} | {fit.final_metrics[key]:.4f} | {fit.best_metrics.get(key, float('nan')):.4f} |"
-        for key in ("train_loss", "val_loss", "val_accuracy")
+        for key in shown
         if key in fit.final_metrics
     )
     if registry_error:
@@ -154,9 +178,16 @@ def publish_run_summary(result: Any, registry_error: str = "") -> None:
     else:
         version = mlflow_version_link(config.mlflow_tracking_uri, model.name, str(model.version))
         registry = f"{version} -> {', '.join(model.aliases)} ({model.decision}: {model.reason})"
-    data = result.dataset
-    split_sizes = f"{data.train_rows} train / {data.val_rows} val / {data.test_rows} test rows"
-    scores = ", ".join(f"{k} {v:.4f}" for k, v in fit.scores.items() if k.startswith("test_")) or "not scored"
+    if data is None:  # the user's own training code: its data is its own, its gate metric is what it reported
+        gate = ", ".join(f"{k} {v:.4f}" for k, v in fit.scores.items())
+        lines = f"- **Gate metric** (the best checkpoint's report): {gate}\n- **Training code**: `{config.train_code}`"
+    else:
+        split_sizes = f"{data.train_rows} train / {data.val_rows} val / {data.test_rows} test rows"
+        scores = ", ".join(f"{k} {v:.4f}" for k, v in fit.scores.items() if k.startswith("test_")) or "not scored"
+        lines = (
+            f"- **Test split** (held out, compared for promotion): {scores}\n"
+            f"- **Dataset**: `{data.uri}` ({split_sizes})"
+        )
     curves = learning_curves_url(config.mlflow_tracking_uri, fit.mlflow_run_id)
     where_curves = f"![learning curves]({curves})" if curves else f"`{LEARNING_CURVES}` in the MLflow run"
     markdown = f"""# Training run `{result.run_key}`
@@ -169,8 +200,7 @@ def publish_run_summary(result: Any, registry_error: str = "") -> None:
 - **Learning curves**: {where_curves}
 - **Model**: {registry}
 - **Checkpoints**: `{fit.run_uri}` (best: `{fit.best_checkpoint_uri}`)
-- **Test split** (held out, compared for promotion): {scores}
-- **Dataset**: `{result.dataset.uri}` ({split_sizes})
+{lines}
 - **Workers**: {config.num_workers} x {fit.backend}; continue an interrupted run with `resume={result.run_key}`
 """
     create_markdown_artifact(markdown, key="training-summary", description=f"Run {result.run_key}")

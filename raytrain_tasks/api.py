@@ -1,0 +1,117 @@
+"""The public API for your own training code: the one module of this project that your code imports.
+
+Bring Ray Train's own training function, written only against Ray Train's API (``prepare_model``,
+``prepare_data_loader`` or ``get_dataset_shard``, ``ray.train.report(metrics, checkpoint=...)``,
+``ray.train.get_checkpoint()``), and add the two things Ray Train does not know: which reported metric says a
+model is better (and in which direction), and how a checkpoint folder becomes a model to register::
+
+    from raytrain_tasks.api import Metric, TrainFunc
+
+    def train_func(config: dict) -> None:
+        ...  # your Ray Train loop, unchanged
+
+    def load_model(checkpoint_dir: Path, config: dict) -> torch.nn.Module:
+        ...  # rebuild the model from what train_func saved
+
+    training = TrainFunc(
+        train_func,
+        metric=Metric("val_loss", higher_is_better=False),
+        load_model=load_model,
+        input_example=lambda config: torch.zeros(2, 10),
+    )
+
+and run it with ``prefect-raytrain train --train-code my_package.train:training --train-config '{"lr": 0.01}'``
+(or the flow parameters ``train_code`` and ``train_config``). The pipeline then schedules, retries and resumes it,
+logs every reported metric to MLflow at its step, keeps every checkpoint in the run's storage, and registers the
+best checkpoint's model behind a promotion gate on your metric.
+
+What stays the pipeline's (not extension points): where checkpoints are stored and how a run resumes (a restarted
+worker group finds the last committed checkpoint through ``ray.train.get_checkpoint()``), the MLflow run, the
+registry and its gate, retries. Your code never imports Prefect or MLflow.
+
+This module is the stable surface; everything else in the project is internal and may change. It imports neither
+torch nor Ray, so it is cheap to import anywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Metric", "TrainFunc", "TRAIN_CONFIG_KEYS"]
+
+# The keys the pipeline puts into the ``config`` your ``train_func`` receives, from its own settings; the keys of
+# ``train_config`` are added beside them (and win). A resume hands the same values again.
+TRAIN_CONFIG_KEYS = ("epochs", "batch_size", "lr", "seed", "num_workers", "use_gpu")
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A metric your code reports with ``ray.train.report``: it picks the best checkpoint of a run and is what the
+    promotion gate compares, ``higher_is_better`` deciding which way."""
+
+    name: str
+    higher_is_better: bool
+
+    def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.name, str):
+            raise ValueError("Metric(name=...) must be the non-empty name of a metric train_func reports")
+
+    @property
+    def order(self) -> str:
+        """Ray Train's ``checkpoint_score_order`` for this metric."""
+        return "max" if self.higher_is_better else "min"
+
+    def better(self, candidate: float, than: float) -> bool:
+        return candidate > than if self.higher_is_better else candidate < than
+
+
+@dataclass(frozen=True)
+class TrainFunc:
+    """Ray Train's training function, with what the pipeline needs beside it.
+
+    Attributes:
+        train_func: ``train_func(config)``, run on every worker as ``TorchTrainer(train_func, ...)`` would. It
+            reports with ``ray.train.report(metrics, checkpoint=...)`` (every rank calls it each time; rank 0 alone,
+            or every rank, may pass a checkpoint folder: the files of every rank are kept together) and resumes from
+            ``ray.train.get_checkpoint()``. Include ``"epoch"`` (0-based) in the metrics to have MLflow steps
+            follow your epochs; otherwise each checkpointed report is the next step.
+        metric: the reported metric that picks the best checkpoint and that the promotion gate compares.
+        load_model: ``load_model(checkpoint_dir, config) -> torch.nn.Module``: the servable model from a local copy
+            of one of your checkpoints (for a sharded checkpoint, gather it here, e.g. with
+            ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``). None: nothing can be registered,
+            run with ``register=False``.
+        input_example: ``input_example(config)`` -> a tensor (or numpy array) the model accepts: MLflow exports the
+            model with it and records its signature. Needed with ``load_model``.
+        datasets: ``datasets(config) -> {"train": ray.data.Dataset, ...}``, built on the driver and passed as
+            ``TorchTrainer(datasets=...)``, for a ``train_func`` that reads ``ray.train.get_dataset_shard(name)``.
+        defaults: values for ``config`` that apply when neither ``train_config`` nor the pipeline sets them.
+    """
+
+    train_func: Callable[[dict[str, Any]], None]
+    metric: Metric
+    load_model: Callable[[Path, dict[str, Any]], Any] | None = None
+    input_example: Callable[[dict[str, Any]], Any] | None = None
+    datasets: Callable[[dict[str, Any]], Mapping[str, Any]] | None = None
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not callable(self.train_func):
+            raise TypeError(f"TrainFunc(train_func=...) must be a function taking config, got {self.train_func!r}")
+        if not isinstance(self.metric, Metric):
+            raise TypeError(
+                "TrainFunc(metric=...) must be a raytrain_tasks.api.Metric, e.g. Metric('val_loss', "
+                f"higher_is_better=False); got {self.metric!r}"
+            )
+        if (self.load_model is None) != (self.input_example is None):
+            raise TypeError("TrainFunc needs load_model and input_example together (both, or neither)")
+        for name in ("load_model", "input_example", "datasets"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise TypeError(f"TrainFunc({name}=...) must be a function, got {value!r}")
+
+    @property
+    def can_register(self) -> bool:
+        return self.load_model is not None

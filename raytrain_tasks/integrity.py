@@ -1,0 +1,49 @@
+"""A digest over every file of a checkpoint folder, whoever wrote them (rank 0 alone, or every rank).
+
+For the user's own checkpoints, whose format the pipeline does not know: the controller computes it once Ray
+Train has persisted the folder (all ranks' files are in it by then) and records it in MLflow; before anything of
+the folder is loaded (the user's ``load_model`` may unpickle), the local copy must hash the same. A rank's file
+that is missing, added or changed gives another digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+CHUNK = 1 << 20
+
+
+def folder_digest(filesystem: Any, path: str) -> str:
+    """SHA-256 over the sorted (relative path, size, SHA-256) of every file under ``path`` on a pyarrow filesystem."""
+    import pyarrow.fs as pafs
+
+    root = path.rstrip("/")
+    entries = []
+    for info in filesystem.get_file_info(pafs.FileSelector(root, recursive=True)):
+        if info.type != pafs.FileType.File:
+            continue
+        digest = hashlib.sha256()
+        with filesystem.open_input_stream(info.path) as stream:
+            while chunk := stream.read(CHUNK):
+                digest.update(chunk)
+        entries.append((info.path[len(root) + 1 :], info.size, digest.hexdigest()))
+    return _combine(entries)
+
+
+def local_folder_digest(directory: Path) -> str:
+    """``folder_digest`` of a local folder (a downloaded copy)."""
+    entries = []
+    for file in sorted(p for p in directory.rglob("*") if p.is_file()):
+        digest = hashlib.sha256()
+        with file.open("rb") as stream:
+            while chunk := stream.read(CHUNK):
+                digest.update(chunk)
+        entries.append((file.relative_to(directory).as_posix(), file.stat().st_size, digest.hexdigest()))
+    return _combine(entries)
+
+
+def _combine(entries: list[tuple[str, int, str]]) -> str:
+    listing = "\n".join(f"{name}\t{size}\t{sha}" for name, size, sha in sorted(entries))
+    return hashlib.sha256(listing.encode()).hexdigest()

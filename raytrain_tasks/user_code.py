@@ -1,0 +1,128 @@
+"""Finding the user's training code (``train_code``, ``package.module:attribute``) and running it on the workers.
+
+Resolved the way ``uvicorn main:app`` and Prefect entrypoints are: the module is imported from the directory the
+command runs in, or from the installed packages. A failure says which part failed (module, attribute, kind of
+object) and where it was tried (this driver, or a worker of the cluster).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+from raytrain_tasks.api import TRAIN_CONFIG_KEYS, TrainFunc
+from raytrain_tasks.errors import UserCodeError
+
+TRAIN_CODE_PATTERN = r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$"
+
+
+def resolve(train_code: str, where: str = "on this driver") -> TrainFunc:
+    """The ``TrainFunc`` that ``train_code`` names; UserCodeError naming the part that failed otherwise."""
+    module_name, _, attribute = train_code.partition(":")
+    if not module_name or not attribute:
+        raise UserCodeError(
+            f"train_code {train_code!r} must be 'package.module:attribute' (e.g. 'my_project.train:training')"
+        )
+    _import_from_working_directory()
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            raise UserCodeError(
+                f"train_code {train_code!r}: no module named {exc.name!r} {where} (searched the directory the "
+                f"command runs in, {os.getcwd()}, and the installed packages); run from the folder that holds "
+                f"{module_name.split('.')[0]!r} or install it"
+            ) from exc
+        raise UserCodeError(
+            f"train_code {train_code!r}: importing {module_name!r} {where} failed: {_user_frames(exc)}"
+        ) from exc
+    except Exception as exc:
+        raise UserCodeError(
+            f"train_code {train_code!r}: importing {module_name!r} {where} failed: {_user_frames(exc)}"
+        ) from exc
+    target: Any = module
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise UserCodeError(f"train_code {train_code!r}: module {module_name!r} has no attribute {attribute!r}")
+        target = getattr(target, part)
+    if not isinstance(target, TrainFunc):
+        hint = (
+            " (a training function: wrap it as TrainFunc(train_func, metric=Metric(...), ...))"
+            if callable(target)
+            else ""
+        )
+        raise UserCodeError(
+            f"train_code {train_code!r} is a {type(target).__name__}{hint}; it must name a raytrain_tasks.api.TrainFunc"
+        )
+    return target
+
+
+def code_root(train_code: str) -> Path | None:
+    """The folder to put on the workers' import path so that ``train_code`` imports there as here: the directory
+    the top-level package or module was imported from; None for an installed package (in site-packages)."""
+    top = importlib.import_module(train_code.partition(":")[0].split(".")[0])
+    location = Path(getattr(top, "__file__", None) or next(iter(getattr(top, "__path__", [])), ""))
+    root = location.parent.parent if location.name == "__init__.py" else location.parent
+    return None if "site-packages" in root.parts else root.resolve()
+
+
+def user_config(config: Any, spec: TrainFunc) -> dict[str, Any]:
+    """The ``config`` the user's ``train_func`` receives: the spec's defaults, the pipeline's own settings
+    (``TRAIN_CONFIG_KEYS``), then ``train_config`` (which wins)."""
+    own = {
+        "epochs": config.epochs,
+        "batch_size": config.batch_size,
+        "lr": config.learning_rate,
+        "seed": config.seed,
+        "num_workers": config.num_workers,
+        "use_gpu": config.use_gpu,
+    }
+    assert tuple(own) == TRAIN_CONFIG_KEYS
+    return {**dict(spec.defaults), **own, **json.loads(config.train_config)}
+
+
+def run_train_func(loop_config: dict[str, Any]) -> None:
+    """What each Ray Train worker runs for user code: the user's ``train_func`` with its config."""
+    _on_import_path(loop_config.get("code_dir", ""))
+    spec = resolve(loop_config["train_code"], where="on a Ray Train worker")
+    spec.train_func(dict(loop_config["config"]))
+
+
+def check_importable(train_code: str, code_dir: str) -> str:
+    """Run as a Ray task on the target cluster before any training worker starts: "" when ``train_code``
+    resolves there, the reason otherwise."""
+    try:
+        _on_import_path(code_dir)
+        resolve(train_code, where="on a Ray worker of the cluster")
+    except UserCodeError as exc:
+        return str(exc)
+    return ""
+
+
+def _on_import_path(code_dir: str) -> None:
+    """The driver's folder of the user's code, where a worker on the same machine (or a shared mount) sees it;
+    on a cluster, Ray's runtime_env (``py_modules``) puts the code on the path instead."""
+    if code_dir and os.path.isdir(code_dir) and code_dir not in sys.path:
+        sys.path.insert(0, code_dir)
+
+
+def _import_from_working_directory() -> None:
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+
+
+def _user_frames(exc: BaseException) -> str:
+    """The exception with the user's own frames (not this module's or importlib's)."""
+    frames = [
+        frame
+        for frame in traceback.extract_tb(exc.__traceback__)
+        if "importlib" not in frame.filename and not frame.filename.endswith("user_code.py")
+    ]
+    where = "".join(traceback.format_list(frames)).rstrip()
+    return f"{type(exc).__name__}: {exc}" + (f"\n{where}" if where else "")

@@ -1,0 +1,69 @@
+"""The services a run starts for itself (a local Ray, Prefect's temporary API) run in process groups of their
+own, so that a signal to the run's whole group reaches the run alone and the run stops them in order.
+
+systemd (``KillMode=control-group``), a terminal's Ctrl-C, container inits and Prefect's runner when it cancels a
+flow run (``os.killpg(pid, SIGTERM)``, prefect/runner/_process_manager.py) signal every process of a group. Our
+services used to be in it: they died first, and the run then waited on them forever (issue 29). In a group of
+their own they keep running while the run handles the signal (its MLflow run marked KILLED, checkpoints kept),
+and the run stops them on its way out: Ray by ``ray.shutdown()`` (and Ray's own fate-sharing, which ends its
+processes with this one), the temporary API by Prefect's exit handler.
+
+Neither library has a public switch for this; each door below names the private call it wraps (read from
+ray 2.60.0 and prefect 3.8.8). tests/test_signals.py fails if either shape changes.
+"""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import Any
+
+_lock = threading.Lock()
+
+
+@contextmanager
+def ray_processes_in_their_own_group() -> Iterator[None]:
+    """While active, the processes ``ray.init()`` starts (GCS, raylet, dashboard; the raylet's workers follow it)
+    begin a session of their own.
+
+    Ray 2.60 starts each with ``ray._private.services.ConsolePopen`` (a ``subprocess.Popen`` subclass) in
+    ``start_ray_process``; its ``preexec_fn`` (fate-sharing: the process dies with its parent) still runs.
+    """
+    from ray._private import services
+
+    original = services.ConsolePopen
+
+    class OwnSessionPopen(original):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["start_new_session"] = True
+            super().__init__(*args, **kwargs)
+
+    with _lock:
+        services.ConsolePopen = OwnSessionPopen  # type: ignore[misc]
+        try:
+            yield
+        finally:
+            services.ConsolePopen = original  # type: ignore[misc]
+
+
+def temporary_api_in_its_own_group() -> None:
+    """Make the temporary Prefect API server that this process starts (Prefect's ``SubprocessASGIServer``,
+    started without ``PREFECT_API_URL``) begin a session of its own.
+
+    Prefect 3.8.8 starts it with ``subprocess.Popen`` in ``SubprocessASGIServer._run_uvicorn_command``
+    (prefect/server/api/server.py); the module's ``subprocess`` is replaced by one whose ``Popen`` starts a new
+    session, which touches no other caller. Prefect stops the server at this process's exit, as before.
+    """
+    from prefect.server.api import server
+
+    if getattr(server.subprocess, "own_session", False):
+        return
+    server.subprocess = SimpleNamespace(  # type: ignore[assignment]
+        **{name: getattr(subprocess, name) for name in dir(subprocess) if not name.startswith("__")},
+        own_session=True,
+    )
+    server.subprocess.Popen = functools.partial(subprocess.Popen, start_new_session=True)  # type: ignore[misc, assignment]

@@ -1,0 +1,136 @@
+"""distributed-fit for the user's own ``train_func`` (``train_code``): what differs from the built-in loop.
+
+The fit itself is the same (``tasks.fit``: one run key, its lease, its MLflow run, Ray Train's checkpoints in the
+run's storage, resume through ``ray.train.get_checkpoint()``). Here: the import check on the cluster, the
+trainer's function and config, and the record of what the user's reports said.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from raytrain_tasks.api import TrainFunc
+from raytrain_tasks.config import TrainingConfig
+from raytrain_tasks.errors import TrainingError, UserCodeError
+from raytrain_tasks.tracking import checkpoint_name, epoch_number, numeric_metrics, report_step
+
+if TYPE_CHECKING:
+    import ray.train
+
+# How long the import check on a worker of the cluster may take (a cold worker imports torch and the user's code).
+IMPORT_CHECK_TIMEOUT_S = 120.0
+
+
+def check_importable_on_cluster(train_code: str, working_dir: str) -> None:
+    """Import ``train_code`` in a Ray task on the cluster (where the workers will), before any training worker
+    and its GPU are requested: ``ModuleNotFoundError`` on a remote worker is found in seconds, naming the path."""
+    import ray
+
+    from raytrain_tasks.user_code import check_importable
+
+    task = ray.remote(num_cpus=0, max_retries=0)(check_importable)
+    try:
+        problem = ray.get(task.remote(train_code, working_dir), timeout=IMPORT_CHECK_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError as exc:
+        raise UserCodeError(
+            f"train_code {train_code!r}: the import check on a Ray worker did not answer in "
+            f"{IMPORT_CHECK_TIMEOUT_S:g} s (a cold worker, a slow runtime_env upload?)"
+        ) from exc
+    if problem:
+        raise UserCodeError(problem)
+
+
+def trainer_function(config: TrainingConfig, spec: TrainFunc, code_dir: str) -> tuple[Any, dict[str, Any], dict]:
+    """(the function each worker runs, its ``train_loop_config``, ``TorchTrainer`` data kwargs)."""
+    from raytrain_tasks.user_code import run_train_func, user_config
+
+    loop_config = user_config(config, spec)
+    data: dict[str, Any] = {}
+    if spec.datasets is not None:
+        data["datasets"] = dict(spec.datasets(loop_config))
+    return run_train_func, {"train_code": config.train_code, "code_dir": code_dir, "config": loop_config}, data
+
+
+def history_of(result: ray.train.Result, logged: list[dict[str, float]]) -> list[dict[str, float]]:
+    """One entry per checkpointed report, oldest first, each with its ``epoch`` (0-based): from MLflow's record
+    of the run (every committed report, across resumes) when it has them, else from Ray Train's kept ones."""
+    if logged:
+        return logged
+    entries: list[dict[str, float]] = []
+    seen: set[int] = set()
+    for _, metrics in sorted(result.best_checkpoints or [], key=lambda pair: checkpoint_name(pair[0].path)):
+        step = report_step(metrics, seen)
+        seen.add(step)
+        entries.append({**numeric_metrics(metrics), "epoch": float(step - 1)})
+    return entries
+
+
+def best_checkpoint(result: ray.train.Result, spec: TrainFunc, run_key: str) -> tuple[Any, dict[str, Any]]:
+    """(the best kept checkpoint by the spec's metric, its reported metrics); TrainingError when the user's code
+    reported no checkpoint or never the gate's metric (nothing can be registered from it)."""
+    kept = result.best_checkpoints or []
+    if not kept:
+        raise TrainingError(
+            f"training run {run_key}: train_func never passed a checkpoint to ray.train.report(..., checkpoint=...); "
+            "nothing can be resumed or registered. Report one at least at the end of each epoch"
+        )
+    name = spec.metric.name
+    scored = [(checkpoint, metrics) for checkpoint, metrics in kept if isinstance(metrics.get(name), int | float)]
+    if not scored:
+        reported = sorted(numeric_metrics(kept[-1][1]))
+        raise TrainingError(
+            f"training run {run_key}: train_func never reported the gate's metric {name!r} with a checkpoint "
+            f"(it reported {reported}); change TrainFunc(metric=Metric(...)) or report {name!r}"
+        )
+    sign = 1.0 if spec.metric.higher_is_better else -1.0
+    return max(scored, key=lambda pair: sign * float(pair[1][name]))
+
+
+def step_of(metrics: dict[str, Any], history: list[dict[str, float]]) -> int:
+    """The MLflow step (epoch number) of a checkpoint's report: its ``epoch`` when it says it, else the step
+    whose logged metrics are the report's."""
+    if isinstance(metrics.get("epoch"), int | float):
+        return epoch_number(metrics["epoch"])
+    values = numeric_metrics(metrics)
+    for entry in history:
+        if all(
+            abs(entry.get(key, float("nan")) - value) <= 1e-9 * max(1.0, abs(value)) for key, value in values.items()
+        ):
+            return epoch_number(entry["epoch"])
+    return len(history)
+
+
+def logged_history(client: Any, run_id: str, spec: TrainFunc) -> list[dict[str, float]]:
+    """The run's committed reports as MLflow holds them (step = epoch number), every metric at each step."""
+    run = client.get_run(run_id)
+    keys = [key for key in run.data.metrics if not key.startswith(("system/", "best_", "test_"))]
+    by_step: dict[int, dict[str, float]] = {}
+    for key in keys:
+        for point in client.get_metric_history(run_id, key):
+            by_step.setdefault(int(point.step), {})[key] = float(point.value)
+    steps = [step for step, values in sorted(by_step.items()) if spec.metric.name in values]
+    return [{**by_step[step], "epoch": float(step - 1)} for step in steps]
+
+
+def log_user_summary(
+    logger: logging.Logger | logging.LoggerAdapter[Any], spec: TrainFunc, step: int, best: dict
+) -> None:
+    logger.info(
+        "best checkpoint: step %d by %s (%s is better): %s",
+        step,
+        spec.metric.name,
+        "higher" if spec.metric.higher_is_better else "lower",
+        ", ".join(f"{k}={v:.4f}" for k, v in sorted(best.items())),
+    )
+
+
+__all__ = [
+    "best_checkpoint",
+    "check_importable_on_cluster",
+    "step_of",
+    "history_of",
+    "log_user_summary",
+    "logged_history",
+    "trainer_function",
+]

@@ -1,0 +1,194 @@
+"""Your own training code through the whole pipeline (`train_code`): Ray Train's own train_func, unchanged,
+gets per-epoch MLflow metrics, checkpoints in the run's storage, a resume in the same MLflow run after a worker
+is killed, and a registry whose gate compares the code's own metric in its direction.
+
+The examples under examples/ are the acceptance tests: each runs here as a user runs it.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlflow import MlflowClient
+
+from flows.parameters import parameters_of
+from flows.training import training_pipeline
+from raytrain_tasks.api import Metric, TrainFunc
+from raytrain_tasks.config import TrainingConfig
+from raytrain_tasks.errors import TrainingError, UserCodeError
+from raytrain_tasks.user_code import resolve
+from tests.conftest import small_config
+from tests.test_recovery import mlflow_client, only_run, run_killing_a_worker, start_flow
+
+SEED_DDP = "examples.seed_ddp.train:training"
+DIABETES = "examples.diabetes_regression.train:training"
+
+
+# --- resolving train_code: which part failed, said before anything starts -------------------------------------
+
+
+def _module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, name: str = "my_code") -> str:
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+@pytest.mark.parametrize(
+    ("source", "code", "says"),
+    [
+        ("", "no_such_module:training", "no module named 'no_such_module'"),
+        ("x = 1\n", "my_code:training", "has no attribute 'training'"),
+        ("def training(config):\n    pass\n", "my_code:training", "wrap it as TrainFunc"),
+        ("training = 'a string'\n", "my_code:training", "is a str"),
+        ("import not_installed_dependency\n", "my_code:training", "No module named 'not_installed_dependency'"),
+        ("raise RuntimeError('broken at import')\n", "my_code:training", "RuntimeError: broken at import"),
+    ],
+    ids=["no module", "no attribute", "a plain function", "wrong kind", "a missing dependency", "import fails"],
+)
+def test_train_code_that_cannot_be_used_is_named_with_the_part_that_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, code: str, says: str
+) -> None:
+    _module(tmp_path, monkeypatch, source, name=f"my_code_{abs(hash(source)) % 10_000}")
+    code = code.replace("my_code", f"my_code_{abs(hash(source)) % 10_000}")
+    with pytest.raises(UserCodeError) as raised:
+        resolve(code)
+    assert code in str(raised.value) and says in str(raised.value)
+
+
+def test_a_train_func_spec_is_checked_when_it_is_made() -> None:
+    with pytest.raises(TypeError, match="Metric"):
+        TrainFunc(lambda config: None, metric="val_loss")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="together"):
+        TrainFunc(lambda config: None, metric=Metric("val_loss", False), load_model=lambda path, config: None)
+    assert not TrainFunc(lambda config: None, metric=Metric("loss", False)).can_register
+
+
+@pytest.mark.parametrize(
+    ("settings", "says"),
+    [
+        ({"train_code": "examples seed"}, "package.module:attribute"),
+        ({"train_config": "{not json"}, "not valid JSON"),
+        ({"train_config": "[1, 2]"}, "JSON object"),
+    ],
+)
+def test_bad_training_code_settings_are_refused_naming_the_setting(settings: dict[str, str], says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        TrainingConfig(**settings)
+
+
+def test_train_config_is_logged_as_params_one_per_key() -> None:
+    config = TrainingConfig(train_code=SEED_DDP, train_config='{"hidden": 64, "layers": [2, 3]}')
+    params = config.public_params()
+    assert params["train_config.hidden"] == 64 and params["train_config.layers"] == "[2, 3]"
+    assert params["train_config"] == TrainingConfig(train_config='{"layers":[2,3],"hidden":64}').train_config
+
+
+# --- end to end, on a real local Ray, the Prefect test harness and MLflow on SQLite ----------------------------
+
+
+def own_config(workdir: Path, code: str, **overrides: Any) -> TrainingConfig:
+    return small_config(workdir, train_code=code, **{"epochs": 4, "register": False, **overrides})
+
+
+@pytest.fixture(scope="module")
+def seed_reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The uninterrupted run of the seed-shaped example every recovered run must match."""
+    return training_pipeline(**parameters_of(own_config(tmp_path_factory.mktemp("seed-reference"), SEED_DDP)))
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+@pytest.mark.usefixtures("ray_cluster", "prefect_api")
+def test_a_seed_shaped_train_func_survives_a_killed_worker_in_one_mlflow_run(
+    tmp_path: Path, seed_reference: Any
+) -> None:
+    state, kill = run_killing_a_worker(tmp_path, own_config(tmp_path, SEED_DDP), after_epoch=1)
+    assert state.is_completed(), state
+    run = only_run(tmp_path)
+    assert run is not None and run.info.status == "FINISHED"
+    client = mlflow_client(tmp_path)
+    expected = {int(entry["epoch"]) + 1: entry for entry in seed_reference.fit.history}
+    for key in ("val_loss", "val_accuracy"):
+        history = client.get_metric_history(run.info.run_id, key)
+        assert sorted(m.step for m in history) == [1, 2, 3, 4], f"{key}: every epoch exactly once"
+        for metric in history:
+            assert metric.value == pytest.approx(expected[metric.step][key], abs=1e-6), (key, metric.step)
+    assert kill.resume_epoch >= 1
+    # The train_config and the code are on the run, as params and tags; every checkpoint is pinned by digest.
+    assert run.data.params["train_code"] == SEED_DDP and run.data.params["train_config.hidden"] == "32"
+    pins = [key for key in run.data.tags if key.startswith("prefect_raytrain.checkpoint_sha256.")]
+    assert len(pins) >= 4, sorted(run.data.tags)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster", "prefect_api")
+def test_the_gate_moves_champion_only_to_a_lower_rmse(tmp_path: Path) -> None:
+    """examples/diabetes_regression: RMSE, lower is better. A good run takes `champion`; a worse one (fewer
+    epochs) is registered as `challenger` and the champion stays; the registered model loads and predicts."""
+    import mlflow
+    import numpy as np
+
+    good = training_pipeline(**parameters_of(own_config(tmp_path, DIABETES, epochs=12, register=True)))
+    assert good.model is not None and good.model.aliases == ("champion",), good.model
+    worse = training_pipeline(**parameters_of(own_config(tmp_path, DIABETES, epochs=1, register=True)))
+    assert worse.model is not None
+    assert worse.fit.scores["val_rmse"] > good.fit.scores["val_rmse"]
+    assert worse.model.aliases == ("challenger",), worse.model
+    assert "does not beat champion" in worse.model.reason
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert client.get_registered_model("digits-test").aliases["champion"] == good.model.version
+    with _tracking(tmp_path):
+        predicted = mlflow.pyfunc.load_model("models:/digits-test@champion").predict(np.zeros((3, 10), np.float32))
+    assert np.asarray(predicted).shape == (3, 1)
+
+
+def _tracking(workdir: Path) -> Any:
+    from tasks.tracking import using_tracking_uri
+
+    return using_tracking_uri(f"sqlite:///{workdir / 'mlflow.db'}")
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster", "prefect_api")
+def test_user_code_outside_the_project_that_never_reports_the_gate_metric_fails_and_registers_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The code lives in a folder of its own (the command's working directory), reaches the workers from there,
+    trains and checkpoints, but reports `loss` while its TrainFunc gates on `val_score`."""
+    source = """
+        import tempfile, torch, ray.train
+        from raytrain_tasks.api import Metric, TrainFunc
+
+        def train_func(config):
+            for epoch in range(config["epochs"]):
+                with tempfile.TemporaryDirectory() as folder:
+                    torch.save({"epoch": epoch}, f"{folder}/state.pt")
+                    ray.train.report({"epoch": epoch, "loss": 1.0 / (epoch + 1)},
+                                     checkpoint=ray.train.Checkpoint.from_directory(folder))
+
+        training = TrainFunc(train_func, metric=Metric("val_score", higher_is_better=True),
+                             load_model=lambda path, config: torch.nn.Linear(1, 1),
+                             input_example=lambda config: torch.zeros(1, 1))
+    """
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    name = _module(elsewhere, monkeypatch, source)
+    config = own_config(tmp_path, f"{name}:training", epochs=2, register=True)
+    with ThreadPoolExecutor(1) as pool:
+        state = start_flow(pool, config).result(timeout=600)
+    assert state.is_failed()
+    error = state.result(raise_on_failure=False)
+    assert isinstance(error, TrainingError | Exception) and "val_score" in str(error), error
+    run = only_run(tmp_path)
+    assert run is not None and run.info.status == "FAILED"
+    assert client_versions(tmp_path) == []
+
+
+def client_versions(workdir: Path) -> list[Any]:
+    client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+    return list(client.search_model_versions("name = 'digits-test'"))

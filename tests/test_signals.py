@@ -1,0 +1,230 @@
+"""A signal to the command's whole process group (systemd, a terminal's Ctrl-C, a container init, Prefect's
+runner) stops `prefect-raytrain train` within seconds at any moment, leaves no process of its own behind, marks
+its MLflow run KILLED, and the run continues with `prefect-raytrain resume`.
+
+The command runs as a user runs it: embedded defaults (its own local Ray, its own temporary Prefect API, MLflow
+on a SQLite file, storage in a folder), in a process group of its own, signalled with ``killpg``. Each moment is
+found in the command's output or among its processes (no fixed sleeps).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pytest
+from mlflow import MlflowClient
+
+pytestmark = [pytest.mark.slow, pytest.mark.chaos]
+
+PREFECT_RAYTRAIN = str(Path(sys.executable).with_name("prefect-raytrain"))
+# 4 epochs of about 1.5 s each on 2 cores: long enough to land a signal mid-fit.
+WORKLOAD = ["--epochs", "4", "--dataset", "synthetic", "--synthetic-samples", "50000", "--num-workers", "2"]
+STOP_WITHIN_S = 15.0
+
+
+class Command:
+    """One `prefect-raytrain` process in a group of its own, its output in a file, its processes watched."""
+
+    def __init__(self, workdir: Path, *args: str) -> None:
+        self.workdir, self.log = workdir, workdir / f"{args[0]}-{time.monotonic_ns()}.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_API"))}
+        env["PREFECT_HOME"] = str(workdir.parent / "prefect-home")  # shared by the module: migrations once
+        with self.log.open("w") as out:
+            self.process = subprocess.Popen(
+                [PREFECT_RAYTRAIN, *args, *_locations(workdir)],
+                cwd=workdir,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.seen: dict[int, psutil.Process] = {}
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def watch(self) -> list[str]:
+        """Remember every process the command has started so far; their command lines."""
+        try:
+            children = psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+        lines = []
+        for child in children:
+            self.seen.setdefault(child.pid, child)
+            try:
+                lines.append(" ".join(child.cmdline()))
+            except psutil.Error:
+                continue
+        return lines
+
+    def wait_until(self, moment: Callable[[], bool], what: str, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while not moment():
+            assert self.process.poll() is None, f"ended before {what}:\n{self.output()[-4000:]}"
+            assert time.monotonic() < deadline, f"no {what} in {timeout} s:\n{self.output()[-4000:]}"
+            time.sleep(0.05)
+
+    def signal_group(self, sig: int) -> tuple[int, float]:
+        """Signal the whole group; (exit status, seconds it took to exit). Fails past STOP_WITHIN_S."""
+        self.watch()
+        started = time.monotonic()
+        os.killpg(self.process.pid, sig)
+        try:
+            while self.process.poll() is None and time.monotonic() - started < STOP_WITHIN_S:
+                self.watch()
+                time.sleep(0.05)
+            took = time.monotonic() - started
+            assert self.process.poll() is not None, (
+                f"still running {STOP_WITHIN_S:g} s after {sig!r}:\n" + (self.output()[-4000:])
+            )
+            return self.process.returncode, took
+        finally:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait(timeout=30)
+
+    def left_behind(self, grace: float = 10.0) -> list[str]:
+        """The processes it started that are still alive ``grace`` seconds after it ended (and are then ended)."""
+        deadline = time.monotonic() + grace
+        alive = [p for p in self.seen.values() if _alive(p)]
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+            alive = [p for p in alive if _alive(p)]
+        described = []
+        for process in alive:
+            try:
+                described.append(f"{process.pid} {' '.join(process.cmdline())[:200]}")
+                process.kill()
+            except psutil.Error:
+                continue
+        return described
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _locations(workdir: Path) -> list[str]:
+    return [
+        "--storage-path",
+        str(workdir / "storage"),
+        "--experiment-name",
+        "signals",
+        "--mlflow-tracking-uri",
+        f"sqlite:///{workdir / 'mlflow.db'}",
+    ]
+
+
+def _run_key(output: str) -> str | None:
+    match = re.search(r"run key (\d{8}-\d{6}-[0-9a-f]{6})", output)
+    return match[1] if match else None
+
+
+def _only_run(workdir: Path) -> object | None:
+    client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("signals")
+    if experiment is None:
+        return None
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) <= 1, runs
+    return runs[0] if runs else None
+
+
+def _starting_services(command: Command) -> bool:
+    return any("gcs_server" in line or "uvicorn" in line for line in command.watch())
+
+
+def _epoch_committed(command: Command) -> bool:
+    command.watch()
+    return "epoch 1/4 committed" in command.output()
+
+
+MOMENTS: dict[str, Callable[[Command], bool]] = {
+    "starting Ray and the Prefect API": _starting_services,
+    "prepare-data": lambda command: _run_key(command.output()) is not None,
+    "mid-fit": _epoch_committed,
+    "register-model": lambda command: "best epoch" in command.output(),
+}
+
+
+# SIGTERM at every moment; SIGINT (a terminal's Ctrl-C reaches the whole foreground group) where it differs:
+# before Prefect's run has started, and inside the fit.
+CASES = [(moment, signal.SIGTERM) for moment in MOMENTS] + [
+    ("starting Ray and the Prefect API", signal.SIGINT),
+    ("mid-fit", signal.SIGINT),
+]
+
+
+@pytest.mark.parametrize(("moment", "sig"), CASES, ids=[f"{m}-{s.name}" for m, s in CASES])
+def test_a_signal_to_the_whole_group_stops_the_command_in_seconds(
+    tmp_path: Path, moment: str, sig: signal.Signals
+) -> None:
+    command = Command(tmp_path, "train", *WORKLOAD)
+    command.wait_until(lambda: MOMENTS[moment](command), moment)
+    code, took = command.signal_group(sig)
+    output = command.output()
+    print(f"\n{moment}: {sig.name} -> exit {code} in {took:.1f} s\n{output[-1500:]}")
+    assert code != 0, output[-3000:]
+    assert command.left_behind() == [], output[-3000:]
+    run = _only_run(tmp_path)
+    if run is not None:  # KILLED when the signal stopped it; FINISHED when it landed after the fit's end
+        expected = ("KILLED",) if moment == "mid-fit" else ("KILLED", "FINISHED")
+        assert run.info.status in expected, (run.info.status, output[-3000:])  # type: ignore[attr-defined]
+    if moment in ("mid-fit", "register-model"):
+        # The run goes on from its checkpoints, in the same MLflow run, to the end, each epoch logged once.
+        key = _run_key(output)
+        assert key is not None
+        resumed = Command(tmp_path, "resume", key)
+        assert resumed.process.wait(timeout=600) == 0, resumed.output()[-4000:]
+        after = _only_run(tmp_path)
+        assert after is not None and after.info.run_id == run.info.run_id  # type: ignore[attr-defined]
+        assert after.info.status == "FINISHED"  # type: ignore[attr-defined]
+        history = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(
+            after.info.run_id,  # type: ignore[attr-defined]
+            "val_accuracy",
+        )
+        assert sorted(m.step for m in history) == [1, 2, 3, 4]
+        assert "model          " in resumed.output()
+
+
+def test_a_run_killed_before_its_first_checkpoint_continues_from_epoch_one_in_the_same_mlflow_run(
+    tmp_path: Path,
+) -> None:
+    """Issue 30 item 3: SIGKILL to the whole group after the MLflow run opened, before any epoch was committed
+    (the likeliest moment to run out of memory); `resume` trains from epoch 1 in that same MLflow run."""
+    command = Command(tmp_path, "train", *WORKLOAD)
+    command.wait_until(lambda: "new MLflow run" in command.output(), "the MLflow run to open")
+    code, _ = command.signal_group(signal.SIGKILL)
+    assert code == -signal.SIGKILL
+    command.left_behind()
+    output = command.output()
+    assert "epoch 1/4 committed" not in output, "the kill came too late for this test"
+    run = _only_run(tmp_path)
+    assert run is not None and run.info.status == "RUNNING"  # type: ignore[attr-defined]  # nothing closed it
+    key = _run_key(output)
+    assert key is not None
+    resumed = Command(tmp_path, "resume", key)
+    assert resumed.process.wait(timeout=600) == 0, resumed.output()[-4000:]
+    assert "no committed checkpoint yet" in resumed.output()
+    after = _only_run(tmp_path)
+    assert after is not None and after.info.run_id == run.info.run_id  # type: ignore[attr-defined]
+    assert after.info.status == "FINISHED"  # type: ignore[attr-defined]
+    history = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(
+        after.info.run_id,  # type: ignore[attr-defined]
+        "val_accuracy",
+    )
+    assert sorted(m.step for m in history) == [1, 2, 3, 4]
