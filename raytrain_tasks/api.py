@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Metric", "TrainFunc", "TRAIN_CONFIG_KEYS"]
+__all__ = ["Metric", "Splits", "TrainFunc", "TrainSpec", "TRAIN_CONFIG_KEYS"]
 
 # The keys the pipeline puts into the ``config`` your ``train_func`` receives, from its own settings; the keys of
 # ``train_config`` are added beside them (and win). A resume hands the same values again.
@@ -88,6 +88,8 @@ class TrainFunc:
         datasets: ``datasets(config) -> {"train": ray.data.Dataset, ...}``, built on the driver and passed as
             ``TorchTrainer(datasets=...)``, for a ``train_func`` that reads ``ray.train.get_dataset_shard(name)``.
         defaults: values for ``config`` that apply when neither ``train_config`` nor the pipeline sets them.
+        gate_metric: the reported metric the promotion gate compares, when it is not ``metric`` (e.g. select the
+            best checkpoint by ``val_loss``, compare ``test_loss`` with the champion's); same direction.
     """
 
     train_func: Callable[[dict[str, Any]], None]
@@ -96,6 +98,7 @@ class TrainFunc:
     input_example: Callable[[dict[str, Any]], Any] | None = None
     datasets: Callable[[dict[str, Any]], Mapping[str, Any]] | None = None
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    gate_metric: str = ""
 
     def __post_init__(self) -> None:
         if not callable(self.train_func):
@@ -115,3 +118,76 @@ class TrainFunc:
     @property
     def can_register(self) -> bool:
         return self.load_model is not None
+
+    @property
+    def gate(self) -> Metric:
+        """The metric the promotion gate compares (``gate_metric``, else ``metric``), in ``metric``'s direction."""
+        return Metric(self.gate_metric or self.metric.name, self.metric.higher_is_better)
+
+
+@dataclass(frozen=True)
+class Splits:
+    """The data of a ``TrainSpec``: map-style datasets (``torch.utils.data.Dataset``) whose items are
+    ``(inputs, target)`` tensors. ``test`` is held out: never trained on, never used to pick a checkpoint; the
+    promotion gate compares its scores."""
+
+    train: Any
+    val: Any
+    test: Any = None
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """Your model, data, loss and metrics; the pipeline's own loop trains them (DDP through ``prepare_model``,
+    sharded data loading, a checkpoint every epoch, a resume that continues the same trajectory, the held-out
+    test split scored for the gate). Becomes a ``TrainFunc`` through ``as_train_func()``; point ``train_code`` at
+    either.
+
+    Attributes:
+        data: ``data(config) -> Splits``. Runs on every worker: it must give the same splits every time (read
+            files, or split with a fixed seed). The pipeline records a content hash of them, and a resume on other
+            data is refused.
+        model: ``model(config, example) -> torch.nn.Module`` from the config and an example input batch (its shape
+            tells input sizes).
+        loss: ``loss(outputs, targets) -> scalar tensor``, the mean over the batch; trained on, and reported as
+            ``train_loss``, ``val_loss``, ``test_loss``.
+        metrics: ``metrics(outputs, targets) -> {name: mean over the batch}``; reported as ``val_<name>`` and
+            ``test_<name>``, averaged over each whole split.
+        metric: which of them decides (``Metric("accuracy", higher_is_better=True)`` or ``Metric("loss", False)``):
+            ``val_<name>`` picks the best checkpoint, ``test_<name>`` is what the gate compares.
+        optimizer: ``optimizer(parameters, config)``; default Adam with ``config["lr"]``.
+        input_example: ``input_example(config)`` -> what the registered model is exported with; default: two inputs
+            of the train split.
+        defaults: values for ``config`` that apply when neither ``train_config`` nor the pipeline sets them.
+    """
+
+    data: Callable[[dict[str, Any]], Splits]
+    model: Callable[[dict[str, Any], Any], Any]
+    loss: Callable[[Any, Any], Any]
+    metric: Metric
+    metrics: Callable[[Any, Any], Mapping[str, Any]] | None = None
+    optimizer: Callable[[Any, dict[str, Any]], Any] | None = None
+    input_example: Callable[[dict[str, Any]], Any] | None = None
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("data", "model", "loss"):
+            if not callable(getattr(self, name)):
+                raise TypeError(f"TrainSpec({name}=...) must be a function, got {getattr(self, name)!r}")
+        if not isinstance(self.metric, Metric):
+            raise TypeError(f"TrainSpec(metric=...) must be a raytrain_tasks.api.Metric, got {self.metric!r}")
+        if self.metric.name != "loss" and self.metrics is None:
+            raise TypeError(f"TrainSpec(metric={self.metric.name!r}) needs metrics=... that computes it (or 'loss')")
+
+    def as_train_func(self) -> TrainFunc:
+        """This spec as Ray Train's training function, with its gate, model loader and input example."""
+        from raytrain_tasks.spec_loop import spec_input_example, spec_load_model, spec_train_func
+
+        return TrainFunc(
+            spec_train_func(self),
+            metric=Metric(f"val_{self.metric.name}", self.metric.higher_is_better),
+            load_model=spec_load_model(self),
+            input_example=spec_input_example(self),
+            defaults=self.defaults,
+            gate_metric=f"test_{self.metric.name}",
+        )

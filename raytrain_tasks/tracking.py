@@ -31,6 +31,8 @@ LAST_CHECKPOINT_TAG = "prefect_raytrain.last_checkpoint"
 # if its manifest still hashes to what was recorded: storage alone cannot vouch for itself.
 MANIFEST_METRIC = "checkpoint_manifest_sha256"
 PIN_TAG_PREFIX = "prefect_raytrain.checkpoint_sha256."
+DATASET_DIGEST_KEY = "dataset_sha256"
+DATASET_HASH_TAG = "prefect_raytrain.dataset_hash"
 
 
 def epoch_number(index: int | float) -> int:
@@ -98,6 +100,8 @@ def log_epoch(
     values = numeric_metrics(metrics) if keys is None else {k: float(metrics[k]) for k in keys if k in metrics}
     batch = [Metric(key, value, timestamp, step) for key, value in values.items()]
     tags = [RunTag(LAST_CHECKPOINT_TAG, checkpoint_path)] if checkpoint_path else []
+    if isinstance(metrics.get(DATASET_DIGEST_KEY), str):  # a TrainSpec's content hash of its splits (spec_loop)
+        tags.append(RunTag(DATASET_HASH_TAG, metrics[DATASET_DIGEST_KEY]))
     digest = metrics.get(MANIFEST_METRIC)
     if checkpoint_path and isinstance(digest, str):
         tags.append(RunTag(pin_tag(checkpoint_name(checkpoint_path)), digest))

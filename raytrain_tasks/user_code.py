@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from raytrain_tasks.api import TRAIN_CONFIG_KEYS, TrainFunc
+from raytrain_tasks.api import TRAIN_CONFIG_KEYS, TrainFunc, TrainSpec
 from raytrain_tasks.errors import UserCodeError
 
 TRAIN_CODE_PATTERN = r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$"
@@ -50,6 +50,8 @@ def resolve(train_code: str, where: str = "on this driver") -> TrainFunc:
         if not hasattr(target, part):
             raise UserCodeError(f"train_code {train_code!r}: module {module_name!r} has no attribute {attribute!r}")
         target = getattr(target, part)
+    if isinstance(target, TrainSpec):
+        return target.as_train_func()
     if not isinstance(target, TrainFunc):
         hint = (
             " (a training function: wrap it as TrainFunc(train_func, metric=Metric(...), ...))"
@@ -57,7 +59,8 @@ def resolve(train_code: str, where: str = "on this driver") -> TrainFunc:
             else ""
         )
         raise UserCodeError(
-            f"train_code {train_code!r} is a {type(target).__name__}{hint}; it must name a raytrain_tasks.api.TrainFunc"
+            f"train_code {train_code!r} is a {type(target).__name__}{hint}; it must name a "
+            "raytrain_tasks.api.TrainFunc or TrainSpec"
         )
     return target
 

@@ -406,7 +406,7 @@ def _record_user_fit(
         final_metrics={k: v for k, v in history[-1].items() if k != "epoch"} if history else best,
         history=history,
         reopened_mlflow_run=reopened,
-        scores={spec.metric.name: best[spec.metric.name]},
+        scores={spec.gate.name: best[spec.gate.name]},
     )
     client.set_tag(run_id, "summary.best_epoch", str(step))
     client.set_tag(run_id, f"summary.best_{spec.metric.name}", f"{best[spec.metric.name]:.6f}")

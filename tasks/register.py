@@ -92,8 +92,8 @@ def _register_model(config: TrainingConfig, dataset: DatasetRef | None, fit: Fit
     # The user's own code (train_code) declares its gate metric and direction; the built-in classifier compares
     # the test split's counterpart of `promotion_metric`.
     spec = resolve(config.train_code) if config.train_code else None
-    metric = spec.metric.name if spec is not None else test_metric(config.promotion_metric)
-    higher_is_better = spec.metric.higher_is_better if spec is not None else metric != "test_loss"
+    metric = spec.gate.name if spec is not None else test_metric(config.promotion_metric)
+    higher_is_better = spec.gate.higher_is_better if spec is not None else metric != "test_loss"
     candidate_score = fit.scores[metric]
     # MLflow's fluent API (log_model, register_model, pyfunc) reads a process-wide URI that set_tracking_uri
     # also exports as MLFLOW_TRACKING_URI: scoped here, so a later run in this process is not redirected.

@@ -76,12 +76,15 @@ def best_checkpoint(result: ray.train.Result, spec: TrainFunc, run_key: str) -> 
             "nothing can be resumed or registered. Report one at least at the end of each epoch"
         )
     name = spec.metric.name
+    needed = {name, spec.gate.name}
     scored = [(checkpoint, metrics) for checkpoint, metrics in kept if isinstance(metrics.get(name), int | float)]
-    if not scored:
+    missing = needed - set(numeric_metrics(kept[-1][1]))
+    if not scored or missing:
         reported = sorted(numeric_metrics(kept[-1][1]))
         raise TrainingError(
-            f"training run {run_key}: train_func never reported the gate's metric {name!r} with a checkpoint "
-            f"(it reported {reported}); change TrainFunc(metric=Metric(...)) or report {name!r}"
+            f"training run {run_key}: train_func never reported {sorted(missing or needed)} with a checkpoint "
+            f"(it reported {reported}); nothing is registered. Change TrainFunc(metric=..., gate_metric=...) or "
+            "report them"
         )
     sign = 1.0 if spec.metric.higher_is_better else -1.0
     return max(scored, key=lambda pair: sign * float(pair[1][name]))

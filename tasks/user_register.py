@@ -71,8 +71,8 @@ def version_tags(config: TrainingConfig, spec: TrainFunc | None) -> dict[str, st
     assert spec is not None, "the built-in classifier's versions record their input schema instead"
     return {
         TRAIN_CODE_TAG: config.train_code,
-        GATE_METRIC_TAG: spec.metric.name,
-        GATE_DIRECTION_TAG: str(spec.metric.higher_is_better).lower(),
+        GATE_METRIC_TAG: spec.gate.name,
+        GATE_DIRECTION_TAG: str(spec.gate.higher_is_better).lower(),
         "train_config": config.train_config[:5000],
     }
 
@@ -97,16 +97,16 @@ def assess_recorded_champion(client: MlflowClient, name: str, config: TrainingCo
             f"train_code {config.train_code!r}",
         )
     if (
-        tags.get(GATE_METRIC_TAG) != spec.metric.name
-        or tags.get(GATE_DIRECTION_TAG) != str(spec.metric.higher_is_better).lower()
+        tags.get(GATE_METRIC_TAG) != spec.gate.name
+        or tags.get(GATE_DIRECTION_TAG) != str(spec.gate.higher_is_better).lower()
     ):
         return Champion(
             version,
             incomparable=f"its gate metric was {tags.get(GATE_METRIC_TAG)!r} (higher is better: "
-            f"{tags.get(GATE_DIRECTION_TAG)}), this run's is {spec.metric.name!r} ({spec.metric.higher_is_better})",
+            f"{tags.get(GATE_DIRECTION_TAG)}), this run's is {spec.gate.name!r} ({spec.gate.higher_is_better})",
         )
-    recorded = tags.get(spec.metric.name)
+    recorded = tags.get(spec.gate.name)
     try:
         return Champion(version, score=float(json.loads(recorded or "null")))
     except (TypeError, ValueError):
-        return Champion(version, error=f"{name} version {version} records no {spec.metric.name} score ({recorded!r})")
+        return Champion(version, error=f"{name} version {version} records no {spec.gate.name} score ({recorded!r})")

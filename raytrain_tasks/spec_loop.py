@@ -1,0 +1,193 @@
+"""The pipeline's own training loop for a ``TrainSpec`` (raytrain_tasks.api): the user's model, data, loss and
+metrics, trained the way Ray Train's guide trains them, as a plain ``train_func``.
+
+Each epoch: train on this worker's shard (``prepare_data_loader``: a DistributedSampler reshuffled per epoch),
+then score the validation and test splits on disjoint, unpadded slices whose sums are all-reduced (so the figures
+are exact over each whole split), then one ``ray.train.report`` with a checkpoint from rank 0 holding the model,
+optimizer, RNG state, the epoch and the data's content hash. A resume restores all of it, so a resumed run follows
+the uninterrupted trajectory; a resume on other data is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray.train
+import ray.train.torch
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+from raytrain_tasks.api import Splits, TrainSpec
+from raytrain_tasks.errors import DatasetError, UserCodeError
+from raytrain_tasks.tracking import DATASET_DIGEST_KEY
+
+STATE_FILE = "spec_state.pt"
+EXAMPLE_ROWS = 2
+
+
+def spec_train_func(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:
+    def train_func(config: dict[str, Any]) -> None:
+        _seed(int(config["seed"]))
+        splits = _splits(spec, config)
+        digest = data_digest(splits)
+        context = ray.train.get_context()
+        rank, world = context.get_world_rank(), context.get_world_size()
+        train_loader = ray.train.torch.prepare_data_loader(
+            DataLoader(splits.train, batch_size=int(config["batch_size"]), shuffle=True)
+        )
+        held_out = {"val": splits.val, **({"test": splits.test} if splits.test is not None else {})}
+        model = ray.train.torch.prepare_model(spec.model(config, example_inputs(splits)))
+        optimizer = (
+            spec.optimizer(model.parameters(), config)
+            if spec.optimizer is not None
+            else torch.optim.Adam(model.parameters(), lr=float(config["lr"]))
+        )
+        start = _resume(model, optimizer, digest)
+        for epoch in range(start, int(config["epochs"])):
+            started = time.perf_counter()
+            sampler = getattr(train_loader, "sampler", None)
+            if isinstance(sampler, DistributedSampler):
+                sampler.set_epoch(epoch)
+            model.train()
+            total, count = torch.zeros((), dtype=torch.float64), 0
+            for inputs, targets in train_loader:
+                optimizer.zero_grad(set_to_none=True)
+                loss = spec.loss(model(inputs), targets)
+                loss.backward()
+                optimizer.step()
+                total += loss.detach().to(torch.float64).cpu() * len(targets)
+                count += len(targets)
+            metrics: dict[str, Any] = {"epoch": epoch, **_mean({"train_loss": (float(total), count)})}
+            for name, dataset in held_out.items():
+                metrics |= _score(spec, model, dataset, name, rank, world, int(config["batch_size"]))
+            metrics["epoch_seconds"] = time.perf_counter() - started
+            metrics[DATASET_DIGEST_KEY] = digest  # the controller records it as the run's dataset hash
+            _report(metrics, model, optimizer, epoch, digest, rank)
+
+    return train_func
+
+
+def spec_load_model(spec: TrainSpec) -> Callable[[Path, dict[str, Any]], Any]:
+    def load_model(checkpoint_dir: Path, config: dict[str, Any]) -> Any:
+        state = torch.load(checkpoint_dir / STATE_FILE, map_location="cpu", weights_only=True)
+        model = spec.model(config, example_inputs(_splits(spec, config)))
+        model.load_state_dict(state["model"])
+        return model
+
+    return load_model
+
+
+def spec_input_example(spec: TrainSpec) -> Callable[[dict[str, Any]], Any]:
+    def input_example(config: dict[str, Any]) -> Any:
+        if spec.input_example is not None:
+            return spec.input_example(config)
+        return example_inputs(_splits(spec, config))
+
+    return input_example
+
+
+def example_inputs(splits: Splits) -> Any:
+    """A batch of the first train inputs: what builds the model (shapes) and, by default, the exported example."""
+    inputs, _ = next(iter(DataLoader(splits.train, batch_size=EXAMPLE_ROWS)))
+    return inputs
+
+
+def data_digest(splits: Splits) -> str:
+    """SHA-256 over every item of every split, in order: the data's content, for lineage and for a resume."""
+    digest = hashlib.sha256()
+    for name in ("train", "val", "test"):
+        dataset = getattr(splits, name)
+        digest.update(f"{name}:{0 if dataset is None else len(dataset)}".encode())
+        for index in range(0 if dataset is None else len(dataset)):
+            for part in dataset[index]:
+                digest.update(torch.as_tensor(part).detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _splits(spec: TrainSpec, config: dict[str, Any]) -> Splits:
+    splits = spec.data(config)
+    if not isinstance(splits, Splits):
+        raise UserCodeError(f"TrainSpec.data must return raytrain_tasks.api.Splits, got {type(splits).__name__}")
+    for name in ("train", "val"):
+        if getattr(splits, name) is None or len(getattr(splits, name)) == 0:
+            raise DatasetError(f"TrainSpec.data returned an empty {name} split")
+    return splits
+
+
+def _score(
+    spec: TrainSpec, model: Any, dataset: Any, split: str, rank: int, world: int, batch_size: int
+) -> dict[str, float]:
+    """Loss and metrics over the whole split: this rank scores every world-th item, the sums are all-reduced."""
+    mine = Subset(dataset, range(rank, len(dataset), world))
+    device = ray.train.torch.get_device()
+    sums: dict[str, float] = {}
+    count = 0
+    model.eval()
+    with torch.no_grad():
+        for inputs, targets in DataLoader(mine, batch_size=batch_size):
+            inputs, targets = inputs.to(device), targets.to(device)
+            outputs = model(inputs)
+            batch = {"loss": spec.loss(outputs, targets)}
+            if spec.metrics is not None:
+                batch |= dict(spec.metrics(outputs, targets))
+            for key, value in batch.items():
+                sums[key] = sums.get(key, 0.0) + float(value) * len(targets)
+            count += len(targets)
+    keys = sorted(sums) or ["loss"]
+    vector = torch.tensor([sums.get(key, 0.0) for key in keys] + [count], dtype=torch.float64)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(vector)
+    *totals, seen = vector.tolist()
+    return _mean({f"{split}_{key}": (total, seen) for key, total in zip(keys, totals, strict=True)})
+
+
+def _mean(sums: dict[str, tuple[float, float]]) -> dict[str, float]:
+    return {key: total / count if count else float("nan") for key, (total, count) in sums.items()}
+
+
+def _report(metrics: dict[str, Any], model: Any, optimizer: Any, epoch: int, digest: str, rank: int) -> None:
+    with tempfile.TemporaryDirectory(prefix="prt-spec-") as folder:
+        checkpoint = None
+        if rank == 0:
+            state = {
+                "model": {k: v.detach().cpu() for k, v in getattr(model, "module", model).state_dict().items()},
+                "optimizer": optimizer.state_dict(),
+                "rng": torch.get_rng_state(),
+                "epoch": epoch,
+                "data_sha256": digest,
+            }
+            torch.save(state, Path(folder) / STATE_FILE)
+            checkpoint = ray.train.Checkpoint.from_directory(folder)
+        ray.train.report(metrics, checkpoint=checkpoint)
+
+
+def _resume(model: Any, optimizer: Any, digest: str) -> int:
+    """The epoch to start from: 0, or the one after the last committed checkpoint (model, optimizer, RNG restored)."""
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return 0
+    with checkpoint.as_directory() as folder:
+        state = torch.load(Path(folder) / STATE_FILE, map_location="cpu", weights_only=True)
+    if state["data_sha256"] != digest:
+        raise DatasetError(
+            f"the data changed since this run's last checkpoint (content hash {state['data_sha256'][:12]}... then, "
+            f"{digest[:12]}... now): a resume continues on the data it started with. Start a new run instead"
+        )
+    getattr(model, "module", model).load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"])
+    return int(state["epoch"]) + 1
+
+
+def _seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
