@@ -182,7 +182,7 @@ def local_services(config: TrainingConfig) -> Iterator[None]:
 
     failure: list[BaseException] = []
 
-    cancelled = threading.Event()
+    cancelled, started = threading.Event(), threading.Event()
 
     def start_server() -> None:
         try:
@@ -195,6 +195,11 @@ def local_services(config: TrainingConfig) -> Iterator[None]:
                 SubprocessASGIServer().start()  # the instance Prefect's client uses, and stops at exit
         except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
             failure.append(exc)
+        finally:
+            started.set()
+        # The server dies with the thread that started it (tasks.process_groups): this one lives as long as the
+        # process, so a killed run (SIGKILL, out of memory) takes its temporary API along.
+        threading.Event().wait()
 
     # Prefect's settings live in context variables: the starter thread needs this thread's.
     helpers = [
@@ -206,35 +211,35 @@ def local_services(config: TrainingConfig) -> Iterator[None]:
     try:
         with ray_session(config):
             _import_ahead(["ray.train.torch"])  # after ray.init: no two threads import Ray modules at once
-            for helper in helpers:
-                helper.join()
+            started.wait()
+            helpers[1].join()
             if failure:
                 raise failure[0]
             yield
     except BaseException:
         cancelled.set()
-        _stop_starting_server(helpers[0])
+        _stop_starting_server(started)
         raise
     finally:
-        # The server's starter is waited for even after a signal: Prefect stops at exit only a server whose
+        # The server's start is waited for even after a signal: Prefect stops at exit only a server whose
         # process it has already started. The imports ahead are not (they end with the process).
-        helpers[0].join()
+        started.wait()
 
 
-def _stop_starting_server(starter: threading.Thread, within_s: float = 10.0) -> None:
+def _stop_starting_server(started: threading.Event, within_s: float = 10.0) -> None:
     """A signal (or a failure) while the temporary API is still starting (its first migrations take 10 s and more
     on 2 cores): end its process now rather than wait for it to answer. The starter then fails and returns."""
-    if not starter.is_alive():
+    if started.is_set():
         return
     from prefect.server.api.server import SubprocessASGIServer
 
     deadline = time.monotonic() + within_s
-    while starter.is_alive() and time.monotonic() < deadline:
+    while not started.is_set() and time.monotonic() < deadline:
         server = SubprocessASGIServer()
         if server.server_process is not None:
             server.server_process.kill()
             server.stop()
-        starter.join(timeout=0.1)
+        started.wait(timeout=0.1)
 
 
 # What the run imports later, about 9 s on 2 cores: torch, MLflow and its SQL store, the evaluation report, and

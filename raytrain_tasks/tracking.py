@@ -175,16 +175,18 @@ class MlflowEpochLogger(UserCallback):
             if self._logged is None:
                 self._logged = logged_steps(self._client, self.run_id, self.step_key)
             step = report_step(epoch_metrics, self._logged)
-            if step in self._logged:
-                return
             if self.keys is None and checkpoint.filesystem is not None:
                 # The user's own checkpoint: its digest covers every rank's files, as persisted (integrity.py).
+                # Recorded for every committed folder, also one that re-trains an epoch MLflow already has.
                 from raytrain_tasks.integrity import folder_digest
 
-                epoch_metrics = {
-                    **epoch_metrics,
-                    MANIFEST_METRIC: folder_digest(checkpoint.filesystem, checkpoint.path),
-                }
+                digest = folder_digest(checkpoint.filesystem, checkpoint.path)
+                if step in self._logged:
+                    self._client.set_tag(self.run_id, pin_tag(checkpoint_name(checkpoint.path)), digest)
+                    return
+                epoch_metrics = {**epoch_metrics, MANIFEST_METRIC: digest}
+            if step in self._logged:
+                return
             log_epoch(self._client, self.run_id, epoch_metrics, checkpoint.path, step, self.keys)
             self._logged.add(step)
         except Exception as exc:  # noqa: BLE001 - tracking must never kill training; tested in test_tracking_outage

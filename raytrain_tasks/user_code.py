@@ -74,6 +74,16 @@ def code_root(train_code: str) -> Path | None:
     return None if "site-packages" in root.parts else root.resolve()
 
 
+def shipped_module(train_code: str) -> str | None:
+    """What Ray's runtime_env ``py_modules`` ships to a cluster for ``train_code``: the folder of its top-level
+    package (or its module file); None for an installed package, which the cluster's image must have."""
+    if code_root(train_code) is None:
+        return None
+    top = importlib.import_module(train_code.partition(":")[0].split(".")[0])
+    paths = list(getattr(top, "__path__", []))
+    return str(Path(paths[0]).resolve()) if paths else str(Path(str(top.__file__)).resolve())
+
+
 def user_config(config: Any, spec: TrainFunc) -> dict[str, Any]:
     """The ``config`` the user's ``train_func`` receives: the spec's defaults, the pipeline's own settings
     (``TRAIN_CONFIG_KEYS``), then ``train_config`` (which wins)."""
@@ -93,7 +103,31 @@ def run_train_func(loop_config: dict[str, Any]) -> None:
     """What each Ray Train worker runs for user code: the user's ``train_func`` with its config."""
     _on_import_path(loop_config.get("code_dir", ""))
     spec = resolve(loop_config["train_code"], where="on a Ray Train worker")
+    _skip_rejected_checkpoint(frozenset(loop_config.get("rejected", ())), loop_config.get("fallback"))
     spec.train_func(dict(loop_config["config"]))
+
+
+def _skip_rejected_checkpoint(rejected: frozenset[str], fallback: str | None) -> None:
+    """What ``ray.train.get_checkpoint()`` hands the user's code: never a checkpoint the driver rejected (its files
+    do not verify, e.g. a rank's shard is missing), the newest verified one (``fallback``) instead.
+
+    Ray Train 2.60 resumes from the newest committed checkpoint it knows, verified or not; the worker's
+    ``TrainContext.checkpoint`` (ray/train/v2/_internal/execution/context.py) is what ``get_checkpoint()``
+    returns, and the one private attribute this sets. tests/test_own_code.py fails if its shape changes.
+    """
+    if not rejected:
+        return
+    import ray.train
+    from ray.train.v2._internal.execution.context import get_train_context
+
+    context = get_train_context()
+    current = context.checkpoint
+    if current is None or current.path.rstrip("/").rsplit("/", 1)[-1] not in rejected:
+        return
+    parent = current.path.rstrip("/").rsplit("/", 1)[0]
+    context.checkpoint = (
+        None if fallback is None else ray.train.Checkpoint(f"{parent}/{fallback}", filesystem=current.filesystem)
+    )
 
 
 def check_importable(train_code: str, code_dir: str) -> str:

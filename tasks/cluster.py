@@ -96,7 +96,15 @@ def cluster_runtime_env(config: TrainingConfig) -> dict[str, object]:
     env.update({name: os.environ[name] for name in forwarded if os.environ.get(name)})
     # Only raytrain_tasks runs on the cluster (train loop, ingest, the controller's MLflow callback); its
     # third-party imports (torch, ray[train,data], mlflow, pyarrow) must be installed in the cluster's image.
-    return {"py_modules": [raytrain_tasks], "env_vars": env}
+    modules: list[object] = [raytrain_tasks]
+    if config.train_code:  # the user's own code reaches the workers the same way (docs/own-model.md)
+        from raytrain_tasks.user_code import resolve, shipped_module
+
+        resolve(config.train_code)  # a clear error here, not a failed runtime_env upload
+        shipped = shipped_module(config.train_code)
+        if shipped is not None:
+            modules.append(shipped)
+    return {"py_modules": modules, "env_vars": env}
 
 
 @contextmanager

@@ -164,6 +164,14 @@ def check_started_without_checkpoint(config: TrainingConfig, run_key: str, run_d
     )
 
 
+def workers_code_dir(config: TrainingConfig) -> str:
+    """Where a local Ray's workers find the user's code: the folder it was imported from here. On a cluster
+    (``ray_address``) the workers get it through Ray's runtime_env instead (``tasks.cluster.cluster_runtime_env``)."""
+    from raytrain_tasks.user_code import code_root
+
+    return "" if config.ray_address else str(code_root(config.train_code) or "")
+
+
 def check_cluster(
     config: TrainingConfig, dataset: DatasetRef | None, runs: StorageLocation, client: Any, run_key: str
 ) -> TrainingConfig:
@@ -181,10 +189,9 @@ def check_cluster(
     if config.ray_address:  # a local Ray's node is this process's machine, with this process's credentials
         check_storage_on_nodes(runs.uri, config.storage_options)
     if config.train_code:
-        from raytrain_tasks.user_code import code_root
         from tasks.user_fit import check_importable_on_cluster
 
-        check_importable_on_cluster(config.train_code, str(code_root(config.train_code) or ""))
+        check_importable_on_cluster(config.train_code, workers_code_dir(config))
     if not config.cpus_per_worker:
         run_logger().info(
             "cpus_per_worker unset: %s workers x %g CPUs each, %s the cluster's %g CPUs%s",
@@ -270,7 +277,21 @@ def _distributed_fit(
             # What existed before this fit is trusted only as far as MLflow vouches for it (resume.CheckpointPins).
             preexisting = frozenset(name for name in run_dir.list_names() if name.startswith(CHECKPOINT_PREFIX))
             pinned = pinned_digests(client.get_run(run_id).data.tags) if reopened else {}
-            announce_resume(logger, config, run_dir, preexisting, pinned)
+            resume_point = None
+            if spec is not None:
+                from tasks.user_fit import choose_resume_point
+
+                resume_point = choose_resume_point(run_dir, pinned)
+                if resume_point.rejected:
+                    logger.warning(
+                        "run %s resumes from checkpoint %s, not a newer one: %s",
+                        run_key,
+                        resume_point.fallback,
+                        resume_point.why,
+                    )
+                    client.set_tag(run_id, "prefect_raytrain.resume_fallback", resume_point.why[:4000])
+            else:
+                announce_resume(logger, config, run_dir, preexisting, pinned)
             epoch_logger = (
                 MlflowEpochLogger(config.mlflow_tracking_uri, run_id)
                 if spec is None
@@ -285,6 +306,7 @@ def _distributed_fit(
                 epoch_logger,
                 pins=(preexisting, pinned),
                 spec=spec,
+                resume_point=resume_point,
             )
             # Off a Prefect run (a Ray Job) there is no run page to update: the job's submitter shows the progress.
             progress = (
@@ -307,7 +329,10 @@ def _distributed_fit(
 
         if spec is not None or dataset is None:
             assert spec is not None, "the built-in loop trains on a prepared dataset"
-            fit = _record_user_fit(result, spec, config, run_key, run_dir, run_id, experiment_id, backend, reopened)
+            rejected = resume_point.rejected if resume_point is not None else frozenset()
+            fit = _record_user_fit(
+                result, spec, config, run_key, run_dir, run_id, experiment_id, backend, reopened, rejected
+            )
             tracking.finish_run(client, run_id)
             return fit
         reported = [
@@ -381,13 +406,14 @@ def _record_user_fit(
     experiment_id: str,
     backend: str,
     reopened: bool,
+    rejected: frozenset[str] = frozenset(),
 ) -> FitResult:
     """What the user's reports said: the best checkpoint by their metric, and the run's history as MLflow holds
     it. Their metric is the score the gate compares (no held-out split of the pipeline's own here)."""
     from tasks.user_fit import best_checkpoint, history_of, log_user_summary, logged_history, step_of
 
     client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
-    checkpoint, metrics = best_checkpoint(result, spec, run_key)
+    checkpoint, metrics = best_checkpoint(result, spec, run_key, rejected)
     history = history_of(result, logged_history(client, run_id, spec))
     step = step_of(metrics, history)
     best = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
@@ -532,6 +558,7 @@ def build_trainer(
     *callbacks: RayTrainCallback,  # UserCallbacks and ControllerCallbacks; they run on the controller
     pins: tuple[frozenset[str], dict[str, str]] = (frozenset(), {}),
     spec: Any = None,
+    resume_point: Any = None,
 ) -> TorchTrainer:
     # torch loads here, not when the flow module is imported: a Prefect worker needs no CUDA to plan runs.
     from ray.train.torch import TorchConfig
@@ -546,10 +573,9 @@ def build_trainer(
     train_func: Any = train_loop_per_worker
     score_attribute, score_order = selection_metric(config), "min" if selection_metric(config) == "val_loss" else "max"
     if spec is not None:
-        from raytrain_tasks.user_code import code_root
         from tasks.user_fit import trainer_function
 
-        train_func, loop_config, data = trainer_function(config, spec, str(code_root(config.train_code) or ""))
+        train_func, loop_config, data = trainer_function(config, spec, workers_code_dir(config), resume_point)
         score_attribute, score_order = spec.metric.name, spec.metric.order
     else:
         assert dataset is not None

@@ -66,4 +66,17 @@ def temporary_api_in_its_own_group() -> None:
         **{name: getattr(subprocess, name) for name in dir(subprocess) if not name.startswith("__")},
         own_session=True,
     )
-    server.subprocess.Popen = functools.partial(subprocess.Popen, start_new_session=True)  # type: ignore[misc, assignment]
+    server.subprocess.Popen = functools.partial(  # type: ignore[misc, assignment]
+        subprocess.Popen, start_new_session=True, preexec_fn=_end_with_parent
+    )
+
+
+def _end_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the thread that started it ends (PR_SET_PDEATHSIG), so a killed run
+    (SIGKILL, the OOM killer) takes its temporary API along; a run that exits stops it first (Prefect's atexit).
+    The starting thread must live as long as the process (flows.cli keeps it waiting)."""
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)

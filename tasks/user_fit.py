@@ -8,15 +8,21 @@ trainer's function and config, and the record of what the user's reports said.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig
-from raytrain_tasks.errors import TrainingError, UserCodeError
+from raytrain_tasks.errors import CheckpointError, TrainingError, UserCodeError
 from raytrain_tasks.tracking import checkpoint_name, epoch_number, numeric_metrics, report_step
 
 if TYPE_CHECKING:
     import ray.train
+
+    from tasks.storage import StorageLocation
+
+# Ray Train names a reported checkpoint folder checkpoint_<timestamp> when the code passes no checkpoint_dir_name.
+RAY_CHECKPOINT_PREFIX = "checkpoint_"
 
 # How long the import check on a worker of the cluster may take (a cold worker imports torch and the user's code).
 IMPORT_CHECK_TIMEOUT_S = 120.0
@@ -41,7 +47,9 @@ def check_importable_on_cluster(train_code: str, working_dir: str) -> None:
         raise UserCodeError(problem)
 
 
-def trainer_function(config: TrainingConfig, spec: TrainFunc, code_dir: str) -> tuple[Any, dict[str, Any], dict]:
+def trainer_function(
+    config: TrainingConfig, spec: TrainFunc, code_dir: str, resume: ResumePoint | None = None
+) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     """(the function each worker runs, its ``train_loop_config``, ``TorchTrainer`` data kwargs)."""
     from raytrain_tasks.user_code import run_train_func, user_config
 
@@ -49,7 +57,54 @@ def trainer_function(config: TrainingConfig, spec: TrainFunc, code_dir: str) -> 
     data: dict[str, Any] = {}
     if spec.datasets is not None:
         data["datasets"] = dict(spec.datasets(loop_config))
-    return run_train_func, {"train_code": config.train_code, "code_dir": code_dir, "config": loop_config}, data
+    resume = resume or ResumePoint()
+    return (
+        run_train_func,
+        {
+            "train_code": config.train_code,
+            "code_dir": code_dir,
+            "config": loop_config,
+            "rejected": sorted(resume.rejected),
+            "fallback": resume.fallback,
+        },
+        data,
+    )
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Which of a run's checkpoints a resume may start from: ``rejected`` ones never (their files do not hash to
+    what the run recorded when Ray Train committed them, or nothing was recorded), ``fallback`` instead."""
+
+    rejected: frozenset[str] = frozenset()
+    fallback: str | None = None
+    why: str = ""
+
+
+def choose_resume_point(run_dir: StorageLocation, pinned: dict[str, str]) -> ResumePoint:
+    """The newest of the run's checkpoints whose files (every rank's) still hash to the digest recorded when it was
+    committed; every newer one is rejected, and why. CheckpointError when checkpoints exist and none verifies."""
+    from raytrain_tasks.integrity import folder_digest
+
+    names = sorted(name for name in run_dir.list_names() if name.startswith(RAY_CHECKPOINT_PREFIX))
+    rejected: list[str] = []
+    reasons: list[str] = []
+    for name in reversed(names):
+        expected = pinned.get(name)
+        if expected is None:
+            reasons.append(f"{name}: never recorded as committed (a rank died before its files were all uploaded?)")
+        else:
+            location = run_dir.child(name)
+            if folder_digest(location.filesystem, location.path) == expected:
+                return ResumePoint(frozenset(rejected), name if rejected else None, "; ".join(reasons))
+            reasons.append(f"{name}: its files do not hash to the digest recorded when it was committed")
+        rejected.append(name)
+    if rejected:
+        raise CheckpointError(
+            f"no checkpoint of run {run_dir.uri} verifies ({'; '.join(reasons)}); nothing was resumed. Check who "
+            "can write `storage_path`; start a new run (a new run key) to train from scratch"
+        )
+    return ResumePoint()
 
 
 def history_of(result: ray.train.Result, logged: list[dict[str, float]]) -> list[dict[str, float]]:
@@ -66,10 +121,12 @@ def history_of(result: ray.train.Result, logged: list[dict[str, float]]) -> list
     return entries
 
 
-def best_checkpoint(result: ray.train.Result, spec: TrainFunc, run_key: str) -> tuple[Any, dict[str, Any]]:
-    """(the best kept checkpoint by the spec's metric, its reported metrics); TrainingError when the user's code
-    reported no checkpoint or never the gate's metric (nothing can be registered from it)."""
-    kept = result.best_checkpoints or []
+def best_checkpoint(
+    result: ray.train.Result, spec: TrainFunc, run_key: str, rejected: frozenset[str] = frozenset()
+) -> tuple[Any, dict[str, Any]]:
+    """(the best kept checkpoint by the spec's metric, its reported metrics; never a rejected one); TrainingError
+    when the user's code reported no checkpoint or never the gate's metric (nothing can be registered from it)."""
+    kept = [(c, m) for c, m in result.best_checkpoints or [] if checkpoint_name(c.path) not in rejected]
     if not kept:
         raise TrainingError(
             f"training run {run_key}: train_func never passed a checkpoint to ray.train.report(..., checkpoint=...); "

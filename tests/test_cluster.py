@@ -207,6 +207,41 @@ def test_the_pipeline_trains_on_a_cluster_by_address_and_leaves_it_running(
     assert shipped, sorted(str(p.relative_to(resources)) for p in resources.rglob("*"))[:50]
 
 
+def test_user_code_outside_the_project_reaches_the_clusters_workers_through_runtime_env(
+    external_cluster: ExternalCluster, tmp_path: Path, prefect_api: None
+) -> None:
+    """The user's package lives in a project folder of its own (a copy of examples/seed_ddp); the command runs there
+    with `ray_address` set. Nothing is copied to the cluster by hand: the driver ships the package with runtime_env
+    py_modules (the workers are not given the driver's folder), and the cluster unpacks it for its workers."""
+    from prefect.settings import PREFECT_API_URL
+
+    project = tmp_path / "project"
+    shutil.copytree(
+        REPO_ROOT / "examples" / "seed_ddp", project / "my_model", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    command = [
+        str(Path(sys.executable).with_name("prefect-raytrain")),
+        "train",
+        "--ray-address",
+        external_cluster.address,
+    ]
+    command += ["--train-code", "my_model.train:training", "--train-config", '{"hidden": 24}']
+    command += ["--storage-path", str(tmp_path / "storage"), "--mlflow-tracking-uri", tracking_uri]
+    command += ["--epochs", "2", "--experiment-name", "cluster-own-code", "--model-name", "cluster-own-code"]
+    env = {**os.environ, **CLIENT_ENV, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
+    done = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=480)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    client = MlflowClient(tracking_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("cluster-own-code").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.params["train_code"] == "my_model.train:training"
+    assert run.data.tags["prefect_raytrain.ray_cluster"] == external_cluster.address
+    resources = external_cluster.temp_dir / "session_latest" / "runtime_resources"
+    assert list(resources.glob("py_modules_files/*/my_model/train.py")), sorted(
+        str(p.relative_to(resources)) for p in resources.rglob("*")
+    )[:50]
+
+
 def test_connecting_never_shuts_the_cluster_down(external_cluster: ExternalCluster) -> None:
     code = textwrap.dedent(
         f"""

@@ -92,7 +92,9 @@ def test_train_config_is_logged_as_params_one_per_key() -> None:
 
 
 def own_config(workdir: Path, code: str, **overrides: Any) -> TrainingConfig:
-    return small_config(workdir, train_code=code, **{"epochs": 4, "register": False, **overrides})
+    return small_config(
+        workdir, train_code=code, **{"epochs": 4, "register": False, "train_config": '{"hidden": 32}', **overrides}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +143,7 @@ def test_the_gate_moves_champion_only_to_a_lower_rmse(tmp_path: Path) -> None:
     assert worse.model.aliases == ("challenger",), worse.model
     assert "does not beat champion" in worse.model.reason
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    assert client.get_registered_model("digits-test").aliases["champion"] == good.model.version
+    assert str(client.get_registered_model("digits-test").aliases["champion"]) == good.model.version
     with _tracking(tmp_path):
         predicted = mlflow.pyfunc.load_model("models:/digits-test@champion").predict(np.zeros((3, 10), np.float32))
     assert np.asarray(predicted).shape == (3, 1)

@@ -52,7 +52,7 @@ class PrefectServer:
 def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
     root = tmp_path_factory.mktemp("prefect-server")
     checkout = root / "checkout"
-    for package in ("flows", "tasks", "raytrain_tasks", "deployments"):
+    for package in ("flows", "tasks", "raytrain_tasks", "deployments", "examples"):
         shutil.copytree(REPO_ROOT / package, checkout / package, ignore=shutil.ignore_patterns("__pycache__"))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -479,6 +479,46 @@ def test_served_runs_share_one_warm_ray_that_ends_with_serve(prefect_server: Pre
         serve.wait(timeout=60)
         alive = psutil.wait_procs(ray_processes, timeout=30)[1]
         assert not alive, f"Ray processes left by serve: {[p.name() for p in alive]}"
+    finally:
+        stop_process_group(serve, signal.SIGTERM, timeout=60)
+
+
+EXAMPLES = ("seed_ddp", "diabetes_regression", "image_classifier", "fsdp_sharded")
+
+
+def test_every_example_trains_and_registers_through_a_served_deployment(prefect_server: PrefectServer) -> None:
+    """The user's own code as a deployment parameter: `train_code` (and `train_config`) set on a run of the ad-hoc
+    deployment, as `-p train_code=...` or the UI's form would; the code is found in the folder serve runs in."""
+    serve, serve_log = _start_in_checkout(prefect_server, [sys.executable, "-m", "deployments.serve", "--replace"])
+    try:
+        _wait_until_served(serve, serve_log)
+        deployment = _api(prefect_server, lambda client: client.read_deployment_by_name("training-pipeline/ad-hoc"))
+        for example in EXAMPLES:
+            parameters = {
+                "train_code": f"examples.{example}.train:training",
+                "train_config": '{"seed_note": "served"}',
+                "epochs": 2,
+                "experiment_name": "own-code",
+                "model_name": f"served-{example}",
+            }
+            created = _api(
+                prefect_server,
+                lambda c, parameters=parameters: c.create_flow_run_from_deployment(
+                    deployment.id, parameters=parameters
+                ),
+            )
+            flow_run = _wait_for_final_state(prefect_server, created.id)
+            assert flow_run.state_type.value == "COMPLETED", (example, serve_log.read_text()[-5000:])
+        tracking = _tracking(prefect_server)
+        runs = tracking.search_runs([tracking.get_experiment_by_name("own-code").experiment_id])
+        assert sorted(run.data.params["train_code"] for run in runs) == sorted(
+            f"examples.{example}.train:training" for example in EXAMPLES
+        )
+        assert all(
+            run.info.status == "FINISHED" and run.data.params["train_config.seed_note"] == "served" for run in runs
+        )
+        for example in EXAMPLES:
+            assert tracking.get_registered_model(f"served-{example}").aliases.get("champion") is not None
     finally:
         stop_process_group(serve, signal.SIGTERM, timeout=60)
 
