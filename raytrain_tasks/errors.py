@@ -30,6 +30,11 @@ class RunLeaseError(PipelineError):
     """Another live driver holds the run key's lease: this one trains nothing."""
 
 
+class RunLeaseLostError(RunLeaseError):
+    """This driver lost the run key's lease while training (taken over, or not renewed in time): it stopped its
+    fit at once and leaves the run, its checkpoints and its MLflow run to the driver that holds the lease now."""
+
+
 class ContinuationError(PipelineError):
     """A crashed flow run cannot or must not be continued (not crashed, not ours, or its crash budget is spent)."""
 

@@ -32,6 +32,7 @@ from raytrain_tasks.errors import (
     CheckpointError,
     ClusterError,
     RunLeaseError,
+    RunLeaseLostError,
     TrackingError,
     TrainingError,
     UnsafeCheckpointError,
@@ -59,7 +60,7 @@ from tasks.cluster import (
     sized_for_cluster,
     storage_shared_with_nodes,
 )
-from tasks.lease import run_lease
+from tasks.lease import HeldLease, run_lease
 from tasks.run_page import EpochProgress
 from tasks.storage import RUNS_DIR, StorageLocation, locate
 
@@ -140,8 +141,8 @@ def fit_in_this_process(
         # One driver per run key, whatever host it runs on (tasks/lease.py).
         with run_lease(
             run_dir, run_key, tracking.this_driver(), config.run_lease_seconds, holder_alive=tracking.driver_alive
-        ):
-            return _distributed_fit(config, dataset, run_key, runs, run_dir, origin or prefect_origin(run_key))
+        ) as lease:
+            return _distributed_fit(config, dataset, run_key, runs, run_dir, origin or prefect_origin(run_key), lease)
 
 
 def check_started_without_checkpoint(config: TrainingConfig, run_key: str, run_dir: StorageLocation) -> None:
@@ -225,6 +226,7 @@ def _distributed_fit(
     runs: StorageLocation,
     run_dir: StorageLocation,
     origin: dict[str, str],
+    lease: HeldLease | None = None,
 ) -> FitResult:
     logger = run_logger()
     # Pre-flight, cheapest first: MLflow answers, Ray is reachable and can host the workers (and, on a cluster,
@@ -325,7 +327,7 @@ def _distributed_fit(
                 tracking.system_metrics(config.system_metrics, config.mlflow_tracking_uri, run_id, reopened),
                 progress or contextlib.nullcontext(),
             ):
-                result = fit_interruptibly(trainer)
+                result = fit_interruptibly(trainer, lease)
 
         if spec is not None or dataset is None:
             assert spec is not None, "the built-in loop trains on a prepared dataset"
@@ -360,12 +362,24 @@ def _distributed_fit(
         fit = fit.model_copy(update={"scores": scores, "best_checkpoint_model_id": model_id})
         # The record goes last: a run with it is complete, and a resume of it trains and logs nothing again.
         # Its digest goes to MLflow after it: a record without one is not trusted (see _finished_fit).
+        if lease is not None:
+            lease.check()  # a driver that lost the run writes nothing more into it
         record = fit.model_dump_json(indent=1)
         run_dir.child(FIT_RECORD).write_text(record)
         client.set_tag(run_id, tracking.FIT_RECORD_TAG, hashlib.sha256(record.encode()).hexdigest())
     except BaseException as exc:
         if run_id is None:
             raise
+        if lease is not None and lease.lost() is not None:
+            # The run and its MLflow run belong to the lease's new holder now: marking it KILLED or FAILED here
+            # would end the run that driver is training.
+            logger.error("run %s: this driver lost the lease; MLflow run %s is left to its holder", run_key, run_id)
+            if isinstance(exc, RunLeaseLostError):
+                raise
+            try:
+                lease.check()
+            except RunLeaseLostError as lost:
+                raise lost from exc
         if isinstance(exc, TerminationSignal | KeyboardInterrupt):  # a Prefect cancellation (SIGTERM), Ctrl-C
             how = f"signal {exc.signal}" if isinstance(exc, TerminationSignal) else "Ctrl-C"
             tracking.stop_run(
@@ -521,7 +535,7 @@ def _finished_fit(run_dir: StorageLocation, client: Any, experiment_id: str, run
     return FitResult.model_validate_json(text)
 
 
-def fit_interruptibly(trainer: TorchTrainer) -> ray.train.Result:
+def fit_interruptibly(trainer: TorchTrainer, lease: HeldLease | None = None) -> ray.train.Result:
     """``trainer.fit()``, with this thread free to take a SIGTERM (a Prefect cancellation) or Ctrl-C at once.
 
     ``fit()`` waits on the controller inside one ``ray.get``, and a thread blocked there runs Python's signal
@@ -531,6 +545,9 @@ def fit_interruptibly(trainer: TorchTrainer) -> ray.train.Result:
     here (TerminationSignal, KeyboardInterrupt) leaves the helper behind: ending the process (or ``ray_session``
     shutting the local Ray down) ends the controller and its workers. Off the main thread, Ray Train installs
     no SIGINT handler of its own either (one that kept the controller alive after the fit).
+
+    A lost run lease (``lease``) ends the fit at once: its controller is killed, with its workers, whatever Ray
+    this is (a cluster outlives the driver's connection), and RunLeaseLostError is raised.
     """
     outcome: dict[str, Any] = {}
 
@@ -545,6 +562,11 @@ def fit_interruptibly(trainer: TorchTrainer) -> ray.train.Result:
     helper.start()
     while helper.is_alive():
         helper.join(timeout=0.2)
+        if lease is not None and lease.lost() is not None:
+            abort = getattr(trainer, "abort", None)
+            if abort is not None:
+                abort()
+            lease.check()
     if "error" in outcome:
         raise outcome["error"]
     return outcome["result"]

@@ -3,12 +3,20 @@
 Two drivers on one run key (a manual `resume` while the original still trains, or a duplicate continuation)
 would train the same epochs twice and race on checkpoints and the MLflow run. The lease lives next to the
 checkpoints (`<storage_path>/runs/<run key>/driver.lease`), so it works for every host that can reach the run
-at all. It holds who drives the run and until when; the holder renews it every third of its length. A holder
-that dies stops renewing and its lease expires; one on this host that is provably gone is taken over at once.
+at all. It names the driver that holds it and how long it lasts unrenewed; the holder renews it every third of
+its length (a failed renewal is retried every twelfth). A holder that dies stops renewing and its lease expires;
+one on this host that is provably gone is taken over at once.
 
-Taking and renewing the lease are compare-and-swap writes (``StorageLocation.write_if``: conditional writes on
-S3, a folder lock locally): of two drivers that start in the same moment exactly one writes the lease and the
-other is refused, and a driver whose lease was taken over cannot renew it.
+Expiry is judged without any other host's clock: a lease counts as expired when the storage says it was last
+written more than its length ago (S3's ``LastModified`` against the same reply's ``Date``). The holder, on its
+own monotonic clock, counts itself as having lost the lease when it has had no successful renewal for
+``LOST_AFTER`` of the length, before anyone else can see it expired, or as soon as a renewal finds it taken; the
+block under the lease must then stop at once (``HeldLease.check``; ``tasks.fit`` kills the Ray Train controller).
+
+Taking, renewing and releasing the lease are compare-and-swap operations (``StorageLocation.write_if`` and
+``delete_if``: conditional requests on S3, a folder lock locally): of two drivers that start in the same moment
+exactly one writes the lease and the other is refused, and a driver whose lease was taken over can neither renew
+nor delete it.
 """
 
 from __future__ import annotations
@@ -19,13 +27,20 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from raytrain_tasks.errors import RunLeaseError
+from raytrain_tasks.errors import RunLeaseError, RunLeaseLostError
 from tasks.storage import StorageLocation, make_dirs, remove_empty_dirs
 
 LEASE_FILE = "driver.lease"
+# The holder gives the lease up after this share of its length without a successful renewal: the rest is the
+# time it has to stop its fit before any other driver can see the lease expired.
+LOST_AFTER = 0.75
+RETRIES_PER_LEASE = 12  # a failed renewal is tried again after 1/12 of the lease
+# Tries per lease request: the renewer retries on its own schedule and must notice a lost lease in time, so one
+# request never waits through s3_max_attempts' minute of backoff.
+REQUEST_ATTEMPTS = 2
 
 logger = logging.getLogger(__name__)
 
@@ -33,36 +48,95 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Lease:
     holder: str
-    expires_at: float
+    duration_s: float  # how long it lasts unrenewed
+    age_s: float = 0.0  # since its last renewal, by the storage's clock
+    renewals: int = 0
+
+    @property
+    def remaining_s(self) -> float:
+        return self.duration_s - self.age_s
 
     def describe(self) -> str:
-        return f"{self.holder} until {datetime.fromtimestamp(self.expires_at, UTC):%Y-%m-%d %H:%M:%S} UTC"
+        until = datetime.fromtimestamp(time.time() + max(0.0, self.remaining_s), UTC)
+        return f"{self.holder} until {until:%Y-%m-%d %H:%M:%S} UTC (unless renewed; renewal {self.renewals})"
 
 
 def read_lease(location: StorageLocation) -> Lease | None:
     """The lease at ``location``, or None when there is none."""
-    found = _read(location)
+    found = _read(location, 0.0)
     return found[0] if found else None
 
 
-def _read(location: StorageLocation) -> tuple[Lease | None, str] | None:
+def _read(location: StorageLocation, default_duration_s: float) -> tuple[Lease | None, str] | None:
     """(lease, version) of the lease object; the lease is None when the object is unreadable as a lease (writes
     are atomic, so only a foreign or damaged file is): it counts as expired, and is replaced only by a
-    compare-and-swap against that very content."""
-    found = location.read_versioned()
+    compare-and-swap against that very content. A lease from an older release has no length of its own: it
+    lasts ``default_duration_s`` from its last write."""
+    found = location.read_aged(REQUEST_ATTEMPTS)
     if found is None:
         return None
-    text, version = found
     try:
-        raw = json.loads(text)
-        return Lease(str(raw["holder"]), float(raw["expires_at"])), version
-    except (ValueError, KeyError, TypeError):
+        raw = json.loads(found.text)
+        lease = Lease(
+            str(raw["holder"]),
+            float(raw.get("duration_s", default_duration_s)),
+            max(0.0, found.age_s),
+            int(raw.get("renewals", 0)),
+        )
+        return lease, found.version
+    except (ValueError, KeyError, TypeError, AttributeError):
         logger.warning("%s is not a lease this project wrote; it counts as expired", location.uri)
-        return None, version
+        return None, found.version
 
 
-def _encode(holder: str, duration_s: float) -> str:
-    return json.dumps({"holder": holder, "expires_at": time.time() + duration_s})
+def _encode(holder: str, duration_s: float, renewals: int) -> str:
+    # expires_at is for people reading the file: by the writer's clock, never compared by another driver.
+    return json.dumps(
+        {"holder": holder, "duration_s": duration_s, "renewals": renewals, "expires_at": time.time() + duration_s}
+    )
+
+
+@dataclass
+class HeldLease:
+    """The lease as its holder sees it; ``check`` raises RunLeaseLostError once it is lost."""
+
+    location: StorageLocation
+    run_key: str
+    holder: str
+    duration_s: float
+    version: str
+    renewed_at: float  # monotonic time the last successful write was sent
+    renewals: int = 0
+    taken_by: str | None = None
+    lost_event: threading.Event = field(default_factory=threading.Event)
+    _why: str | None = None
+
+    def lost(self) -> str | None:
+        """Why this driver no longer holds the lease; None while it does. Once lost, it stays lost."""
+        if self._why is None:
+            unrenewed = time.monotonic() - self.renewed_at
+            if self.taken_by is not None:
+                self._why = f"the lease was taken by {self.taken_by}"
+            elif unrenewed > LOST_AFTER * self.duration_s:
+                self._why = (
+                    f"it could not be renewed for {unrenewed:.0f} s (storage unreachable?), and after "
+                    f"{self.duration_s:g} s another driver may take it over"
+                )
+            else:
+                return None
+            self.lost_event.set()
+        return self._why
+
+    def check(self) -> None:
+        """Raise RunLeaseLostError when the lease is lost: the caller must stop driving the run now."""
+        why = self.lost()
+        if why is not None:
+            raise RunLeaseLostError(
+                f"driver {self.holder} lost the lease of run {self.run_key}: {why}. It stopped its fit so that two "
+                f"drivers never train the run at once; the run belongs to the lease's holder now (or, once the lease "
+                f"has expired, to `resume={self.run_key}`). Raise `run_lease_seconds` if storage outages this long "
+                "are expected"
+            )
 
 
 @contextmanager
@@ -73,8 +147,11 @@ def run_lease(
     duration_s: float,
     *,
     holder_alive: Callable[[str], bool | None] = lambda holder: None,
-) -> Iterator[None]:
+) -> Iterator[HeldLease]:
     """Hold the run's lease for the block, renewing it; RunLeaseError when another live driver holds it.
+
+    The block must call ``check()`` on what it gets often (or watch ``lost_event``): a lease lost mid-block is
+    not taken back, and the block must stop driving the run.
 
     ``holder_alive``: what this host can tell about a holder (``tasks.tracking.driver_alive``): False (a
     process of this host that is gone) lets its lease be taken over before it runs out; None: cannot tell.
@@ -82,70 +159,79 @@ def run_lease(
     location = run_dir.child(LEASE_FILE)
     created = make_dirs(run_dir)
     try:
-        found = _read(location)
+        found = _read(location, duration_s)
         current, version = found if found else (None, None)
-        if current is not None and current.holder != holder and current.expires_at > time.time():
+        if current is not None and current.holder != holder and current.remaining_s > 0:
             if holder_alive(current.holder) is not False:
                 raise RunLeaseError(_refusal(run_key, current))
             logger.warning("taking over the lease of run %s from %s: that process is gone", run_key, current.holder)
-        mine = location.write_if(_encode(holder, duration_s), version)
+        sent = time.monotonic()
+        mine = location.write_if(_encode(holder, duration_s, 0), version, REQUEST_ATTEMPTS)
         if mine is None:  # another driver wrote the lease between our read and our write: it drives
             winner = read_lease(location)
-            raise RunLeaseError(_refusal(run_key, winner or Lease("another driver", time.time() + duration_s)))
+            raise RunLeaseError(_refusal(run_key, winner or Lease("another driver", duration_s)))
     except BaseException:
         remove_empty_dirs(created)  # a run that never started leaves nothing behind
         raise
     stop = threading.Event()
-    held = _Held(mine)
-    renewer = threading.Thread(
-        target=_renew, args=(location, run_key, holder, duration_s, held, stop), name="run-lease", daemon=True
-    )
+    held = HeldLease(location, run_key, holder, duration_s, mine, sent)
+    renewer = threading.Thread(target=_renew, args=(held, stop), name="run-lease", daemon=True)
     renewer.start()
     try:
-        yield
+        yield held
     finally:
         stop.set()
         renewer.join(timeout=10)
-        _release(location, run_key, held, created)
+        _release(held, created)
 
 
-@dataclass
-class _Held:
-    version: str
-
-
-def _renew(
-    location: StorageLocation, run_key: str, holder: str, duration_s: float, held: _Held, stop: threading.Event
-) -> None:
-    while not stop.wait(duration_s / 3):
+def _renew(held: HeldLease, stop: threading.Event) -> None:
+    delay = held.duration_s / 3
+    while not stop.wait(delay):
+        sent = time.monotonic()
         try:
-            renewed = location.write_if(_encode(holder, duration_s), held.version)
-        except OSError as exc:  # storage briefly unreachable: the next renewal (a third of the lease later) retries
-            logger.warning("run %s: could not renew the driver lease (%s); retrying", run_key, exc)
+            renewed = held.location.write_if(
+                _encode(held.holder, held.duration_s, held.renewals + 1), held.version, REQUEST_ATTEMPTS
+            )
+        except OSError as exc:  # storage briefly unreachable: retried soon, until the lease counts as lost
+            delay = held.duration_s / RETRIES_PER_LEASE
+            if held.lost() is not None:
+                logger.error(
+                    "run %s: could not renew the driver lease in time (%s); this driver stops", held.run_key, exc
+                )
+                return
+            logger.warning(
+                "run %s: could not renew the driver lease (%s); retrying in %.1f s", held.run_key, exc, delay
+            )
             continue
         if renewed is None:
-            taker = read_lease(location)
-            logger.error(
-                "run %s: the lease was taken by %s; this driver stops renewing it",
-                run_key,
-                taker.holder if taker else "another driver",
-            )
+            try:
+                taker = read_lease(held.location)
+            except OSError:
+                taker = None
+            held.taken_by = taker.holder if taker else "another driver"
+            held.lost()
+            logger.error("run %s: the lease was taken by %s; this driver stops", held.run_key, held.taken_by)
             return
-        held.version = renewed
+        if held.lost() is not None:  # renewed too late: the block is stopping already, and stays stopped
+            held.version = renewed  # still ours to release
+            return
+        held.version, held.renewed_at, held.renewals = renewed, sent, held.renewals + 1
+        delay = held.duration_s / 3
 
 
-def _release(location: StorageLocation, run_key: str, held: _Held, created: list[StorageLocation]) -> None:
-    """Delete the lease if it is still ours. Storage that cannot be reached now leaves it to expire: the run's
-    own outcome (a result, or the error that ended it) matters more than releasing the key early."""
+def _release(held: HeldLease, created: list[StorageLocation]) -> None:
+    """Delete the lease if it is still ours (a conditional delete: a lease taken over meanwhile stays). Storage
+    that cannot be reached now leaves it to expire: the run's own outcome (a result, or the error that ended it)
+    matters more than releasing the key early."""
     try:
-        found = _read(location)
-        if found is not None and found[1] == held.version:  # still ours: release it
-            location.filesystem.delete_file(location.path)
+        if held.taken_by is None:
+            held.location.delete_if(held.version, REQUEST_ATTEMPTS)
         remove_empty_dirs(created)
     except OSError as exc:
         logger.warning(
             "run %s: could not release the driver lease (%s); it expires by itself after run_lease_seconds",
-            run_key,
+            held.run_key,
             exc,
         )
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -58,27 +59,64 @@ class StorageLocation:
 
     def read_versioned(self) -> tuple[str, str] | None:
         """The object's text and a version token for ``write_if``; None when there is no object."""
+        found = self.read_aged()
+        return (found.text, found.version) if found is not None else None
+
+    def read_aged(self, max_attempts: int | None = None) -> VersionedText | None:
+        """The object's text, version token for ``write_if``, and age: seconds since it was last written, by the
+        storage's own clock (S3: the reply's ``Date`` minus the object's ``LastModified``; a local folder: this
+        host's clock, which wrote it). No other host's clock enters it. None when there is no object."""
         if is_s3(self.uri):
             from botocore.exceptions import BotoCoreError, ClientError
 
             bucket, key = split_s3(self.uri)
             try:
-                reply = s3_client(self.options).get_object(Bucket=bucket, Key=key)
-                return reply["Body"].read().decode(), str(reply["ETag"])
+                reply = s3_client(self.options, max_attempts).get_object(Bucket=bucket, Key=key)
+                text = reply["Body"].read().decode()
             except ClientError as exc:
                 if _code(exc) in ("NoSuchKey", "404"):
                     return None
                 raise OSError(f"cannot read {self.uri}: {exc}") from exc
             except BotoCoreError as exc:  # unreachable endpoint, timeouts: the same OSError as pyarrow's
                 raise OSError(f"cannot read {self.uri}: {exc}") from exc
+            from email.utils import parsedate_to_datetime
+
+            served = parsedate_to_datetime(reply["ResponseMetadata"]["HTTPHeaders"]["date"])
+            return VersionedText(text, str(reply["ETag"]), (served - reply["LastModified"]).total_seconds())
         try:
             with self._folder_lock(fcntl.LOCK_SH):
                 text = Path(self.path).read_text()
+                age = time.time() - os.stat(self.path).st_mtime
         except FileNotFoundError:  # no such file, or no such folder
             return None
-        return text, _digest(text)
+        return VersionedText(text, _digest(text), age)
 
-    def write_if(self, text: str, version: str | None) -> str | None:
+    def delete_if(self, version: str, max_attempts: int | None = None) -> bool:
+        """Delete the object only if it is still at ``version``; False when it changed (or is gone) meanwhile.
+        S3: ``DeleteObject`` with ``If-Match``; a local folder: under the same exclusive lock as ``write_if``."""
+        if is_s3(self.uri):
+            from botocore.exceptions import BotoCoreError, ClientError
+
+            bucket, key = split_s3(self.uri)
+            try:
+                s3_client(self.options, max_attempts).delete_object(Bucket=bucket, Key=key, IfMatch=version)
+            except ClientError as exc:
+                if _code(exc) in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409", "NoSuchKey", "404"):
+                    return False
+                raise OSError(f"cannot delete {self.uri}: {exc}") from exc
+            except BotoCoreError as exc:
+                raise OSError(f"cannot delete {self.uri}: {exc}") from exc
+            return True
+        try:
+            with self._folder_lock(fcntl.LOCK_EX):
+                if _digest(Path(self.path).read_text()) != version:
+                    return False
+                os.remove(self.path)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def write_if(self, text: str, version: str | None, max_attempts: int | None = None) -> str | None:
         """Compare-and-swap: write ``text`` only if the object is still at ``version`` (None: only if there is
         none). Returns the new version, or None when another writer got there first.
 
@@ -91,7 +129,8 @@ class StorageLocation:
             bucket, key = split_s3(self.uri)
             condition = {"IfNoneMatch": "*"} if version is None else {"IfMatch": version}
             try:
-                reply = s3_client(self.options).put_object(Bucket=bucket, Key=key, Body=text.encode(), **condition)
+                client = s3_client(self.options, max_attempts)
+                reply = client.put_object(Bucket=bucket, Key=key, Body=text.encode(), **condition)
             except ClientError as exc:
                 if _code(exc) in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
                     return None
@@ -120,6 +159,13 @@ class StorageLocation:
             yield
         finally:
             os.close(descriptor)  # releases the lock
+
+
+@dataclass(frozen=True)
+class VersionedText:
+    text: str
+    version: str
+    age_s: float  # since the last write, by the storage's clock
 
 
 def _digest(text: str) -> str:
@@ -197,8 +243,10 @@ def check_writable(location: StorageLocation, *, create_bucket: bool = False) ->
         ) from exc
 
 
-def s3_client(options: StorageOptions) -> Any:
-    """A boto3 S3 client that fails in seconds, not after minutes of retries."""
+def s3_client(options: StorageOptions, max_attempts: int | None = None) -> Any:
+    """A boto3 S3 client trying each request ``options.max_attempts`` times (``s3_max_attempts``) with AWS's
+    standard backoff, or ``max_attempts`` where the caller retries on its own schedule or must answer in
+    seconds (the pre-flight check, the run lease)."""
     import boto3
     from botocore.config import Config
 
@@ -208,7 +256,11 @@ def s3_client(options: StorageOptions) -> Any:
         "s3",
         endpoint_url=options.endpoint_url or None,
         region_name=options.region or None,
-        config=Config(connect_timeout=3, read_timeout=10, retries={"max_attempts": 2, "mode": "standard"}),
+        config=Config(
+            connect_timeout=3,
+            read_timeout=10,
+            retries={"total_max_attempts": max_attempts or options.max_attempts, "mode": "standard"},
+        ),
     )
 
 
@@ -217,7 +269,7 @@ def _check_s3(location: StorageLocation, *, create_bucket: bool) -> None:
 
     bucket, prefix = split_s3(location.uri)
     where = f"s3://{bucket} at {location.options.endpoint_url or 'AWS'}"
-    client = s3_client(location.options)
+    client = s3_client(location.options, max_attempts=2)  # a pre-flight check answers in seconds
     probe_key = "/".join(p for p in (prefix, f".write-probe-{uuid.uuid4().hex[:8]}") if p)
     try:
         try:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import math
 import os
+import secrets
 import socket
 import subprocess
 from collections.abc import Iterator
@@ -178,17 +181,32 @@ KILLED_TAG = "prefect_raytrain.killed"
 
 
 def this_driver() -> str:
-    """``host:pid:start`` of this process; the start time tells a reused pid from the original."""
-    return f"{socket.gethostname()}:{os.getpid()}:{_process_start(os.getpid())}"
+    """``host@scope:pid:start`` of this process. The scope names the process table the pid is in (the kernel's
+    boot and the pid namespace), so two containers with the same hostname are told apart; the start time tells a
+    reused pid from the original."""
+    return f"{socket.gethostname()}@{_pid_scope()}:{os.getpid()}:{_process_start(os.getpid())}"
 
 
 def driver_alive(driver: str) -> bool | None:
-    """Whether the process a DRIVER_TAG names still runs; None when this host cannot tell (another host)."""
+    """Whether the process a DRIVER_TAG names still runs; None when this process cannot tell (another host or
+    container, or a tag without a scope, from an older release)."""
     host, _, rest = driver.partition(":")
     pid, _, start = rest.partition(":")
-    if host != socket.gethostname() or not pid.isdigit() or not start:
+    if host != f"{socket.gethostname()}@{_pid_scope()}" or not pid.isdigit() or not start:
         return None
     return _process_start(int(pid)) == start
+
+
+@functools.cache
+def _pid_scope() -> str:
+    """What makes this process's pids its own: the kernel's boot id and the pid namespace (Linux). Where either
+    cannot be read, a random token: no other process then shares the scope, and nobody judges this one dead."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            identity = boot.read().strip() + os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return secrets.token_hex(6)
+    return hashlib.sha256(identity.encode()).hexdigest()[:12]
 
 
 def mark_dead_runs_killed(client: MlflowClient, experiment_id: str, found_by: str) -> list[str]:

@@ -3,8 +3,10 @@ reads of Ray Train's private modules: this file is their one adapter."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
+import ray
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
@@ -26,6 +28,44 @@ class RunTrainer(TorchTrainer):
         if self.datasets:
             return callbacks
         return [callback for callback in callbacks if not isinstance(callback, DatasetsCallback)]
+
+    _controller: Any = None
+    _aborted = False
+    _controller_lock = threading.Lock()
+
+    def _initialize_and_run_controller(self, **controller_init_kwargs: Any) -> Any:
+        """Ray Train 2.60's own (``DataParallelTrainer._initialize_and_run_controller``, the main-thread SIGINT
+        handler left out: the fit runs off the main thread), keeping the controller's handle for ``abort``."""
+        from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
+        from ray.train.v2._internal.constants import (
+            DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
+            get_env_vars_to_propagate,
+        )
+        from ray.train.v2._internal.execution.controller import TrainController
+
+        env_vars = get_env_vars_to_propagate()
+        env_vars.setdefault(
+            RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR, DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE
+        )
+        controller_cls = ray.remote(
+            num_cpus=0,
+            label_selector={ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()},  # type: ignore[attr-defined]
+            runtime_env={"env_vars": env_vars},
+        )(TrainController)
+        with self._controller_lock:
+            if self._aborted:
+                raise RuntimeError("the fit was aborted before its controller started")
+            self._controller = controller_cls.remote(**controller_init_kwargs)
+        ray.get(self._controller.run.remote())
+        return ray.get(self._controller.get_result.remote())
+
+    def abort(self) -> None:
+        """End the fit now: kill its controller (its worker group goes with it, the controller owns it). A
+        fit whose controller has not started yet never starts one."""
+        with self._controller_lock:
+            self._aborted = True
+            if self._controller is not None:
+                ray.kill(self._controller, no_restart=True)
 
 
 def waited_for_resources(exc: BaseException) -> WorkerGroupStartupTimeoutError | None:

@@ -24,10 +24,13 @@ from tasks.tracking import driver_alive, this_driver
 KEY = "20261123-070000-abcdef"
 
 
-def _lease_file(tmp_path: Path, holder: str, expires_in: float) -> Path:
+def _lease_file(tmp_path: Path, holder: str, expires_in: float, written_ago: float = 0.0) -> Path:
+    """A lease as a driver of this project writes it: ``expires_in`` by the writer's clock (which may be skewed),
+    last written ``written_ago`` seconds ago by the storage's clock (the file's modification time)."""
     path = tmp_path / KEY / LEASE_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"holder": holder, "expires_at": time.time() + expires_in}))
+    path.write_text(json.dumps({"holder": holder, "expires_at": time.time() + expires_in, "duration_s": 60}))
+    os.utime(path, (time.time() - written_ago, time.time() - written_ago))
     return path
 
 
@@ -43,7 +46,7 @@ def test_a_live_holder_keeps_the_run_and_the_refusal_says_who_and_until_when(tmp
 
 def test_an_expired_lease_and_a_dead_holder_on_this_host_are_taken_over(tmp_path: Path) -> None:
     run_dir = locate(str(tmp_path)).child(KEY)
-    _lease_file(tmp_path, "other-host:4242:99", expires_in=-1)
+    _lease_file(tmp_path, "other-host:4242:99", expires_in=-1, written_ago=61)
     with run_lease(run_dir, KEY, this_driver(), 60, holder_alive=driver_alive):
         assert read_lease(run_dir.child(LEASE_FILE)).holder == this_driver()  # type: ignore[union-attr]
 
@@ -119,16 +122,92 @@ def test_of_two_drivers_starting_together_exactly_one_proceeds(storage: str, tmp
         assert read_lease(run_dir.child(LEASE_FILE)) is None  # the one that drove released it
 
 
-def test_a_driver_whose_lease_was_taken_stops_renewing_it(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize(
+    ("expires_in", "written_ago", "taken_over"),
+    [
+        (-3600, 0, False),  # written just now by a host whose clock is an hour behind: it is held
+        (3600, 120, True),  # an hour to go by its writer's clock ahead of ours, but unrenewed for 2 minutes
+    ],
+)
+def test_expiry_follows_the_storage_clock_not_the_writers(
+    tmp_path: Path, expires_in: float, written_ago: float, taken_over: bool
+) -> None:
+    """`expires_at` came from the writing host's clock and was compared with this host's: a skew of more than a
+    lease let a second driver take a live run (or kept a dead one locked)."""
+    _lease_file(tmp_path, "other-host:4242:99", expires_in=expires_in, written_ago=written_ago)
+    try:
+        with run_lease(locate(str(tmp_path)).child(KEY), KEY, this_driver(), 60, holder_alive=driver_alive):
+            took = True
+    except RunLeaseError:
+        took = False
+    assert took is taken_over
+
+
+def test_a_driver_whose_lease_was_taken_must_stop(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Taken over (as after an expiry) by another driver: the holder's block is told at its next renewal, and
+    neither renews nor deletes the new holder's lease."""
+    from raytrain_tasks.errors import RunLeaseLostError
+
     run_dir = locate(str(tmp_path)).child(KEY)
-    with run_lease(run_dir, KEY, "holder-a", 1.5):
-        _lease_file(tmp_path, "holder-b", expires_in=600)  # taken over (as after an expiry) by another driver
-        time.sleep(1.2)  # past a renewal
-        lease = read_lease(run_dir.child(LEASE_FILE))
-        assert lease is not None and lease.holder == "holder-b"  # holder-a did not write over it
+    with run_lease(run_dir, KEY, "holder-a", 1.5) as lease:
+        lease.check()  # held
+        _lease_file(tmp_path, "holder-b", expires_in=600)
+        assert lease.lost_event.wait(timeout=3), "the holder never noticed its lease was taken"
+        with pytest.raises(RunLeaseLostError, match=rf"lost the lease of run {KEY}: the lease was taken by holder-b"):
+            lease.check()
+        time.sleep(0.6)
+        taken = read_lease(run_dir.child(LEASE_FILE))
+        assert taken is not None and taken.holder == "holder-b"  # holder-a did not write over it
     assert "the lease was taken by holder-b" in caplog.text
-    lease = read_lease(run_dir.child(LEASE_FILE))
-    assert lease is not None and lease.holder == "holder-b"  # and leaving did not delete b's lease
+    lease_after = read_lease(run_dir.child(LEASE_FILE))
+    assert lease_after is not None and lease_after.holder == "holder-b"  # and leaving did not delete b's lease
+
+
+def test_a_driver_in_another_pid_namespace_with_the_same_hostname_is_not_judged_dead(tmp_path: Path) -> None:
+    """Two containers with one hostname: a driver in the other one was `hostname:pid:start` like ours, and its
+    pid looked up in our process table (gone, or another process) made it "dead": its live run's lease was taken
+    over and its MLflow run marked KILLED."""
+    probe = "from tasks.tracking import this_driver; print(this_driver())"
+    try:
+        other = subprocess.run(
+            ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", probe],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"cannot start a process in a new pid namespace here: {exc}")
+    assert other.split(":")[0].split("@")[0] == this_driver().split(":")[0].split("@")[0]  # the same hostname
+    assert other != this_driver()
+    assert driver_alive(other) is None  # another process table: nobody here can tell
+    _lease_file(tmp_path, other, expires_in=600)
+    with pytest.raises(RunLeaseError, match="is being driven by"):
+        with run_lease(locate(str(tmp_path)).child(KEY), KEY, this_driver(), 60, holder_alive=driver_alive):
+            pytest.fail("took over the lease of a driver this host cannot see")
+
+
+@pytest.mark.slow
+def test_a_holder_that_cannot_renew_in_time_must_stop(tmp_path: Path) -> None:
+    """S3 down for longer than the lease: the holder counts its lease lost before anyone could take it over
+    (LOST_AFTER of its length, on its own clock), instead of training on while a continuation takes the run."""
+    from devtools.s3_server import LocalS3
+    from raytrain_tasks.errors import RunLeaseLostError
+
+    server = LocalS3(tmp_path / "s3").start()
+    try:
+        options = StorageOptions(endpoint_url=server.endpoint_url)
+        s3_client(options).create_bucket(Bucket="prt-lost")
+        run_dir = locate("s3://prt-lost/runs", options).child(KEY)
+        with run_lease(run_dir, KEY, "holder-a", 6) as lease:
+            taken = time.monotonic()
+            server.stop()
+            assert lease.lost_event.wait(timeout=12), "the holder kept its lease through a 12 s outage"
+            assert 4.0 < time.monotonic() - taken < 6.0  # 3/4 of the lease, before it could expire anywhere
+            with pytest.raises(RunLeaseLostError, match="could not be renewed"):
+                lease.check()
+    finally:
+        server.stop()
 
 
 @pytest.mark.slow
@@ -144,15 +223,18 @@ def test_the_holder_keeps_renewing_through_a_storage_outage(tmp_path: Path) -> N
         s3_client(options).create_bucket(Bucket="prt-outage")
         run_dir = locate("s3://prt-outage/runs", options).child(KEY)
         lease_file = run_dir.child(LEASE_FILE)
-        with run_lease(run_dir, KEY, "holder-a", 6):  # renewed every 2 s
+        with run_lease(run_dir, KEY, "holder-a", 9):  # renewed every 3 s
+            before = lease_file.read_text()
             server.stop()
-            time.sleep(5)  # two renewals fail
+            time.sleep(3.5)  # the renewal at 3 s fails
             server.start()
-            back = time.time()
-            time.sleep(5)
+            back = time.monotonic()
+            while lease_file.read_text() == before:
+                # A failed renewal is retried every 1/12 of the lease (0.75 s), not at the next third (6 s).
+                assert time.monotonic() - back < 1.8, "the lease was not renewed soon after storage came back"
+                time.sleep(0.1)
             lease = read_lease(lease_file)
             assert lease is not None and lease.holder == "holder-a"
-            assert lease.expires_at > back + 6 - 0.5, "the lease was not renewed after storage came back"
             server.stop()  # the run ends while storage is down: the block's outcome stands
         server.start()
         assert read_lease(lease_file) is not None  # left to expire, not deleted
@@ -226,3 +308,74 @@ def test_a_second_driver_on_a_running_key_is_refused(tmp_path: Path) -> None:
     assert run.info.status == "FINISHED"
     assert sorted(int(m.step) for m in client.get_metric_history(run.info.run_id, "val_accuracy")) == list(range(1, 11))
     assert not (run_dir / LEASE_FILE).exists()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_fit_whose_lease_is_taken_stops_at_once_and_leaves_the_mlflow_run_alone(tmp_path: Path) -> None:
+    """A real fit on the session's Ray (a Ray the driver does not own, like a cluster): another driver takes the
+    lease after epoch 1. The fit stops within a renewal period, its controller and workers end, it writes no
+    further epoch, and the MLflow run (the new holder's now) is neither KILLED nor FAILED by the lost driver."""
+    import ray
+    from mlflow import MlflowClient
+
+    from raytrain_tasks.config import new_run_key
+    from raytrain_tasks.errors import RunLeaseLostError
+    from tasks import tracking
+    from tasks.data import prepare_dataset
+    from tasks.fit import fit_in_this_process
+    from tasks.storage import RUNS_DIR
+    from tests.conftest import small_config, this_ray_address
+
+    config = small_config(
+        tmp_path, dataset="synthetic", synthetic_samples=24000, epochs=12, num_workers=1, run_lease_seconds=6
+    )
+    dataset = prepare_dataset(config)
+    key = new_run_key()
+    runs = locate(config.storage_path).child(RUNS_DIR)
+    run_dir = runs.child(key)
+    outcome: dict[str, Any] = {}
+
+    def drive() -> None:
+        try:
+            outcome["result"] = fit_in_this_process(config, dataset, key, runs, run_dir, origin={"run_name": key})
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            outcome["error"] = exc
+
+    driver = threading.Thread(target=drive)
+    driver.start()
+    deadline = time.monotonic() + 240
+    while not list(Path(run_dir.path).glob("epoch-0001*")):
+        assert driver.is_alive() and time.monotonic() < deadline, outcome
+        time.sleep(0.2)
+    lease_file = run_dir.child(LEASE_FILE)
+    taker = "other-host@elsewhere:4242:99"
+    while True:  # as a continuation does once the lease expired: a compare-and-swap over the current lease
+        text, version = lease_file.read_versioned()  # type: ignore[misc]
+        if lease_file.write_if(json.dumps({"holder": taker, "duration_s": 600, "expires_at": 0}), version):
+            break
+    taken = time.monotonic()
+    driver.join(timeout=60)
+    stopped_after = time.monotonic() - taken
+    assert not driver.is_alive(), "the fit went on after its lease was taken"
+    assert isinstance(outcome.get("error"), RunLeaseLostError), outcome
+    assert stopped_after < 10, f"stopped {stopped_after:.1f} s after the lease was taken"
+    print(f"\nthe fit stopped {stopped_after:.1f} s after its lease was taken")
+
+    epochs = sorted(p.name for p in Path(run_dir.path).glob("epoch-*"))
+    time.sleep(3)
+    assert sorted(p.name for p in Path(run_dir.path).glob("epoch-*")) == epochs  # nothing trains on
+    assert len(epochs) < config.epochs
+    from ray.util.state import list_actors
+
+    controllers = list_actors(
+        address=this_ray_address(), filters=[("class_name", "=", "TrainController"), ("state", "=", "ALIVE")]
+    )
+    assert controllers == [], controllers
+    client = MlflowClient(config.mlflow_tracking_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name(config.experiment_name).experiment_id])
+    assert run.info.status == "RUNNING"  # the holder's: not KILLED, not FAILED by the driver that lost it
+    assert tracking.KILLED_TAG not in run.data.tags and tracking.ERROR_TAG not in run.data.tags
+    lease = read_lease(lease_file)
+    assert lease is not None and lease.holder == taker  # and the lost driver did not release the taker's lease
+    assert ray.is_initialized()

@@ -180,3 +180,19 @@ def test_the_s3_filesystem_keeps_its_retries_when_ray_pickles_it() -> None:
     finally:
         endpoint.close()
     assert len(attempts) == 5  # pyarrow's unpickled default: 3
+
+
+@pytest.mark.parametrize("attempts", [1, 4])
+def test_the_s3_client_tries_each_request_s3_max_attempts_times(attempts: int) -> None:
+    """boto3 was fixed at 2 tries whatever `s3_max_attempts` said; counted here on an endpoint nobody serves."""
+    from botocore.exceptions import EndpointConnectionError
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    client = s3_client(StorageOptions(endpoint_url=f"http://127.0.0.1:{port}", max_attempts=attempts))
+    sent: list[str] = []
+    client.meta.events.register("before-send.s3", lambda request, **_: sent.append(request.url))
+    with pytest.raises(EndpointConnectionError):
+        client.head_bucket(Bucket="prt-attempts")
+    assert len(sent) == attempts
