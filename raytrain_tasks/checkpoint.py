@@ -18,6 +18,7 @@ import logging
 import os
 import pickle
 import random
+import re
 import shutil
 import stat
 import tempfile
@@ -151,7 +152,8 @@ def save_checkpoint(
         if path.name != MANIFEST_FILE
     }
     # Written last: a directory without it is an incomplete checkpoint.
-    (directory / MANIFEST_FILE).write_text(json.dumps({"format_version": FORMAT_VERSION, "files": files}, indent=1))
+    manifest = {"format_version": FORMAT_VERSION, "torch_version": torch.__version__, "files": files}
+    (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
     return directory
 
 
@@ -248,15 +250,43 @@ def load_tensors(path: Path, map_location: str | torch.device = "cpu") -> Any:
 
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError, AttributeError) as exc:
-        # weights_only=True raises UnpicklingError for a pickled object it does not allow (nothing of it
-        # is created); the others come from a damaged archive.
-        raise UnsafeCheckpointError(
-            f"checkpoint file {path} holds something other than tensors and plain values and was not loaded "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). A checkpoint is data, never "
-            "code: someone or something other than prefect-raytrain wrote this file. Check who can write "
-            "`storage_path`, then start a new run (without `resume`) or restore the checkpoint from a backup"
-        ) from exc
+    except RuntimeError as exc:
+        if TOO_NEW_FOR_THIS_TORCH.search(str(exc)):
+            # torch's own archive version check, before anything is unpickled: an older torch than the one that
+            # wrote the file, not tampering. The resume falls back to an older checkpoint this torch can read.
+            written_by = _manifest_field(path.parent, "torch_version") or "a newer version"
+            raise CheckpointError(
+                f"checkpoint file {path} was written by torch {written_by}, which this worker's torch "
+                f"{torch.__version__} cannot read ({str(exc).splitlines()[0][:300]}). Install the same torch on the "
+                "driver and every Ray node as the run trained with"
+            ) from exc
+        raise _unsafe(path, exc) from exc
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as exc:
+        raise _unsafe(path, exc) from exc
+
+
+# What torch says when a file's archive format is newer than it reads (seen on torch 2.13: "Attempted to read a
+# PyTorch file with version 99, but the maximum supported version for reading is 10. The version of your PyTorch
+# installation may be too old, ...").
+TOO_NEW_FOR_THIS_TORCH = re.compile(r"maximum supported version for reading|PyTorch installation may be too old")
+
+
+def _manifest_field(directory: Path, key: str) -> str:
+    try:
+        return str(json.loads((directory / MANIFEST_FILE).read_text()).get(key, ""))
+    except (OSError, ValueError, AttributeError):
+        return ""
+
+
+def _unsafe(path: Path, exc: BaseException) -> UnsafeCheckpointError:
+    # weights_only=True raises UnpicklingError for a pickled object it does not allow (nothing of it is created);
+    # the others come from a damaged archive.
+    return UnsafeCheckpointError(
+        f"checkpoint file {path} holds something other than tensors and plain values and was not loaded "
+        f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). A checkpoint is data, never "
+        "code: someone or something other than prefect-raytrain wrote this file. Check who can write "
+        "`storage_path`, then start a new run (without `resume`) or restore the checkpoint from a backup"
+    )
 
 
 def load_checkpoint(directory: str | Path, map_location: str | torch.device = "cpu") -> LoadedCheckpoint:

@@ -17,6 +17,10 @@ class StorageError(PipelineError):
     """Shared storage is missing, unreachable or not writable."""
 
 
+class NodeStorageError(StorageError):
+    """A Ray node cannot use the run's storage with its own credentials: that node's setup must change."""
+
+
 class CheckpointError(PipelineError):
     """A checkpoint is incomplete, corrupted or does not match the model."""
 
@@ -54,6 +58,10 @@ class TrackingError(PipelineError):
 
 class TrainingError(PipelineError):
     """Training failed beyond what Ray Train's restarts could recover."""
+
+
+class RepeatedFailureError(TrainingError):
+    """The training raised the same exception on two attempts in a row: a bug that another attempt repeats."""
 
 
 class PromotionError(PipelineError):

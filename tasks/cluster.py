@@ -14,7 +14,7 @@ from typing import Any
 
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DATA_TASK_CPUS
-from raytrain_tasks.errors import ClusterError, StorageError
+from raytrain_tasks.errors import ClusterError, NodeStorageError
 from raytrain_tasks.fs import StorageOptions, is_s3
 from raytrain_tasks.redact import redact
 from tasks.process_groups import ray_processes_in_their_own_group
@@ -370,7 +370,8 @@ NODE_PROBE_TIMEOUT_S = 60.0
 
 def check_storage_on_nodes(storage_uri: str, options: StorageOptions, timeout_s: float = NODE_PROBE_TIMEOUT_S) -> int:
     """On every alive node of a cluster, before any worker starts: the node itself can write, read and delete under
-    `storage_uri` with its own credentials. StorageError naming each node that cannot; returns how many were probed.
+    `storage_uri` with its own credentials. NodeStorageError (not retried) naming each node that cannot; returns
+    how many were probed.
     """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -391,7 +392,7 @@ def check_storage_on_nodes(storage_uri: str, options: StorageOptions, timeout_s:
     for ref in not_ready:
         ray.cancel(ref, force=True)
     if problems:
-        raise StorageError(
+        raise NodeStorageError(
             f"storage {storage_uri} is not usable from every Ray node, so workers there would fail mid-run: "
             f"{'; '.join(problems)}. Give those nodes credentials that can write `storage_path` (instance or pod "
             "role, or AWS_* in their environment), or set `forward_credentials_to_cluster`"

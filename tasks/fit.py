@@ -31,6 +31,8 @@ from raytrain_tasks.data import DATA_TASK_CPUS, DatasetRef, streams
 from raytrain_tasks.errors import (
     CheckpointError,
     ClusterError,
+    NodeStorageError,
+    RepeatedFailureError,
     RunLeaseError,
     RunLeaseLostError,
     TrackingError,
@@ -70,7 +72,17 @@ if TYPE_CHECKING:
 # Failures that another attempt cannot fix: the config or the environment must change first.
 # RunLeaseError: another live driver holds the run; a retry seconds later would only be refused again.
 # UserCodeError: train_code does not import, or is not what the pipeline needs; the code must change.
-NOT_RETRYABLE = (ClusterError, CheckpointError, TrackingError, RunLeaseError, UserCodeError)
+# NodeStorageError: a Ray node cannot use the storage with its own credentials; its setup must change.
+# RepeatedFailureError: the training raised the same exception twice in a row (raytrain_tasks.failures).
+NOT_RETRYABLE = (
+    ClusterError,
+    CheckpointError,
+    TrackingError,
+    RunLeaseError,
+    UserCodeError,
+    NodeStorageError,
+    RepeatedFailureError,
+)
 ENTRY_POINT = "flows/training.py:training_pipeline"  # as deployments/prefect.yaml names it
 
 
@@ -487,6 +499,9 @@ def training_error(exc: BaseException, run_key: str, config: TrainingConfig) -> 
             if isinstance(cause, CheckpointError):
                 return type(cause)(f"training run {run_key}: {cause}")  # UnsafeCheckpointError stays one
             cause = cause.__cause__ or getattr(cause, "cause", None)
+    repeated = getattr(exc, "controller_failure", None)
+    if isinstance(repeated, RepeatedFailureError):  # raytrain_tasks.failures.StopOnRepeatedFailure
+        return RepeatedFailureError(f"training run {run_key} stopped: {repeated}")
     from tasks.trainer import START_TIMEOUT_ENV, waited_for_resources
 
     timeout = waited_for_resources(exc)
@@ -585,6 +600,7 @@ def build_trainer(
     # torch loads here, not when the flow module is imported: a Prefect worker needs no CUDA to plan runs.
     from ray.train.torch import TorchConfig
 
+    from raytrain_tasks.failures import StopOnRepeatedFailure
     from raytrain_tasks.train_loop import WorkerSpec, train_loop_per_worker
     from tasks.trainer import RunTrainer
 
@@ -634,7 +650,7 @@ def build_trainer(
                 checkpoint_score_attribute=score_attribute,
                 checkpoint_score_order=score_order,
             ),
-            callbacks=list(callbacks),  # type: ignore[arg-type]  # V2 callbacks, see above
+            callbacks=[*callbacks, StopOnRepeatedFailure(run_key)],  # type: ignore[arg-type,list-item]  # V2, see above
         ),
     )
 

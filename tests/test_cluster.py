@@ -391,6 +391,8 @@ def test_a_node_that_cannot_write_the_bucket_is_named_before_any_worker_starts(
     assert "not usable from every Ray node" in output and "127.0.0.1 (node " in output, output[-4000:]
     assert "AccessDenied" in output or "Access Denied" in output or "403" in output, output[-4000:]
     assert "forward_credentials_to_cluster" in output and READER[1] not in output
+    # Not retried (docs/fault-tolerance.md): a retry would probe the same node with the same credentials.
+    assert "Retry 1/" not in output, output[-4000:]
     print(f"\npre-flight refused the node after {took:.1f} s (whole CLI run)")
     client = MlflowClient(tracking_uri)
     experiment = client.get_experiment_by_name("nodes")

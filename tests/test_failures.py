@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mlflow import MlflowClient
@@ -115,3 +116,57 @@ def test_a_failure_after_the_mlflow_run_started_marks_it_failed(tmp_path: Path) 
     (run,) = _mlflow_runs(tmp_path)
     assert run.info.status == "FAILED"  # type: ignore[attr-defined]
     assert run.data.tags["prefect_raytrain.error"]  # type: ignore[attr-defined]
+
+
+def test_an_exception_that_repeats_identically_stops_the_retries_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug in the training code (here a ValueError from a shape check, raised on every attempt) was retried
+    `max_failures` times by Ray Train and then `fit_retries` times by Prefect: six worker-group starts with these
+    settings, and a message that the run "can continue". Now the second identical failure ends it."""
+    import textwrap
+
+    from prefect import flow
+
+    from raytrain_tasks.config import new_run_key
+    from raytrain_tasks.errors import RepeatedFailureError
+    from tasks.fit import distributed_fit, is_retryable
+
+    starts = tmp_path / "starts.txt"
+    (tmp_path / "buggy_code.py").write_text(
+        textwrap.dedent(
+            f"""
+            from raytrain_tasks.api import Metric, TrainFunc
+
+            def train_func(config):
+                with open({str(starts)!r}, "a") as out:
+                    out.write("start\\n")
+                raise ValueError("expected input of 64 features, got 8")
+
+            training = TrainFunc(train_func, metric=Metric("val_loss", higher_is_better=False))
+            """
+        )
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = small_config(
+        tmp_path, train_code="buggy_code:training", num_workers=1, register=False, max_failures=2, fit_retries=1
+    )
+
+    @flow(name="fit-only")
+    def fit_only() -> tuple[Any, bool]:
+        state = distributed_fit.with_options(retries=config.fit_retries, retry_delay_seconds=0)(
+            config, None, new_run_key(), return_state=True
+        )
+        return state.result(raise_on_failure=False), is_retryable(None, None, state)
+
+    error, retryable = fit_only()
+    assert isinstance(error, RepeatedFailureError), repr(error)
+    assert not retryable
+    message = str(error)
+    assert "same exception on two attempts in a row" in message and "not retried" in message
+    assert "expected input of 64 features, got 8" in message and "can continue" not in message
+    assert starts.read_text().count("start") == 2  # the first start and one restart: no more, no Prefect retry
+    (run,) = _mlflow_runs(tmp_path)
+    assert run.info.status == "FAILED"  # type: ignore[attr-defined]
+    assert "same exception" in run.data.tags["prefect_raytrain.error"]  # type: ignore[attr-defined]

@@ -64,3 +64,44 @@ def test_no_intact_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
         (tmp_path / checkpoint_dir_name(epoch) / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match="no intact checkpoint left.*without `resume`"):
         load_newest_intact(_latest(tmp_path, 1), announce=False)
+
+
+def _as_if_written_by_a_newer_torch(checkpoint: Path) -> None:
+    """Rewrite the checkpoint's model.pt with an archive version above what this torch reads (what an older torch
+    meets in a file a newer one wrote), and its manifest to match, as that newer prefect-raytrain would."""
+    import hashlib
+    import json
+    import zipfile
+
+    model_file = checkpoint / MODEL_FILE
+    original = zipfile.ZipFile(model_file)
+    newer = checkpoint / "newer.pt"
+    with zipfile.ZipFile(newer, "w", compression=zipfile.ZIP_STORED) as out:
+        for info in original.infolist():
+            data = original.read(info.filename)
+            out.writestr(info, b"99\n" if info.filename.endswith("/version") else data)
+    original.close()
+    newer.replace(model_file)
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    content = model_file.read_bytes()
+    manifest["files"][MODEL_FILE] = {"bytes": len(content), "sha256": hashlib.sha256(content).hexdigest()}
+    manifest["torch_version"] = "9.9.0"
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_checkpoint_this_torch_is_too_old_to_read_is_passed_over_not_called_tampered(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """It was UnsafeCheckpointError ("someone other than prefect-raytrain wrote this file"), which stops the
+    resume: a torch upgrade on one node, then a resume on an older one, could never continue."""
+    from raytrain_tasks.errors import UnsafeCheckpointError
+
+    _run_with_checkpoints(tmp_path, 3)
+    _as_if_written_by_a_newer_torch(tmp_path / "epoch-0003")
+    with caplog.at_level("WARNING"):
+        try:
+            loaded, used = load_newest_intact(_latest(tmp_path, 2), announce=True)
+        except UnsafeCheckpointError as exc:
+            pytest.fail(f"reported as tampering: {exc}")
+    assert loaded.state.epoch == 1 and used.path.endswith("epoch-0002")
+    assert "written by torch 9.9.0" in caplog.text and f"torch {torch.__version__} cannot read" in caplog.text
