@@ -114,6 +114,7 @@ def main(
     if not verbose:
         quiet_console()
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    _exit_at_the_latest_after_a_signal()
     try:
         with local_services(config):
             state = pipeline(**parameters_of(config), return_state=True)
@@ -142,6 +143,42 @@ def _stop(signum: int, frame: types.FrameType | None) -> None:
     """SIGTERM or SIGHUP outside a Prefect run (starting Ray or the temporary API): stop as on Ctrl-C. Inside the
     run, Prefect's own handler takes them and the run ends Crashed (the fit marks its MLflow run KILLED)."""
     raise TerminationSignal(signal=signum)
+
+
+# A stop requested by a signal ends the process within this many seconds, whatever it is waiting on.
+STOP_DEADLINE_S = 10.0
+
+
+def _exit_at_the_latest_after_a_signal() -> None:
+    """A deadline on stopping: after a SIGTERM, SIGINT or SIGHUP, the run normally stops in a few seconds (Prefect
+    turns the signal into a cancellation, the fit marks its MLflow run KILLED). If it is still running
+    ``STOP_DEADLINE_S`` later (seen once when the signal landed between the fit and register-model), the process
+    exits with 128 + the signal; the services it started end with it (tasks.process_groups).
+
+    Python writes every signal's number to the wakeup fd, whichever handler (ours, Prefect's) then runs it.
+    """
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    try:
+        signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    except ValueError:  # not the main thread: no deadline
+        return
+
+    def watch() -> None:
+        while True:
+            received = os.read(read_end, 1)
+            if received and received[0] in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                break
+        time.sleep(STOP_DEADLINE_S)
+        print(
+            f"\npipeline stopped by {signal.Signals(received[0]).name}: still stopping after {STOP_DEADLINE_S:g} s, "
+            "exiting; continue it with `prefect-raytrain resume <run key>`",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(128 + received[0])
+
+    threading.Thread(target=watch, name="stop-deadline", daemon=True).start()
 
 
 def _how_to_continue(config: TrainingConfig) -> str:

@@ -87,6 +87,15 @@ def _experiment_runs(config: TrainingConfig, limit: int) -> tuple[Any, list[Any]
     return client, [run for run in found if tracking.RUN_KEY_TAG in run.data.tags]
 
 
+def committed_epochs(client: Any, run: Any) -> int:
+    """Epochs (checkpointed reports) the run committed, each logged once: the built-in classifier's val_accuracy
+    steps; for user code (train_code), the steps of whichever of its metrics has the most."""
+    if not run.data.params.get("train_code"):
+        return len(client.get_metric_history(run.info.run_id, "val_accuracy"))
+    keys = [key for key in run.data.metrics if not key.startswith("system/")]
+    return max((len({m.step for m in client.get_metric_history(run.info.run_id, key)}) for key in keys), default=0)
+
+
 def describe_run(client: Any, run: Any) -> dict[str, str]:
     """What `runs` shows of one MLflow run of the pipeline."""
     from tasks import tracking
@@ -96,7 +105,7 @@ def describe_run(client: Any, run: Any) -> dict[str, str]:
     if status == "RUNNING":
         alive = tracking.driver_alive(run.data.tags.get(tracking.DRIVER_TAG, ""))
         state = {True: "running", False: "interrupted", None: "running (other host)"}[alive]
-    done = len(client.get_metric_history(run.info.run_id, "val_accuracy"))  # committed epochs, each once
+    done = committed_epochs(client, run)
     planned = run.data.params.get("epochs", "?")
     if state in ("failed", "stopped", "interrupted"):
         resumable = "yes" if done else "no (no checkpoint: start again)"

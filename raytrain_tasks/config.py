@@ -254,7 +254,10 @@ class TrainingConfig(BaseModel):
         # It goes into MLflow search filters: no quotes, no backslashes.
         pattern=r"^[A-Za-z0-9][A-Za-z0-9 ._-]*$",
         title="Registered model name",
-        description="MLflow registered model that receives a new version per run (letters, digits, space, . _ -).",
+        description=(
+            "MLflow registered model that receives a new version per run (letters, digits, space, . _ -). With "
+            "`train_code` and this default, the module of the code (e.g. 'my_model.train') is the name instead."
+        ),
     )
 
     # --- fault tolerance ---
@@ -485,8 +488,13 @@ class TrainingConfig(BaseModel):
             tracking = f"sqlite:///{(base_dir / DEFAULT_STATE_DIR / 'mlflow.db').resolve()}"
         endpoint = self.s3_endpoint_url or environ.get("AWS_ENDPOINT_URL_S3", "") or environ.get("AWS_ENDPOINT_URL", "")
         region = self.s3_region or environ.get("AWS_REGION", "") or environ.get("AWS_DEFAULT_REGION", "")
+        model_name = self.model_name
+        if self.train_code and model_name == type(self).model_fields["model_name"].default:
+            # The built-in classifier's name is no name for a user's model: it would land behind its champion.
+            model_name = self.train_code.partition(":")[0]
         return self.model_copy(
             update={
+                "model_name": model_name,
                 "storage_path": storage,
                 "mlflow_tracking_uri": tracking,
                 "s3_endpoint_url": endpoint.rstrip("/"),

@@ -163,3 +163,24 @@ def _user_frames(exc: BaseException) -> str:
     ]
     where = "".join(traceback.format_list(frames)).rstrip()
     return f"{type(exc).__name__}: {exc}" + (f"\n{where}" if where else "")
+
+
+def code_error_stopper(train_code: str) -> Any:
+    """A Ray Train callback (it runs on the controller) that fails the fit at once when the user's code raised a
+    TypeError or ImportError (or could not be resolved on a worker): such an error repeats on every attempt, so
+    the worker-group restarts (``max_failures``) and Prefect's retries would only repeat it. Other exceptions are
+    retried from the last checkpoint as before."""
+    from ray.train import UserCallback
+
+    class StopOnCodeErrors(UserCallback):  # type: ignore[misc]
+        def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
+            for rank, error in sorted(worker_exceptions.items()):
+                base = getattr(error, "_base_exc", error)  # Ray Train's UserExceptionWithTraceback
+                if isinstance(base, TypeError | ImportError | UserCodeError):
+                    raise UserCodeError(
+                        f"train_code {train_code!r} raised {type(base).__name__} on worker rank {rank}: {base}. Not "
+                        "retried: an error of the code itself fails the same way on every attempt; fix the code, "
+                        f"then continue the run with `resume`. The worker's traceback:\n{str(error)[-4000:]}"
+                    )
+
+    return StopOnCodeErrors()

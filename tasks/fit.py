@@ -306,18 +306,22 @@ def _distributed_fit(
                     client.set_tag(run_id, "prefect_raytrain.resume_fallback", resume_point.why[:4000])
             else:
                 announce_resume(logger, config, run_dir, preexisting, pinned)
-            epoch_logger = (
-                MlflowEpochLogger(config.mlflow_tracking_uri, run_id)
-                if spec is None
-                else MlflowEpochLogger(config.mlflow_tracking_uri, run_id, step_key=spec.metric.name, keys=None)
-            )
+            callbacks: list[Any] = [OpenMlflowEarly(config.mlflow_tracking_uri, run_id)]
+            if spec is None:
+                callbacks.append(MlflowEpochLogger(config.mlflow_tracking_uri, run_id))
+            else:
+                from raytrain_tasks.user_code import code_error_stopper
+
+                callbacks.append(
+                    MlflowEpochLogger(config.mlflow_tracking_uri, run_id, step_key=spec.metric.name, keys=None)
+                )
+                callbacks.append(code_error_stopper(config.train_code))
             trainer = build_trainer(
                 sized,
                 dataset,
                 run_key,
                 runs,
-                OpenMlflowEarly(config.mlflow_tracking_uri, run_id),
-                epoch_logger,
+                *callbacks,
                 pins=(preexisting, pinned),
                 spec=spec,
                 resume_point=resume_point,
@@ -493,6 +497,9 @@ def training_error(exc: BaseException, run_key: str, config: TrainingConfig) -> 
     """What the task raises for ``exc``: a worker's CheckpointError stays one (no retry can fix it)."""
     if not isinstance(exc, ray.train.TrainingFailedError):
         return exc
+    stopped = getattr(exc, "controller_failure", None)
+    if isinstance(stopped, UserCodeError):  # raytrain_tasks.user_code.code_error_stopper
+        return UserCodeError(f"training run {run_key}: {stopped}")
     for failure in getattr(exc, "worker_failures", {}).values():
         cause: BaseException | None = failure
         while cause is not None:

@@ -445,7 +445,7 @@ def _version_tags(
     lineage = (
         {SCHEMA_TAG: schema_digest(dataset), "dataset_hash": dataset.content_hash}
         if dataset is not None
-        else user_version_tags(config, spec)
+        else user_version_tags(config, spec, fit.scores[spec.gate.name] if spec is not None else 0.0)
     )
     tags = {
         RUN_KEY_TAG: fit.run_key,

@@ -8,6 +8,7 @@ trainer's function and config, and the record of what the user's reports said.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,8 +22,9 @@ if TYPE_CHECKING:
 
     from tasks.storage import StorageLocation
 
-# Ray Train names a reported checkpoint folder checkpoint_<timestamp> when the code passes no checkpoint_dir_name.
-RAY_CHECKPOINT_PREFIX = "checkpoint_"
+# Ray Train names a reported checkpoint folder checkpoint_<timestamp> when the code passes no checkpoint_dir_name
+# (and keeps checkpoint_manager_snapshot.json beside them, which is not one).
+RAY_CHECKPOINT_NAME = re.compile(r"checkpoint_\d{4}-\d{2}-\d{2}_[\d.-]+")
 
 # How long the import check on a worker of the cluster may take (a cold worker imports torch and the user's code).
 IMPORT_CHECK_TIMEOUT_S = 120.0
@@ -86,7 +88,7 @@ def choose_resume_point(run_dir: StorageLocation, pinned: dict[str, str]) -> Res
     committed; every newer one is rejected, and why. CheckpointError when checkpoints exist and none verifies."""
     from raytrain_tasks.integrity import folder_digest
 
-    names = sorted(name for name in run_dir.list_names() if name.startswith(RAY_CHECKPOINT_PREFIX))
+    names = sorted(name for name in run_dir.list_names() if RAY_CHECKPOINT_NAME.fullmatch(name))
     rejected: list[str] = []
     reasons: list[str] = []
     for name in reversed(names):
@@ -138,7 +140,7 @@ def best_checkpoint(
     missing = needed - set(numeric_metrics(kept[-1][1]))
     if not scored or missing:
         reported = sorted(numeric_metrics(kept[-1][1]))
-        raise TrainingError(
+        raise UserCodeError(
             f"training run {run_key}: train_func never reported {sorted(missing or needed)} with a checkpoint "
             f"(it reported {reported}); nothing is registered. Change TrainFunc(metric=..., gate_metric=...) or "
             "report them"

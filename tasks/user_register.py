@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 TRAIN_CODE_TAG = "train_code"
 GATE_METRIC_TAG = "gate.metric"
 GATE_DIRECTION_TAG = "gate.higher_is_better"
+GATE_SCORE_TAG = "gate.score"
 
 
 def user_model(config: TrainingConfig, fit: FitResult, spec: TrainFunc, expected_digest: str | None) -> tuple[Any, Any]:
@@ -66,10 +67,12 @@ def user_model(config: TrainingConfig, fit: FitResult, spec: TrainFunc, expected
     return model.eval(), example
 
 
-def version_tags(config: TrainingConfig, spec: TrainFunc | None) -> dict[str, str]:
-    """What makes a version's recorded score comparable: the code that trained it and its gate metric."""
+def version_tags(config: TrainingConfig, spec: TrainFunc | None, score: float) -> dict[str, str]:
+    """What makes a version's recorded score comparable: the code that trained it and its gate metric; the score
+    in full (``repr``), so that a tie with it is a tie, not a gain in the seventh decimal."""
     assert spec is not None, "the built-in classifier's versions record their input schema instead"
     return {
+        GATE_SCORE_TAG: repr(float(score)),
         TRAIN_CODE_TAG: config.train_code,
         GATE_METRIC_TAG: spec.gate.name,
         GATE_DIRECTION_TAG: str(spec.gate.higher_is_better).lower(),
@@ -105,7 +108,7 @@ def assess_recorded_champion(client: MlflowClient, name: str, config: TrainingCo
             incomparable=f"its gate metric was {tags.get(GATE_METRIC_TAG)!r} (higher is better: "
             f"{tags.get(GATE_DIRECTION_TAG)}), this run's is {spec.gate.name!r} ({spec.gate.higher_is_better})",
         )
-    recorded = tags.get(spec.gate.name)
+    recorded = tags.get(GATE_SCORE_TAG, tags.get(spec.gate.name))
     try:
         return Champion(version, score=float(json.loads(recorded or "null")))
     except (TypeError, ValueError):

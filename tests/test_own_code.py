@@ -194,3 +194,35 @@ def test_user_code_outside_the_project_that_never_reports_the_gate_metric_fails_
 def client_versions(workdir: Path) -> list[Any]:
     client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
     return list(client.search_model_versions("name = 'digits-test'"))
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster", "prefect_api")
+def test_a_type_error_in_the_users_code_is_not_retried_and_shows_their_frames(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every attempt would fail the same way: the fit stops at the first one (one start per worker, not
+    `max_failures` + 1 of them, nor Prefect's `fit_retries`), names the error and the user's own function."""
+    starts = tmp_path / "starts.txt"
+    source = f"""
+        import ray.train
+        from raytrain_tasks.api import Metric, TrainFunc
+
+        def shape_mismatch_in_my_loop(config):
+            with open({str(starts)!r}, "a") as out:
+                out.write("start\\n")
+            raise TypeError("unsupported operand: my_layer(x) got a list")
+
+        training = TrainFunc(shape_mismatch_in_my_loop, metric=Metric("val_loss", higher_is_better=False))
+    """
+    name = _module(tmp_path, monkeypatch, source, name="typo_code")
+    config = own_config(tmp_path, f"{name}:training", epochs=2, max_failures=2, fit_retries=2)
+    with ThreadPoolExecutor(1) as pool:
+        state = start_flow(pool, config).result(timeout=600)
+    assert state.is_failed()
+    error = state.result(raise_on_failure=False)
+    assert isinstance(error, UserCodeError), repr(error)
+    assert "TypeError" in str(error) and "shape_mismatch_in_my_loop" in str(error) and "Not retried" in str(error)
+    assert starts.read_text().count("start") == 2  # once per worker: no restart, no Prefect retry
+    run = only_run(tmp_path)
+    assert run is not None and run.info.status == "FAILED"

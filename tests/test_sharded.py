@@ -69,7 +69,7 @@ def test_a_sharded_run_with_a_killed_worker_ends_as_an_uninterrupted_one_and_reg
     assert kill.resume_epoch >= 2
     # Every rank's shard is in each checkpoint, and the recorded digest covers them all.
     (run_dir,) = (tmp_path / "storage" / "runs").iterdir()
-    folders = sorted(p for p in run_dir.iterdir() if p.name.startswith("checkpoint_"))
+    folders = sorted(p for p in run_dir.iterdir() if p.is_dir() and p.name.startswith("checkpoint_"))
     assert folders
     assert all(
         {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= {f.name for f in folder.iterdir()} for folder in folders
