@@ -16,7 +16,7 @@ import hashlib
 import json
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from prefect import get_run_logger, task
@@ -328,23 +328,11 @@ def _logged_model_uri(fit: FitResult) -> str | None:
 def _log_model(
     client: MlflowClient, config: TrainingConfig, dataset: DatasetRef | None, fit: FitResult, spec: TrainFunc | None
 ) -> str:
-    import mlflow
-    import torch
-
     if spec is not None:  # the user's own code: its load_model, on a verified copy of the best checkpoint
         model, example = user_model(
             config, fit, spec, tracking.recorded_digest(client, fit.mlflow_run_id, fit.best_checkpoint_uri)
         )
-        with mlflow.start_run(run_id=fit.mlflow_run_id):
-            info = mlflow.pytorch.log_model(
-                model,
-                name=LOGGED_MODEL_NAME,
-                input_example=example,
-                serialization_format="pt2",
-                pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}"],
-                metadata={"run_key": fit.run_key, "train_code": config.train_code},
-            )
-        return str(info.model_uri)
+        return _log_pt2(fit, model, example, {"run_key": fit.run_key, "train_code": config.train_code})
     assert dataset is not None
 
     # The registered model takes raw features (it standardises them itself), as a user's data comes.
@@ -366,8 +354,20 @@ def _log_model(
         "input": "raw features in feature_names order; the model applies (x - feature_mean) / feature_std",
         "output": "logits; argmax is the index into class_labels",
     }
+    metadata = {"run_key": fit.run_key, "dataset_hash": dataset.content_hash}
+    return _log_pt2(fit, model, example, metadata, {"preprocessing.json": json.dumps(preprocessing, indent=1)})
+
+
+def _log_pt2(
+    fit: FitResult, model: Any, example: Any, metadata: dict[str, str], texts: dict[str, str] | None = None
+) -> str:
+    """Log ``model`` (and ``texts`` as run artifacts) in the fit's MLflow run, in the pt2 format; its model URI."""
+    import mlflow
+    import torch
+
     with mlflow.start_run(run_id=fit.mlflow_run_id):
-        mlflow.log_text(json.dumps(preprocessing, indent=1), "preprocessing.json")
+        for name, text in (texts or {}).items():
+            mlflow.log_text(text, name)
         info = mlflow.pytorch.log_model(
             model,
             name=LOGGED_MODEL_NAME,
@@ -376,7 +376,7 @@ def _log_model(
             serialization_format="pt2",
             # Explicit requirements: inferring them spawns a subprocess that costs ~8 s.
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}"],
-            metadata={"run_key": fit.run_key, "dataset_hash": dataset.content_hash},
+            metadata=metadata,
         )
     return str(info.model_uri)
 

@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -134,7 +135,7 @@ def _run_key(output: str) -> str | None:
     return match[1] if match else None
 
 
-def _only_run(workdir: Path) -> object | None:
+def _only_run(workdir: Path) -> Any:
     client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("signals")
     if experiment is None:
@@ -186,19 +187,7 @@ def test_a_signal_to_the_whole_group_stops_the_command_in_seconds(
         assert run.info.status in expected, (run.info.status, output[-3000:])  # type: ignore[attr-defined]
     if moment in ("mid-fit", "register-model"):
         # The run goes on from its checkpoints, in the same MLflow run, to the end, each epoch logged once.
-        key = _run_key(output)
-        assert key is not None
-        resumed = Command(tmp_path, "resume", key)
-        assert resumed.process.wait(timeout=600) == 0, resumed.output()[-4000:]
-        after = _only_run(tmp_path)
-        assert after is not None and after.info.run_id == run.info.run_id  # type: ignore[attr-defined]
-        assert after.info.status == "FINISHED"  # type: ignore[attr-defined]
-        history = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(
-            after.info.run_id,  # type: ignore[attr-defined]
-            "val_accuracy",
-        )
-        assert sorted(m.step for m in history) == [1, 2, 3, 4]
-        assert "model          " in resumed.output()
+        assert "model          " in _resume_to_the_end(tmp_path, output, run)
 
 
 def test_a_run_killed_before_its_first_checkpoint_continues_from_epoch_one_in_the_same_mlflow_run(
@@ -219,16 +208,19 @@ def test_a_run_killed_before_its_first_checkpoint_continues_from_epoch_one_in_th
     assert "epoch 1/4 committed" not in output, "the kill came too late for this test"
     run = _only_run(tmp_path)
     assert run is not None and run.info.status == "RUNNING"  # type: ignore[attr-defined]  # nothing closed it
+    assert "no committed checkpoint yet" in _resume_to_the_end(tmp_path, output, run)
+
+
+def _resume_to_the_end(workdir: Path, output: str, run: Any) -> str:
+    """`prefect-raytrain resume <the run key in output>` finishes the same MLflow run, every epoch logged once;
+    the resume's output."""
     key = _run_key(output)
     assert key is not None
-    resumed = Command(tmp_path, "resume", key)
+    resumed = Command(workdir, "resume", key)
     assert resumed.process.wait(timeout=600) == 0, resumed.output()[-4000:]
-    assert "no committed checkpoint yet" in resumed.output()
-    after = _only_run(tmp_path)
-    assert after is not None and after.info.run_id == run.info.run_id  # type: ignore[attr-defined]
-    assert after.info.status == "FINISHED"  # type: ignore[attr-defined]
-    history = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(
-        after.info.run_id,  # type: ignore[attr-defined]
-        "val_accuracy",
-    )
+    after = _only_run(workdir)
+    assert after is not None and after.info.run_id == run.info.run_id
+    assert after.info.status == "FINISHED"
+    history = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}").get_metric_history(after.info.run_id, "val_accuracy")
     assert sorted(m.step for m in history) == [1, 2, 3, 4]
+    return resumed.output()
