@@ -55,6 +55,7 @@ bench: install  ## benchmarks that print figures (not tests); results in bench/r
 	$(PY) -m bench.checkpoint_upload
 	$(PY) -m bench.recovery
 	$(PY) -m bench.failfast
+	$(PY) -m bench.own_code
 	$(PY) -m bench.summary
 
 bench-smoke: install  ## the overhead benchmark at tiny sizes, one repetition (CI runs it so it never rots)

@@ -104,7 +104,12 @@ def run_train_func(loop_config: dict[str, Any]) -> None:
     _on_import_path(loop_config.get("code_dir", ""))
     spec = resolve(loop_config["train_code"], where="on a Ray Train worker")
     _skip_rejected_checkpoint(frozenset(loop_config.get("rejected", ())), loop_config.get("fallback"))
-    spec.train_func(dict(loop_config["config"]))
+    try:
+        spec.train_func(dict(loop_config["config"]))
+    except (TypeError, ImportError) as exc:
+        # Ray Train hands the controller the exception alone (its traceback stays in the worker's log): the
+        # user's own frames go into the message, and code_error_stopper ends the fit on it.
+        raise UserCodeError(_user_frames(exc)) from exc
 
 
 def _skip_rejected_checkpoint(rejected: frozenset[str], fallback: str | None) -> None:
@@ -178,9 +183,9 @@ def code_error_stopper(train_code: str) -> Any:
                 base = getattr(error, "_base_exc", error)  # Ray Train's UserExceptionWithTraceback
                 if isinstance(base, TypeError | ImportError | UserCodeError):
                     raise UserCodeError(
-                        f"train_code {train_code!r} raised {type(base).__name__} on worker rank {rank}: {base}. Not "
-                        "retried: an error of the code itself fails the same way on every attempt; fix the code, "
-                        f"then continue the run with `resume`. The worker's traceback:\n{str(error)[-4000:]}"
+                        f"train_code {train_code!r} failed on worker rank {rank}: {str(base)[-4000:]}\nNot retried: "
+                        "an error of the code itself fails the same way on every attempt; fix the code, then "
+                        "continue the run with `resume`"
                     )
 
     return StopOnCodeErrors()

@@ -1,0 +1,124 @@
+"""What the pipeline costs your own code: prints a table, writes bench/results/own_code.{json,md}.
+
+    python -m bench.own_code            # about 6 minutes on 2 cores
+    python -m bench.own_code --smoke    # tiny sizes, one repetition
+
+1. Level b (issue 32): the same Ray Train ``train_func`` (bench/own_code_func.py, the seed's shape) under a bare
+   ``TorchTrainer.fit()`` and through the flow (``prefect-raytrain train --train-code ...``); time inside the
+   loop per epoch (the function reports it), median over epochs and repetitions; goal: flow/bare <= 1.03.
+2. Checkpoints written by every rank (issue 37): FSDP2 on 2 workers, each epoch's checkpoint saved with
+   torch.distributed.checkpoint by both ranks, beside the same model gathered into a full state dict and saved
+   by rank 0; checkpoint time (save + report) as a share of epoch time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+RESULTS = Path(__file__).with_name("results")
+REPO = Path(__file__).resolve().parents[1]
+CODE = "bench.own_code_func:training"
+
+
+def bare_fit(config: dict[str, Any], func: Any, storage: Path) -> list[dict[str, Any]]:
+    """``func`` under a plain TorchTrainer on a local Ray: every report's metrics."""
+    import ray
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    ray.init(num_cpus=2, logging_level=logging.ERROR, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    try:
+        trainer = TorchTrainer(
+            func,
+            train_loop_config=config,
+            scaling_config=ray.train.ScalingConfig(num_workers=2),
+            run_config=ray.train.RunConfig(name="bare", storage_path=str(storage)),
+        )
+        result = trainer.fit()
+        frame = result.metrics_dataframe
+        assert frame is not None, "the function reported no checkpoint"
+        return [dict(row) for _, row in frame.iterrows()]
+    finally:
+        ray.shutdown()
+
+
+def flow_fit(config: dict[str, Any], workdir: Path) -> list[float]:
+    """The same function through ``prefect-raytrain train``: its per-epoch in-loop seconds from MLflow."""
+    from mlflow import MlflowClient
+
+    command = [str(Path(sys.executable).with_name("prefect-raytrain")), "train", "--train-code", CODE]
+    command += ["--epochs", str(config["epochs"]), "--batch-size", str(config["batch_size"]), "--no-register"]
+    command += ["--train-config", json.dumps({"rows": config["rows"]}), "--experiment-name", "bench-own-code"]
+    env = {**os.environ, "PREFECT_HOME": str(workdir / ".prefect")}
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(done.stdout[-3000:] + done.stderr[-3000:])
+    client = MlflowClient(f"sqlite:///{REPO / '.pipeline' / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("bench-own-code")
+    assert experiment is not None
+    run = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time DESC"], max_results=1)[0]
+    return [m.value for m in client.get_metric_history(run.info.run_id, "loop_seconds")]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args(argv)
+    from bench.own_code_func import sharded_func, train_func
+
+    reps = 1 if args.smoke else 2
+    config = {"epochs": 3 if args.smoke else 5, "batch_size": 128, "lr": 3e-3, "seed": 0}
+    config["rows"] = 4_000 if args.smoke else 60_000
+    bare, flow = [], []
+    with tempfile.TemporaryDirectory(prefix="bench-own-code-") as tmp:
+        for rep in range(reps):  # contenders alternate
+            reports = bare_fit({**config, "num_workers": 2, "use_gpu": False}, train_func, Path(tmp) / f"bare{rep}")
+            bare += [float(r["loop_seconds"]) for r in reports]
+            flow += flow_fit(config, Path(tmp))
+        sharded: dict[str, list[float]] = {}
+        for mode in ("dcp", "full"):
+            reports = bare_fit({**config, "mode": mode, "hidden": 256}, sharded_func, Path(tmp) / f"fsdp-{mode}")
+            timed = [r for r in reports if not math.isnan(float(r.get("epoch_seconds", math.nan)))]
+            sharded[mode] = [float(r["checkpoint_seconds"]) / float(r["epoch_seconds"]) for r in timed]
+    figures = {
+        "in_loop_bare_s": statistics.median(bare),
+        "in_loop_flow_s": statistics.median(flow),
+        "in_loop_ratio": statistics.median(flow) / statistics.median(bare),
+        "checkpoint_share_every_rank_dcp": statistics.median(sharded["dcp"]),
+        "checkpoint_share_rank0_full_state_dict": statistics.median(sharded["full"]),
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "own_code.json").write_text(json.dumps({"smoke": args.smoke, **figures}, indent=1))
+    table = "\n".join(
+        [
+            "| figure | value |",
+            "|---|---|",
+            f"| level b, seconds in the loop per epoch, bare TorchTrainer.fit() | {figures['in_loop_bare_s']:.3f} |",
+            f"| level b, the same through the flow | {figures['in_loop_flow_s']:.3f} |",
+            f"| level b in-loop ratio flow/bare (goal <= 1.03) | {figures['in_loop_ratio']:.3f} |",
+            f"| FSDP2, checkpoint share of epoch, every rank writes (DCP) | "
+            f"{figures['checkpoint_share_every_rank_dcp']:.1%} |",
+            f"| FSDP2, checkpoint share of epoch, full state dict from rank 0 | "
+            f"{figures['checkpoint_share_rank0_full_state_dict']:.1%} |",
+        ]
+    )
+    (RESULTS / "own_code.md").write_text(f"# Own code ({time.strftime('%Y-%m-%d %H:%M')})\n\n{table}\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
