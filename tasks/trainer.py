@@ -55,9 +55,17 @@ class RunTrainer(TorchTrainer):
         with self._controller_lock:
             if self._aborted:
                 raise RuntimeError("the fit was aborted before its controller started")
-            self._controller = controller_cls.remote(**controller_init_kwargs)
-        ray.get(self._controller.run.remote())
-        return ray.get(self._controller.get_result.remote())
+            controller: Any = controller_cls.remote(**controller_init_kwargs)
+            self._controller = controller
+        try:
+            ray.get(controller.run.remote())
+            return ray.get(controller.get_result.remote())
+        finally:
+            # As in Ray's own: the last handle dropped ends the controller actor. A handle kept on the trainer
+            # (which an error's traceback can keep alive) left the failed run's controller running.
+            with self._controller_lock:
+                self._controller = None
+            del controller
 
     def abort(self) -> None:
         """End the fit now: kill its controller (its worker group goes with it, the controller owns it). A
