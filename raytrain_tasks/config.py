@@ -514,7 +514,7 @@ class TrainingConfig(BaseModel):
                 value = redact_uri(value) if "://" in value else redact(value)
             params[key] = value
         for key, value in json.loads(self.train_config).items():
-            params[f"train_config.{key}"] = value if isinstance(value, int | float | bool) else json.dumps(value)
+            params[f"train_config.{key}"] = value if isinstance(value, str | int | float | bool) else json.dumps(value)
         return params
 
 
