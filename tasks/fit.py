@@ -349,7 +349,7 @@ def _distributed_fit(
             assert spec is not None, "the built-in loop trains on a prepared dataset"
             rejected = resume_point.rejected if resume_point is not None else frozenset()
             fit = _record_user_fit(
-                result, spec, config, run_key, run_dir, run_id, experiment_id, backend, reopened, rejected
+                client, result, spec, config, run_key, run_dir, run_id, experiment_id, backend, reopened, rejected
             )
             tracking.finish_run(client, run_id)
             return fit
@@ -427,6 +427,7 @@ FIT_RECORD = "fit.json"
 
 
 def _record_user_fit(
+    client: Any,
     result: ray.train.Result,
     spec: Any,
     config: TrainingConfig,
@@ -442,7 +443,6 @@ def _record_user_fit(
     it. Their metric is the score the gate compares (no held-out split of the pipeline's own here)."""
     from tasks.user_fit import best_checkpoint, history_of, log_user_summary, logged_history, step_of
 
-    client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
     checkpoint, metrics = best_checkpoint(result, spec, run_key, rejected)
     history = history_of(result, logged_history(client, run_id, spec))
     step = step_of(metrics, history)
