@@ -55,6 +55,7 @@ bench: install  ## benchmarks that print figures (not tests); results in bench/r
 	$(PY) -m bench.checkpoint_upload
 	$(PY) -m bench.recovery
 	$(PY) -m bench.failfast
+	$(PY) -m bench.waits
 	$(PY) -m bench.own_code
 	$(PY) -m bench.summary
 

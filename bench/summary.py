@@ -182,6 +182,36 @@ def rows() -> list[Row]:
                 "bench.failfast",
             )
         )
+    waits = _load("waits")
+    if waits is None:
+        out.append(("unreachable services are named in seconds", "not measured", "-", "python -m bench.waits"))
+    else:
+        # The epoch logger logs an outage and goes on (no error); every other case must end in one.
+        late = [
+            r
+            for r in waits["rows"]
+            if r["seconds"] > waits["targets_s"][r["figure"]] or not (r["error"] or "logger" in r["figure"])
+        ]
+        slowest = max(waits["rows"], key=lambda r: r["seconds"] / waits["targets_s"][r["figure"]])
+        out.append(
+            (
+                "unreachable or refusing S3/MLflow/Ray named within its target (S3 15 s, MLflow logger 30 s, "
+                "Ray 10 s / 30 s)",
+                f"{len(waits['rows'])} cases, {len(late)} late or silent; closest: {slowest['case']} "
+                f"{slowest['seconds']:.1f} s of {waits['targets_s'][slowest['figure']]:g} s",
+                "met" if not late else "missed",
+                "bench.waits",
+            )
+        )
+        fraction = waits["lease"]["fraction"]
+        out.append(
+            (
+                "a holder that cannot renew stops after 0.75-1.0 of its lease",
+                f"{fraction:.2f} of a 6 s lease",
+                "met" if 0.75 <= fraction < 1.0 else "missed",
+                "bench.waits",
+            )
+        )
     out.append(
         (
             "GPU: in-loop vs plain NCCL DDP <= 1.03x; 1 worker vs a bare single-GPU loop >= 0.97x",

@@ -420,12 +420,16 @@ MIN_SIZED_CPUS = 0.5
 
 
 def sized_for_cluster(
-    config: TrainingConfig, nodes: list[dict[str, float]], streams: bool, earlier: float | None = None
+    config: TrainingConfig,
+    nodes: list[dict[str, float]],
+    streams: bool,
+    earlier: float | None = None,
+    data_cpus: float = DATA_TASK_CPUS,
 ) -> TrainingConfig:
     """``config`` with ``cpus_per_worker`` set when it is 0 (unset): the largest share (in hundredths of a CPU)
     such that the run's most workers fit on the alive nodes, no worker spanning two nodes (nor, with
     ``use_gpu``, two workers sharing a GPU), and, when a Ray Data pipeline ``streams`` beside the workers,
-    ``DATA_TASK_CPUS`` left free for its tasks. ``nodes``: each alive node's resources. Unchanged when set; when
+    ``data_cpus`` left free for its tasks. ``nodes``: each alive node's resources. Unchanged when set; when
     nothing fits in shares of at least ``MIN_SIZED_CPUS``, that much, and ``check_resources`` says what is missing
     (eight workers on two CPUs is a mistake to report, not a run of starved processes).
 
@@ -440,7 +444,7 @@ def sized_for_cluster(
     cpus = [node.get("CPU", 0.0) for node in largest_first]
     gpus = [node.get("GPU", 0.0) for node in largest_first]
     if streams and cpus:
-        cpus[0] -= DATA_TASK_CPUS  # the streaming tasks' CPU, taken where it hurts the packing least
+        cpus[0] -= data_cpus  # the streaming tasks' CPU, taken where it hurts the packing least
 
     def hosted(share: float) -> int:
         fits = [int(c / share + 1e-9) for c in cpus]
@@ -463,9 +467,16 @@ def requested_resources(config: TrainingConfig) -> ResourceRequest:
     )
 
 
-def check_resources(config: TrainingConfig, available: dict[str, float], streams: bool = False) -> None:
+def check_resources(
+    config: TrainingConfig,
+    available: dict[str, float],
+    streams: bool = False,
+    user_datasets: bool = False,
+    data_cpus: float = DATA_TASK_CPUS,
+) -> None:
     """Fail in seconds when the cluster cannot host the worker group (Ray Train would wait forever); ``config``
-    sized (``sized_for_cluster``), ``streams``: a Ray Data pipeline runs tasks beside the workers."""
+    sized (``sized_for_cluster``), ``streams``: a Ray Data pipeline runs tasks beside the workers (the built-in
+    loader's, or ``user_datasets``: the ``datasets`` of the user's TrainFunc)."""
     request = requested_resources(config)
     cpus, gpus = available.get("CPU", 0.0), available.get("GPU", 0.0)
     if request.gpus and gpus < request.gpus:
@@ -478,7 +489,15 @@ def check_resources(config: TrainingConfig, available: dict[str, float], streams
             f"{config.num_workers} workers x {config.cpus_per_worker:g} CPUs need {request.cpus:g} CPUs but the "
             f"Ray cluster has {cpus:g} CPUs; lower `num_workers` or `cpus_per_worker`"
         )
-    if streams and cpus < request.cpus + DATA_TASK_CPUS:
+    if streams and cpus < request.cpus + data_cpus and user_datasets:
+        raise ClusterError(
+            f"train_code {config.train_code!r} gives Ray Datasets (TrainFunc datasets=...), whose tasks run on CPUs "
+            f"beside the workers, but {config.num_workers} workers x {config.cpus_per_worker:g} CPUs leave less "
+            f"than {data_cpus:g} of the Ray cluster's {cpus:g} CPUs free, and the datasets would never be read; "
+            f"leave {data_cpus:g} CPU free "
+            "free (set `cpus_per_worker` to 0 to size it automatically, or lower it or `num_workers`)"
+        )
+    if streams and cpus < request.cpus + data_cpus:
         raise ClusterError(
             f"data_loader='ray_data' streams this dataset (too big to keep in Ray's object store) through read "
             f"and preprocessing tasks on CPUs beside the workers, but {config.num_workers} workers x "

@@ -27,7 +27,7 @@ from ray.train.v2.api.callback import RayTrainCallback
 
 from raytrain_tasks.checkpoint import STATE_FILE
 from raytrain_tasks.config import TrainingConfig, check_run_key
-from raytrain_tasks.data import DATA_TASK_CPUS, DatasetRef, streams
+from raytrain_tasks.data import DATA_TASK_CPUS, USER_DATASET_CPUS, DatasetRef, streams
 from raytrain_tasks.errors import (
     CheckpointError,
     ClusterError,
@@ -186,18 +186,26 @@ def workers_code_dir(config: TrainingConfig) -> str:
 
 
 def check_cluster(
-    config: TrainingConfig, dataset: DatasetRef | None, runs: StorageLocation, client: Any, run_key: str
+    config: TrainingConfig,
+    dataset: DatasetRef | None,
+    runs: StorageLocation,
+    client: Any,
+    run_key: str,
+    user_datasets: bool = False,
 ) -> TrainingConfig:
     """With Ray connected: the cluster can host the workers and every node can write the run's storage. Returns
     ``config`` sized to the cluster (``cpus_per_worker`` when unset; an earlier attempt's share of the run, read
     from its MLflow run through ``client``, while it still fits), what the trainer is built from; the user's
-    settings, not this copy, are the run's MLflow params."""
+    settings, not this copy, are the run's MLflow params. ``user_datasets``: the user's code gives Ray Datasets,
+    whose read and transform tasks need a CPU the workers leave free, as the built-in streaming loader's do."""
     available = ray.cluster_resources()
-    streamed = dataset is not None and streams(config.data_loader, dataset, available.get("object_store_memory", 0.0))
+    object_store = available.get("object_store_memory", 0.0)
+    streamed = user_datasets or (dataset is not None and streams(config.data_loader, dataset, object_store))
     nodes = alive_node_resources()
     earlier = None if config.cpus_per_worker else tracking.earlier_share(client, config.experiment_name, run_key)
-    sized = sized_for_cluster(config, nodes, streamed, earlier)
-    check_resources(sized, available, streamed)
+    data_cpus = USER_DATASET_CPUS if user_datasets else DATA_TASK_CPUS
+    sized = sized_for_cluster(config, nodes, streamed, earlier, data_cpus)
+    check_resources(sized, available, streamed, user_datasets, data_cpus)
     storage_shared_with_nodes(config.storage_path, len(nodes), read_mounts())
     if config.ray_address:  # a local Ray's node is this process's machine, with this process's credentials
         check_storage_on_nodes(runs.uri, config.storage_options)
@@ -212,7 +220,7 @@ def check_cluster(
             sized.cpus_per_worker,
             "as the run's earlier attempt trained, on" if sized.cpus_per_worker == earlier else "sized to",
             available.get("CPU", 0.0),
-            f" ({DATA_TASK_CPUS:g} left to Ray Data's streaming tasks)" if streamed else "",
+            f" ({data_cpus:g} left to Ray Data's streaming tasks)" if streamed else "",
         )
     return sized
 
@@ -254,7 +262,8 @@ def _distributed_fit(
     run_id: str | None = None
     try:
         with ray_session(config):
-            sized = check_cluster(config, dataset, runs, client, run_key)
+            user_datasets = spec is not None and spec.datasets is not None
+            sized = check_cluster(config, dataset, runs, client, run_key, user_datasets)
             experiment_id = tracking.ensure_experiment(
                 client, config.experiment_name, config.mlflow_tracking_uri, config.storage_path
             )

@@ -14,6 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 from mlflow import MlflowClient
 
 from flows.cli import parse_config
@@ -58,6 +59,7 @@ def test_a_masked_setting_must_be_given_again() -> None:
     assert not any(flag.startswith("--mlflow-tracking-uri") for flag in flags_from_params(params, given))
 
 
+@pytest.mark.slow
 def test_runs_on_an_empty_store_and_unknown_commands(tmp_path: Path) -> None:
     listing = _run("runs", cwd=tmp_path)
     assert listing.returncode == 0 and "no runs in experiment 'prefect-raytrain'" in listing.stdout
@@ -72,6 +74,7 @@ def test_runs_on_an_empty_store_and_unknown_commands(tmp_path: Path) -> None:
     assert invalid.returncode == 2 and "num_workers" in invalid.stderr
 
 
+@pytest.mark.slow
 def test_ui_serves_the_mlflow_ui_over_the_local_store(tmp_path: Path) -> None:
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     MlflowClient(store).create_experiment("seen-in-the-ui", artifact_location=str(tmp_path / "artifacts"))

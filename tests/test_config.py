@@ -207,3 +207,19 @@ def test_a_retried_or_resumed_run_keeps_the_cpus_per_worker_it_trained_with(
 
     config = TrainingConfig.model_validate(settings)
     assert sized_for_cluster(config, nodes, streams=False, earlier=earlier).cpus_per_worker == share
+
+
+def test_ray_datasets_of_the_users_code_get_a_whole_cpu_beside_the_workers() -> None:
+    """A TrainFunc with `datasets=`: Ray Data's read and transform tasks ask 1 CPU each by default, so sizing
+    leaves one free (two workers at 0.75 CPU on 2 CPUs left 0.5: the tasks never started and the fit hung), and
+    a share set by hand that leaves less is refused naming train_code and the settings."""
+    from raytrain_tasks.data import USER_DATASET_CPUS
+    from tasks.cluster import check_resources, sized_for_cluster
+
+    config = TrainingConfig(train_code="my_model.train:training")
+    sized = sized_for_cluster(config, [{"CPU": 2.0}], True, data_cpus=USER_DATASET_CPUS)
+    assert sized.cpus_per_worker == 0.5
+    check_resources(sized, {"CPU": 2.0}, True, user_datasets=True, data_cpus=USER_DATASET_CPUS)
+    by_hand = config.model_copy(update={"cpus_per_worker": 0.75})
+    with pytest.raises(ClusterError, match=r"my_model.train:training.*datasets=.*`cpus_per_worker`"):
+        check_resources(by_hand, {"CPU": 2.0}, True, user_datasets=True, data_cpus=USER_DATASET_CPUS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -104,6 +105,7 @@ def _race(run_dir: StorageLocation, holders: tuple[str, str]) -> list[str]:
 
 
 @pytest.mark.parametrize("storage", ["local", "s3"])
+@pytest.mark.slow
 def test_of_two_drivers_starting_together_exactly_one_proceeds(storage: str, tmp_path: Path, request: Any) -> None:
     """Twelve rounds, holders of different lengths: the old write-wait-read-back lease refused both drivers in
     about a third of such rounds (their simultaneous writes tore the file) and could let both through."""
@@ -190,7 +192,8 @@ def test_a_driver_in_another_pid_namespace_with_the_same_hostname_is_not_judged_
 @pytest.mark.slow
 def test_a_holder_that_cannot_renew_in_time_must_stop(tmp_path: Path) -> None:
     """S3 down for longer than the lease: the holder counts its lease lost before anyone could take it over
-    (LOST_AFTER of its length, on its own clock), instead of training on while a continuation takes the run."""
+    (LOST_AFTER of its length, on its own clock), instead of training on while a continuation takes the run.
+    When, in seconds, is a figure of `python -m bench.waits`; here, the order of events."""
     from devtools.s3_server import LocalS3
     from raytrain_tasks.errors import RunLeaseLostError
 
@@ -200,10 +203,10 @@ def test_a_holder_that_cannot_renew_in_time_must_stop(tmp_path: Path) -> None:
         s3_client(options).create_bucket(Bucket="prt-lost")
         run_dir = locate("s3://prt-lost/runs", options).child(KEY)
         with run_lease(run_dir, KEY, "holder-a", 6) as lease:
-            taken = time.monotonic()
             server.stop()
             assert lease.lost_event.wait(timeout=12), "the holder kept its lease through a 12 s outage"
-            assert 4.0 < time.monotonic() - taken < 6.0  # 3/4 of the lease, before it could expire anywhere
+            # Lost before the lease could have expired on any clock: nobody else can have taken the run yet.
+            assert time.monotonic() - lease.renewed_at < lease.duration_s
             with pytest.raises(RunLeaseLostError, match="could not be renewed"):
                 lease.check()
     finally:
@@ -211,7 +214,7 @@ def test_a_holder_that_cannot_renew_in_time_must_stop(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_the_holder_keeps_renewing_through_a_storage_outage(tmp_path: Path) -> None:
+def test_the_holder_keeps_renewing_through_a_storage_outage(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """S3 stops answering for longer than a renewal period, then comes back: the driver renews again (a renewer
     that died on the first connection error would leave the lease to expire under a live run), and a storage
     still down when the run ends leaves the lease to expire instead of failing the run."""
@@ -223,18 +226,22 @@ def test_the_holder_keeps_renewing_through_a_storage_outage(tmp_path: Path) -> N
         s3_client(options).create_bucket(Bucket="prt-outage")
         run_dir = locate("s3://prt-outage/runs", options).child(KEY)
         lease_file = run_dir.child(LEASE_FILE)
-        with run_lease(run_dir, KEY, "holder-a", 9):  # renewed every 3 s
-            before = lease_file.read_text()
+        with caplog.at_level(logging.WARNING, logger="tasks.lease"), run_lease(run_dir, KEY, "holder-a", 9) as held:
+            before = lease_file.read_text()  # renewed every 3 s
             server.stop()
-            time.sleep(3.5)  # the renewal at 3 s fails
-            server.start()
-            back = time.monotonic()
+            deadline = time.monotonic() + 30
+            while not any("could not renew" in record.getMessage() for record in caplog.records):
+                assert time.monotonic() < deadline, "no renewal was tried while storage was down"
+                time.sleep(0.05)
+            server.start()  # storage is back after a failed renewal
             while lease_file.read_text() == before:
-                # A failed renewal is retried every 1/12 of the lease (0.75 s), not at the next third (6 s).
-                assert time.monotonic() - back < 1.8, "the lease was not renewed soon after storage came back"
+                assert time.monotonic() < deadline, "the lease was never renewed after storage came back"
                 time.sleep(0.1)
             lease = read_lease(lease_file)
             assert lease is not None and lease.holder == "holder-a"
+            assert held.lost() is None  # renewed before it counted as lost: the run goes on
+            # A failed renewal is retried every 1/12 of the lease (0.75 s), not at the next third (3 s).
+            assert any("retrying in 0.8 s" in record.getMessage() for record in caplog.records)
             server.stop()  # the run ends while storage is down: the block's outcome stands
         server.start()
         assert read_lease(lease_file) is not None  # left to expire, not deleted

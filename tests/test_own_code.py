@@ -26,6 +26,7 @@ from tests.test_recovery import mlflow_client, only_run, run_killing_a_worker, s
 
 SEED_DDP = "examples.seed_ddp.train:training"
 DIABETES = "examples.diabetes_regression.train:training"
+SEED_RAY_DATA = "examples.seed_ray_data.train:training"
 
 
 # --- resolving train_code: which part failed, said before anything starts -------------------------------------
@@ -125,6 +126,32 @@ def test_a_seed_shaped_train_func_survives_a_killed_worker_in_one_mlflow_run(
     assert run.data.params["train_code"] == SEED_DDP and run.data.params["train_config.hidden"] == "32"
     pins = [key for key in run.data.tags if key.startswith("prefect_raytrain.checkpoint_sha256.")]
     assert len(pins) >= 4, sorted(run.data.tags)
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+@pytest.mark.usefixtures("ray_cluster", "prefect_api")
+def test_a_ray_data_train_func_reads_its_shards_survives_a_killed_worker_and_registers(tmp_path: Path) -> None:
+    """examples/seed_ray_data, the seeds' `train_ray_ddp_with_ray_data.py` shape: `TrainFunc(datasets=...)`
+    reaches `TorchTrainer(datasets=...)`, each worker reads `get_dataset_shard`, a killed worker resumes through the
+    function's own `get_checkpoint()` in the same MLflow run, and the model registered from its checkpoint predicts."""
+    import mlflow
+    import numpy as np
+
+    config = own_config(tmp_path, SEED_RAY_DATA, register=True)
+    state, kill = run_killing_a_worker(tmp_path, config, after_epoch=1, metric="val_rmse")
+    assert state.is_completed(), state
+    run = only_run(tmp_path)
+    assert run is not None and run.info.status == "FINISHED"
+    history = mlflow_client(tmp_path).get_metric_history(run.info.run_id, "val_rmse")
+    assert sorted(m.step for m in history) == [1, 2, 3, 4], "every epoch exactly once"
+    assert kill.resume_epoch >= 1
+    result = state.result()
+    assert result.model is not None and result.model.aliases == ("champion",), result.model
+    assert result.fit.scores["val_rmse"] < 1.0  # below the spread of the standardised target: it learned
+    with _tracking(tmp_path):
+        predicted = mlflow.pyfunc.load_model("models:/digits-test@champion").predict(np.zeros((3, 10), np.float32))
+    assert np.asarray(predicted).shape == (3, 1)
 
 
 @pytest.mark.slow

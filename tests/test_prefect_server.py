@@ -483,7 +483,7 @@ def test_served_runs_share_one_warm_ray_that_ends_with_serve(prefect_server: Pre
         stop_process_group(serve, signal.SIGTERM, timeout=60)
 
 
-EXAMPLES = ("seed_ddp", "diabetes_regression", "image_classifier", "fsdp_sharded")
+EXAMPLES = ("seed_ddp", "seed_ray_data", "diabetes_regression", "image_classifier", "fsdp_sharded")
 
 
 def test_every_example_trains_and_registers_through_a_served_deployment(prefect_server: PrefectServer) -> None:

@@ -78,13 +78,13 @@ def only_run(workdir: Path) -> Any:
     return runs[0] if runs else None
 
 
-def committed_epochs(workdir: Path) -> set[int]:
+def committed_epochs(workdir: Path, metric: str = "val_accuracy") -> set[int]:
     """The 0-based indices of the epochs whose checkpoint Ray Train registered (the controller logs them to MLflow
-    only then, at ``step`` = the epoch number, index + 1)."""
+    only then, at ``step`` = the epoch number, index + 1), read from ``metric``, one the code reports each epoch."""
     run = only_run(workdir)
     if run is None:
         return set()
-    return {int(m.step) - 1 for m in mlflow_client(workdir).get_metric_history(run.info.run_id, "val_accuracy")}
+    return {int(m.step) - 1 for m in mlflow_client(workdir).get_metric_history(run.info.run_id, metric)}
 
 
 def train_worker_pids(workers: int) -> list[int]:
@@ -103,7 +103,11 @@ class Kill:
 
 
 def run_killing_a_worker(
-    workdir: Path, config: Any, after_epoch: int = 1, before_kill: Callable[[int], None] | None = None
+    workdir: Path,
+    config: Any,
+    after_epoch: int = 1,
+    before_kill: Callable[[int], None] | None = None,
+    metric: str = "val_accuracy",
 ) -> tuple[Any, Kill]:
     """Run the flow and SIGKILL one Ray Train worker once ``after_epoch`` is committed; (final state, the kill).
 
@@ -119,12 +123,13 @@ def run_killing_a_worker(
     with ThreadPoolExecutor(1) as pool:
         future = start_flow(pool, config)
         pids = wait_for(lambda: train_worker_pids(config.num_workers), 300, "the worker group to start")
-        wait_for(lambda: after_epoch in committed_epochs(workdir), 300, f"epoch {after_epoch} to be committed", 0.02)
+        committed = f"epoch {after_epoch} to be committed"
+        wait_for(lambda: after_epoch in committed_epochs(workdir, metric), 300, committed, 0.02)
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
         try:
             time.sleep(0.5)  # a registration already under way in the controller lands in MLflow
-            resume_epoch = max(committed_epochs(workdir))
+            resume_epoch = max(committed_epochs(workdir, metric))
             if before_kill is not None:
                 before_kill(resume_epoch)
             killed_at = time.time()

@@ -29,6 +29,7 @@ from tests.conftest import REPO_ROOT, MlflowServer, free_port, small_config, sta
 LEASE_S = 4.0
 
 
+@pytest.mark.slow
 def test_lock_serialises_pipelines_and_outlives_a_killed_holder(mlflow_server: str, tmp_path: Path) -> None:
     client = MlflowClient(mlflow_server)
     client.create_registered_model("locked")

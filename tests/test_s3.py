@@ -138,15 +138,14 @@ def test_preflight_fails_fast_naming_the_setting(
     elif case == "unreachable":
         overrides["s3_endpoint_url"] = f"http://127.0.0.1:{_closed_port()}"
     config = s3_config(tmp_path, s3_server, "unused", storage_path=storage, **overrides)
-    started = time.monotonic()
-    with pytest.raises(StorageError, match=expected) as info:
+    with pytest.raises(StorageError, match=expected) as info:  # how fast: `python -m bench.waits`
         prepare_dataset(config)
-    assert time.monotonic() - started < 15
     assert "not-the-secret" not in str(info.value) and READER[1] not in str(info.value)
     if case == "no-bucket":
         assert "prt-missing" not in list_buckets(s3_server)  # nothing was created behind the user's back
 
 
+@pytest.mark.slow
 def test_the_s3_filesystem_keeps_its_retries_when_ray_pickles_it() -> None:
     """Ray Train pickles the storage filesystem to its controller and workers; pyarrow's own pickling drops the
     retry strategy, so uploads there would get 3 tries over about 2 s. Against an endpoint that hangs up on every
