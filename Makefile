@@ -29,11 +29,13 @@ run: install
 	$(PY) -m flows.training $(ARGS)
 
 test: install
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 typecheck: install
 	$(VENV)/bin/mypy flows tasks raytrain_tasks deployments bench examples

@@ -398,15 +398,6 @@ class TrainingConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _train_code_runs_from_the_driver(self) -> TrainingConfig:
-        if self.train_code and self.launch_mode == "ray_job":
-            raise ValueError(
-                "train_code runs with launch_mode='driver' only in this release (its code reaches a cluster's "
-                "workers through Ray's runtime_env from the driver); set `launch_mode` to 'driver'"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _ray_job_needs_a_cluster(self) -> TrainingConfig:
         if self.launch_mode != "ray_job":
             return self

@@ -55,6 +55,11 @@ class WorkerSpec(BaseModel):
     pinned: dict[str, str] = {}
 
 
+def torch_threads(cpus_per_worker: float) -> int:
+    """Intra-op threads for a worker's CPU share, to the nearest whole CPU (1.9 CPUs: 2 threads), at least one."""
+    return max(1, int(cpus_per_worker + 0.5))
+
+
 def model_spec(config: TrainingConfig, dataset: DatasetRef) -> ModelSpec:
     return ModelSpec(
         model=config.model,
@@ -74,7 +79,7 @@ def train_loop_per_worker(train_loop_config: dict[str, Any]) -> None:
     rank, world_size = context.get_world_rank(), context.get_world_size()
     device = ray.train.torch.get_device()
     # Ray does not cap intra-op threads the way torchrun does; oversubscribed cores slow every rank.
-    torch.set_num_threads(max(1, int(config.cpus_per_worker)))
+    torch.set_num_threads(torch_threads(config.cpus_per_worker))
     _seed_everything(config.seed)
 
     batches = TrainBatches(config, dataset, rank, world_size)
@@ -126,10 +131,14 @@ def train_loop_per_worker(train_loop_config: dict[str, Any]) -> None:
             samples += labels.shape[0]  # a shape is known on the host
 
         model.eval()
-        with torch.no_grad():
-            logits = model(val_x) if len(val_y) else torch.empty(0, dataset.num_classes, device=device)
-            val_loss_total = loss_fn(logits, val_y).to(torch.float64)
-            correct = (logits.argmax(1) == val_y).sum().to(torch.float64)
+        val_loss_total = torch.zeros((), dtype=torch.float64, device=device)
+        correct = torch.zeros((), dtype=torch.float64, device=device)
+        with torch.no_grad():  # batch_size rows per forward pass: a large split never needs one pass's memory
+            for start in range(0, len(val_y), config.batch_size):
+                logits = model(val_x[start : start + config.batch_size])
+                labels = val_y[start : start + config.batch_size]
+                val_loss_total += loss_fn(logits, labels).to(torch.float64)
+                correct += (logits.argmax(1) == labels).sum().to(torch.float64)
         counts = torch.tensor([samples, len(val_y)], dtype=torch.float64, device=device)
         sums = torch.stack([train_loss_total, counts[0], val_loss_total, correct, counts[1]])
         if dist.is_available() and dist.is_initialized():

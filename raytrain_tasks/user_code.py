@@ -7,9 +7,11 @@ object) and where it was tried (this driver, or a worker of the cluster).
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import json
 import os
+import pkgutil
 import sys
 import traceback
 from pathlib import Path
@@ -33,11 +35,7 @@ def resolve(train_code: str, where: str = "on this driver") -> TrainFunc:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name and module_name.startswith(exc.name):
-            raise UserCodeError(
-                f"train_code {train_code!r}: no module named {exc.name!r} {where} (searched the directory the "
-                f"command runs in, {os.getcwd()}, and the installed packages); run from the folder that holds "
-                f"{module_name.split('.')[0]!r} or install it"
-            ) from exc
+            raise UserCodeError(f"train_code {train_code!r}: {_not_found(exc.name, where)}") from exc
         raise UserCodeError(
             f"train_code {train_code!r}: importing {module_name!r} {where} failed: {_user_frames(exc)}"
         ) from exc
@@ -48,7 +46,10 @@ def resolve(train_code: str, where: str = "on this driver") -> TrainFunc:
     target: Any = module
     for part in attribute.split("."):
         if not hasattr(target, part):
-            raise UserCodeError(f"train_code {train_code!r}: module {module_name!r} has no attribute {attribute!r}")
+            raise UserCodeError(
+                f"train_code {train_code!r}: module {module_name!r} has no attribute {attribute!r}"
+                + _did_you_mean(part, _specs_in(target) or [name for name in dir(target) if not name.startswith("_")])
+            )
         target = getattr(target, part)
     if isinstance(target, TrainSpec):
         return target.as_train_func()
@@ -157,6 +158,38 @@ def _import_from_working_directory() -> None:
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path:
         sys.path.insert(0, cwd)
+
+
+def _specs_in(target: Any) -> list[str]:
+    return [name for name, value in vars(target).items() if isinstance(value, TrainFunc | TrainSpec)]
+
+
+def _did_you_mean(name: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(name, candidates, n=3)
+    return f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+
+
+def _not_found(missing: str, where: str) -> str:
+    """Why ``missing`` (a dotted module name) cannot be imported: its top package is not on the path (run from
+    elsewhere, or install it), or a part below a package that is there is misspelt (the package's modules named)."""
+    parent, _, leaf = missing.rpartition(".")
+    if parent:
+        found = importlib.import_module(parent)  # imported already: the import failed below it
+        if not hasattr(found, "__path__"):
+            return f"{parent!r} ({found.__file__}) is a module, not a package: it has no module {leaf!r}"
+        folders = [str(path) for path in found.__path__]
+        modules = sorted(info.name for info in pkgutil.iter_modules(folders))
+        return (
+            f"package {parent!r} ({', '.join(folders)}) has no module {leaf!r} {where}"
+            + _did_you_mean(leaf, modules)
+            + f"; it has: {', '.join(modules) or 'no modules'}"
+        )
+    here = [info.name for info in pkgutil.iter_modules([os.getcwd()])]
+    return (
+        f"no module named {missing!r} {where}{_did_you_mean(missing, here)} (searched the directory the command "
+        f"runs in, {os.getcwd()}, and the installed packages); run from the folder that holds {missing!r} or "
+        "install it"
+    )
 
 
 def _user_frames(exc: BaseException) -> str:

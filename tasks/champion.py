@@ -105,6 +105,12 @@ def predict_without_pickles(directory: Path, features: np.ndarray) -> np.ndarray
     """The logits of the model in ``directory`` (checked with ``check_model_layout`` first), loaded with pickles off."""
     import mlflow
 
+    from tasks.evaluation import PREDICT_BATCH_ROWS
+
     with pickle_deserialization_off():
         model = mlflow.pyfunc.load_model(str(directory))
-    return np.asarray(model.predict(features))
+    parts = [
+        np.asarray(model.predict(features[start : start + PREDICT_BATCH_ROWS]))
+        for start in range(0, len(features), PREDICT_BATCH_ROWS)
+    ]
+    return np.concatenate(parts) if parts else np.asarray(model.predict(features))

@@ -291,8 +291,7 @@ def _write_version(planned: DatasetRef, tables: dict[str, pa.Table], target: Sto
         pq.write_table(table, buffer)
         data = buffer.getvalue()
         digests[split] = hashlib.sha256(data).hexdigest()  # readers check it (raytrain_tasks.data.read_split)
-        with target.filesystem.open_output_stream(target.child(f"{split}.parquet").path) as stream:
-            stream.write(data)
+        target.child(f"{split}.parquet").write_bytes(data)
     dataset = planned.model_copy(update={"split_sha256": digests})
     # The manifest goes last: a version folder without it is incomplete and gets rewritten.
     target.child(MANIFEST_NAME).write_text(dataset.model_dump_json(indent=1))

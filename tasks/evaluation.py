@@ -61,11 +61,19 @@ def load_checkpoint_model(checkpoint_uri: str, options: StorageOptions, expected
     return model.eval()
 
 
-def predict_logits(model: Any, features: np.ndarray) -> np.ndarray:
+PREDICT_BATCH_ROWS = 4096  # rows per forward pass when scoring a split: bounded memory, whatever the split's size
+
+
+def predict_logits(model: Any, features: np.ndarray, batch_rows: int = PREDICT_BATCH_ROWS) -> np.ndarray:
+    """The model's logits for ``features``, ``batch_rows`` rows per forward pass."""
     import torch
 
     with torch.no_grad():
-        return model(torch.from_numpy(features)).numpy()
+        parts = [
+            model(torch.from_numpy(features[start : start + batch_rows])).numpy()
+            for start in range(0, len(features), batch_rows)
+        ]
+    return np.concatenate(parts) if parts else np.empty((0, 0), dtype=np.float32)
 
 
 def score(logits: np.ndarray, labels: np.ndarray) -> Scores:

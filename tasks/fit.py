@@ -31,6 +31,7 @@ from raytrain_tasks.data import DATA_TASK_CPUS, USER_DATASET_CPUS, DatasetRef, s
 from raytrain_tasks.errors import (
     CheckpointError,
     ClusterError,
+    DatasetError,
     NodeStorageError,
     RepeatedFailureError,
     RunLeaseError,
@@ -43,7 +44,6 @@ from raytrain_tasks.errors import (
 from raytrain_tasks.redact import redacted_errors
 from raytrain_tasks.resume import CHECKPOINT_PREFIX, checkpoint_epoch
 from raytrain_tasks.tracking import (
-    STEP_KEY,
     MlflowEpochLogger,
     OpenMlflowEarly,
     checkpoint_name,
@@ -75,6 +75,7 @@ if TYPE_CHECKING:
 # NodeStorageError: a Ray node cannot use the storage with its own credentials; its setup must change.
 # RepeatedFailureError: the training raised the same exception twice in a row (raytrain_tasks.failures).
 NOT_RETRYABLE = (
+    DatasetError,
     ClusterError,
     CheckpointError,
     TrackingError,
@@ -185,6 +186,17 @@ def workers_code_dir(config: TrainingConfig) -> str:
     return "" if config.ray_address else str(code_root(config.train_code) or "")
 
 
+def check_rows_per_worker(config: TrainingConfig, dataset: DatasetRef | None) -> None:
+    """Every worker needs at least one training row of its own (each takes an equal share of the train split)."""
+    workers = config.worker_range[1]
+    if dataset is not None and dataset.train_rows < workers:
+        raise DatasetError(
+            f"the train split of dataset {dataset.content_hash[:16]} has {dataset.train_rows} rows, fewer than the "
+            f"{workers} workers that would each train on a share of it; lower `num_workers` (and `max_workers`) "
+            "or give `dataset` more rows"
+        )
+
+
 def check_cluster(
     config: TrainingConfig,
     dataset: DatasetRef | None,
@@ -198,6 +210,7 @@ def check_cluster(
     from its MLflow run through ``client``, while it still fits), what the trainer is built from; the user's
     settings, not this copy, are the run's MLflow params. ``user_datasets``: the user's code gives Ray Datasets,
     whose read and transform tasks need a CPU the workers leave free, as the built-in streaming loader's do."""
+    check_rows_per_worker(config, dataset)
     available = ray.cluster_resources()
     object_store = available.get("object_store_memory", 0.0)
     streamed = user_datasets or (dataset is not None and streams(config.data_loader, dataset, object_store))
@@ -342,8 +355,8 @@ def _distributed_fit(
                     run_id,
                     config.epochs,
                     logger,
-                    step_key=spec.metric.name if spec is not None else STEP_KEY,
                     builtin=spec is None,
+                    expects=tuple(dict.fromkeys((spec.metric.name, spec.gate.name))) if spec is not None else (),
                 )
                 if _in_prefect_run()
                 else None

@@ -91,8 +91,13 @@ def fit_as_ray_job(
     logger = run_logger()
     # The same pre-flight as a driver run, from here: a wrong setting fails before any job is submitted.
     mlflow = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
+    spec = None
+    if config.train_code:
+        from raytrain_tasks.user_code import resolve
+
+        spec = resolve(config.train_code)  # fails here, naming train_code, before anything is submitted
     with ray_session(config):
-        check_cluster(config, dataset, runs, mlflow, run_key)
+        check_cluster(config, dataset, runs, mlflow, run_key, spec is not None and spec.datasets is not None)
     client = connect(config)
     existing = jobs_of(client, run_key)
     newest = next((name for name in reversed(submission_ids(run_key)) if name in existing), None)
@@ -142,12 +147,16 @@ def fit_as_ray_job(
 
 
 def _submit(client: JobSubmissionClient, config: TrainingConfig, submission_id: str, payload: dict[str, Any]) -> None:
+    from raytrain_tasks.user_code import shipped_module
     from tasks.cluster import cluster_runtime_env
 
+    # This checkout's code, as the driver's workers get raytrain_tasks, and the user's own package (train_code):
+    # the job's driver imports it from there and its workers inherit it. Third-party packages come from the
+    # cluster's image. Credentials only with `forward_credentials_to_cluster` (tasks/cluster.py).
+    modules = [str(Path(tasks.__file__).parent), str(Path(raytrain_tasks.__file__).parent)]
+    user_module = shipped_module(config.train_code) if config.train_code else None
     runtime_env = {
-        # This checkout's code, as the driver's workers get raytrain_tasks; third-party packages come from the
-        # cluster's image. Credentials only with `forward_credentials_to_cluster` (tasks/cluster.py).
-        "py_modules": [str(Path(tasks.__file__).parent), str(Path(raytrain_tasks.__file__).parent)],
+        "py_modules": modules + ([user_module] if user_module else []),
         "env_vars": cluster_runtime_env(config)["env_vars"],
     }
     entrypoint = f"python -m tasks.fit_job {shlex.quote(json.dumps(payload, separators=(',', ':')))}"

@@ -32,11 +32,14 @@ class EpochProgress:
         logger: logging.Logger | logging.LoggerAdapter[Any],
         step_key: str = STEP_KEY,
         builtin: bool = True,
+        expects: tuple[str, ...] = (),
     ) -> None:
         self.client, self.run_id, self.epochs, self.logger = client, run_id, epochs, logger
-        # The user's own code: its gate metric marks a committed report, and every metric it reported is shown.
-        self.step_key, self.builtin = step_key, builtin
+        # The user's own code: any metric it reported with a checkpoint marks a committed report, every one is
+        # shown, and ``expects`` (the metrics its best checkpoint and the gate are chosen by) are looked for.
+        self.step_key, self.builtin, self.expects = step_key, builtin, expects
         self._seen: set[int] = set()
+        self._warned = False
         self._stop = threading.Event()
         self._artifact_id: Any = None
         self._thread: threading.Thread | None = None
@@ -86,12 +89,15 @@ class EpochProgress:
     def _poll_once(self) -> None:
         from prefect.artifacts import update_progress_artifact
 
+        if not self.builtin:
+            histories = self._user_histories()
+            new = sorted({step for history in histories.values() for step in history} - self._seen)
+            if new:
+                self._log_reported(new, histories)
+                update_progress_artifact(self._artifact_id, progress=self._percent())
+            return
         new = sorted(self._committed_steps() - self._seen)
         if not new:
-            return
-        if not self.builtin:
-            self._log_reported(new)
-            update_progress_artifact(self._artifact_id, progress=self._percent())
             return
         histories = {
             key: {int(m.step): m.value for m in self.client.get_metric_history(self.run_id, key)}
@@ -110,17 +116,30 @@ class EpochProgress:
             self._seen.add(step)
         update_progress_artifact(self._artifact_id, progress=self._percent())
 
-    def _log_reported(self, new: list[int]) -> None:
+    def _user_histories(self) -> dict[str, dict[int, float]]:
         keys = sorted(key for key in self.client.get_run(self.run_id).data.metrics if not key.startswith("system/"))
-        histories = {
-            key: {int(m.step): m.value for m in self.client.get_metric_history(self.run_id, key)} for key in keys
-        }
+        return {key: {int(m.step): m.value for m in self.client.get_metric_history(self.run_id, key)} for key in keys}
+
+    def _log_reported(self, new: list[int], histories: dict[str, dict[int, float]]) -> None:
         for step in new:
-            values = " ".join(f"{key}={histories[key][step]:.4f}" for key in keys if step in histories[key])
+            values = " ".join(f"{key}={history[step]:.4f}" for key, history in histories.items() if step in history)
             self.logger.info("epoch %d/%d committed: %s", step, self.epochs, values)
             self._seen.add(step)
+        missing = [name for name in self.expects if name not in histories]
+        if missing and not self._warned:
+            # Said at the first epoch instead of after the last: the run fails then unless a later report has them.
+            self._warned = True
+            self.logger.warning(
+                "train_code reported %s with its checkpoint but not %s, which TrainFunc(metric=..., gate_metric=...) "
+                "names: the best checkpoint and the gate need it, so the run fails at its end unless a later report "
+                "has it. Stop it now (Ctrl-C; nothing is registered) and fix the name if it is a typo",
+                sorted(histories) or "nothing",
+                missing,
+            )
 
     def _committed_steps(self) -> set[int]:
+        if not self.builtin:
+            return {step for history in self._user_histories().values() for step in history}
         return {int(m.step) for m in self.client.get_metric_history(self.run_id, self.step_key)}
 
     def _percent(self) -> float:

@@ -48,8 +48,24 @@ class StorageLocation:
             return stream.read().decode()
 
     def write_text(self, text: str) -> None:
-        with self.filesystem.open_output_stream(self.path) as stream:
-            stream.write(text.encode())
+        self.write_bytes(text.encode())
+
+    def write_bytes(self, data: bytes) -> None:
+        """Replace the object whole: a reader sees the old bytes or the new ones, never a part. A local file is
+        written under a temporary name and renamed over the old one (a reader that has it open keeps reading the
+        old file: a second prepare-data of the same version under a running fit's workers truncated it); an S3
+        object is replaced whole by the PUT that ends the upload."""
+        if is_s3(self.uri):
+            with self.filesystem.open_output_stream(self.path) as stream:
+                stream.write(data)
+            return
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        staged = f"{self.path}.{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            Path(staged).write_bytes(data)
+            os.replace(staged, self.path)
+        finally:
+            Path(staged).unlink(missing_ok=True)
 
     def list_names(self) -> list[str]:
         if not self.exists():
@@ -264,6 +280,16 @@ def s3_client(options: StorageOptions, max_attempts: int | None = None) -> Any:
     )
 
 
+def create_bucket_in_region(client: Any, bucket: str) -> None:
+    """Create ``bucket`` in the client's region (``s3_region``): outside us-east-1, AWS refuses a CreateBucket
+    that does not name its region as the LocationConstraint."""
+    region = client.meta.region_name
+    if region and region != "us-east-1":
+        client.create_bucket(Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": region})
+    else:
+        client.create_bucket(Bucket=bucket)
+
+
 def _check_s3(location: StorageLocation, *, create_bucket: bool) -> None:
     from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
@@ -282,7 +308,7 @@ def _check_s3(location: StorageLocation, *, create_bucket: bool) -> None:
                     f"bucket {bucket!r} does not exist ({where}); create it, set `create_bucket` to true, "
                     "or fix `storage_path`"
                 ) from exc
-            client.create_bucket(Bucket=bucket)
+            create_bucket_in_region(client, bucket)
         client.put_object(Bucket=bucket, Key=probe_key, Body=b"ok")
         if client.get_object(Bucket=bucket, Key=probe_key)["Body"].read() != b"ok":
             raise StorageError(f"{where} returned different bytes than were written")

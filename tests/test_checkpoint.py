@@ -143,3 +143,28 @@ def test_without_a_run_key_each_checkpoint_gets_a_fresh_temporary_folder(
     with staging_folder(None) as first, staging_folder(None) as second:
         assert first != second and first.parent == second.parent == tmp_path
     assert list(tmp_path.iterdir()) == []
+
+
+def test_scoring_a_split_runs_in_bounded_batches_with_the_same_logits() -> None:
+    """Evaluation and the champion's re-scoring push a split through the model in batches (one pass over a large
+    split ran a GPU out of memory), with the logits of one whole pass."""
+    import numpy as np
+    import torch
+
+    from tasks.evaluation import PREDICT_BATCH_ROWS, predict_logits
+
+    seen: list[int] = []
+
+    class Recording(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(len(x))
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    model = Recording(8, 3)
+    features = np.random.default_rng(0).normal(size=(2 * PREDICT_BATCH_ROWS + 5, 8)).astype(np.float32)
+    logits = predict_logits(model, features)
+    assert seen == [PREDICT_BATCH_ROWS, PREDICT_BATCH_ROWS, 5]
+    with torch.no_grad():
+        whole = model(torch.from_numpy(features)).numpy()
+    np.testing.assert_allclose(logits, whole, rtol=1e-6, atol=1e-6)

@@ -208,12 +208,14 @@ def test_the_pipeline_trains_on_a_cluster_by_address_and_leaves_it_running(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("launch_mode", ["driver", "ray_job"])
 def test_user_code_outside_the_project_reaches_the_clusters_workers_through_runtime_env(
-    external_cluster: ExternalCluster, tmp_path: Path, prefect_api: None
+    external_cluster: ExternalCluster, tmp_path: Path, prefect_api: None, launch_mode: str
 ) -> None:
     """The user's package lives in a project folder of its own (a copy of examples/seed_ddp); the command runs there
-    with `ray_address` set. Nothing is copied to the cluster by hand: the driver ships the package with runtime_env
-    py_modules (the workers are not given the driver's folder), and the cluster unpacks it for its workers."""
+    with `ray_address` set. Nothing is copied to the cluster by hand: the driver (or, as a Ray Job, the job's
+    runtime_env) ships the package with runtime_env py_modules (the workers are not given the driver's folder),
+    and the cluster unpacks it for the job's driver and its workers."""
     from prefect.settings import PREFECT_API_URL
 
     project = tmp_path / "project"
@@ -230,6 +232,8 @@ def test_user_code_outside_the_project_reaches_the_clusters_workers_through_runt
     command += ["--train-code", "my_model.train:training", "--train-config", '{"hidden": 24}']
     command += ["--storage-path", str(tmp_path / "storage"), "--mlflow-tracking-uri", tracking_uri]
     command += ["--epochs", "2", "--experiment-name", "cluster-own-code", "--model-name", "cluster-own-code"]
+    if launch_mode == "ray_job":
+        command += ["--launch-mode", "ray_job", "--ray-dashboard-url", external_cluster.dashboard_url]
     env = {**os.environ, **CLIENT_ENV, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
     done = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=480)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
@@ -237,6 +241,8 @@ def test_user_code_outside_the_project_reaches_the_clusters_workers_through_runt
     (run,) = client.search_runs([client.get_experiment_by_name("cluster-own-code").experiment_id])
     assert run.info.status == "FINISHED" and run.data.params["train_code"] == "my_model.train:training"
     assert run.data.tags["prefect_raytrain.ray_cluster"] == external_cluster.address
+    assert ("prefect_raytrain.ray_job" in run.data.tags) == (launch_mode == "ray_job"), run.data.tags
+    assert client.get_model_version("cluster-own-code", "1").run_id == run.info.run_id  # registered from it
     resources = external_cluster.temp_dir / "session_latest" / "runtime_resources"
     assert list(resources.glob("py_modules_files/*/my_model/train.py")), sorted(
         str(p.relative_to(resources)) for p in resources.rglob("*")

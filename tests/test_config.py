@@ -223,3 +223,11 @@ def test_ray_datasets_of_the_users_code_get_a_whole_cpu_beside_the_workers() -> 
     by_hand = config.model_copy(update={"cpus_per_worker": 0.75})
     with pytest.raises(ClusterError, match=r"my_model.train:training.*datasets=.*`cpus_per_worker`"):
         check_resources(by_hand, {"CPU": 2.0}, True, user_datasets=True, data_cpus=USER_DATASET_CPUS)
+
+
+@pytest.mark.parametrize(("cpus", "threads"), [(0.5, 1), (0.75, 1), (1.0, 1), (1.5, 2), (1.9, 2), (2.0, 2), (3.6, 4)])
+def test_a_workers_torch_threads_are_its_cpu_share_rounded(cpus: float, threads: int) -> None:
+    """Ray does not cap torch's intra-op threads; each worker sets them to its share, rounded (1.9 CPUs was 1)."""
+    from raytrain_tasks.train_loop import torch_threads
+
+    assert torch_threads(cpus) == threads

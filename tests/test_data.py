@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,26 @@ def test_digits_is_split_standardised_and_stored(tmp_path: Path) -> None:
     assert set(np.unique(y_val)) == set(range(10)) and set(np.unique(y_test)) == set(range(10))
     rows = {tuple(row) for row in read_split(dataset, "train", standardised=False)[0]}
     assert not any(tuple(row) in rows for row in read_split(dataset, "test", standardised=False)[0])
+
+
+def test_a_version_written_again_never_truncates_a_split_a_reader_has_open(tmp_path: Path) -> None:
+    """Two prepare-data runs of the same version at once (the folder has no manifest yet, so both write): the
+    second replaces each split whole. A fit's worker that opened the first one's file keeps reading all of it
+    (writing in place truncated it under that reader)."""
+    config = small_config(tmp_path)
+    dataset = prepare_dataset(config)
+    split = Path(dataset.uri) / "train.parquet"
+    original = split.read_bytes()
+    with split.open("rb") as reader:  # a worker in the middle of reading its split
+        held = os.fstat(reader.fileno())
+        (Path(dataset.uri) / MANIFEST_NAME).unlink()  # the version is incomplete again: the next run writes it
+        assert prepare_dataset(config).split_sha256 == dataset.split_sha256
+        # The file the reader holds was never written to (in place, it was truncated, then filled again while
+        # the reader went on reading); the new bytes went to a new file renamed over it.
+        assert os.fstat(reader.fileno()).st_mtime_ns == held.st_mtime_ns
+        assert reader.read() == original
+    assert split.read_bytes() == original
+    assert not list(Path(dataset.uri).glob("*.tmp"))  # nothing left behind
 
 
 def test_rows_keep_their_split_as_the_data_grows(tmp_path: Path) -> None:

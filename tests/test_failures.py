@@ -11,7 +11,7 @@ from mlflow import MlflowClient
 
 from flows.parameters import parameters_of
 from flows.training import training_pipeline
-from raytrain_tasks.errors import CheckpointError, ClusterError, TrackingError
+from raytrain_tasks.errors import CheckpointError, ClusterError, DatasetError, TrackingError
 from tests.conftest import small_config, this_ray_address
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster", "prefect_api")]
@@ -67,6 +67,22 @@ def test_more_workers_than_cpus(tmp_path: Path) -> None:
     assert isinstance(error, ClusterError) and "num_workers" in str(error)
     assert started == set()
     assert not (tmp_path / "storage" / "runs").exists()
+
+
+def test_fewer_training_rows_than_workers_is_refused_naming_the_settings(tmp_path: Path) -> None:
+    """Each worker takes an equal share of the train split: with fewer rows than the most workers the run may have
+    (`max_workers` 12 here, on 10 rows), one would get none. Refused before any worker starts, not retried."""
+    import numpy as np
+    import pandas as pd
+
+    frame = pd.DataFrame({"a": np.arange(10.0), "b": np.arange(10.0) ** 2, "label": np.arange(10) % 2})
+    frame.to_csv(tmp_path / "tiny.csv", index=False)
+    tiny = {"dataset": str(tmp_path / "tiny.csv"), "label_column": "label", "num_workers": 1, "max_workers": 12}
+    error, started = _run_failing(small_config(tmp_path, **tiny))
+    assert isinstance(error, DatasetError), error
+    assert "fewer than the 12 workers" in str(error) and "`num_workers`" in str(error) and "`max_workers`" in str(error)
+    assert started == set()
+    assert _mlflow_runs(tmp_path) == []
 
 
 def test_unreachable_mlflow_server(tmp_path: Path) -> None:

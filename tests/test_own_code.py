@@ -7,6 +7,7 @@ The examples under examples/ are the acceptance tests: each runs here as a user 
 
 from __future__ import annotations
 
+import re
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -43,22 +44,33 @@ def _module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, name: 
     ("source", "code", "says"),
     [
         ("", "no_such_module:training", "no module named 'no_such_module'"),
+        ("x = 1\n", "my_cod:training", r"no module named 'my_cod' on this driver \(did you mean 'my_code'\?\)"),
+        ("x = 1\n", "my_code.train:training", "'my_code' .* is a module, not a package: it has no module 'train'"),
         ("x = 1\n", "my_code:training", "has no attribute 'training'"),
         ("def training(config):\n    pass\n", "my_code:training", "wrap it as TrainFunc"),
         ("training = 'a string'\n", "my_code:training", "is a str"),
         ("import not_installed_dependency\n", "my_code:training", "No module named 'not_installed_dependency'"),
         ("raise RuntimeError('broken at import')\n", "my_code:training", "RuntimeError: broken at import"),
     ],
-    ids=["no module", "no attribute", "a plain function", "wrong kind", "a missing dependency", "import fails"],
+    ids=[
+        "no module",
+        "a misspelt module",
+        "a module under a module",
+        "no attribute",
+        "a plain function",
+        "wrong kind",
+        "a missing dependency",
+        "import fails",
+    ],
 )
 def test_train_code_that_cannot_be_used_is_named_with_the_part_that_failed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, code: str, says: str
 ) -> None:
-    _module(tmp_path, monkeypatch, source, name=f"my_code_{abs(hash(source)) % 10_000}")
-    code = code.replace("my_code", f"my_code_{abs(hash(source)) % 10_000}")
+    name = _module(tmp_path, monkeypatch, source, name=f"my_code_{abs(hash(source)) % 10_000}")
+    code, says = code.replace("my_code", name), says.replace("my_code", name)
     with pytest.raises(UserCodeError) as raised:
         resolve(code)
-    assert code in str(raised.value) and says in str(raised.value)
+    assert code in str(raised.value) and re.search(says, str(raised.value)), str(raised.value)
 
 
 def test_a_train_func_spec_is_checked_when_it_is_made() -> None:
@@ -185,10 +197,11 @@ def _tracking(workdir: Path) -> Any:
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster", "prefect_api")
 def test_user_code_outside_the_project_that_never_reports_the_gate_metric_fails_and_registers_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The code lives in a folder of its own (the command's working directory), reaches the workers from there,
-    trains and checkpoints, but reports `loss` while its TrainFunc gates on `val_score`."""
+    trains and checkpoints, but reports `loss` while its TrainFunc gates on `val_score`: the log says so at the
+    first committed epoch (with the epoch's own metrics shown), and the run fails at its end."""
     source = """
         import tempfile, torch, ray.train
         from raytrain_tasks.api import Metric, TrainFunc
@@ -216,6 +229,10 @@ def test_user_code_outside_the_project_that_never_reports_the_gate_metric_fails_
     run = only_run(tmp_path)
     assert run is not None and run.info.status == "FAILED"
     assert client_versions(tmp_path) == []
+    said = [record.getMessage() for record in caplog.records]
+    first = next(i for i, line in enumerate(said) if line.startswith("epoch 1/2 committed: ") and "loss=1.0000" in line)
+    warning = next(i for i, line in enumerate(said) if "but not ['val_score']" in line)
+    assert "['epoch', 'loss']" in said[warning] and first < warning  # at the first epoch, not after the last
 
 
 def client_versions(workdir: Path) -> list[Any]:

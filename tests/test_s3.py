@@ -195,3 +195,20 @@ def test_the_s3_client_tries_each_request_s3_max_attempts_times(attempts: int) -
     with pytest.raises(EndpointConnectionError):
         client.head_bucket(Bucket="prt-attempts")
     assert len(sent) == attempts
+
+
+def test_create_bucket_names_the_region_outside_us_east_1(s3_server: LocalS3) -> None:
+    """`create_bucket` with `s3_region`: AWS refuses a CreateBucket outside us-east-1 without a LocationConstraint
+    (the request is read as it leaves the client; the local server accepts either)."""
+    from tasks.storage import create_bucket_in_region
+
+    bodies: dict[str, bytes] = {}
+    for region in ("eu-west-1", "us-east-1"):
+        client = s3_client(StorageOptions(endpoint_url=s3_server.endpoint_url, region=region))
+        client.meta.events.register(
+            "before-send.s3.CreateBucket", lambda request, region=region, **_: bodies.update({region: request.body})
+        )
+        create_bucket_in_region(client, f"prt-region-{region}")
+        assert f"prt-region-{region}" in list_buckets(s3_server)
+    assert b"<LocationConstraint>eu-west-1</LocationConstraint>" in (bodies["eu-west-1"] or b"")
+    assert not bodies["us-east-1"]  # us-east-1 takes no constraint (AWS refuses one naming it)
