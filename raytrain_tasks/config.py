@@ -12,7 +12,7 @@ import secrets
 import warnings
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -26,6 +26,12 @@ DEFAULT_STATE_DIR = ".pipeline"
 
 # `register` is the public flag name (--register/--no-register); it only shadows ABCMeta.register.
 warnings.filterwarnings("ignore", message='Field name "register"', category=UserWarning)
+
+
+def _dataset_stem(dataset: str) -> str:
+    """A registered-model name part from ``dataset``: 'synthetic', or its file's name without the extension."""
+    stem = PurePosixPath(dataset.rstrip("/").split("://", 1)[-1]).name.split(".")[0]
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("-._") or "dataset"
 
 
 class TrainingConfig(BaseModel):
@@ -256,7 +262,9 @@ class TrainingConfig(BaseModel):
         title="Registered model name",
         description=(
             "MLflow registered model that receives a new version per run (letters, digits, space, . _ -). With "
-            "`train_code` and this default, the module of the code (e.g. 'my_model.train') is the name instead."
+            "`train_code` and this default, the module of the code (e.g. 'my_model.train') is the name instead; "
+            "with another `dataset`, its file name (e.g. 'flowers-classifier' for flowers.csv, "
+            "'synthetic-classifier')."
         ),
     )
 
@@ -480,9 +488,13 @@ class TrainingConfig(BaseModel):
         endpoint = self.s3_endpoint_url or environ.get("AWS_ENDPOINT_URL_S3", "") or environ.get("AWS_ENDPOINT_URL", "")
         region = self.s3_region or environ.get("AWS_REGION", "") or environ.get("AWS_DEFAULT_REGION", "")
         model_name = self.model_name
-        if self.train_code and model_name == type(self).model_fields["model_name"].default:
-            # The built-in classifier's name is no name for a user's model: it would land behind its champion.
-            model_name = self.train_code.partition(":")[0]
+        if model_name == type(self).model_fields["model_name"].default:
+            # The digits classifier's name is no name for a user's model or data: it would land behind that
+            # champion, whose scores are not comparable, and stay `challenger`.
+            if self.train_code:
+                model_name = self.train_code.partition(":")[0]
+            elif self.dataset != "digits":
+                model_name = f"{_dataset_stem(self.dataset)}-classifier"
         return self.model_copy(
             update={
                 "model_name": model_name,

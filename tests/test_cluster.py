@@ -553,7 +553,7 @@ def test_a_ray_job_fit_outlives_its_orchestrator_and_the_next_run_reattaches(
     assert run.info.run_id == stopped.info.run_id and run.info.status == "FINISHED"
     assert run.data.tags["prefect_raytrain.ray_job"] == f"{submission_id}-1"  # the job that trained last
     assert sorted(logged_epochs()) == list(range(JOB_EPOCHS))  # each epoch logged once
-    (version,) = client.search_model_versions("name='digits-classifier'")
+    (version,) = client.search_model_versions("name='synthetic-classifier'")
     assert version.run_id == run.info.run_id
     # The jobs' entrypoints and runtime_envs, as anyone who reaches the dashboard reads them: no driver secret.
     answers = dashboard_answers(external_cluster, ["/api/jobs/"])

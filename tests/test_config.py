@@ -231,3 +231,20 @@ def test_a_workers_torch_threads_are_its_cpu_share_rounded(cpus: float, threads:
     from raytrain_tasks.train_loop import torch_threads
 
     assert torch_threads(cpus) == threads
+
+
+@pytest.mark.parametrize(
+    ("settings", "name"),
+    [
+        ({}, "digits-classifier"),
+        ({"dataset": "synthetic"}, "synthetic-classifier"),
+        ({"dataset": "/data/flowers.csv", "label_column": "species"}, "flowers-classifier"),
+        ({"dataset": "s3://bucket/raw/churn 2026.parquet"}, "churn-2026-classifier"),
+        ({"dataset": "/data/flowers.csv", "model_name": "iris"}, "iris"),
+        ({"train_code": "my_model.train:training"}, "my_model.train"),
+    ],
+)
+def test_the_default_model_name_follows_the_users_data_or_code(settings: dict[str, str], name: str) -> None:
+    """Left at its default, the registered model is not the digits classifier's for a user's own data or code:
+    a version there would stand behind a champion scored on other data and stay `challenger`."""
+    assert TrainingConfig(**settings).resolved(Path("/work"), {}).model_name == name
