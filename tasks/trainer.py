@@ -12,6 +12,7 @@ from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
 
 START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+ABORT_TIMEOUT_S = 10.0
 
 
 class RunTrainer(TorchTrainer):
@@ -68,12 +69,21 @@ class RunTrainer(TorchTrainer):
             del controller
 
     def abort(self) -> None:
-        """End the fit now: kill its controller (its worker group goes with it, the controller owns it). A
-        fit whose controller has not started yet never starts one."""
+        """End the fit now, as Ray Train's own Ctrl-C does: the controller aborts its worker group, which removes
+        the group's placement group, then exits; killed if it has not within ``ABORT_TIMEOUT_S``. A killed
+        controller's workers die with it but its placement group outlived it (seen in a shared Ray: it held every
+        CPU, and the next fits there waited for resources until their start timed out). A fit whose controller
+        has not started yet never starts one."""
         with self._controller_lock:
             self._aborted = True
-            if self._controller is not None:
-                ray.kill(self._controller, no_restart=True)
+            controller = self._controller
+        if controller is None:
+            return
+        try:
+            ray.get(controller.abort.remote(), timeout=ABORT_TIMEOUT_S)
+        except ray.exceptions.RayError:  # it exits inside the call (ActorDiedError), or did not in time
+            pass
+        ray.kill(controller, no_restart=True)
 
 
 def waited_for_resources(exc: BaseException) -> WorkerGroupStartupTimeoutError | None:

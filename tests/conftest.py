@@ -42,12 +42,6 @@ from raytrain_tasks.config import TrainingConfig  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Slow tests first (in their usual order), so that parallel workers (`make test` runs pytest-xdist) start the
-    minutes-long ones at once instead of finding them last, behind one worker, while the others idle."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if not hasattr(session.config, "workerinput"):  # the controller, once every xdist worker (sharing it) is done
         shutil.rmtree(_PREFECT_HOME, ignore_errors=True)

@@ -71,16 +71,17 @@ def test_more_workers_than_cpus(tmp_path: Path) -> None:
 
 def test_fewer_training_rows_than_workers_is_refused_naming_the_settings(tmp_path: Path) -> None:
     """Each worker takes an equal share of the train split: with fewer rows than the most workers the run may have
-    (`max_workers` 12 here, on 10 rows), one would get none. Refused before any worker starts, not retried."""
+    (`max_workers` 64 here, on about 28 training rows), one would get none. Refused before any worker starts,
+    not retried."""
     import numpy as np
     import pandas as pd
 
-    frame = pd.DataFrame({"a": np.arange(10.0), "b": np.arange(10.0) ** 2, "label": np.arange(10) % 2})
+    frame = pd.DataFrame({"a": np.arange(40.0), "b": np.arange(40.0) ** 2, "label": np.arange(40) % 2})
     frame.to_csv(tmp_path / "tiny.csv", index=False)
-    tiny = {"dataset": str(tmp_path / "tiny.csv"), "label_column": "label", "num_workers": 1, "max_workers": 12}
+    tiny = {"dataset": str(tmp_path / "tiny.csv"), "label_column": "label", "num_workers": 1, "max_workers": 64}
     error, started = _run_failing(small_config(tmp_path, **tiny))
     assert isinstance(error, DatasetError), error
-    assert "fewer than the 12 workers" in str(error) and "`num_workers`" in str(error) and "`max_workers`" in str(error)
+    assert "fewer than the 64 workers" in str(error) and "`num_workers`" in str(error) and "`max_workers`" in str(error)
     assert started == set()
     assert _mlflow_runs(tmp_path) == []
 

@@ -379,6 +379,14 @@ def test_a_fit_whose_lease_is_taken_stops_at_once_and_leaves_the_mlflow_run_alon
         address=this_ray_address(), filters=[("class_name", "=", "TrainController"), ("state", "=", "ALIVE")]
     )
     assert controllers == [], controllers
+    # Its worker group's placement group went with it: a Ray shared with later runs (a served warm Ray, a
+    # cluster) gets its CPUs back, instead of starving every later fit until its worker-group start times out.
+    from ray.util.state import list_placement_groups
+
+    deadline = time.monotonic() + 30
+    while held := list_placement_groups(address=this_ray_address(), filters=[("state", "=", "CREATED")]):
+        assert time.monotonic() < deadline, f"the stopped fit's placement group still holds the CPUs: {held}"
+        time.sleep(0.5)
     client = MlflowClient(config.mlflow_tracking_uri)
     (run,) = client.search_runs([client.get_experiment_by_name(config.experiment_name).experiment_id])
     assert run.info.status == "RUNNING"  # the holder's: not KILLED, not FAILED by the driver that lost it
