@@ -182,6 +182,28 @@ def rows() -> list[Row]:
                 "bench.failfast",
             )
         )
+    own = _load("own_code")
+    if own is None or own.get("smoke"):
+        out.append(("your own train_func: flow/bare in-loop <= 1.03x", "not measured", "-", "python -m bench.own_code"))
+    else:
+        out.append(
+            _ratio_row(
+                "your own train_func: flow/bare in-loop <= 1.03x",
+                own["in_loop_ratio"],
+                1.03,
+                True,
+                f"{own['in_loop_flow_s']:.3f} s vs {own['in_loop_bare_s']:.3f} s per epoch",
+                "bench.own_code",
+            )
+        )
+        out.append(
+            (
+                "FSDP2 checkpoints written by every rank: share of epoch (figure, beside rank 0's full state dict)",
+                f"{own['checkpoint_share_every_rank_dcp']:.1%} vs {own['checkpoint_share_rank0_full_state_dict']:.1%}",
+                "-",
+                "bench.own_code",
+            )
+        )
     waits = _load("waits")
     if waits is None:
         out.append(("unreachable services are named in seconds", "not measured", "-", "python -m bench.waits"))
