@@ -131,8 +131,6 @@ def distributed_fit(config: TrainingConfig, dataset: DatasetRef | None, run_key:
         if config.launch_mode == "ray_job":
             from tasks.ray_job import fit_as_ray_job
 
-            assert dataset is not None, "train_code runs in launch_mode='driver'"  # checked by the config
-
             # The job takes the run's lease itself (fit_in_this_process, run by tasks/fit_job.py on the cluster).
             return fit_as_ray_job(config, dataset, run_key, runs, run_dir, origin=prefect_origin(run_key))
         return fit_in_this_process(config, dataset, run_key, runs, run_dir)
@@ -373,6 +371,7 @@ def _distributed_fit(
             fit = _record_user_fit(
                 client, result, spec, config, run_key, run_dir, run_id, experiment_id, backend, reopened, rejected
             )
+            _write_fit_record(run_dir, client, run_id, fit, lease)  # what a Ray Job's submitter reads back
             tracking.finish_run(client, run_id)
             return fit
         reported = [
@@ -398,13 +397,7 @@ def _distributed_fit(
             client, run_id, dataset, fit, pointer, config.storage_options, digest, model_id
         )
         fit = fit.model_copy(update={"scores": scores, "best_checkpoint_model_id": model_id})
-        # The record goes last: a run with it is complete, and a resume of it trains and logs nothing again.
-        # Its digest goes to MLflow after it: a record without one is not trusted (see _finished_fit).
-        if lease is not None:
-            lease.check()  # a driver that lost the run writes nothing more into it
-        record = fit.model_dump_json(indent=1)
-        run_dir.child(FIT_RECORD).write_text(record)
-        client.set_tag(run_id, tracking.FIT_RECORD_TAG, hashlib.sha256(record.encode()).hexdigest())
+        _write_fit_record(run_dir, client, run_id, fit, lease)
     except BaseException as exc:
         if run_id is None:
             raise
@@ -446,6 +439,18 @@ def _distributed_fit(
 
 
 FIT_RECORD = "fit.json"
+
+
+def _write_fit_record(
+    run_dir: StorageLocation, client: Any, run_id: str, fit: FitResult, lease: HeldLease | None
+) -> None:
+    """The record goes last: a run with it is complete, and a resume of it trains and logs nothing again. Its
+    digest goes to MLflow after it: a record without one is not trusted (see _finished_fit)."""
+    if lease is not None:
+        lease.check()  # a driver that lost the run writes nothing more into it
+    record = fit.model_dump_json(indent=1)
+    run_dir.child(FIT_RECORD).write_text(record)
+    client.set_tag(run_id, tracking.FIT_RECORD_TAG, hashlib.sha256(record.encode()).hexdigest())
 
 
 def _record_user_fit(

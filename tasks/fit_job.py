@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
     init_within(config.ray_connect_timeout_s, address=address, logging_level=logging.WARNING)
     config = config.model_copy(update={"ray_address": ray.get_runtime_context().gcs_address})
     signal.signal(signal.SIGTERM, _interrupt)  # stop_job: end like a cancelled driver (MLflow KILLED)
-    dataset = DatasetRef.model_validate(payload["dataset"])
+    dataset = DatasetRef.model_validate(payload["dataset"]) if payload["dataset"] is not None else None
     run_key = str(payload["run_key"])
     runs = locate(config.storage_path, config.storage_options).child(RUNS_DIR)
     try:

@@ -77,7 +77,7 @@ def jobs_of(client: JobSubmissionClient, run_key: str) -> dict[str, str]:
 
 def fit_as_ray_job(
     config: TrainingConfig,
-    dataset: DatasetRef,
+    dataset: DatasetRef | None,
     run_key: str,
     runs: StorageLocation,
     run_dir: StorageLocation,
@@ -120,7 +120,7 @@ def fit_as_ray_job(
         payload = {
             # The job runs the fit as a driver on the cluster, where RAY_ADDRESS (set by Ray) reaches it.
             "config": config.model_copy(update={"launch_mode": "driver"}).model_dump(mode="json"),
-            "dataset": dataset.model_dump(mode="json"),
+            "dataset": dataset.model_dump(mode="json") if dataset is not None else None,  # None: train_code's own
             "run_key": run_key,
             "origin": origin | {"prefect_raytrain.ray_job": submission_id},
         }
