@@ -495,7 +495,7 @@ def check_resources(
             f"beside the workers, but {config.num_workers} workers x {config.cpus_per_worker:g} CPUs leave less "
             f"than {data_cpus:g} of the Ray cluster's {cpus:g} CPUs free, and the datasets would never be read; "
             f"leave {data_cpus:g} CPU free "
-            "free (set `cpus_per_worker` to 0 to size it automatically, or lower it or `num_workers`)"
+            "(set `cpus_per_worker` to 0 to size it automatically, or lower it or `num_workers`)"
         )
     if streams and cpus < request.cpus + data_cpus:
         raise ClusterError(

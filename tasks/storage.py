@@ -28,6 +28,16 @@ DATASETS_DIR = "datasets"
 RUNS_DIR = "runs"
 
 
+def _replace_file(path: str, data: bytes) -> None:
+    """Write ``data`` under a temporary name beside ``path``, then rename it over ``path`` (atomic on POSIX)."""
+    staged = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        Path(staged).write_bytes(data)
+        os.replace(staged, path)
+    finally:
+        Path(staged).unlink(missing_ok=True)
+
+
 @dataclass(frozen=True)
 class StorageLocation:
     uri: str
@@ -60,12 +70,7 @@ class StorageLocation:
                 stream.write(data)
             return
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        staged = f"{self.path}.{uuid.uuid4().hex[:8]}.tmp"
-        try:
-            Path(staged).write_bytes(data)
-            os.replace(staged, self.path)
-        finally:
-            Path(staged).unlink(missing_ok=True)
+        _replace_file(self.path, data)
 
     def list_names(self) -> list[str]:
         if not self.exists():
@@ -162,9 +167,7 @@ class StorageLocation:
                 current = None
             if current != version:
                 return None
-            staged = f"{self.path}.{uuid.uuid4().hex[:8]}.tmp"
-            Path(staged).write_text(text)
-            os.replace(staged, self.path)
+            _replace_file(self.path, text.encode())
         return _digest(text)
 
     @contextmanager
