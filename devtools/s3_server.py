@@ -24,6 +24,8 @@ from pathlib import Path
 ADMIN = ("prt-admin", "prt-admin-secret")
 SOCKET_KINDS = ("s3", "s3-grpc", "filer", "filer-grpc", "master", "master-grpc", "volume", "volume-grpc", "admin-grpc")
 READER = ("prt-reader", "prt-reader-secret")
+# Where `start()` writes and reads back one object before it says the server is ready.
+READY_BUCKET = "prt-devtools-ready"
 
 
 def free_port() -> int:
@@ -88,15 +90,41 @@ class LocalS3:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"weed exited: {(self.directory / 'weed.log').read_text()[-2000:]}")
-            try:
-                urllib.request.urlopen(f"{self.endpoint_url}/status", timeout=1)  # noqa: S310 - loopback only
+            if self._gateway_answers() and self._stores_and_serves():
                 return self
-            except OSError as exc:
-                if getattr(exc, "code", None):  # any HTTP answer means the S3 gateway is up
-                    return self
             time.sleep(0.3)
         self.stop()
         raise RuntimeError(f"weed did not answer on {self.endpoint_url} within {timeout:.0f}s")
+
+    def _gateway_answers(self) -> bool:
+        try:
+            urllib.request.urlopen(f"{self.endpoint_url}/status", timeout=1)  # noqa: S310 - loopback only
+        except OSError as exc:
+            return bool(getattr(exc, "code", None))  # any HTTP answer means the S3 gateway is up
+        return True
+
+    def _stores_and_serves(self) -> bool:
+        """An object written and read back: the gateway answers before its volume server has registered, and a
+        GET in that window is an InternalError (seen right after a restart, on an object written before it)."""
+        import boto3
+        from botocore.config import Config
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        client = boto3.client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            aws_access_key_id=ADMIN[0],
+            aws_secret_access_key=ADMIN[1],
+            region_name="us-east-1",
+            config=Config(retries={"total_max_attempts": 1}, connect_timeout=2, read_timeout=5),
+        )
+        try:
+            if READY_BUCKET not in [bucket["Name"] for bucket in client.list_buckets().get("Buckets", [])]:
+                client.create_bucket(Bucket=READY_BUCKET)
+            client.put_object(Bucket=READY_BUCKET, Key="ready", Body=b"ready")
+            return bool(client.get_object(Bucket=READY_BUCKET, Key="ready")["Body"].read() == b"ready")
+        except (BotoCoreError, ClientError):
+            return False
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
