@@ -103,6 +103,7 @@ def _register_model(config: TrainingConfig, dataset: DatasetRef | None, fit: Fit
         with model_lock(client, config.model_name, owner=fit.run_key) as lock:
             version = _version_of_run(client, config.model_name, fit.run_key)
             if version is None:
+                lock.check()  # a holder taken over while it looked must not register a second version
                 version = _create_version(
                     client,
                     config.model_name,
@@ -113,7 +114,7 @@ def _register_model(config: TrainingConfig, dataset: DatasetRef | None, fit: Fit
                 )
             else:
                 logger.info("run %s already registered %s version %s", fit.run_key, config.model_name, version)
-            ref = _decided(client, config, version, candidate_score, metric)
+            ref = _decided(client, config, version, candidate_score, metric, lock)
             if ref is None:
                 if config.promote and spec is not None:
                     champion = assess_recorded_champion(client, config.model_name, config, spec)
@@ -249,7 +250,9 @@ def apply_decision(
         raise TrackingError(f"could not record the decision on {name} version {version}: {exc}") from exc
 
 
-def _decided(client: MlflowClient, config: TrainingConfig, version: str, score: float, metric: str) -> ModelRef | None:
+def _decided(
+    client: MlflowClient, config: TrainingConfig, version: str, score: float, metric: str, lock: LockHandle
+) -> ModelRef | None:
     """The version's decision if an earlier attempt made it final; None when it must be (re)decided."""
     name = config.model_name
     tags = client.get_model_version(name, version).tags
@@ -261,6 +264,7 @@ def _decided(client: MlflowClient, config: TrainingConfig, version: str, score: 
         return None  # recorded but never applied (killed in between): nothing moved, decide again
     recorded_champion = tags.get("promotion.champion_version") or None
     if tags.get(APPLIED_TAG) != "true":  # champion moved to this version; finish what the kill interrupted
+        lock.check()  # the repair moves an alias: only while the lock is still ours
         if recorded_champion is not None:
             client.set_registered_model_alias(name, PREVIOUS_CHAMPION, recorded_champion)
         client.set_model_version_tag(name, version, APPLIED_TAG, "true")

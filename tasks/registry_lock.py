@@ -57,8 +57,9 @@ class LockHandle:
             self.client.get_model_version(self.queue, self.ticket)
         except MlflowException as exc:
             raise TrackingError(
-                f"lost the promotion lock {self.queue} (ticket {self.ticket} of run {self.owner}) before moving "
-                f"an alias: {exc}. Nothing was moved; retry the run to redo the decision"
+                f"lost the promotion lock {self.queue} (ticket {self.ticket} of run {self.owner}) before registering "
+                f"a version or moving an alias: {exc}. Nothing was registered or moved; retry the run to redo the "
+                "decision"
             ) from exc
 
 

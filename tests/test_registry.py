@@ -297,6 +297,28 @@ def test_two_pipelines_registering_at_once_decide_one_after_the_other(registry: 
     assert client.search_model_versions(f"name = 'duo{QUEUE_SUFFIX}'") == []  # both tickets released
 
 
+def test_a_holder_whose_lock_was_taken_over_registers_nothing(
+    registry: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A holder frozen for longer than the lease (a stopped VM) is taken over: another waiter deletes its ticket
+    while it is looking up its version. It must not register a version it no longer holds the lock for."""
+    import tasks.register as register
+
+    config = registry["config"].model_copy(update={"model_name": "takeover"})
+    dataset, client, workdir = registry["dataset"], registry["client"], registry["workdir"]
+    looked_up = register._version_of_run
+
+    def frozen_then_taken_over(client_: MlflowClient, name: str, run_key: str) -> str | None:
+        for ticket in client_.search_model_versions(f"name = '{name}{QUEUE_SUFFIX}'"):
+            client_.delete_model_version(ticket.name, ticket.version)  # what a waiter does to a stale ticket
+        return looked_up(client_, name, run_key)
+
+    monkeypatch.setattr(register, "_version_of_run", frozen_then_taken_over)
+    error = _register(config, dataset, _fit(client, workdir, config, dataset, "20261123-083000-cccccc", 0.7))
+    assert isinstance(error, Exception) and "lost the promotion lock" in str(error), error
+    assert _versions(client, "takeover") == []  # nothing registered under a lock that was not held
+
+
 @pytest.mark.slow
 def test_a_registry_outage_in_the_middle_of_the_decision_moves_nothing_and_a_retry_decides(
     tmp_path_factory: pytest.TempPathFactory, prefect_api: None, monkeypatch: pytest.MonkeyPatch
