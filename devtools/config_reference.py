@@ -94,6 +94,8 @@ def render() -> str:
         flag = "--" + name.replace("_", "-")
         kind, bounds = _type(field), _bounds(field)
         meaning = _cell(f"**{field.title}.** {field.description or ''}" if field.title else field.description or "")
+        if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("pinned_by_deployment"):
+            meaning += " *Pinned by a deployment*: a run of it keeps the deployment's value ([security](security.md))."
         kind += f" ({bounds})" if bounds else ""
         rows.append(f"| `{name}` (`{flag}`) | {kind} | {_default(field.default)} | {meaning} |")
     return HEAD + "\n".join(rows) + "\n"

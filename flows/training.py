@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import State, flow, get_run_logger
+from prefect.runtime import deployment
 from prefect.states import Cancelled
 from pydantic import BaseModel, ConfigDict
 
@@ -19,7 +20,7 @@ from tasks.data import prepare_data
 from tasks.fit import FitResult, distributed_fit
 from tasks.register import ModelRef, register_model
 from tasks.run_page import publish_run_summary
-from tasks.run_settings import config_from_parameters, non_default_settings
+from tasks.run_settings import check_deployment_pins, config_from_parameters, non_default_settings
 
 
 class PipelineResult(BaseModel):
@@ -57,6 +58,7 @@ def training_pipeline(continue_flow_run: str | None = None, **settings: Any) -> 
         else:
             config = config_from_parameters(settings)
             get_run_logger().info("settings: %s", non_default_settings(config) or "the defaults")
+        check_deployment_pins(config, deployment.get_id())
         return _pipeline(config)
 
 

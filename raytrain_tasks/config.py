@@ -34,6 +34,12 @@ def _dataset_stem(dataset: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("-._") or "dataset"
 
 
+# On the settings that decide where this process's credentials are sent (MLflow's, the AWS keys, Ray's token): a
+# run of a deployment keeps its deployment's values of them (tasks.run_settings.check_deployment_pins), so whoever
+# may only trigger runs cannot point them at a server of their own.
+PINNED_BY_DEPLOYMENT: dict[str, Any] = {"pinned_by_deployment": True}
+
+
 class TrainingConfig(BaseModel):
     """Everything that defines one training pipeline run. No secret belongs here: credentials come from the
     environment (a password put into `mlflow_tracking_uri` anyway is masked wherever this project writes it)."""
@@ -182,6 +188,7 @@ class TrainingConfig(BaseModel):
         ),
     )
     s3_endpoint_url: str = Field(
+        json_schema_extra=PINNED_BY_DEPLOYMENT,
         default="",
         title="S3 endpoint URL",
         description="For S3-compatible stores, e.g. 'http://127.0.0.1:8333'. Empty: AWS_ENDPOINT_URL_S3, "
@@ -204,6 +211,7 @@ class TrainingConfig(BaseModel):
         default=False, title="Create bucket", description="Create the storage bucket if it does not exist."
     )
     ray_address: str = Field(
+        json_schema_extra=PINNED_BY_DEPLOYMENT,
         default="",
         title="Ray address",
         description="Empty: start a local Ray. Otherwise a cluster address, e.g. '127.0.0.1:6379' or 'ray://h:10001'.",
@@ -225,6 +233,7 @@ class TrainingConfig(BaseModel):
         ),
     )
     ray_dashboard_url: str = Field(
+        json_schema_extra=PINNED_BY_DEPLOYMENT,
         default="",
         title="Ray dashboard URL",
         description=(
@@ -233,6 +242,7 @@ class TrainingConfig(BaseModel):
         ),
     )
     forward_credentials_to_cluster: bool = Field(
+        json_schema_extra=PINNED_BY_DEPLOYMENT,
         default=False,
         title="Forward credentials to the cluster",
         description=(
@@ -241,6 +251,7 @@ class TrainingConfig(BaseModel):
         ),
     )
     mlflow_tracking_uri: str = Field(
+        json_schema_extra=PINNED_BY_DEPLOYMENT,
         default="",
         title="MLflow tracking URI",
         description=f"Empty: a SQLite store under ./{DEFAULT_STATE_DIR}/. Or e.g. 'http://127.0.0.1:5000'.",

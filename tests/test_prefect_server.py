@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -474,6 +475,24 @@ def test_served_runs_share_one_warm_ray_that_ends_with_serve(prefect_server: Pre
         assert groups == 0 and not [name for name in actors if "Train" in name], left
         waits = [(run.start_time - run.created).total_seconds() for run in finished]
         print(f"\nserved runs on the warm Ray at {address}: created -> started {waits} s")
+
+        # A custom run that points MLflow elsewhere (where the worker's credentials would go) is refused before it
+        # connects anywhere: the listener standing in for someone else's server is never contacted.
+        with socket.socket() as collector:
+            collector.bind(("127.0.0.1", 0))
+            collector.listen()
+            collector.setblocking(False)
+            elsewhere = {**config, "mlflow_tracking_uri": f"http://127.0.0.1:{collector.getsockname()[1]}"}
+            created = _api(
+                prefect_server, lambda c: c.create_flow_run_from_deployment(deployment.id, parameters=elsewhere)
+            )
+            refused = _wait_for_final_state(prefect_server, created.id)
+            assert refused.state_type.value == "FAILED", serve_log.read_text()[-5000:]
+            assert "sets mlflow_tracking_uri, which a run of a deployment may not change" in str(
+                refused.state.message
+            ), refused.state
+            with pytest.raises(BlockingIOError):
+                collector.accept()
 
         serve.send_signal(signal.SIGTERM)  # serve alone: it stops its Ray itself
         serve.wait(timeout=60)

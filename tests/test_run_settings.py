@@ -21,7 +21,7 @@ from flows.parameters import parameters_of
 from flows.training import training_pipeline
 from raytrain_tasks.config import TrainingConfig
 from tasks.continuation import continuation_of
-from tasks.run_settings import SettingsError, config_from_parameters, non_default_settings
+from tasks.run_settings import SettingsError, check_deployment_pins, config_from_parameters, non_default_settings
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -112,3 +112,36 @@ def test_a_crashed_run_with_an_override_is_continued_with_the_deployments_other_
     assert continuation.config.epochs == 4
     assert continuation.config.min_improvement == 0.002 and continuation.config.model_name == "nightly-model"
     assert continuation.config.resume == "20261123-120000-abcdef"
+
+
+def test_a_run_may_not_point_the_deployments_credentials_elsewhere() -> None:
+    """Whoever may only trigger runs (the UI's custom run, `-p`) must not send the worker's MLflow, S3 or Ray
+    credentials to a server of their own: the settings that say where they go keep the deployment's values."""
+    own = {**NIGHTLY, "mlflow_tracking_uri": "http://mlflow.internal:5000"}
+    deployment = _deployment(own)
+    with get_client(sync_client=True) as client:
+        name = client.read_deployment(deployment).name
+
+    check_deployment_pins(_trained_with(_trigger(deployment, {"epochs": 3})), str(deployment))  # others change
+    whole = parameters_of(TrainingConfig.model_validate({**own, "epochs": 4}))  # the UI form sends every field
+    check_deployment_pins(_trained_with(_trigger(deployment, whole)), str(deployment))
+
+    for override in (
+        {"mlflow_tracking_uri": "http://collector.example:5000"},
+        {"ray_address": "collector.example:6379", "forward_credentials_to_cluster": True},
+        {"s3_endpoint_url": "http://collector.example:9000"},
+    ):
+        with pytest.raises(SettingsError) as refused:
+            check_deployment_pins(_trained_with(_trigger(deployment, override)), str(deployment))
+        assert f"run of deployment {name!r} sets {', '.join(override)}, which" in str(refused.value)
+        assert "collector.example" not in str(refused.value)
+    assert check_deployment_pins(_trained_with(_trigger(deployment, {})), None) is None  # a run of no deployment
+
+
+def test_a_deployment_that_cannot_be_read_refuses_the_run() -> None:
+    deployment = _deployment(NIGHTLY)
+    config = _trained_with(_trigger(deployment, {}))
+    with get_client(sync_client=True) as client:
+        client.delete_deployment(deployment)
+    with pytest.raises(SettingsError, match="cannot read this run's deployment .* Nothing was started"):
+        check_deployment_pins(config, str(deployment))
