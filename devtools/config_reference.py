@@ -18,7 +18,7 @@ from typing import Any
 import annotated_types
 from pydantic.fields import FieldInfo
 
-from raytrain_tasks.config import TrainingConfig
+from raytrain_tasks.config import PINNED, PINNED_NOTE, TrainingConfig
 
 TARGET = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
@@ -94,8 +94,8 @@ def render() -> str:
         flag = "--" + name.replace("_", "-")
         kind, bounds = _type(field), _bounds(field)
         meaning = _cell(f"**{field.title}.** {field.description or ''}" if field.title else field.description or "")
-        if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("pinned_by_deployment"):
-            meaning += " *Pinned by a deployment*: a run of it keeps the deployment's value ([security](security.md))."
+        if name in PINNED:
+            meaning += f" {PINNED_NOTE} ([security](security.md))."
         kind += f" ({bounds})" if bounds else ""
         rows.append(f"| `{name}` (`{flag}`) | {kind} | {_default(field.default)} | {meaning} |")
     return HEAD + "\n".join(rows) + "\n"

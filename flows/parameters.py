@@ -16,7 +16,7 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import Field
 
-from raytrain_tasks.config import TrainingConfig
+from raytrain_tasks.config import PINNED, PINNED_NOTE, TrainingConfig
 from tasks.run_settings import SETTINGS
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -27,7 +27,8 @@ def _setting(name: str) -> inspect.Parameter:
     # Bounds, lengths and choices sit in the annotation, where Prefect's form builder keeps them. Prefect titles a
     # parameter by its name and takes descriptions from a FieldInfo default (which its validation then hands to
     # the flow as the value of an unset parameter, in 3.8.8), so title and description go in as schema extras.
-    shown = Field(json_schema_extra={"title": field.title or name, "description": field.description or ""})
+    description = f"{field.description or ''} {PINNED_NOTE if name in PINNED else ''}".strip()
+    shown = Field(json_schema_extra={"title": field.title or name, "description": description})
     annotation = Annotated[(field.annotation, *field.metadata, shown)]  # type: ignore[name-defined]  # made at run time
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=field.default, annotation=annotation)
 

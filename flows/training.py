@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import State, flow, get_run_logger
-from prefect.runtime import deployment
+from prefect.runtime import deployment, flow_run
 from prefect.states import Cancelled
 from pydantic import BaseModel, ConfigDict
 
@@ -58,7 +58,7 @@ def training_pipeline(continue_flow_run: str | None = None, **settings: Any) -> 
         else:
             config = config_from_parameters(settings)
             get_run_logger().info("settings: %s", non_default_settings(config) or "the defaults")
-        check_deployment_pins(config, deployment.get_id())
+        check_deployment_pins(config, deployment.get_id(), flow_run.get_id())
         return _pipeline(config)
 
 

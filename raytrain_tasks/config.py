@@ -35,8 +35,9 @@ def _dataset_stem(dataset: str) -> str:
 
 
 # On the settings that decide where this process's credentials are sent (MLflow's, the AWS keys, Ray's token): a
-# run of a deployment keeps its deployment's values of them (tasks.run_settings.check_deployment_pins), so whoever
-# may only trigger runs cannot point them at a server of their own.
+# run of a deployment that sets another value than its deployment's is refused
+# (tasks.run_settings.check_deployment_pins), so whoever may only trigger runs cannot point them at a server of
+# their own.
 PINNED_BY_DEPLOYMENT: dict[str, Any] = {"pinned_by_deployment": True}
 
 
@@ -565,3 +566,10 @@ def describe_validation_error(exc: Exception) -> str:
             continue
         lines.append(f"{field} (--{field.replace('_', '-')}): {err.get('msg')}; got {err.get('input')!r}")
     return "invalid training config:\n  " + "\n  ".join(lines)
+
+
+# The settings marked PINNED_BY_DEPLOYMENT, in the config's order.
+PINNED = tuple(
+    name for name, field in TrainingConfig.model_fields.items() if field.json_schema_extra is PINNED_BY_DEPLOYMENT
+)
+PINNED_NOTE = "Pinned by a deployment: a run of a deployment that sets another value than the deployment's is refused."

@@ -54,7 +54,8 @@ _MLFLOW_TEMPLATE: list[Path] = []  # one migrated, empty MLflow SQLite store per
 
 def seed_mlflow_store(db: Path) -> Path:
     """Put an empty, migrated MLflow SQLite store at ``db`` (unless one is there): a copy of one made once per
-    test process. Creating a store runs MLflow's migrations (2-3 s here); the copy is what it would have made."""
+    test process. Creating a store runs MLflow's migrations (2-3 s here); the copy differs only in the default
+    experiment's artifact location (the template's folder), which no test uses."""
     if not _MLFLOW_TEMPLATE:
         from mlflow import MlflowClient
 

@@ -488,9 +488,7 @@ def test_served_runs_share_one_warm_ray_that_ends_with_serve(prefect_server: Pre
             )
             refused = _wait_for_final_state(prefect_server, created.id)
             assert refused.state_type.value == "FAILED", serve_log.read_text()[-5000:]
-            assert "sets mlflow_tracking_uri, which a run of a deployment may not change" in str(
-                refused.state.message
-            ), refused.state
+            assert "has mlflow_tracking_uri other than its deployment's" in str(refused.state.message), refused.state
             with pytest.raises(BlockingIOError):
                 collector.accept()
 

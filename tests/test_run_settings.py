@@ -41,9 +41,9 @@ def _deployment(parameters: dict[str, Any]) -> UUID:
         )
 
 
-def _trigger(deployment_id: UUID, parameters: dict[str, Any], state: Any = None) -> Any:
+def _trigger(deployment_id: UUID, parameters: dict[str, Any], state: Any = None, **options: Any) -> Any:
     with get_client(sync_client=True) as client:
-        return client.create_flow_run_from_deployment(deployment_id, parameters=parameters, state=state)
+        return client.create_flow_run_from_deployment(deployment_id, parameters=parameters, state=state, **options)
 
 
 def _trained_with(flow_run: Any) -> TrainingConfig:
@@ -115,16 +115,20 @@ def test_a_crashed_run_with_an_override_is_continued_with_the_deployments_other_
 
 
 def test_a_run_may_not_point_the_deployments_credentials_elsewhere() -> None:
-    """Whoever may only trigger runs (the UI's custom run, `-p`) must not send the worker's MLflow, S3 or Ray
-    credentials to a server of their own: the settings that say where they go keep the deployment's values."""
-    own = {**NIGHTLY, "mlflow_tracking_uri": "http://mlflow.internal:5000"}
+    """Whoever may only trigger runs (the UI's custom run, `-p`, `--job-variable`) must not send the worker's
+    MLflow, S3 or Ray credentials to a server of their own: the settings that say where they go, and the
+    environment variables they fall back to, are the deployment's."""
+    own = {**NIGHTLY, "mlflow_tracking_uri": "http://mlflow.internal:5000", "s3_endpoint_url": "http://s3.internal/"}
     deployment = _deployment(own)
     with get_client(sync_client=True) as client:
         name = client.read_deployment(deployment).name
 
-    check_deployment_pins(_trained_with(_trigger(deployment, {"epochs": 3})), str(deployment))  # others change
-    whole = parameters_of(TrainingConfig.model_validate({**own, "epochs": 4}))  # the UI form sends every field
-    check_deployment_pins(_trained_with(_trigger(deployment, whole)), str(deployment))
+    def check(flow_run: Any) -> None:
+        check_deployment_pins(_trained_with(flow_run), str(deployment), str(flow_run.id))
+
+    check(_trigger(deployment, {"epochs": 3}))  # other settings change; a trailing slash stored is the same URL
+    check(_trigger(deployment, parameters_of(TrainingConfig.model_validate({**own, "epochs": 4}))))  # the UI form
+    check(_trigger(deployment, {}, job_variables={"env": {"OMP_NUM_THREADS": "2"}}))
 
     for override in (
         {"mlflow_tracking_uri": "http://collector.example:5000"},
@@ -132,9 +136,11 @@ def test_a_run_may_not_point_the_deployments_credentials_elsewhere() -> None:
         {"s3_endpoint_url": "http://collector.example:9000"},
     ):
         with pytest.raises(SettingsError) as refused:
-            check_deployment_pins(_trained_with(_trigger(deployment, override)), str(deployment))
-        assert f"run of deployment {name!r} sets {', '.join(override)}, which" in str(refused.value)
+            check(_trigger(deployment, override))
+        assert f"run of deployment {name!r} has {', '.join(override)} other than its" in str(refused.value)
         assert "collector.example" not in str(refused.value)
+    with pytest.raises(SettingsError, match="sets MLFLOW_TRACKING_URI in its job variables"):
+        check(_trigger(deployment, {}, job_variables={"env": {"MLFLOW_TRACKING_URI": "http://collector.example"}}))
     assert check_deployment_pins(_trained_with(_trigger(deployment, {})), None) is None  # a run of no deployment
 
 
@@ -143,5 +149,5 @@ def test_a_deployment_that_cannot_be_read_refuses_the_run() -> None:
     config = _trained_with(_trigger(deployment, {}))
     with get_client(sync_client=True) as client:
         client.delete_deployment(deployment)
-    with pytest.raises(SettingsError, match="cannot read this run's deployment .* Nothing was started"):
+    with pytest.raises(SettingsError, match="no longer exists, so the settings it pins .* nothing was started"):
         check_deployment_pins(config, str(deployment))
