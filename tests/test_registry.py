@@ -319,6 +319,37 @@ def test_a_holder_whose_lock_was_taken_over_registers_nothing(
     assert _versions(client, "takeover") == []  # nothing registered under a lock that was not held
 
 
+def test_a_holder_whose_lock_was_taken_over_does_not_finish_an_interrupted_promotion(
+    registry: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run killed between moving `champion` and marking its decision applied is finished by its next attempt
+    (previous_champion set): that repair moves an alias, so it too needs the lock to still be held."""
+    import tasks.register as register
+
+    config = registry["config"].model_copy(update={"model_name": "repair"})
+    dataset, client, workdir = registry["dataset"], registry["client"], registry["workdir"]
+    first = _register(config, dataset, _fit(client, workdir, config, dataset, "20261123-084000-aaaaaa", 0.5))
+    fit = _fit(client, workdir, config, dataset, "20261123-085000-bbbbbb", 0.9)
+    second = _register(config, dataset, fit)
+    assert (first.decision, second.decision, _champion(client, "repair")) == ("promote", "promote", second.version)
+    # As a kill right after `champion` moved leaves it: neither previous_champion nor the applied mark.
+    client.delete_registered_model_alias("repair", "previous_champion")
+    client.delete_model_version_tag("repair", second.version, APPLIED_TAG)
+
+    looked_up = register._version_of_run
+
+    def frozen_then_taken_over(client_: MlflowClient, name: str, run_key: str) -> str | None:
+        for ticket in client_.search_model_versions(f"name = '{name}{QUEUE_SUFFIX}'"):
+            client_.delete_model_version(ticket.name, ticket.version)
+        return looked_up(client_, name, run_key)
+
+    monkeypatch.setattr(register, "_version_of_run", frozen_then_taken_over)
+    error = _register(config, dataset, fit)
+    assert isinstance(error, Exception) and "lost the promotion lock" in str(error), error
+    assert "previous_champion" not in client.get_registered_model("repair").aliases  # nothing moved
+    assert APPLIED_TAG not in client.get_model_version("repair", second.version).tags
+
+
 @pytest.mark.slow
 def test_a_registry_outage_in_the_middle_of_the_decision_moves_nothing_and_a_retry_decides(
     tmp_path_factory: pytest.TempPathFactory, prefect_api: None, monkeypatch: pytest.MonkeyPatch
