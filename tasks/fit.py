@@ -308,8 +308,10 @@ def _distributed_fit(
                 run_id,
                 run_dir.uri,
             )
-            # What existed before this fit is trusted only as far as MLflow vouches for it (resume.CheckpointPins).
-            preexisting = frozenset(name for name in run_dir.list_names() if name.startswith(CHECKPOINT_PREFIX))
+            # What existed before this fit is trusted only as far as MLflow vouches for it (resume.CheckpointPins):
+            # every name, not only `epoch-*` ones, since anyone who can write storage can point Ray Train's
+            # checkpoint snapshot at a folder of another name.
+            preexisting = frozenset(run_dir.list_names())
             pinned = pinned_digests(client.get_run(run_id).data.tags) if reopened else {}
             resume_point = None
             if spec is not None:
@@ -377,6 +379,13 @@ def _distributed_fit(
         reported = [
             (checkpoint_name(checkpoint.path), metrics) for checkpoint, metrics in result.best_checkpoints or []
         ]
+        if foreign := sorted(name for name, _ in reported if not name.startswith(CHECKPOINT_PREFIX)):
+            raise UnsafeCheckpointError(
+                f"Ray Train's checkpoint record of run {run_key} (checkpoint_manager_snapshot.json in {run_dir.uri}) "
+                f"lists {', '.join(foreign)}, which this pipeline never writes (its checkpoints are "
+                f"{CHECKPOINT_PREFIX}NNNN): someone or something changed the run's storage. Nothing is registered "
+                "from it; check who can write `storage_path`, then start a new run (without `resume`)"
+            )
         tracking.pin_checkpoints(client, run_id, [(n, m) for n, m in reported if n not in preexisting])
         fit = summarize(result, config, run_key, run_dir, run_id, experiment_id, backend, reopened)
         added = tracking.reconcile_epochs(client, run_id, fit.history)

@@ -83,12 +83,17 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prefect
         stop_process_group(server)
 
 
-def _start_in_checkout(server: PrefectServer, command: list[str]) -> tuple[subprocess.Popen[bytes], Path]:
+def _start_in_checkout(server: PrefectServer, command: list[str], **env: str) -> tuple[subprocess.Popen[bytes], Path]:
     """A long-running process (worker, serve) in the checkout, its own process group, output to a log."""
     log_path = server.checkout.parent / f"{Path(command[0]).name}-{command[-1].strip('-')}.log"
     with log_path.open("w") as log:
         process = subprocess.Popen(
-            command, cwd=server.checkout, env=server.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            command,
+            cwd=server.checkout,
+            env={**server.env, **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     return process, log_path
 
@@ -96,7 +101,10 @@ def _start_in_checkout(server: PrefectServer, command: list[str]) -> tuple[subpr
 @contextmanager
 def _worker(server: PrefectServer) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
     """A process worker of the pool for the block: (its process, its log)."""
-    worker, log = _start_in_checkout(server, [PREFECT, "worker", "start", "--pool", "raytrain-process"])
+    # It asks for runs every second rather than every 10 s (Prefect's default): each pickup waits no window out.
+    worker, log = _start_in_checkout(
+        server, [PREFECT, "worker", "start", "--pool", "raytrain-process"], PREFECT_WORKER_QUERY_SECONDS="1"
+    )
     try:
         yield worker, log
     finally:

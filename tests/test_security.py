@@ -548,6 +548,39 @@ def test_storage_cannot_vouch_for_itself_a_replaced_record_or_checkpoint_is_refu
     assert client.search_registered_models() == []
 
 
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster", "prefect_api")
+def test_a_folder_the_snapshot_points_at_is_checked_whatever_its_name(tmp_path: Path) -> None:
+    """Whoever can write storage copies an older checkpoint to a folder not named `epoch-*` and points Ray Train's
+    checkpoint snapshot at it. A resume must check it against the digests MLflow recorded like any folder that
+    existed before the fit (it has none: passed over), not trust it as one this fit's own workers committed."""
+    import shutil
+
+    from mlflow import MlflowClient
+
+    from flows.training import training_pipeline
+    from tests.conftest import small_config
+
+    config = small_config(tmp_path, epochs=2, register=False)
+    first = training_pipeline(**parameters_of(config))
+    run_dir = Path(first.fit.run_uri)
+    shutil.copytree(run_dir / "epoch-0001", run_dir / "planted-0002")  # a real checkpoint, of the first epoch
+    snapshot = run_dir / "checkpoint_manager_snapshot.json"
+    assert "epoch-0002" in snapshot.read_text()
+    snapshot.write_text(snapshot.read_text().replace("epoch-0002", "planted-0002"))
+    (run_dir / "fit.json").unlink()  # as a driver killed between the last epoch and its record leaves the run
+
+    state = training_pipeline(**parameters_of(config.model_copy(update={"resume": first.run_key})), return_state=True)
+    error = state.result(raise_on_failure=False)
+    assert state.is_failed() and isinstance(error, UnsafeCheckpointError), error
+    assert "planted-0002" in str(error) and "never writes" in str(error)
+    # The workers passed it over (no digest recorded) and resumed from epoch-0002, the last: nothing was trained.
+    # From the planted copy of epoch 1, epoch 2 would have been trained again, into epoch-0002-r1.
+    assert not (run_dir / "epoch-0002-r1").exists()
+    history = MlflowClient(config.mlflow_tracking_uri).get_metric_history(first.fit.mlflow_run_id, "val_accuracy")
+    assert sorted(m.step for m in history) == [1, 2], history
+
+
 # --- the champion is loaded only in the exact layout this project writes, with pickles switched off ----------------
 
 
