@@ -297,23 +297,29 @@ def test_two_pipelines_registering_at_once_decide_one_after_the_other(registry: 
     assert client.search_model_versions(f"name = 'duo{QUEUE_SUFFIX}'") == []  # both tickets released
 
 
+def _taken_over_while_looking_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The holder freezes longer than the lease while it looks up its version: another waiter deletes its ticket."""
+    import tasks.register as register
+
+    looked_up = register._version_of_run
+
+    def frozen_then_taken_over(client: MlflowClient, name: str, run_key: str) -> str | None:
+        for ticket in client.search_model_versions(f"name = '{name}{QUEUE_SUFFIX}'"):
+            client.delete_model_version(ticket.name, ticket.version)  # what a waiter does to a stale ticket
+        return looked_up(client, name, run_key)
+
+    monkeypatch.setattr(register, "_version_of_run", frozen_then_taken_over)
+
+
 def test_a_holder_whose_lock_was_taken_over_registers_nothing(
     registry: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A holder frozen for longer than the lease (a stopped VM) is taken over: another waiter deletes its ticket
     while it is looking up its version. It must not register a version it no longer holds the lock for."""
-    import tasks.register as register
 
     config = registry["config"].model_copy(update={"model_name": "takeover"})
     dataset, client, workdir = registry["dataset"], registry["client"], registry["workdir"]
-    looked_up = register._version_of_run
-
-    def frozen_then_taken_over(client_: MlflowClient, name: str, run_key: str) -> str | None:
-        for ticket in client_.search_model_versions(f"name = '{name}{QUEUE_SUFFIX}'"):
-            client_.delete_model_version(ticket.name, ticket.version)  # what a waiter does to a stale ticket
-        return looked_up(client_, name, run_key)
-
-    monkeypatch.setattr(register, "_version_of_run", frozen_then_taken_over)
+    _taken_over_while_looking_up(monkeypatch)
     error = _register(config, dataset, _fit(client, workdir, config, dataset, "20261123-083000-cccccc", 0.7))
     assert isinstance(error, Exception) and "lost the promotion lock" in str(error), error
     assert _versions(client, "takeover") == []  # nothing registered under a lock that was not held
@@ -324,7 +330,6 @@ def test_a_holder_whose_lock_was_taken_over_does_not_finish_an_interrupted_promo
 ) -> None:
     """A run killed between moving `champion` and marking its decision applied is finished by its next attempt
     (previous_champion set): that repair moves an alias, so it too needs the lock to still be held."""
-    import tasks.register as register
 
     config = registry["config"].model_copy(update={"model_name": "repair"})
     dataset, client, workdir = registry["dataset"], registry["client"], registry["workdir"]
@@ -336,14 +341,7 @@ def test_a_holder_whose_lock_was_taken_over_does_not_finish_an_interrupted_promo
     client.delete_registered_model_alias("repair", "previous_champion")
     client.delete_model_version_tag("repair", second.version, APPLIED_TAG)
 
-    looked_up = register._version_of_run
-
-    def frozen_then_taken_over(client_: MlflowClient, name: str, run_key: str) -> str | None:
-        for ticket in client_.search_model_versions(f"name = '{name}{QUEUE_SUFFIX}'"):
-            client_.delete_model_version(ticket.name, ticket.version)
-        return looked_up(client_, name, run_key)
-
-    monkeypatch.setattr(register, "_version_of_run", frozen_then_taken_over)
+    _taken_over_while_looking_up(monkeypatch)
     error = _register(config, dataset, fit)
     assert isinstance(error, Exception) and "lost the promotion lock" in str(error), error
     assert "previous_champion" not in client.get_registered_model("repair").aliases  # nothing moved
