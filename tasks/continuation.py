@@ -55,10 +55,11 @@ def prepare_recovery(run_key: str) -> None:
     if HEARTBEAT_TAG not in tags:
         return
     every = get_current_settings().flows.heartbeat_frequency
+    silence = silence_seconds()
     if every is None or every > HEARTBEAT_SECONDS:
-        # Fail closed: the zombie automation would set this live run Crashed after SILENCE_SECONDS of quiet.
+        # Fail closed: the zombie automation would set this live run Crashed after `silence` seconds of quiet.
         raise ContinuationError(
-            f"this run is tagged {HEARTBEAT_TAG!r} (watched for {SILENCE_SECONDS} s without a heartbeat) but sends "
+            f"this run is tagged {HEARTBEAT_TAG!r} (watched for {silence} s without a heartbeat) but sends "
             f"heartbeats every {every} s; set PREFECT_FLOWS_HEARTBEAT_FREQUENCY={HEARTBEAT_SECONDS} in the "
             "deployment's job variables (deployments/prefect.yaml does), or remove the tag"
         )
@@ -209,14 +210,37 @@ def log_continuation(continuation: Continuation, crashed: str) -> None:
 HEARTBEAT_TAG = "heartbeats-30s"  # on runs whose process sends a heartbeat event every 30 s (the deployments')
 HEARTBEAT_SECONDS = 30  # PREFECT_FLOWS_HEARTBEAT_FREQUENCY of those runs; Prefect's minimum
 SILENCE_SECONDS = 4 * HEARTBEAT_SECONDS  # four missed beats: the process is gone, not slow
+SILENCE_ENV = "PREFECT_RAYTRAIN_ZOMBIE_SILENCE_SECONDS"  # another window, for the server's whole watch
+MIN_SILENCE_SECONDS = 2 * HEARTBEAT_SECONDS  # one late beat never looks like a lost process
 ZOMBIE_AUTOMATION = "prefect-raytrain: a training run that stopped sending heartbeats is Crashed"
 
 
-def zombie_automation(flow_name: str) -> Any:
+def silence_seconds() -> int:
+    """The zombie watch's window: ``SILENCE_SECONDS`` unless ``PREFECT_RAYTRAIN_ZOMBIE_SILENCE_SECONDS`` sets
+    another, of at least two heartbeats (ContinuationError otherwise: a shorter window would crash live runs)."""
+    import os
+
+    value = os.environ.get(SILENCE_ENV, "").strip()
+    if not value:
+        return SILENCE_SECONDS
+    try:
+        seconds = int(value)
+    except ValueError:
+        seconds = 0
+    if seconds < MIN_SILENCE_SECONDS:
+        raise ContinuationError(
+            f"{SILENCE_ENV}={value!r} is not a whole number of seconds of at least {MIN_SILENCE_SECONDS} (two "
+            f"heartbeats of {HEARTBEAT_SECONDS} s): a shorter window would set live runs Crashed. Unset it for "
+            f"the default of {SILENCE_SECONDS} s"
+        )
+    return seconds
+
+
+def zombie_automation(flow_name: str, silence: int = SILENCE_SECONDS) -> Any:
     """Prefect's documented zombie-run automation, narrowed to runs of ``flow_name`` tagged ``HEARTBEAT_TAG``.
 
     When the worker dies with the flow-run process (a lost machine), nobody sets the run Crashed and it would stay
-    Running forever. Every tagged run sends heartbeats; one that is silent for ``SILENCE_SECONDS`` without reaching
+    Running forever. Every tagged run sends heartbeats; one that is silent for ``silence`` seconds without reaching
     a final state is set Crashed, and the deployment's crash trigger then continues it. Only runs tagged as sending
     heartbeats that often are watched: a run with Prefect's default of one per 180 s would be crashed while alive.
     """
@@ -230,7 +254,7 @@ def zombie_automation(flow_name: str) -> Any:
         name=ZOMBIE_AUTOMATION,
         description=(
             f"Runs of {flow_name} tagged {HEARTBEAT_TAG} send a heartbeat every {HEARTBEAT_SECONDS} s. One silent "
-            f"for {SILENCE_SECONDS} s without finishing lost its process (and its worker): it is set Crashed, so "
+            f"for {silence} s without finishing lost its process (and its worker): it is set Crashed, so "
             "that its deployment's crash trigger continues it from its last checkpoint."
         ),
         trigger=EventTrigger(
@@ -250,14 +274,14 @@ def zombie_automation(flow_name: str) -> Any:
             for_each={"prefect.resource.id"},
             posture=Posture.Proactive,
             threshold=1,
-            within=timedelta(seconds=SILENCE_SECONDS),
+            within=timedelta(seconds=silence),
         ),
         actions=[
             ChangeFlowRunState(
                 state=StateType.CRASHED,
                 name="Crashed",
                 message=(
-                    f"no heartbeat for {SILENCE_SECONDS} s: the process running this flow and its worker are gone "
+                    f"no heartbeat for {silence} s: the process running this flow and its worker are gone "
                     "(a lost machine or a killed container)"
                 ),
             )
@@ -267,14 +291,19 @@ def zombie_automation(flow_name: str) -> Any:
 
 def ensure_zombie_automation(flow_name: str) -> None:
     """Create the zombie automation on the current Prefect server unless it is there; one copy, however many
-    processes ensure it at the same time (each keeps the one with the lowest id and deletes the rest)."""
+    processes ensure it at the same time (each keeps the one with the lowest id and deletes the rest). A copy
+    with another window than this process's ``silence_seconds()`` is brought to it: the window is the server's
+    whole watch, set where its runs and ``serve`` start (``PREFECT_RAYTRAIN_ZOMBIE_SILENCE_SECONDS``)."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import PrefectHTTPStatusError
 
+    wanted = zombie_automation(flow_name, silence_seconds())
     with get_client(sync_client=True) as client:
         if not client.read_automations_by_name(ZOMBIE_AUTOMATION):
-            client.create_automation(zombie_automation(flow_name))
+            client.create_automation(wanted)
         found = sorted(client.read_automations_by_name(ZOMBIE_AUTOMATION), key=lambda automation: str(automation.id))
+        if found and getattr(found[0].trigger, "within", None) != wanted.trigger.within:
+            client.update_automation(found[0].id, wanted)
         for duplicate in found[1:]:
             try:
                 client.delete_automation(duplicate.id)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from tests.conftest import REPO_ROOT
+from tests.helpers import REPO_ROOT
 
 
 def _cli_env(tmp_path: Path) -> dict[str, str]:

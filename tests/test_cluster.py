@@ -24,7 +24,7 @@ from mlflow import MlflowClient
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import ClusterError
 from tasks.cluster import check_reachable, storage_shared_with_nodes
-from tests.conftest import REPO_ROOT, free_port, stop_process_group, wait_for_http
+from tests.helpers import REPO_ROOT, free_port, stop_process_group, wait_for_http
 
 RAY = str(Path(sys.executable).with_name("ray"))
 # Ray rewrites 127.0.0.1 in an address to the machine's own IP unless told to stay on loopback, where this

@@ -20,7 +20,7 @@ from mlflow import MlflowClient
 from flows.cli import parse_config
 from flows.command import flags_from_params
 from raytrain_tasks.config import TrainingConfig
-from tests.conftest import free_port, stop_process_group
+from tests.helpers import free_port, stop_process_group
 
 PREFECT_RAYTRAIN = str(Path(sys.executable).with_name("prefect-raytrain"))
 

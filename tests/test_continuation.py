@@ -22,13 +22,14 @@ from raytrain_tasks.errors import ContinuationError
 from tasks.continuation import (
     HEARTBEAT_SECONDS,
     HEARTBEAT_TAG,
+    SILENCE_ENV,
     SILENCE_SECONDS,
     ZOMBIE_AUTOMATION,
     continuation_of,
     ensure_zombie_automation,
     prepare_recovery,
 )
-from tests.conftest import small_config
+from tests.helpers import small_config
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -115,6 +116,24 @@ def test_the_zombie_watch_exists_once_however_many_runs_ensure_it() -> None:
         "match_related"
     ]
     assert watch.actions[0].model_dump()["state"] == StateType.CRASHED
+
+
+def test_the_watch_window_is_a_setting_of_at_least_two_heartbeats(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PREFECT_RAYTRAIN_ZOMBIE_SILENCE_SECONDS changes the server's watch where runs (or serve) start; a window
+    under two heartbeats is refused naming the setting, and nothing is changed."""
+    monkeypatch.setenv(SILENCE_ENV, "60")
+    ensure_zombie_automation("training-pipeline")
+    (watch,) = _watches()
+    assert watch.trigger.model_dump(mode="json")["within"] == 60 and "60 s" in watch.actions[0].message
+    for bad in ("45", "two minutes"):
+        monkeypatch.setenv(SILENCE_ENV, bad)
+        with pytest.raises(ContinuationError, match=f"{SILENCE_ENV}=.*at least 60"):
+            ensure_zombie_automation("training-pipeline")
+    assert _watches()[0].trigger.model_dump(mode="json")["within"] == 60
+    monkeypatch.delenv(SILENCE_ENV)
+    ensure_zombie_automation("training-pipeline")  # back to the default: the watch follows
+    (watch,) = _watches()
+    assert watch.trigger.model_dump(mode="json")["within"] == SILENCE_SECONDS
 
 
 @flow(name="heartbeat-check")

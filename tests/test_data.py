@@ -12,7 +12,7 @@ import pytest
 from raytrain_tasks.data import MANIFEST_NAME, read_split
 from raytrain_tasks.errors import DatasetError
 from tasks.data import prepare_dataset
-from tests.conftest import small_config
+from tests.helpers import small_config
 
 
 def test_digits_is_split_standardised_and_stored(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ import re
 
 from devtools.config_reference import TARGET, render
 from raytrain_tasks.config import TrainingConfig
-from tests.conftest import REPO_ROOT
+from tests.helpers import REPO_ROOT
 
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 

@@ -12,7 +12,7 @@ from mlflow import MlflowClient
 from flows.parameters import parameters_of
 from flows.training import training_pipeline
 from raytrain_tasks.errors import CheckpointError, ClusterError, DatasetError, TrackingError
-from tests.conftest import small_config, this_ray_address
+from tests.helpers import small_config, this_ray_address
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster", "prefect_api")]
 

@@ -10,7 +10,7 @@ from mlflow import MlflowClient
 
 from flows.parameters import parameters_of
 from flows.training import training_pipeline
-from tests.conftest import small_config
+from tests.helpers import small_config
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 

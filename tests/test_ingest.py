@@ -18,7 +18,7 @@ from flows.training import training_pipeline
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DatasetRef
 from tasks.data import prepare_data
-from tests.conftest import small_config, this_ray_address
+from tests.helpers import small_config, this_ray_address
 
 pytestmark = pytest.mark.slow
 WORLD_SIZE = 2

@@ -264,7 +264,7 @@ def test_a_second_driver_on_a_running_key_is_refused(tmp_path: Path) -> None:
     from mlflow import MlflowClient
     from prefect.settings import PREFECT_API_URL
 
-    from tests.conftest import REPO_ROOT, stop_process_group
+    from tests.helpers import REPO_ROOT, stop_process_group
 
     tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     common = ["--storage-path", str(tmp_path / "storage"), "--mlflow-tracking-uri", tracking_uri, "--no-register"]
@@ -332,7 +332,7 @@ def test_a_fit_whose_lease_is_taken_stops_at_once_and_leaves_the_mlflow_run_alon
     from tasks.data import prepare_dataset
     from tasks.fit import fit_in_this_process
     from tasks.storage import RUNS_DIR
-    from tests.conftest import small_config, this_ray_address
+    from tests.helpers import small_config, this_ray_address
 
     config = small_config(
         tmp_path, dataset="synthetic", synthetic_samples=24000, epochs=12, num_workers=1, run_lease_seconds=6

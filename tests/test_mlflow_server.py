@@ -12,7 +12,7 @@ from mlflow import MlflowClient
 from flows.parameters import parameters_of
 from flows.training import PipelineResult, training_pipeline
 from raytrain_tasks.data import read_split
-from tests.conftest import small_config
+from tests.helpers import small_config
 
 EXPERIMENT = "server-tests"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from tests.conftest import REPO_ROOT
+from tests.helpers import REPO_ROOT
 
 pytestmark = [pytest.mark.slow]
 

@@ -15,7 +15,7 @@ from flows.training import PipelineResult, training_pipeline
 from raytrain_tasks.checkpoint import verify_checkpoint
 from raytrain_tasks.data import LABEL_INDEX_COLUMN
 from raytrain_tasks.tracking import EPOCH_METRICS
-from tests.conftest import small_config
+from tests.helpers import small_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster", "prefect_api")]
 

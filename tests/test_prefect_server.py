@@ -29,7 +29,7 @@ import pytest
 from mlflow import MlflowClient
 
 from deployments.serve import load_deployment_specs
-from tests.conftest import REPO_ROOT, free_port, stop_process_group, wait_for_http
+from tests.helpers import REPO_ROOT, free_port, stop_process_group, wait_for_http
 
 pytestmark = pytest.mark.slow
 
@@ -99,11 +99,11 @@ def _start_in_checkout(server: PrefectServer, command: list[str], **env: str) ->
 
 
 @contextmanager
-def _worker(server: PrefectServer) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
-    """A process worker of the pool for the block: (its process, its log)."""
+def _worker(server: PrefectServer, **env: str) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """A process worker of the pool for the block (its runs inherit ``env``): (its process, its log)."""
     # It asks for runs every second rather than every 10 s (Prefect's default): each pickup waits no window out.
     worker, log = _start_in_checkout(
-        server, [PREFECT, "worker", "start", "--pool", "raytrain-process"], PREFECT_WORKER_QUERY_SECONDS="1"
+        server, [PREFECT, "worker", "start", "--pool", "raytrain-process"], PREFECT_WORKER_QUERY_SECONDS="1", **env
     )
     try:
         yield worker, log
@@ -237,7 +237,7 @@ def test_deploy_schedules_nightly_runs_and_a_worker_runs_an_override(prefect_ser
     print(f"nightly run with an override via worker: {latency:.1f} s from trigger to start, {flow_run.state_name}")
 
 
-EPOCHS = 6
+EPOCHS = 4
 
 
 def _deploy_to_the_pool(server: PrefectServer) -> Any:
@@ -327,7 +327,7 @@ def _assert_continued_to_the_end(
 
 
 def test_a_crashed_deployment_run_continues_by_itself(prefect_server: PrefectServer) -> None:
-    """The flow-run process SIGKILLed after epoch 2 of 6 (as an OOM kill does): the worker marks the run Crashed,
+    """The flow-run process SIGKILLed after epoch 2 of 4 (as an OOM kill does): the worker marks the run Crashed,
     the deployment's crash trigger starts a continuation, and it resumes the same run key in the same MLflow run:
     every epoch logged once, one registered version. Nobody runs `--resume`."""
     ad_hoc = _deploy_to_the_pool(prefect_server)
@@ -344,20 +344,23 @@ def test_a_crashed_deployment_run_continues_by_itself(prefect_server: PrefectSer
 
 def test_a_run_that_lost_its_worker_too_is_found_and_continued(prefect_server: PrefectServer) -> None:
     """The worker and the flow-run process SIGKILLed together (a lost machine): nobody is left to set the run
-    Crashed, so it would stay Running forever. Its heartbeats stop; after 120 s of silence the zombie watch sets
-    it Crashed, the crash trigger starts a continuation, and the next worker to start runs it to the end."""
+    Crashed, so it would stay Running forever. Its heartbeats stop; after the watch's window of silence the zombie
+    watch sets it Crashed, the crash trigger starts a continuation, and the next worker to start runs it to the end.
+    The run sets the window to its shortest, two heartbeats (60 s; 120 s by default): the run's start brings the
+    server's watch to it, as a deployment's job variable would."""
     ad_hoc = _deploy_to_the_pool(prefect_server)
-    with _worker(prefect_server) as (worker, worker_log):
+    with _worker(prefect_server, PREFECT_RAYTRAIN_ZOMBIE_SILENCE_SECONDS="60") as (worker, worker_log):
         flow_run, mlflow_run_id = _start_until_epoch_2(prefect_server, ad_hoc, "zombie-test", worker_log)
         os.kill(worker.pid, signal.SIGKILL)
         os.kill(int(str(flow_run.infrastructure_pid).rsplit(":", 1)[-1]), signal.SIGKILL)
         killed_at = time.time()
         worker.wait()
-    time.sleep(20)
+    time.sleep(10)
     still = _api(prefect_server, lambda c: c.read_flow_run(flow_run.id))
     assert still.state_type.value == "RUNNING"  # nobody noticed: a zombie
     crashed = _wait_for_final_state(prefect_server, flow_run.id, timeout=300)
-    assert crashed.state_type.value == "CRASHED" and "no heartbeat" in str(crashed.state.message), crashed.state
+    assert crashed.state_type.value == "CRASHED", crashed.state
+    assert "no heartbeat for 60 s" in str(crashed.state.message), crashed.state
     with _worker(prefect_server) as (_, worker_log):
         finished = _wait_for_final_state(prefect_server, _continuation_of(prefect_server, crashed).id)
         assert finished.state_type.value == "COMPLETED", worker_log.read_text()[-8000:]

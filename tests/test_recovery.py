@@ -30,7 +30,7 @@ from raytrain_tasks.checkpoint import MODEL_FILE
 from raytrain_tasks.config import RUN_KEY_PATTERN as RUN_KEY
 from raytrain_tasks.resume import checkpoint_dir_name
 from raytrain_tasks.tracking import EPOCH_METRICS, epoch_number
-from tests.conftest import REPO_ROOT, small_config, this_ray_address
+from tests.helpers import REPO_ROOT, small_config, this_ray_address
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.usefixtures("ray_cluster", "prefect_api")]
 

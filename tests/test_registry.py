@@ -24,7 +24,7 @@ from tasks.data import prepare_dataset
 from tasks.fit import FitResult
 from tasks.register import APPLIED_TAG
 from tasks.registry_lock import QUEUE_SUFFIX
-from tests.conftest import REPO_ROOT, MlflowServer, free_port, small_config, start_mlflow_server, stop_process_group
+from tests.helpers import REPO_ROOT, MlflowServer, free_port, small_config, start_mlflow_server, stop_process_group
 
 LEASE_S = 4.0
 

@@ -19,7 +19,7 @@ from raytrain_tasks.errors import StorageError
 from raytrain_tasks.fs import StorageOptions
 from tasks.data import prepare_dataset
 from tasks.storage import s3_client
-from tests.conftest import small_config
+from tests.helpers import small_config
 
 BUCKET = "prt-tests"
 

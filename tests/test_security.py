@@ -188,7 +188,7 @@ def test_registration_refuses_a_tampered_best_checkpoint_and_registers_nothing(t
     from flows.training import training_pipeline
     from raytrain_tasks.checkpoint import manifest_digest
     from raytrain_tasks.tracking import pin_tag
-    from tests.conftest import small_config
+    from tests.helpers import small_config
 
     config = small_config(tmp_path, epochs=2, register=False)
     first = training_pipeline(**parameters_of(config))
@@ -224,7 +224,7 @@ def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     import subprocess
     import sys
 
-    from tests.conftest import free_port, stop_process_group, wait_for_http
+    from tests.helpers import free_port, stop_process_group, wait_for_http
 
     root = tmp_path_factory.mktemp("mlflow-auth")
     ini = root / "basic_auth.ini"
@@ -260,7 +260,7 @@ def run_cli(tmp_path: Path, args: list[str], env: dict[str, str]) -> tuple[int, 
 
     from prefect.settings import PREFECT_API_URL
 
-    from tests.conftest import REPO_ROOT
+    from tests.helpers import REPO_ROOT
 
     base = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_TRACKING_")}
     command = [sys.executable, "-m", "flows.training", "--storage-path", str(tmp_path / "storage"), *args]
@@ -316,7 +316,7 @@ def test_mlflow_credentials_appear_nowhere_the_product_writes(tmp_path: Path, au
 
     from flows.training import training_pipeline
     from raytrain_tasks.errors import TrackingError
-    from tests.conftest import small_config
+    from tests.helpers import small_config
 
     # 1. Credentials in the URI, from the CLI: the run works, and the password is in no output or record.
     code, output = run_cli(tmp_path, ["--mlflow-tracking-uri", f"http://admin:{ADMIN_PASSWORD}@{auth_server}"], {})
@@ -520,7 +520,7 @@ def test_storage_cannot_vouch_for_itself_a_replaced_record_or_checkpoint_is_refu
     from flows.training import training_pipeline
     from raytrain_tasks.checkpoint import manifest_digest
     from raytrain_tasks.tracking import pinned_digests
-    from tests.conftest import small_config
+    from tests.helpers import small_config
 
     config = small_config(tmp_path, epochs=2, register=False)
     first = training_pipeline(**parameters_of(config))
@@ -559,7 +559,7 @@ def test_a_folder_the_snapshot_points_at_is_checked_whatever_its_name(tmp_path: 
     from mlflow import MlflowClient
 
     from flows.training import training_pipeline
-    from tests.conftest import small_config
+    from tests.helpers import small_config
 
     config = small_config(tmp_path, epochs=2, register=False)
     first = training_pipeline(**parameters_of(config))
@@ -593,7 +593,7 @@ def test_a_pickle_placed_beside_the_champions_pt2_never_runs_and_nothing_moves(t
 
     from raytrain_tasks.errors import PromotionError
     from tasks.data import prepare_dataset
-    from tests.conftest import small_config
+    from tests.helpers import small_config
     from tests.test_registry import _fit, _register
 
     config = small_config(tmp_path, model_name="planted", experiment_name="planted")

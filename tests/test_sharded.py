@@ -21,7 +21,7 @@ from mlflow import MlflowClient
 
 from flows.parameters import parameters_of
 from flows.training import training_pipeline
-from tests.conftest import REPO_ROOT, small_config
+from tests.helpers import REPO_ROOT, small_config
 from tests.test_recovery import mlflow_client, only_run, run_killing_a_worker
 
 pytestmark = [pytest.mark.slow]

@@ -13,7 +13,7 @@ from mlflow import MlflowClient
 
 from raytrain_tasks.tracking import MlflowEpochLogger
 from tasks import tracking
-from tests.conftest import free_port, stop_process_group, wait_for_http
+from tests.helpers import free_port, stop_process_group, wait_for_http
 
 
 def test_a_run_whose_driver_died_is_marked_killed_by_the_next_pipeline(tmp_path: Path) -> None:
@@ -129,7 +129,7 @@ def test_an_mlflow_outage_at_the_end_of_the_progress_display_masks_neither_an_er
 
     from raytrain_tasks.errors import CheckpointError
     from tasks.run_page import EpochProgress
-    from tests.conftest import start_mlflow_server
+    from tests.helpers import start_mlflow_server
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")

@@ -24,7 +24,7 @@ import pytest
 from mlflow import MlflowClient
 
 from devtools.s3_server import LocalS3
-from tests.conftest import free_port, stop_process_group
+from tests.helpers import free_port, stop_process_group
 from tests.test_cluster import CLIENT_ENV, HEAD_STOP_GRACE_S, RAY, ExternalCluster, head_node, run_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]

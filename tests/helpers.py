@@ -1,0 +1,134 @@
+"""Helpers the tests share: configs shrunk for a 2-core machine, free ports, server launchers, process groups.
+
+Fixtures live in conftest.py (pytest finds them there); everything a test imports lives here. conftest.py sets
+the test process's environment (a private Prefect home, the local S3 server's credentials) before any of this
+is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from raytrain_tasks.config import TrainingConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+_MLFLOW_TEMPLATE: list[Path] = []  # one migrated, empty MLflow SQLite store per test process
+
+
+def seed_mlflow_store(db: Path) -> Path:
+    """Put an empty, migrated MLflow SQLite store at ``db`` (unless one is there): a copy of one made once per
+    test process. Creating a store runs MLflow's migrations (2-3 s here); the copy differs only in the default
+    experiment's artifact location (the template's folder), which no test uses."""
+    if not _MLFLOW_TEMPLATE:
+        from mlflow import MlflowClient
+
+        template = Path(tempfile.mkdtemp(prefix="prt-mlflow-template-")) / "mlflow.db"
+        MlflowClient(f"sqlite:///{template}").search_experiments(max_results=1)
+        _MLFLOW_TEMPLATE.append(template)
+    if not db.exists():
+        db.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(_MLFLOW_TEMPLATE[0], db)
+    return db
+
+
+def this_ray_address() -> str:
+    """The GCS address of the Ray this process is connected to, for Ray's State API (``list_actors`` and the
+    like). Without one, the State API follows RAY_ADDRESS or /tmp/ray/ray_current_cluster, which any earlier
+    `ray start` cluster on the machine may have left pointing at a dead cluster."""
+    import ray
+
+    return str(ray.get_runtime_context().gcs_address)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for_http(url: str, process: subprocess.Popen[Any], log: Path, timeout: float = 120) -> None:
+    """Until `url` answers 200; fail with the log's tail if the process exits or the time runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{process.args!r} did not come up at {url}: {log.read_text()[-3000:]}")
+        time.sleep(0.5)
+
+
+def stop_process_group(process: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: float = 30) -> None:
+    """Stop a process started with start_new_session=True and all its children; SIGKILL if it lingers."""
+    if process.poll() is None:
+        os.killpg(process.pid, sig)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=timeout)
+    try:  # children left behind by a process that exited on its own
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def small_config(workdir: Path, **overrides: Any) -> TrainingConfig:
+    """The real default config, shrunk to what a 2-core CI machine trains in seconds."""
+    values: dict[str, Any] = {
+        "num_workers": 2,
+        "epochs": 3,
+        "storage_path": str(workdir / "storage"),
+        "mlflow_tracking_uri": f"sqlite:///{workdir / 'mlflow.db'}",
+        "experiment_name": "tests",
+        "model_name": "digits-test",
+        "retry_delay_seconds": 0,
+    }
+    values.update(overrides)
+    if values["mlflow_tracking_uri"] == f"sqlite:///{workdir / 'mlflow.db'}":
+        seed_mlflow_store(workdir / "mlflow.db")
+    return TrainingConfig(**values)
+
+
+def start_mlflow_server(root: Path, port: int) -> subprocess.Popen[Any]:
+    """`mlflow server` with a SQLite backend and a local artifact root under ``root``; returns once it answers.
+    Started again on the same ``root`` and port, it is the same registry, as after an outage."""
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    seed_mlflow_store(root / "mlflow.db")
+    command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--workers", "1", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}"]
+    command += ["--artifacts-destination", str(root / "artifacts")]
+    with (root / "server.log").open("a") as log:
+        server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for_http(f"http://127.0.0.1:{port}/health", server, root / "server.log", timeout=90)
+    except BaseException:
+        stop_process_group(server)
+        raise
+    return server
+
+
+class MlflowServer(str):
+    """The server's URL, and where it keeps artifacts (to damage them on purpose)."""
+
+    artifacts: Path
+
+    def __new__(cls, url: str, artifacts: Path) -> MlflowServer:
+        server = super().__new__(cls, url)
+        server.artifacts = artifacts
+        return server
