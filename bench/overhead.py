@@ -540,6 +540,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=2, help="world size of the parity runs (default 2)")
     parser.add_argument("--use-gpu", action="store_true", help="NCCL and one GPU per worker in both contenders")
     parser.add_argument("--bare-fit", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--parity-only",
+        action="store_true",
+        help="only the in-loop parity and scaling rows (a short GPU lease); written to overhead-parity.{json,md}",
+    )
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--dataset", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -575,6 +580,9 @@ def main(argv: list[str] | None = None) -> None:
             results["plain_ddp_retries"] = PLAIN_RETRIES
             results["scaling"] = {"1_worker": median_of(ray_1), f"{world}_workers": median_of(ray_2)}
             results["world_size"] = world
+            if args.parity_only:
+                write_parity(results)
+                return
             dataset = bench_dataset(workload, tmp)
             results["ingest"] = median_of([run_ingest(workload, dataset) for _ in range(reps)])
             fits: dict[str, list[dict[str, float]]] = {"torch": [], "ray_data": []}
@@ -610,6 +618,30 @@ def main(argv: list[str] | None = None) -> None:
     (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=1))
     (RESULTS / f"{name}.md").write_text(markdown)
     print(f"written: {RESULTS / name}.json, .md")
+
+
+def write_parity(r: dict[str, Any]) -> None:
+    """The parity and scaling rows alone (``--parity-only``)."""
+    plain, rt, n = r["parity"]["plain_ddp"], r["parity"]["ray_train"], r["world_size"]
+    one = r["scaling"]["1_worker"]
+    markdown = "\n".join(
+        [
+            f"Machine: {', '.join(f'{k} {v}' for k, v in r['machine'].items())}. Medians of {r['repetitions']}.",
+            "",
+            "| benchmark | contender A | contender B | B / A | target |",
+            "|---|---|---|---|---|",
+            f"| in-loop time, {n} workers | plain DDP {plain['in_loop_s']:.2f} s | Ray Train {rt['in_loop_s']:.2f} s "
+            f"| {rt['in_loop_s'] / plain['in_loop_s']:.3f}x | <= 1.03x |",
+            f"| samples/s, 1 worker | plain DDP ({n} workers) {plain['samples_per_s']:.0f} "
+            f"| Ray Train {one['samples_per_s']:.0f} | {one['samples_per_s'] / plain['samples_per_s']:.3f}x | |",
+            "",
+        ]
+    )
+    print(markdown)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "overhead-parity.json").write_text(json.dumps(r, indent=1))
+    (RESULTS / "overhead-parity.md").write_text(markdown)
+    print(f"written: {RESULTS / 'overhead-parity'}.json, .md")
 
 
 def render(r: dict[str, Any]) -> str:

@@ -1,6 +1,8 @@
 """docs/own-model.md is followed as a newcomer follows it: every command of its "Start from an example" section
 runs, as written, in a fresh folder beside the checkout (named `prefect-raytrain`, as the guide assumes), with
-the embedded defaults (local Ray, a temporary Prefect API, MLflow and storage under ./.pipeline)."""
+the embedded defaults (local Ray, MLflow and storage under ./.pipeline). The commands talk to the session's Prefect
+API (`PREFECT_API_URL`, as a user with a Prefect server set up has it) rather than each starting a temporary one:
+test_cli runs that default, and four server starts here cost about a minute."""
 
 from __future__ import annotations
 
@@ -36,9 +38,12 @@ def test_the_guide_has_commands_to_follow() -> None:
     assert sum(command.startswith("prefect-raytrain train") for command in commands) >= 4, commands
 
 
-def test_every_command_of_the_guide_runs_from_a_fresh_folder(tmp_path: Path) -> None:
+def test_every_command_of_the_guide_runs_from_a_fresh_folder(tmp_path: Path, prefect_api: None) -> None:
+    from prefect.settings import PREFECT_API_URL
+
     (tmp_path / "prefect-raytrain").symlink_to(REPO_ROOT)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_API"))}
+    env["PREFECT_API_URL"] = str(PREFECT_API_URL.value())
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["PREFECT_HOME"] = str(tmp_path / ".prefect")
     for command in guide_commands():

@@ -447,108 +447,110 @@ def _ray_leftovers(address: str) -> tuple[list[str], int]:
     return list(actors), int(groups)
 
 
-def test_served_runs_share_one_warm_ray_that_ends_with_serve(prefect_server: PrefectServer) -> None:
-    import psutil
+@dataclass(frozen=True)
+class Served:
+    process: subprocess.Popen[bytes]
+    log: Path
+    ray_address: str  # the warm local Ray serve started for its runs
 
+    def ray_processes(self) -> list[Any]:
+        import psutil
+
+        children = psutil.Process(self.process.pid).children(recursive=True)
+        return [p for p in children if p.name() in ("gcs_server", "raylet")]
+
+
+@pytest.fixture(scope="module")
+def served(prefect_server: PrefectServer) -> Iterator[Served]:
+    """`python -m deployments.serve` in the checkout, once for the module's serve tests (each start is a Ray
+    start and a registration of every deployment); the last of them stops it and checks what stopping does."""
     serve, serve_log = _start_in_checkout(prefect_server, [sys.executable, "-m", "deployments.serve", "--replace"])
     try:
         _wait_until_served(serve, serve_log)
         announced = re.search(r"warm local Ray at (\S+)", serve_log.read_text())
         assert announced, serve_log.read_text()[-3000:]
-        address = announced.group(1)
-        ray_processes = [
-            p for p in psutil.Process(serve.pid).children(recursive=True) if p.name() in ("gcs_server", "raylet")
-        ]
-        assert len(ray_processes) == 2, [p.name() for p in psutil.Process(serve.pid).children(recursive=True)]
-
-        deployment = _api(prefect_server, lambda client: client.read_deployment_by_name("training-pipeline/ad-hoc"))
-        config = {"epochs": 1, "num_workers": 2, "experiment_name": "warm", "model_name": "warm"}
-        finished, left = [], []
-        for _ in range(2):
-            created = _api(
-                prefect_server,
-                lambda c: c.create_flow_run_from_deployment(deployment.id, parameters=config),
-            )
-            flow_run = _wait_for_final_state(prefect_server, created.id)
-            assert flow_run.state_type.value == "COMPLETED", serve_log.read_text()[-5000:]
-            finished.append(flow_run)
-            left.append(_ray_leftovers(address))
-        # Both trained on serve's Ray, which is still up. Nothing of a run stays on it: no Ray Train actor, no
-        # placement group; what Ray keeps once per cluster (Ray Data's autoscaling coordinator) does not grow.
-        tracking = _tracking(prefect_server)
-        runs = tracking.search_runs([tracking.get_experiment_by_name("warm").experiment_id])
-        assert sorted(run.data.tags["prefect.flow_run_id"] for run in runs) == sorted(str(run.id) for run in finished)
-        assert [run.data.tags["prefect_raytrain.ray_cluster"] for run in runs] == [address, address]
-        assert all(p.is_running() for p in ray_processes)
-        assert left[0] == left[1], left
-        assert "SIGTERM handler is not set" not in serve_log.read_text()  # Ray's warning about our connect thread
-        actors, groups = left[1]
-        assert groups == 0 and not [name for name in actors if "Train" in name], left
-        waits = [(run.start_time - run.created).total_seconds() for run in finished]
-        print(f"\nserved runs on the warm Ray at {address}: created -> started {waits} s")
-
-        # A custom run that points MLflow elsewhere (where the worker's credentials would go) is refused before it
-        # connects anywhere: the listener standing in for someone else's server is never contacted.
-        with socket.socket() as collector:
-            collector.bind(("127.0.0.1", 0))
-            collector.listen()
-            collector.setblocking(False)
-            elsewhere = {**config, "mlflow_tracking_uri": f"http://127.0.0.1:{collector.getsockname()[1]}"}
-            created = _api(
-                prefect_server, lambda c: c.create_flow_run_from_deployment(deployment.id, parameters=elsewhere)
-            )
-            refused = _wait_for_final_state(prefect_server, created.id)
-            assert refused.state_type.value == "FAILED", serve_log.read_text()[-5000:]
-            assert "has mlflow_tracking_uri other than its deployment's" in str(refused.state.message), refused.state
-            with pytest.raises(BlockingIOError):
-                collector.accept()
-
-        serve.send_signal(signal.SIGTERM)  # serve alone: it stops its Ray itself
-        serve.wait(timeout=60)
-        alive = psutil.wait_procs(ray_processes, timeout=30)[1]
-        assert not alive, f"Ray processes left by serve: {[p.name() for p in alive]}"
+        yield Served(serve, serve_log, announced.group(1))
     finally:
         stop_process_group(serve, signal.SIGTERM, timeout=60)
+
+
+def test_served_runs_share_one_warm_ray(prefect_server: PrefectServer, served: Served) -> None:
+    serve_log, address = served.log, served.ray_address
+    ray_processes = served.ray_processes()
+    assert len(ray_processes) == 2, [p.name() for p in ray_processes]
+    deployment = _api(prefect_server, lambda client: client.read_deployment_by_name("training-pipeline/ad-hoc"))
+    config = {"epochs": 1, "num_workers": 2, "experiment_name": "warm", "model_name": "warm"}
+    finished, left = [], []
+    for _ in range(2):
+        created = _api(
+            prefect_server,
+            lambda c: c.create_flow_run_from_deployment(deployment.id, parameters=config),
+        )
+        flow_run = _wait_for_final_state(prefect_server, created.id)
+        assert flow_run.state_type.value == "COMPLETED", serve_log.read_text()[-5000:]
+        finished.append(flow_run)
+        left.append(_ray_leftovers(address))
+    # Both trained on serve's Ray, which is still up. Nothing of a run stays on it: no Ray Train actor, no
+    # placement group; what Ray keeps once per cluster (Ray Data's autoscaling coordinator) does not grow.
+    tracking = _tracking(prefect_server)
+    runs = tracking.search_runs([tracking.get_experiment_by_name("warm").experiment_id])
+    assert sorted(run.data.tags["prefect.flow_run_id"] for run in runs) == sorted(str(run.id) for run in finished)
+    assert [run.data.tags["prefect_raytrain.ray_cluster"] for run in runs] == [address, address]
+    assert all(p.is_running() for p in ray_processes)
+    assert left[0] == left[1], left
+    assert "SIGTERM handler is not set" not in serve_log.read_text()  # Ray's warning about our connect thread
+    actors, groups = left[1]
+    assert groups == 0 and not [name for name in actors if "Train" in name], left
+    waits = [(run.start_time - run.created).total_seconds() for run in finished]
+    print(f"\nserved runs on the warm Ray at {address}: created -> started {waits} s")
+
+    # A custom run that points MLflow elsewhere (where the worker's credentials would go) is refused before it
+    # connects anywhere: the listener standing in for someone else's server is never contacted.
+    with socket.socket() as collector:
+        collector.bind(("127.0.0.1", 0))
+        collector.listen()
+        collector.setblocking(False)
+        elsewhere = {**config, "mlflow_tracking_uri": f"http://127.0.0.1:{collector.getsockname()[1]}"}
+        created = _api(prefect_server, lambda c: c.create_flow_run_from_deployment(deployment.id, parameters=elsewhere))
+        refused = _wait_for_final_state(prefect_server, created.id)
+        assert refused.state_type.value == "FAILED", serve_log.read_text()[-5000:]
+        assert "has mlflow_tracking_uri other than its deployment's" in str(refused.state.message), refused.state
+        with pytest.raises(BlockingIOError):
+            collector.accept()
 
 
 EXAMPLES = ("seed_ddp", "seed_ray_data", "diabetes_regression", "image_classifier", "fsdp_sharded")
 
 
-def test_every_example_trains_and_registers_through_a_served_deployment(prefect_server: PrefectServer) -> None:
+def test_every_example_trains_and_registers_through_a_served_deployment(
+    prefect_server: PrefectServer, served: Served
+) -> None:
     """The user's own code as a deployment parameter: `train_code` (and `train_config`) set on a run of the ad-hoc
     deployment, as `-p train_code=...` or the UI's form would; the code is found in the folder serve runs in."""
-    serve, serve_log = _start_in_checkout(prefect_server, [sys.executable, "-m", "deployments.serve", "--replace"])
-    try:
-        _wait_until_served(serve, serve_log)
-        deployment = _api(prefect_server, lambda client: client.read_deployment_by_name("training-pipeline/ad-hoc"))
-        for example in EXAMPLES:
-            parameters = {
-                "train_code": f"examples.{example}.train:training",
-                "train_config": '{"seed_note": "served"}',
-                "epochs": 2,
-                "experiment_name": "own-code",
-                "model_name": f"served-{example}",
-            }
-            created = _api(
-                prefect_server,
-                lambda c, parameters=parameters: c.create_flow_run_from_deployment(
-                    deployment.id, parameters=parameters
-                ),
-            )
-            flow_run = _wait_for_final_state(prefect_server, created.id)
-            assert flow_run.state_type.value == "COMPLETED", (example, serve_log.read_text()[-5000:])
-        tracking = _tracking(prefect_server)
-        runs = tracking.search_runs([tracking.get_experiment_by_name("own-code").experiment_id])
-        assert sorted(run.data.params["train_code"] for run in runs) == sorted(
-            f"examples.{example}.train:training" for example in EXAMPLES
+    serve_log = served.log
+    deployment = _api(prefect_server, lambda client: client.read_deployment_by_name("training-pipeline/ad-hoc"))
+    for example in EXAMPLES:
+        parameters = {
+            "train_code": f"examples.{example}.train:training",
+            "train_config": '{"seed_note": "served"}',
+            "epochs": 2,
+            "experiment_name": "own-code",
+            "model_name": f"served-{example}",
+        }
+        created = _api(
+            prefect_server,
+            lambda c, parameters=parameters: c.create_flow_run_from_deployment(deployment.id, parameters=parameters),
         )
-        assert all(
-            run.info.status == "FINISHED" and run.data.params["train_config.seed_note"] == "served" for run in runs
-        )
-        for example in EXAMPLES:
-            assert tracking.get_registered_model(f"served-{example}").aliases.get("champion") is not None
-    finally:
-        stop_process_group(serve, signal.SIGTERM, timeout=60)
+        flow_run = _wait_for_final_state(prefect_server, created.id)
+        assert flow_run.state_type.value == "COMPLETED", (example, serve_log.read_text()[-5000:])
+    tracking = _tracking(prefect_server)
+    runs = tracking.search_runs([tracking.get_experiment_by_name("own-code").experiment_id])
+    assert sorted(run.data.params["train_code"] for run in runs) == sorted(
+        f"examples.{example}.train:training" for example in EXAMPLES
+    )
+    assert all(run.info.status == "FINISHED" and run.data.params["train_config.seed_note"] == "served" for run in runs)
+    for example in EXAMPLES:
+        assert tracking.get_registered_model(f"served-{example}").aliases.get("champion") is not None
 
 
 @pytest.fixture(scope="module")
@@ -566,68 +568,78 @@ def chromium() -> str:
 
 
 @pytest.mark.browser
-def test_serve_and_a_custom_run_from_the_ui(prefect_server: PrefectServer, chromium: str) -> None:
+def test_serve_and_a_custom_run_from_the_ui(prefect_server: PrefectServer, served: Served, chromium: str) -> None:
     from playwright.sync_api import sync_playwright
 
-    serve, serve_log = _start_in_checkout(prefect_server, [sys.executable, "-m", "deployments.serve", "--replace"])
-    try:
-        _wait_until_served(serve, serve_log)
-        _wait_for_scheduled_runs(prefect_server, "nightly-retrain")  # serving keeps the schedule
-        before = {run.id for run in _deployment_runs(prefect_server, "ad-hoc")}
-        deployment = _api(prefect_server, lambda client: client.read_deployment_by_name("training-pipeline/ad-hoc"))
+    serve_log = served.log
+    _wait_for_scheduled_runs(prefect_server, "nightly-retrain")  # serving keeps the schedule
+    before = {run.id for run in _deployment_runs(prefect_server, "ad-hoc")}
+    deployment = _api(prefect_server, lambda client: client.read_deployment_by_name("training-pipeline/ad-hoc"))
 
-        with sync_playwright() as playwright:
-            browser = playwright.chromium.launch(
-                executable_path=chromium,
-                args=[
-                    "--no-sandbox",
-                    "--disable-gpu",
-                    "--disable-background-networking",
-                    "--disable-component-update",
-                    "--disable-sync",
-                ],
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=chromium,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+            ],
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(f"{prefect_server.url}/deployments/deployment/{deployment.id}")
+            page.get_by_role("button", name="Run", exact=True).click()
+            page.get_by_text("Custom run").click()
+            # The form is built from the flow's schema: every field titled and described.
+            epochs_field = page.locator(
+                "xpath=//*[normalize-space(text())='Passes over the training split.']/ancestor::div[.//input][1]"
             )
+            epochs_input = epochs_field.locator("input").first
+            epochs_input.wait_for(timeout=30_000)
+            assert epochs_input.input_value() == "3"  # the deployment's default
+            epochs_input.fill("1")
+            page.get_by_role("button", name="Submit").click()
+
+            deadline = time.monotonic() + 60
+            while not (new := [r for r in _deployment_runs(prefect_server, "ad-hoc") if r.id not in before]):
+                assert time.monotonic() < deadline, "the custom run was not created"
+                time.sleep(1)
+            (created,) = new
+            flow_run = _wait_for_final_state(prefect_server, created.id)
+            assert flow_run.state_type.value == "COMPLETED", serve_log.read_text()[-5000:]
+
+            assert flow_run.parameters["epochs"] == 1
+            link = _assert_run_is_tracked_and_published(prefect_server, flow_run, epochs=1)
+
+            # From the MLflow run, its Prefect link opens the run page: completed, with the summary artifact.
+            page.goto(link)
             try:
-                page = browser.new_page(viewport={"width": 1400, "height": 1000})
-                page.goto(f"{prefect_server.url}/deployments/deployment/{deployment.id}")
-                page.get_by_role("button", name="Run", exact=True).click()
-                page.get_by_text("Custom run").click()
-                # The form is built from the flow's schema: every field titled and described.
-                epochs_field = page.locator(
-                    "xpath=//*[normalize-space(text())='Passes over the training split.']/ancestor::div[.//input][1]"
-                )
-                epochs_input = epochs_field.locator("input").first
-                epochs_input.wait_for(timeout=30_000)
-                assert epochs_input.input_value() == "3"  # the deployment's default
-                epochs_input.fill("1")
-                page.get_by_role("button", name="Submit").click()
-
-                deadline = time.monotonic() + 60
-                while not (new := [r for r in _deployment_runs(prefect_server, "ad-hoc") if r.id not in before]):
-                    assert time.monotonic() < deadline, "the custom run was not created"
-                    time.sleep(1)
-                (created,) = new
-                flow_run = _wait_for_final_state(prefect_server, created.id)
-                assert flow_run.state_type.value == "COMPLETED", serve_log.read_text()[-5000:]
-
-                assert flow_run.parameters["epochs"] == 1
-                link = _assert_run_is_tracked_and_published(prefect_server, flow_run, epochs=1)
-
-                # From the MLflow run, its Prefect link opens the run page: completed, with the summary artifact.
-                page.goto(link)
-                try:
-                    page.get_by_text("Completed").first.wait_for(timeout=30_000)
-                    page.get_by_text("Artifacts", exact=True).first.click()
-                    page.get_by_text("training-summary").first.wait_for(timeout=30_000)
-                finally:
-                    page.screenshot(path=prefect_server.checkout.parent / "flow-run-page.png", full_page=True)
+                page.get_by_text("Completed").first.wait_for(timeout=30_000)
+                page.get_by_text("Artifacts", exact=True).first.click()
+                page.get_by_text("training-summary").first.wait_for(timeout=30_000)
             finally:
-                browser.close()
-    finally:
-        stop_process_group(serve, signal.SIGTERM, timeout=60)
+                page.screenshot(path=prefect_server.checkout.parent / "flow-run-page.png", full_page=True)
+        finally:
+            browser.close()
 
     latency = (flow_run.start_time - flow_run.created).total_seconds()
     print(f"custom run from the UI via serve: {latency:.1f} s from submit to start")
+
+
+def test_serve_stopped_stops_its_ray_and_pauses_its_deployments(prefect_server: PrefectServer, served: Served) -> None:
+    """Last of the serve tests (it stops the module's serve): SIGTERM to serve alone ends the warm Ray it started,
+    and Prefect pauses its deployments and drops their scheduled runs."""
+    import psutil
+
+    _wait_for_scheduled_runs(prefect_server, "nightly-retrain")  # serving keeps the schedule
+    serve, ray_processes = served.process, served.ray_processes()
+    assert len(ray_processes) == 2, [p.name() for p in ray_processes]
+    serve.send_signal(signal.SIGTERM)  # serve alone: it stops its Ray itself
+    serve.wait(timeout=60)
+    alive = psutil.wait_procs(ray_processes, timeout=30)[1]
+    assert not alive, f"Ray processes left by serve: {[p.name() for p in alive]}"
 
     # When serve stops, Prefect pauses its deployments and drops their scheduled runs; serving again resumes.
     # Prefect writes the pause during serve's shutdown; on a loaded machine it lands a moment after the exit.
@@ -639,5 +651,5 @@ def test_serve_and_a_custom_run_from_the_ui(prefect_server: PrefectServer, chrom
         and time.monotonic() < deadline
     ):
         time.sleep(1)
-    assert nightly.paused, f"serve exited with {serve.returncode}:\n{serve_log.read_text()[-3000:]}"
+    assert nightly.paused, f"serve exited with {serve.returncode}:\n{served.log.read_text()[-3000:]}"
     assert not [r for r in _deployment_runs(prefect_server, "nightly-retrain") if r.state_name == "Scheduled"]

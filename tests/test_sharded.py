@@ -92,11 +92,17 @@ def _name(process: Any) -> str:
         return "Agent"
 
 
-def test_a_checkpoint_missing_a_ranks_shard_is_passed_over_and_the_run_says_why(tmp_path: Path) -> None:
+def test_a_checkpoint_missing_a_ranks_shard_is_passed_over_and_the_run_says_why(
+    tmp_path: Path, prefect_api: None
+) -> None:
     """The driver is killed after epoch 2; one rank's shard is deleted from the newest checkpoint; the resume
-    continues from the checkpoint before it, in the same MLflow run, and records why."""
+    continues from the checkpoint before it, in the same MLflow run, and records why. The command uses the
+    session's Prefect API (no temporary server per command)."""
+    from prefect.settings import PREFECT_API_URL
+
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_API"))}
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    env["PREFECT_API_URL"] = str(PREFECT_API_URL.value())
     locations = [
         "--storage-path", str(tmp_path / "storage"), "--experiment-name", "tests",
         "--mlflow-tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",

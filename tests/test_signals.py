@@ -34,10 +34,12 @@ STOP_WITHIN_S = 15.0
 class Command:
     """One `prefect-raytrain` process in a group of its own, its output in a file, its processes watched."""
 
-    def __init__(self, workdir: Path, *args: str) -> None:
+    def __init__(self, workdir: Path, *args: str, prefect_api_url: str | None = None) -> None:
         self.workdir, self.log = workdir, workdir / f"{args[0]}-{time.monotonic_ns()}.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_API"))}
         env["PREFECT_HOME"] = str(workdir.parent / "prefect-home")  # shared by the module: migrations once
+        if prefect_api_url:  # a Prefect server that is already up, instead of a temporary one of its own
+            env["PREFECT_API_URL"] = prefect_api_url
         with self.log.open("w") as out:
             self.process = subprocess.Popen(
                 [PREFECT_RAYTRAIN, *args, *_locations(workdir)],
@@ -172,7 +174,7 @@ CASES = [(moment, signal.SIGTERM) for moment in MOMENTS] + [
 
 @pytest.mark.parametrize(("moment", "sig"), CASES, ids=[f"{m}-{s.name}" for m, s in CASES])
 def test_a_signal_to_the_whole_group_stops_the_command_in_seconds(
-    tmp_path: Path, moment: str, sig: signal.Signals
+    tmp_path: Path, moment: str, sig: signal.Signals, prefect_api: None
 ) -> None:
     command = Command(tmp_path, "train", *WORKLOAD)
     command.wait_until(lambda: MOMENTS[moment](command), moment)
@@ -191,7 +193,7 @@ def test_a_signal_to_the_whole_group_stops_the_command_in_seconds(
 
 
 def test_a_run_killed_before_its_first_checkpoint_continues_from_epoch_one_in_the_same_mlflow_run(
-    tmp_path: Path,
+    tmp_path: Path, prefect_api: None
 ) -> None:
     """Issue 30 item 3: SIGKILL to the whole group after the MLflow run opened, before any epoch was committed
     (the likeliest moment to run out of memory); `resume` trains from epoch 1 in that same MLflow run."""
@@ -213,10 +215,13 @@ def test_a_run_killed_before_its_first_checkpoint_continues_from_epoch_one_in_th
 
 def _resume_to_the_end(workdir: Path, output: str, run: Any) -> str:
     """`prefect-raytrain resume <the run key in output>` finishes the same MLflow run, every epoch logged once;
-    the resume's output."""
+    the resume's output. The resume talks to the session's Prefect API (what the signal did is the question
+    here, not the temporary server's start, which the signalled command ran)."""
+    from prefect.settings import PREFECT_API_URL
+
     key = _run_key(output)
     assert key is not None
-    resumed = Command(workdir, "resume", key)
+    resumed = Command(workdir, "resume", key, prefect_api_url=str(PREFECT_API_URL.value()))
     assert resumed.process.wait(timeout=600) == 0, resumed.output()[-4000:]
     after = _only_run(workdir)
     assert after is not None and after.info.run_id == run.info.run_id

@@ -34,7 +34,7 @@ NODE_IP = "127.0.0.2"
 # Ray Train's own setting (default 60 s): how long a worker group waits for its resources before the attempt
 # fails. After a node is lost, the first restart may still ask for that node's CPU until Ray marks it dead.
 START_TIMEOUT = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10"}
-EPOCHS = 6
+EPOCHS = 4
 # An epoch of a few seconds with one worker per node, so the second node dies inside the run.
 WORKLOAD = ["--dataset", "synthetic", "--synthetic-samples", "60000", "--batch-size", "16"]
 WORKLOAD += ["--epochs", str(EPOCHS), "--checkpoints-to-keep", "10", "--no-register", "--experiment-name", "nodes"]
