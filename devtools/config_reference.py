@@ -18,7 +18,7 @@ from typing import Any
 import annotated_types
 from pydantic.fields import FieldInfo
 
-from raytrain_tasks.config import PINNED, PINNED_NOTE, TrainingConfig
+from raytrain_tasks.config import PINNED, PINNED_NOTE, RESUME_MAY_CHANGE, TrainingConfig
 
 TARGET = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
@@ -41,7 +41,9 @@ invalid training config:
 In a run of a deployment, the settings a run gives are laid over the deployment's own: the others keep the
 deployment's values (see [prefect.md](prefect.md)). Booleans take `--flag` / `--no-flag`; lists take
 `--hidden-sizes 256,128`. A relative `storage_path` is resolved against the working directory; an empty
-`mlflow_tracking_uri` uses `MLFLOW_TRACKING_URI` if set, else the local SQLite store.
+`mlflow_tracking_uri` uses `MLFLOW_TRACKING_URI` if set, else the local SQLite store. A resume (`resume`, or
+the continuation of a crashed deployment run) must train with the settings its run started with: it is refused,
+naming each one changed, unless the setting says a resume may change it.
 
 """
 
@@ -96,6 +98,8 @@ def render() -> str:
         meaning = _cell(f"**{field.title}.** {field.description or ''}" if field.title else field.description or "")
         if name in PINNED:
             meaning += f" {PINNED_NOTE} ([security](security.md))."
+        if name in RESUME_MAY_CHANGE:
+            meaning += " A resume may give it another value (it steers the run, not what it trains)."
         kind += f" ({bounds})" if bounds else ""
         rows.append(f"| `{name}` (`{flag}`) | {kind} | {_default(field.default)} | {meaning} |")
     return HEAD + "\n".join(rows) + "\n"

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from raytrain_tasks.api import Metric
 from raytrain_tasks.datasets import BUILTIN_DATASETS, SUPPORTED_FILE_SUFFIXES
 from raytrain_tasks.fs import StorageOptions, is_s3
 from raytrain_tasks.models import MODELS
@@ -39,6 +40,10 @@ def _dataset_stem(dataset: str) -> str:
 # (tasks.run_settings.check_deployment_pins), so whoever may only trigger runs cannot point them at a server of
 # their own.
 PINNED_BY_DEPLOYMENT: dict[str, Any] = {"pinned_by_deployment": True}
+# On the settings that steer a run rather than decide what it trains (retries, windows, registration): a resume may
+# give them other values; any other setting changed on resume is refused (tasks.tracking), or the checkpoints and
+# metrics of one MLflow run would not add up.
+MAY_CHANGE_ON_RESUME: dict[str, Any] = {"may_change_on_resume": True}
 
 
 class TrainingConfig(BaseModel):
@@ -199,6 +204,7 @@ class TrainingConfig(BaseModel):
         default="", title="S3 region", description="Empty: AWS_REGION / AWS_DEFAULT_REGION, else us-east-1."
     )
     s3_max_attempts: int = Field(
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
         default=8,
         ge=1,
         le=15,
@@ -218,6 +224,7 @@ class TrainingConfig(BaseModel):
         description="Empty: start a local Ray. Otherwise a cluster address, e.g. '127.0.0.1:6379' or 'ray://h:10001'.",
     )
     ray_connect_timeout_s: float = Field(
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
         default=60.0,
         ge=1,
         le=3600,
@@ -243,7 +250,7 @@ class TrainingConfig(BaseModel):
         ),
     )
     forward_credentials_to_cluster: bool = Field(
-        json_schema_extra=PINNED_BY_DEPLOYMENT,
+        json_schema_extra={**PINNED_BY_DEPLOYMENT, **MAY_CHANGE_ON_RESUME},
         default=False,
         title="Forward credentials to the cluster",
         description=(
@@ -282,6 +289,7 @@ class TrainingConfig(BaseModel):
 
     # --- fault tolerance ---
     max_failures: int = Field(
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
         default=2,
         ge=0,
         le=100,
@@ -296,6 +304,7 @@ class TrainingConfig(BaseModel):
         description="Checkpoints kept per run: the best by promotion_metric, plus always the latest.",
     )
     fit_retries: int = Field(
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
         default=1,
         ge=0,
         le=20,
@@ -303,9 +312,15 @@ class TrainingConfig(BaseModel):
         description="Prefect retries of the distributed-fit task; each resumes from the last checkpoint.",
     )
     retry_delay_seconds: float = Field(
-        default=5.0, ge=0, le=3600, title="Retry delay (s)", description="Wait before a distributed-fit retry."
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
+        default=5.0,
+        ge=0,
+        le=3600,
+        title="Retry delay (s)",
+        description="Wait before a distributed-fit retry.",
     )
     max_crash_resumes: int = Field(
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
         default=2,
         ge=0,
         le=20,
@@ -316,6 +331,7 @@ class TrainingConfig(BaseModel):
         ),
     )
     run_lease_seconds: float = Field(
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
         default=60.0,
         ge=5,
         le=3600,
@@ -323,15 +339,27 @@ class TrainingConfig(BaseModel):
         description="How long a run key stays locked to its driver after that driver stops renewing (e.g. dies).",
     )
     resume: str = Field(
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
         default="",
         title="Resume run key",
         description="Run key of an interrupted run to continue (printed at start, tagged in MLflow).",
     )
 
     # --- registry ---
-    register: bool = Field(default=True, title="Register model", description="Register a model version.")
-    promote: bool = Field(default=True, title="Promote", description="Move 'champion' when the new version is better.")
+    register: bool = Field(
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
+        default=True,
+        title="Register model",
+        description="Register a model version.",
+    )
+    promote: bool = Field(
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
+        default=True,
+        title="Promote",
+        description="Move 'champion' when the new version is better.",
+    )
     input_example: Literal["synthetic", "validation_rows"] = Field(
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
         default="synthetic",
         title="Model input example",
         description=(
@@ -348,6 +376,7 @@ class TrainingConfig(BaseModel):
         ),
     )
     min_improvement: float = Field(
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
         default=0.0,
         ge=0.0,
         le=1.0,
@@ -517,6 +546,18 @@ class TrainingConfig(BaseModel):
             }
         )
 
+    @property
+    def selection(self) -> Metric:
+        """The built-in classifier's `promotion_metric` with its direction, decided here alone: it picks a run's
+        best checkpoint (on the validation split), and its test-split counterpart is what the gate compares."""
+        return Metric(self.promotion_metric, higher_is_better=self.promotion_metric != "val_loss")
+
+    @property
+    def gate(self) -> Metric:
+        """The built-in classifier's gate: the held-out test split's counterpart of `promotion_metric`."""
+        selection = self.selection
+        return Metric("test_" + selection.name.removeprefix("val_"), selection.higher_is_better)
+
     def public_params(self) -> dict[str, Any]:
         """The config as flat MLflow params: lists joined, credentials in URIs masked."""
         from raytrain_tasks.redact import redact, redact_uri
@@ -568,8 +609,16 @@ def describe_validation_error(exc: Exception) -> str:
     return "invalid training config:\n  " + "\n  ".join(lines)
 
 
-# The settings marked PINNED_BY_DEPLOYMENT, in the config's order.
-PINNED = tuple(
-    name for name, field in TrainingConfig.model_fields.items() if field.json_schema_extra is PINNED_BY_DEPLOYMENT
-)
+def _marked(marker: dict[str, Any]) -> tuple[str, ...]:
+    """The settings whose field carries ``marker``, in the config's order."""
+    ((key, _),) = marker.items()
+    return tuple(
+        name
+        for name, field in TrainingConfig.model_fields.items()
+        if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get(key) is True
+    )
+
+
+PINNED = _marked(PINNED_BY_DEPLOYMENT)
+RESUME_MAY_CHANGE = frozenset(_marked(MAY_CHANGE_ON_RESUME))
 PINNED_NOTE = "Pinned by a deployment: a run of a deployment that sets another value than the deployment's is refused."

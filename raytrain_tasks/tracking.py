@@ -18,6 +18,7 @@ from typing import Any
 from ray.train import Checkpoint, UserCallback
 from ray.train.v2._internal.execution.callback import ControllerCallback
 
+from raytrain_tasks.pin_journal import PinJournal
 from raytrain_tasks.redact import redact
 
 logger = logging.getLogger(__name__)
@@ -152,14 +153,31 @@ class MlflowEpochLogger(UserCallback):
     """
 
     def __init__(
-        self, tracking_uri: str, run_id: str, step_key: str = STEP_KEY, keys: tuple[str, ...] | None = EPOCH_METRICS
+        self,
+        tracking_uri: str,
+        run_id: str,
+        step_key: str = STEP_KEY,
+        keys: tuple[str, ...] | None = EPOCH_METRICS,
+        journal: PinJournal | None = None,
     ) -> None:
         self.tracking_uri = tracking_uri
         self.run_id = run_id
+        # Every pin is also appended here first, so an MLflow outage does not leave committed checkpoints unpinned.
+        self.journal = journal
         # User code: every number it reports is logged, and its gate metric says which steps MLflow has.
         self.step_key, self.keys = step_key, keys
         self._client: Any = None
         self._logged: set[int] | None = None
+
+    def _digest(self, metrics: dict[str, Any], checkpoint: Checkpoint) -> str | None:
+        """The pin of ``checkpoint``: the built-in loop's manifest digest (rank 0 reports it); for the user's own
+        checkpoint, the digest of every rank's files as persisted (integrity.py)."""
+        if self.keys is None and checkpoint.filesystem is not None:
+            from raytrain_tasks.integrity import folder_digest
+
+            return folder_digest(checkpoint.filesystem, checkpoint.path)
+        digest = metrics.get(MANIFEST_METRIC)
+        return digest if isinstance(digest, str) else None
 
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Checkpoint | None) -> None:
         if checkpoint is None or not metrics:
@@ -167,6 +185,9 @@ class MlflowEpochLogger(UserCallback):
             return
         epoch_metrics = metrics[0]
         try:
+            digest = self._digest(epoch_metrics, checkpoint)
+            if digest is not None and self.journal is not None:  # before MLflow, which may be down
+                self.journal.append(self.run_id, checkpoint_name(checkpoint.path), digest)
             if self._client is None:
                 from mlflow import MlflowClient
 
@@ -175,13 +196,10 @@ class MlflowEpochLogger(UserCallback):
             if self._logged is None:
                 self._logged = logged_steps(self._client, self.run_id, self.step_key)
             step = report_step(epoch_metrics, self._logged)
-            if self.keys is None and checkpoint.filesystem is not None:
-                # The user's own checkpoint: its digest covers every rank's files, as persisted (integrity.py).
-                # Recorded for every committed folder, also one that re-trains an epoch MLflow already has.
-                from raytrain_tasks.integrity import folder_digest
-
-                digest = folder_digest(checkpoint.filesystem, checkpoint.path)
+            if digest is not None:
                 if step in self._logged:
+                    # A folder that trains an epoch again (epoch-NNNN-rK after a failure): MLflow has the epoch's
+                    # metrics, not this folder's pin; without it a crash now would pass the folder over.
                     self._client.set_tag(self.run_id, pin_tag(checkpoint_name(checkpoint.path)), digest)
                     return
                 epoch_metrics = {**epoch_metrics, MANIFEST_METRIC: digest}

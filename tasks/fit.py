@@ -41,6 +41,7 @@ from raytrain_tasks.errors import (
     UnsafeCheckpointError,
     UserCodeError,
 )
+from raytrain_tasks.pin_journal import PinJournal
 from raytrain_tasks.redact import redacted_errors
 from raytrain_tasks.resume import CHECKPOINT_PREFIX, checkpoint_epoch
 from raytrain_tasks.tracking import (
@@ -312,6 +313,13 @@ def _distributed_fit(
             # every name, not only `epoch-*` ones, since anyone who can write storage can point Ray Train's
             # checkpoint snapshot at a folder of another name.
             preexisting = frozenset(run_dir.list_names())
+            journal = PinJournal.for_run(tracking.pin_journal_dir(), run_key)
+            if reopened and (recovered := tracking.pins_from_journal(client, run_id, journal)):
+                logger.info(
+                    "recorded in MLflow the pins of %s from this machine's pin journal (MLflow was down when they "
+                    "were committed)",
+                    ", ".join(recovered),
+                )
             pinned = pinned_digests(client.get_run(run_id).data.tags) if reopened else {}
             resume_point = None
             if spec is not None:
@@ -330,12 +338,14 @@ def _distributed_fit(
                 announce_resume(logger, config, run_dir, preexisting, pinned)
             callbacks: list[Any] = [OpenMlflowEarly(config.mlflow_tracking_uri, run_id)]
             if spec is None:
-                callbacks.append(MlflowEpochLogger(config.mlflow_tracking_uri, run_id))
+                callbacks.append(MlflowEpochLogger(config.mlflow_tracking_uri, run_id, journal=journal))
             else:
                 from raytrain_tasks.user_code import code_error_stopper
 
                 callbacks.append(
-                    MlflowEpochLogger(config.mlflow_tracking_uri, run_id, step_key=spec.metric.name, keys=None)
+                    MlflowEpochLogger(
+                        config.mlflow_tracking_uri, run_id, step_key=spec.metric.name, keys=None, journal=journal
+                    )
                 )
                 callbacks.append(code_error_stopper(config.train_code))
             trainer = build_trainer(
@@ -367,6 +377,8 @@ def _distributed_fit(
             ):
                 result = fit_interruptibly(trainer, lease)
 
+        # Pins the controller could not write to MLflow during an outage (kept in the journal meanwhile).
+        tracking.pins_from_journal(client, run_id, journal)
         if spec is not None or dataset is None:
             assert spec is not None, "the built-in loop trains on a prepared dataset"
             rejected = resume_point.rejected if resume_point is not None else frozenset()
@@ -391,7 +403,7 @@ def _distributed_fit(
         added = tracking.reconcile_epochs(client, run_id, fit.history)
         if added:
             logger.warning("logged %d epoch(s) to MLflow that the controller could not log live", added)
-        tracking.log_summary(client, run_id, fit.history, selection_metric(config), fit.best_epoch)
+        tracking.log_summary(client, run_id, fit.history, config.selection.name, fit.best_epoch)
         kept = {
             checkpoint_name(checkpoint.path): _checkpoint_uri(run_dir, checkpoint)
             for checkpoint, _ in result.best_checkpoints or []
@@ -524,11 +536,6 @@ def announce_resume(
         logger.info("resuming from checkpoint %s (epoch %d of %d): next epoch %d", uri, epoch, config.epochs, epoch + 1)
 
 
-def selection_metric(config: TrainingConfig) -> str:
-    """The per-epoch metric that picks the best checkpoint (and which checkpoints Ray Train keeps)."""
-    return config.promotion_metric
-
-
 def training_error(exc: BaseException, run_key: str, config: TrainingConfig) -> BaseException:
     """What the task raises for ``exc``: a worker's CheckpointError stays one (no retry can fix it)."""
     if not isinstance(exc, ray.train.TrainingFailedError):
@@ -652,7 +659,7 @@ def build_trainer(
     low, high = config.worker_range
     data: dict[str, Any] = {}
     train_func: Any = train_loop_per_worker
-    score_attribute, score_order = selection_metric(config), "min" if selection_metric(config) == "val_loss" else "max"
+    score_attribute, score_order = config.selection.name, config.selection.order
     if spec is not None:
         from tasks.user_fit import trainer_function
 
@@ -712,8 +719,8 @@ def summarize(
     if latest is None:
         raise TrainingError(f"training run {run_key} finished without a checkpoint; nothing to register")
     history = _read_history(latest)
-    metric = selection_metric(config)
-    sign = -1.0 if metric == "val_loss" else 1.0  # higher is better after the sign
+    metric = config.selection.name
+    sign = 1.0 if config.selection.higher_is_better else -1.0  # higher is better after the sign
     scored = [
         (sign * metrics.get(metric, sign * float("-inf")), checkpoint)
         for checkpoint, metrics in result.best_checkpoints or []

@@ -46,7 +46,9 @@ if TYPE_CHECKING:
 CHAMPION = "champion"
 CHALLENGER = "challenger"
 PREVIOUS_CHAMPION = "previous_champion"
-RUN_KEY_TAG = "run_key"
+# On a model version (the MLflow run carries tasks.tracking.RUN_KEY_TAG): which run key registered it, so a
+# resumed registration finds the version instead of making a second one.
+VERSION_RUN_KEY_TAG = "run_key"
 SCHEMA_TAG = "schema.digest"
 APPLIED_TAG = "promotion.applied"
 LOGGED_MODEL_NAME = "model"
@@ -89,11 +91,11 @@ def register_model(config: TrainingConfig, dataset: DatasetRef | None, fit: FitR
 def _register_model(config: TrainingConfig, dataset: DatasetRef | None, fit: FitResult) -> ModelRef:
     logger = get_run_logger()
     client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
-    # The user's own code (train_code) declares its gate metric and direction; the built-in classifier compares
-    # the test split's counterpart of `promotion_metric`.
+    # The user's own code (train_code) declares its gate metric and direction; the built-in classifier's is the
+    # config's (the test split's counterpart of `promotion_metric`).
     spec = resolve(config.train_code) if config.train_code else None
-    metric = spec.gate.name if spec is not None else test_metric(config.promotion_metric)
-    higher_is_better = spec.gate.higher_is_better if spec is not None else metric != "test_loss"
+    gate = spec.gate if spec is not None else config.gate
+    metric, higher_is_better = gate.name, gate.higher_is_better
     candidate_score = fit.scores[metric]
     # MLflow's fluent API (log_model, register_model, pyfunc) reads a process-wide URI that set_tracking_uri
     # also exports as MLFLOW_TRACKING_URI: scoped here, so a later run in this process is not redirected.
@@ -151,11 +153,6 @@ def _register_model(config: TrainingConfig, dataset: DatasetRef | None, fit: Fit
             f"could not be made: {ref.reason}. No alias moved; run again with `resume={fit.run_key}` to decide again"
         )
     return ref
-
-
-def test_metric(promotion_metric: str) -> str:
-    """The held-out test split's counterpart of ``promotion_metric`` (which picks the best checkpoint on val)."""
-    return "test_" + promotion_metric.removeprefix("val_")
 
 
 def schema_digest(dataset: DatasetRef) -> str:
@@ -306,7 +303,7 @@ def _version_of_run(client: MlflowClient, name: str, run_key: str) -> str | None
 
     check_run_key(run_key)  # it goes into a filter string
     try:
-        found = client.search_model_versions(f"name = '{name}' and tags.{RUN_KEY_TAG} = '{run_key}'")
+        found = client.search_model_versions(f"name = '{name}' and tags.{VERSION_RUN_KEY_TAG} = '{run_key}'")
     except MlflowException as exc:
         if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
             return None
@@ -452,7 +449,7 @@ def _version_tags(
         else user_version_tags(config, spec, fit.scores[spec.gate.name] if spec is not None else 0.0)
     )
     tags = {
-        RUN_KEY_TAG: fit.run_key,
+        VERSION_RUN_KEY_TAG: fit.run_key,
         **lineage,
         "best_epoch": str(fit.best_epoch),
         **{key: f"{value:.6f}" for key, value in sorted(fit.scores.items())},

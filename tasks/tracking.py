@@ -15,8 +15,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from raytrain_tasks.config import check_run_key
+from raytrain_tasks.config import RESUME_MAY_CHANGE, check_run_key
 from raytrain_tasks.errors import CheckpointError, TrackingError
+from raytrain_tasks.pin_journal import PinJournal
 from raytrain_tasks.redact import redact, redact_exception, redact_uri
 from raytrain_tasks.tracking import EPOCH_METRICS, epoch_number, log_epoch
 
@@ -28,24 +29,6 @@ logger = logging.getLogger(__name__)
 RUN_KEY_TAG = "prefect_raytrain.run_key"
 # The CPUs each worker got (the param is the setting, 0 when sized to the cluster).
 CPUS_PER_WORKER_TAG = "prefect_raytrain.cpus_per_worker"
-# Settings that steer the run, not what it trains: a resumed run may change them.
-MAY_CHANGE_ON_RESUME = frozenset(
-    {
-        "resume",
-        "register",
-        "promote",
-        "min_improvement",
-        "fit_retries",
-        "max_crash_resumes",
-        "retry_delay_seconds",
-        "max_failures",
-        "run_lease_seconds",
-        "s3_max_attempts",
-        "ray_connect_timeout_s",
-        "forward_credentials_to_cluster",
-        "input_example",
-    }
-)
 ERROR_TAG = "prefect_raytrain.error"
 
 
@@ -276,6 +259,29 @@ def pin_checkpoints(client: MlflowClient, run_id: str, reported: list[tuple[str,
     return len(missing)
 
 
+def pin_journal_dir() -> Path:
+    """Where this machine keeps its pin journals (raytrain_tasks.pin_journal): under the Prefect home of the
+    process that drives the run (a CLI run, a deployment's worker or serve), never in the run's storage."""
+    from prefect.settings import PREFECT_HOME
+
+    return Path(PREFECT_HOME.value()) / "prefect-raytrain" / "pin-journal"
+
+
+def pins_from_journal(client: MlflowClient, run_id: str, journal: PinJournal) -> list[str]:
+    """Record in the MLflow run the pins ``journal`` holds for it and the run lacks (MLflow was down when those
+    checkpoints were committed); their folder names. A pin MLflow already has is never replaced."""
+    from mlflow.entities import RunTag
+
+    from raytrain_tasks.tracking import pin_tag, pinned_digests
+
+    known = pinned_digests(client.get_run(run_id).data.tags)
+    missing = {name: digest for name, digest in journal.pins(run_id).items() if name not in known}
+    tags = [RunTag(pin_tag(name), digest) for name, digest in sorted(missing.items())]
+    for start in range(0, len(tags), 100):
+        client.log_batch(run_id, tags=tags[start : start + 100])
+    return sorted(missing)
+
+
 def reconcile_epochs(client: MlflowClient, run_id: str, history: list[dict[str, float]]) -> int:
     """Log epochs the committed checkpoint holds but the run lacks; returns how many were added."""
     from raytrain_tasks.tracking import logged_steps
@@ -468,7 +474,7 @@ def _check_params_unchanged(logged: dict[str, str], params: dict[str, Any], run_
     changed = {
         key: (logged[key], str(value))
         for key, value in params.items()
-        if key in logged and key not in MAY_CHANGE_ON_RESUME and logged[key] != str(value)
+        if key in logged and key not in RESUME_MAY_CHANGE and logged[key] != str(value)
     }
     if changed:
         details = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in sorted(changed.items()))

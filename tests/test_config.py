@@ -248,3 +248,17 @@ def test_the_default_model_name_follows_the_users_data_or_code(settings: dict[st
     """Left at its default, the registered model is not the digits classifier's for a user's own data or code:
     a version there would stand behind a champion scored on other data and stay `challenger`."""
     assert TrainingConfig(**settings).resolved(Path("/work"), {}).model_name == name
+
+
+def test_a_resume_may_change_what_steers_the_run_and_nothing_it_trains_with() -> None:
+    """Which settings a resume may change is declared on each field (one place); the check reads only that."""
+    from raytrain_tasks.errors import TrackingError
+    from tasks.tracking import _check_params_unchanged
+
+    started = TrainingConfig()
+    logged = {key: str(value) for key, value in started.public_params().items()}
+    steering = {"min_improvement": 0.05, "fit_retries": 0, "run_lease_seconds": 60.0, "register": False}
+    _check_params_unchanged(logged, TrainingConfig(**steering).public_params(), "20260101-000000-abcdef")
+    changed = TrainingConfig(**steering, learning_rate=0.5, epochs=9)
+    with pytest.raises(TrackingError, match=r"other settings \(epochs: '3' -> '9', learning_rate: '\S+' -> '0\.5'\)"):
+        _check_params_unchanged(logged, changed.public_params(), "20260101-000000-abcdef")

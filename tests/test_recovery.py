@@ -30,7 +30,7 @@ from raytrain_tasks.checkpoint import MODEL_FILE
 from raytrain_tasks.config import RUN_KEY_PATTERN as RUN_KEY
 from raytrain_tasks.resume import checkpoint_dir_name
 from raytrain_tasks.tracking import EPOCH_METRICS, epoch_number
-from tests.helpers import REPO_ROOT, small_config, this_ray_address
+from tests.helpers import REPO_ROOT, free_port, small_config, start_mlflow_server, stop_process_group, this_ray_address
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.usefixtures("ray_cluster", "prefect_api")]
 
@@ -300,6 +300,60 @@ def test_cli_killed_then_resumed_continues_the_same_run(tmp_path: Path, referenc
     assert all(after[name] == mtime for name, mtime in written.items() if name <= checkpoint_dir_name(resumed_from))
     listed = _runs_table(tmp_path, api_url)[run_dir.name]
     assert (listed["STATE"], listed["EPOCHS"], listed["RESUMABLE"]) == ("finished", f"{EPOCHS}/{EPOCHS}", "-")
+
+
+def test_checkpoints_committed_while_mlflow_was_down_survive_a_crash(tmp_path: Path, reference: PipelineResult) -> None:
+    """Issue 30 item 5: MLflow goes down right after the run opened, so no checkpoint gets its pin there; the
+    command is then SIGKILLed. With MLflow back, `resume` continues from the newest checkpoint (its pin kept on
+    this machine meanwhile), not from epoch 1, and the run ends as an uninterrupted one."""
+    import ray
+    from prefect.settings import PREFECT_API_URL
+
+    api_url, ray_address = str(PREFECT_API_URL.value()), ray.get_runtime_context().gcs_address
+    port = free_port()
+    server = start_mlflow_server(tmp_path, port)  # its store is tmp_path/mlflow.db, which only_run() reads
+    uri = f"http://127.0.0.1:{port}"
+    first = _cli(tmp_path, api_url, ray_address, "--mlflow-tracking-uri", uri)
+    try:
+        output = ""
+        while "new MLflow run" not in output:
+            line = first.stdout.readline() if first.stdout else ""
+            assert line or first.poll() is None, output[-4000:]
+            output += line
+        stop_process_group(server)  # MLflow is down before the worker group has started
+        runs = tmp_path / "storage" / "runs"
+        run_dir = wait_for(lambda: runs.is_dir() and next(runs.iterdir(), None), 60, "the run's folder")
+
+        def committed() -> list[str]:
+            snapshot = run_dir / "checkpoint_manager_snapshot.json"
+            if not snapshot.exists():
+                return []
+            try:
+                results = json.loads(snapshot.read_text())["checkpoint_results"]
+            except ValueError:  # caught mid-write
+                return []
+            return sorted(result["checkpoint_dir_name"] for result in results)
+
+        wait_for(lambda: len(committed()) >= 2, 300, "two checkpoints committed with MLflow down")
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.communicate(timeout=60)
+    newest = committed()[-1]
+    server = start_mlflow_server(tmp_path, port)  # MLflow is back, as it was
+    try:
+        run_before = only_run(tmp_path)
+        assert run_before.info.status == "RUNNING"
+        assert not [tag for tag in run_before.data.tags if tag.startswith("prefect_raytrain.checkpoint_sha256.")]
+        resume = [PREFECT_RAYTRAIN, "resume", run_dir.name, *_locations(tmp_path), "--mlflow-tracking-uri", uri]
+        resumed = _command(tmp_path, api_url, *resume)
+        output, _ = resumed.communicate(timeout=600)
+    finally:
+        stop_process_group(server)
+    assert resumed.returncode == 0, output[-4000:]
+    match = re.search(r"resuming from checkpoint \S+/(epoch-\d{4})", output)
+    assert match and match[1] >= newest, output[-4000:]  # not from epoch 1: the crash cost no committed epoch
+    assert only_run(tmp_path).info.run_id == run_before.info.run_id
+    assert_same_as_uninterrupted(tmp_path, reference)
 
 
 def test_corrupted_latest_checkpoint_is_skipped_on_resume(tmp_path: Path, reference: PipelineResult) -> None:

@@ -181,3 +181,35 @@ def test_a_resume_on_data_with_another_content_hash_is_refused_naming_both(tmp_p
         tracking.check_resumable(client, experiment, key, params, "b2" * 8)  # a finished run, before registering
     tracking.check_resumable(client, experiment, key, params, "a1" * 8)
     assert tracking.start_or_reopen_run(client, experiment, key, key, {tag: "a1" * 8}, params)[1]
+
+
+def test_the_pin_journal_keeps_pins_for_the_mlflow_run_they_belong_to_and_fills_in_only_what_mlflow_lacks(
+    tmp_path: Path,
+) -> None:
+    """Issue 30 item 5, the parts: pins appended while MLflow is down are read back for their run only (a line cut
+    short by a crash is skipped); the driver copies into MLflow only the pins it lacks, never over one it has; a
+    controller on another machine than the driver writes no journal there."""
+    import dataclasses
+
+    from raytrain_tasks.pin_journal import PinJournal
+    from raytrain_tasks.tracking import pin_tag, pinned_digests
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.create_experiment("journal")
+    run_id, other_run = (client.create_run(experiment).info.run_id for _ in range(2))
+    journal = PinJournal.for_run(tmp_path / "journal", "20260101-000000-abcdef")
+    assert journal.append(run_id, "epoch-0001", "1" * 64) and journal.append(run_id, "epoch-0002", "2" * 64)
+    assert journal.append(other_run, "epoch-0003", "3" * 64)
+    with open(journal.path, "a") as cut_short:
+        cut_short.write('{"run_id": "' + run_id + '", "checkpoint": "epoch-00')
+    assert oct(Path(journal.path).stat().st_mode & 0o777) == "0o600"
+    assert journal.pins(run_id) == {"epoch-0001": "1" * 64, "epoch-0002": "2" * 64}
+
+    client.set_tag(run_id, pin_tag("epoch-0001"), "f" * 64)  # what MLflow recorded stands
+    assert tracking.pins_from_journal(client, run_id, journal) == ["epoch-0002"]
+    assert pinned_digests(client.get_run(run_id).data.tags) == {"epoch-0001": "f" * 64, "epoch-0002": "2" * 64}
+    assert tracking.pins_from_journal(client, run_id, journal) == []
+    assert pinned_digests(client.get_run(other_run).data.tags) == {}
+
+    elsewhere = dataclasses.replace(journal, path=str(tmp_path / "elsewhere.jsonl"), host="another-machine")
+    assert not elsewhere.append(run_id, "epoch-0004", "4" * 64) and not Path(elsewhere.path).exists()
