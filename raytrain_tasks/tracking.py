@@ -18,7 +18,7 @@ from typing import Any
 from ray.train import Checkpoint, UserCallback
 from ray.train.v2._internal.execution.callback import ControllerCallback
 
-from raytrain_tasks.pin_journal import PinJournal
+from raytrain_tasks.pin_journal import JournalEntry, PinJournal
 from raytrain_tasks.redact import redact
 
 logger = logging.getLogger(__name__)
@@ -179,6 +179,17 @@ class MlflowEpochLogger(UserCallback):
         digest = metrics.get(MANIFEST_METRIC)
         return digest if isinstance(digest, str) else None
 
+    def _journal(self, metrics: dict[str, Any], checkpoint: Checkpoint, digest: str) -> None:
+        """Append the pin, with the epoch's step and metrics, to the journal; only for a report that says its
+        ``epoch`` (the step is then known without asking MLflow, and a resume can log the epoch it holds)."""
+        if self.journal is None or not isinstance(metrics.get("epoch"), int | float):
+            return
+        numbers = numeric_metrics(metrics)
+        if self.keys is not None:
+            numbers = {key: value for key, value in numbers.items() if key in self.keys}
+        entry = JournalEntry(checkpoint_name(checkpoint.path), digest, epoch_number(metrics["epoch"]), numbers)
+        self.journal.append(self.run_id, entry)
+
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Checkpoint | None) -> None:
         if checkpoint is None or not metrics:
             # Only epochs with a persisted checkpoint count; anything else would be redone on resume.
@@ -186,8 +197,8 @@ class MlflowEpochLogger(UserCallback):
         epoch_metrics = metrics[0]
         try:
             digest = self._digest(epoch_metrics, checkpoint)
-            if digest is not None and self.journal is not None:  # before MLflow, which may be down
-                self.journal.append(self.run_id, checkpoint_name(checkpoint.path), digest)
+            if digest is not None:
+                self._journal(epoch_metrics, checkpoint, digest)  # before MLflow, which may be down
             if self._client is None:
                 from mlflow import MlflowClient
 

@@ -41,7 +41,6 @@ from raytrain_tasks.errors import (
     UnsafeCheckpointError,
     UserCodeError,
 )
-from raytrain_tasks.pin_journal import PinJournal
 from raytrain_tasks.redact import redacted_errors
 from raytrain_tasks.resume import CHECKPOINT_PREFIX, checkpoint_epoch
 from raytrain_tasks.tracking import (
@@ -313,7 +312,7 @@ def _distributed_fit(
             # every name, not only `epoch-*` ones, since anyone who can write storage can point Ray Train's
             # checkpoint snapshot at a folder of another name.
             preexisting = frozenset(run_dir.list_names())
-            journal = PinJournal.for_run(tracking.pin_journal_dir(), run_key)
+            journal = tracking.pin_journal(config, run_key)
             if reopened and (recovered := tracking.pins_from_journal(client, run_id, journal)):
                 logger.info(
                     "recorded in MLflow the pins of %s from this machine's pin journal (MLflow was down when they "

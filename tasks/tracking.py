@@ -10,12 +10,13 @@ import os
 import secrets
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from raytrain_tasks.config import RESUME_MAY_CHANGE, check_run_key
+from raytrain_tasks.config import RESUME_MAY_CHANGE, TrainingConfig, check_run_key
 from raytrain_tasks.errors import CheckpointError, TrackingError
 from raytrain_tasks.pin_journal import PinJournal
 from raytrain_tasks.redact import redact, redact_exception, redact_uri
@@ -264,22 +265,53 @@ def pin_journal_dir() -> Path:
     process that drives the run (a CLI run, a deployment's worker or serve), never in the run's storage."""
     from prefect.settings import PREFECT_HOME
 
-    return Path(PREFECT_HOME.value()) / "prefect-raytrain" / "pin-journal"
+    return Path(PREFECT_HOME.value()).expanduser().resolve() / "prefect-raytrain" / "pin-journal"
 
 
-def pins_from_journal(client: MlflowClient, run_id: str, journal: PinJournal) -> list[str]:
-    """Record in the MLflow run the pins ``journal`` holds for it and the run lacks (MLflow was down when those
-    checkpoints were committed); their folder names. A pin MLflow already has is never replaced."""
-    from mlflow.entities import RunTag
+def pin_journal(config: TrainingConfig, run_key: str) -> PinJournal | None:
+    """The run's pin journal; None (warned) where it would lie inside a local `storage_path`, which cannot vouch
+    for itself."""
+    from raytrain_tasks.fs import is_s3
+
+    directory = pin_journal_dir()
+    if not is_s3(config.storage_path) and directory.is_relative_to(Path(config.storage_path).resolve()):
+        logger.warning(
+            "no pin journal for run %s: %s lies inside storage_path; checkpoints are pinned in MLflow alone",
+            run_key,
+            directory,
+        )
+        return None
+    return PinJournal.for_run(directory, run_key)
+
+
+def pins_from_journal(client: MlflowClient, run_id: str, journal: PinJournal | None) -> list[str]:
+    """Record in the MLflow run what ``journal`` holds for it and the run lacks (MLflow was down when those
+    checkpoints were committed): their pins, and their epochs' metrics at their steps. A pin or a metric MLflow
+    already has is never replaced. The folder names whose pins were added."""
+    from mlflow.entities import Metric, RunTag
 
     from raytrain_tasks.tracking import pin_tag, pinned_digests
 
+    if journal is None:
+        return []
     known = pinned_digests(client.get_run(run_id).data.tags)
-    missing = {name: digest for name, digest in journal.pins(run_id).items() if name not in known}
-    tags = [RunTag(pin_tag(name), digest) for name, digest in sorted(missing.items())]
-    for start in range(0, len(tags), 100):
-        client.log_batch(run_id, tags=tags[start : start + 100])
-    return sorted(missing)
+    missing = [entry for entry in journal.entries(run_id) if entry.checkpoint not in known]
+    if not missing:
+        return []
+    steps: dict[str, set[int]] = {}
+    metrics: list[Metric] = []
+    timestamp = int(time.time() * 1000)
+    for entry in missing:
+        for key, value in entry.metrics.items():
+            if key not in steps:
+                steps[key] = {int(m.step) for m in client.get_metric_history(run_id, key)}
+            if entry.step not in steps[key]:
+                steps[key].add(entry.step)
+                metrics.append(Metric(key, value, timestamp, entry.step))
+    tags = [RunTag(pin_tag(entry.checkpoint), entry.sha256) for entry in missing]
+    for start in range(0, max(len(tags), len(metrics)), 100):
+        client.log_batch(run_id, metrics=metrics[start : start + 100], tags=tags[start : start + 100])
+    return [entry.checkpoint for entry in missing]
 
 
 def reconcile_epochs(client: MlflowClient, run_id: str, history: list[dict[str, float]]) -> int:

@@ -21,6 +21,7 @@ from mlflow import MlflowClient
 
 from flows.parameters import parameters_of
 from flows.training import training_pipeline
+from raytrain_tasks.pin_journal import PinJournal
 from tests.helpers import REPO_ROOT, small_config
 from tests.test_recovery import mlflow_client, only_run, run_killing_a_worker
 
@@ -128,11 +129,16 @@ def test_a_checkpoint_missing_a_ranks_shard_is_passed_over_and_the_run_says_why(
     key = re.search(r"run key (\d{8}-\d{6}-[0-9a-f]{6})", log.read_text())
     assert key is not None
     run_dir = tmp_path / "storage" / "runs" / key[1]
+    run_before = only_run(tmp_path)
     pinned = {
         name.removeprefix("prefect_raytrain.checkpoint_sha256.")
-        for name in only_run(tmp_path).data.tags
+        for name in run_before.data.tags
         if name.startswith("prefect_raytrain.checkpoint_sha256.")
     }
+    # A pin the controller had journaled but not yet written to MLflow when it died counts too: the resume
+    # copies it into MLflow first (raytrain_tasks.pin_journal).
+    journal = PinJournal.for_run(tmp_path / "prefect-home" / "prefect-raytrain" / "pin-journal", key[1])
+    pinned |= {entry.checkpoint for entry in journal.entries(run_before.info.run_id)}
     committed = sorted(p.name for p in run_dir.iterdir() if p.name in pinned)
     assert len(committed) >= 2, committed
     newest, before = committed[-1], committed[-2]

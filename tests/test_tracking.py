@@ -186,30 +186,55 @@ def test_a_resume_on_data_with_another_content_hash_is_refused_naming_both(tmp_p
 def test_the_pin_journal_keeps_pins_for_the_mlflow_run_they_belong_to_and_fills_in_only_what_mlflow_lacks(
     tmp_path: Path,
 ) -> None:
-    """Issue 30 item 5, the parts: pins appended while MLflow is down are read back for their run only (a line cut
-    short by a crash is skipped); the driver copies into MLflow only the pins it lacks, never over one it has; a
-    controller on another machine than the driver writes no journal there."""
+    """Issue 30 item 5, the parts: pins appended while MLflow is down are read back for their run only; a record
+    cut short by a crash costs that record alone, not the next; the driver copies into MLflow only the pins and
+    epoch metrics it lacks, never over what it has; a journal anyone else could have written is not read; a
+    controller on another machine than the driver writes none there."""
     import dataclasses
 
-    from raytrain_tasks.pin_journal import PinJournal
+    from raytrain_tasks.pin_journal import JournalEntry, PinJournal
     from raytrain_tasks.tracking import pin_tag, pinned_digests
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment = client.create_experiment("journal")
     run_id, other_run = (client.create_run(experiment).info.run_id for _ in range(2))
     journal = PinJournal.for_run(tmp_path / "journal", "20260101-000000-abcdef")
-    assert journal.append(run_id, "epoch-0001", "1" * 64) and journal.append(run_id, "epoch-0002", "2" * 64)
-    assert journal.append(other_run, "epoch-0003", "3" * 64)
-    with open(journal.path, "a") as cut_short:
+
+    def entry(epoch: int) -> JournalEntry:
+        return JournalEntry(f"epoch-{epoch:04d}", str(epoch) * 64, epoch, {"val_loss": 1.0 / epoch})
+
+    assert journal.append(run_id, entry(1)) and journal.append(run_id, entry(2))
+    with open(journal.path, "a") as cut_short:  # a crash in the middle of a record
         cut_short.write('{"run_id": "' + run_id + '", "checkpoint": "epoch-00')
+    assert journal.append(run_id, entry(3)) and journal.append(other_run, entry(4))
     assert oct(Path(journal.path).stat().st_mode & 0o777) == "0o600"
-    assert journal.pins(run_id) == {"epoch-0001": "1" * 64, "epoch-0002": "2" * 64}
+    assert [e.checkpoint for e in journal.entries(run_id)] == ["epoch-0001", "epoch-0002", "epoch-0003"]
 
     client.set_tag(run_id, pin_tag("epoch-0001"), "f" * 64)  # what MLflow recorded stands
-    assert tracking.pins_from_journal(client, run_id, journal) == ["epoch-0002"]
-    assert pinned_digests(client.get_run(run_id).data.tags) == {"epoch-0001": "f" * 64, "epoch-0002": "2" * 64}
+    client.log_metric(run_id, "val_loss", 0.9, step=2)
+    assert tracking.pins_from_journal(client, run_id, journal) == ["epoch-0002", "epoch-0003"]
+    pins = pinned_digests(client.get_run(run_id).data.tags)
+    assert pins == {"epoch-0001": "f" * 64, "epoch-0002": "2" * 64, "epoch-0003": "3" * 64}
+    history = {m.step: m.value for m in client.get_metric_history(run_id, "val_loss")}
+    assert history == {2: 0.9, 3: pytest.approx(1 / 3)}  # epoch 3 filled in; MLflow's epoch 2 kept
     assert tracking.pins_from_journal(client, run_id, journal) == []
     assert pinned_digests(client.get_run(other_run).data.tags) == {}
 
+    Path(journal.path).chmod(0o666)  # writable by anyone: not evidence of anything
+    assert journal.entries(run_id) == []
     elsewhere = dataclasses.replace(journal, path=str(tmp_path / "elsewhere.jsonl"), host="another-machine")
-    assert not elsewhere.append(run_id, "epoch-0004", "4" * 64) and not Path(elsewhere.path).exists()
+    assert not elsewhere.append(run_id, entry(5)) and not Path(elsewhere.path).exists()
+
+
+def test_no_pin_journal_inside_a_local_storage_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The journal vouches for storage, so it never lives in it (e.g. PREFECT_HOME=.pipeline/prefect and
+    storage_path=.pipeline)."""
+    from prefect.settings import PREFECT_HOME, temporary_settings
+
+    from raytrain_tasks.config import TrainingConfig
+
+    with temporary_settings({PREFECT_HOME: str(tmp_path / "state" / "prefect")}):
+        inside = TrainingConfig(storage_path=str(tmp_path / "state"))
+        assert tracking.pin_journal(inside, "20260101-000000-abcdef") is None
+        journal = tracking.pin_journal(TrainingConfig(storage_path=str(tmp_path / "storage")), "20260101-000000-abcdef")
+        assert journal is not None and Path(journal.path).is_relative_to(tmp_path / "state" / "prefect")
