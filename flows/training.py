@@ -17,7 +17,8 @@ from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.redact import install_log_redaction, redacted_errors, strip_credentials
 from tasks.continuation import already_continued, continuation_of, log_continuation, prepare_recovery
 from tasks.data import prepare_data
-from tasks.fit import FitResult, distributed_fit
+from tasks.fit import distributed_fit
+from tasks.fit_record import FitResult
 from tasks.register import ModelRef, register_model
 from tasks.run_page import publish_run_summary
 from tasks.run_settings import check_deployment_pins, config_from_parameters, non_default_settings

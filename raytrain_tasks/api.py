@@ -140,8 +140,7 @@ class Splits:
 class TrainSpec:
     """Your model, data, loss and metrics; the pipeline's own loop trains them (DDP through ``prepare_model``,
     sharded data loading, a checkpoint every epoch, a resume that continues the same trajectory, the held-out
-    test split scored for the gate). Becomes a ``TrainFunc`` through ``as_train_func()``; point ``train_code`` at
-    either.
+    test split scored for the gate). Point ``train_code`` at it as at a ``TrainFunc``.
 
     Attributes:
         data: ``data(config) -> Splits``. Runs on every worker: it must give the same splits every time (read
@@ -178,16 +177,3 @@ class TrainSpec:
             raise TypeError(f"TrainSpec(metric=...) must be a raytrain_tasks.api.Metric, got {self.metric!r}")
         if self.metric.name != "loss" and self.metrics is None:
             raise TypeError(f"TrainSpec(metric={self.metric.name!r}) needs metrics=... that computes it (or 'loss')")
-
-    def as_train_func(self) -> TrainFunc:
-        """This spec as Ray Train's training function, with its gate, model loader and input example."""
-        from raytrain_tasks.spec_loop import spec_input_example, spec_load_model, spec_train_func
-
-        return TrainFunc(
-            spec_train_func(self),
-            metric=Metric(f"val_{self.metric.name}", self.metric.higher_is_better),
-            load_model=spec_load_model(self),
-            input_example=spec_input_example(self),
-            defaults=self.defaults,
-            gate_metric=f"test_{self.metric.name}",
-        )

@@ -25,12 +25,24 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from raytrain_tasks.api import Splits, TrainSpec
+from raytrain_tasks.api import Metric, Splits, TrainFunc, TrainSpec
 from raytrain_tasks.errors import DatasetError, UserCodeError
 from raytrain_tasks.tracking import DATASET_DIGEST_KEY
 
 STATE_FILE = "spec_state.pt"
 EXAMPLE_ROWS = 2
+
+
+def as_train_func(spec: TrainSpec) -> TrainFunc:
+    """The spec as Ray Train's training function, with its gate, model loader and input example."""
+    return TrainFunc(
+        spec_train_func(spec),
+        metric=Metric(f"val_{spec.metric.name}", spec.metric.higher_is_better),
+        load_model=spec_load_model(spec),
+        input_example=spec_input_example(spec),
+        defaults=spec.defaults,
+        gate_metric=f"test_{spec.metric.name}",
+    )
 
 
 def spec_train_func(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:

@@ -52,7 +52,9 @@ def resolve(train_code: str, where: str = "on this driver") -> TrainFunc:
             )
         target = getattr(target, part)
     if isinstance(target, TrainSpec):
-        return target.as_train_func()
+        from raytrain_tasks.spec_loop import as_train_func
+
+        return as_train_func(target)
     if not isinstance(target, TrainFunc):
         hint = (
             " (a training function: wrap it as TrainFunc(train_func, metric=Metric(...), ...))"

@@ -9,14 +9,10 @@ import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from raytrain_tasks.config import TrainingConfig
-from raytrain_tasks.data import DATA_TASK_CPUS
-from raytrain_tasks.errors import ClusterError, NodeStorageError
-from raytrain_tasks.fs import StorageOptions, is_s3
-from raytrain_tasks.redact import redact
+from raytrain_tasks.errors import ClusterError
 from tasks.process_groups import ray_processes_in_their_own_group
 
 # Far faster than Ray's 2 s default. The controller takes one report per worker each time it polls, and a worker
@@ -35,12 +31,6 @@ WORKER_GROUP_START_TIMEOUT_S = "60"
 # Set by `python -m deployments.serve` for the runs it starts: the address of the local Ray it keeps warm. A run
 # whose `ray_address` is empty joins it instead of starting (and stopping) a Ray of its own.
 WARM_RAY_ENV = "PREFECT_RAYTRAIN_WARM_RAY"
-
-
-@dataclass(frozen=True)
-class ResourceRequest:
-    cpus: float
-    gpus: float
 
 
 def worker_env(local: bool = True) -> dict[str, str]:
@@ -145,7 +135,7 @@ def ray_session(config: TrainingConfig) -> Iterator[None]:
             f"cannot start or reach Ray {where}: {exc}; check `ray_address` (empty starts a local Ray)"
         ) from exc
     if warm:
-        from tasks.fit import run_logger
+        from tasks.logs import run_logger
 
         run_logger().info("training on the warm local Ray at %s (kept by deployments.serve)", warm)
     if config.ray_address or warm:
@@ -188,7 +178,7 @@ def _warm_ray_address() -> str:
     A warm Ray that no longer answers (its serve process died, leaving this run behind) is not a reason to fail
     a run that asked for a local Ray: it gets its own, as without serve, and says so.
     """
-    from tasks.fit import run_logger
+    from tasks.logs import run_logger
 
     address = os.environ.get(WARM_RAY_ENV, "")
     if not address:
@@ -331,177 +321,3 @@ def _check_same_cluster(config: TrainingConfig) -> None:
 def _normalise(address: str) -> str:
     host, _, port = address.rpartition(":")
     return f"{'127.0.0.1' if host in ('localhost', '0.0.0.0') else host}:{port}"
-
-
-def storage_shared_with_nodes(storage_path: str, node_count: int, mounts: str) -> None:
-    """Fail when several Ray nodes would each see their own local `storage_path` (checkpoints lost)."""
-    if node_count <= 1 or is_s3(storage_path):
-        return
-    fstype = _mount_fstype(storage_path, mounts)
-    if fstype and fstype.split(".")[0] in SHARED_FILESYSTEMS:
-        return
-    raise ClusterError(
-        f"storage_path {storage_path!r} is a local directory ({fstype or 'unknown'} filesystem) but the Ray "
-        f"cluster has {node_count} nodes, and each would write its own copy; set `storage_path` to "
-        "s3://bucket/prefix, or to a shared filesystem (NFS, EFS, Lustre, ...) mounted at the same path on every node"
-    )
-
-
-SHARED_FILESYSTEMS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "ceph", "glusterfs", "beegfs", "fuse"}
-
-
-def _mount_fstype(path: str, mounts: str) -> str:
-    """The filesystem type of the longest mount point containing `path`, from /proc/mounts text."""
-    best, fstype = "", ""
-    target = os.path.abspath(path)
-    for line in mounts.splitlines():
-        fields = line.split()
-        if len(fields) < 3:
-            continue
-        mount_point = fields[1]
-        inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
-        if inside and len(mount_point) >= len(best):
-            best, fstype = mount_point, fields[2]
-    return fstype
-
-
-NODE_PROBE_TIMEOUT_S = 60.0
-
-
-def check_storage_on_nodes(storage_uri: str, options: StorageOptions, timeout_s: float = NODE_PROBE_TIMEOUT_S) -> int:
-    """On every alive node of a cluster, before any worker starts: the node itself can write, read and delete under
-    `storage_uri` with its own credentials. NodeStorageError (not retried) naming each node that cannot; returns
-    how many were probed.
-    """
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from raytrain_tasks.fs import probe_storage
-
-    probe = ray.remote(num_cpus=0, max_retries=0)(probe_storage)
-    nodes = [node for node in ray.nodes() if node.get("Alive")]
-    pending = {
-        probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote(
-            storage_uri, options
-        ): f"{node['NodeManagerAddress']} (node {node['NodeID'][:12]})"
-        for node in nodes
-    }
-    ready, not_ready = ray.wait(list(pending), num_returns=len(pending), timeout=timeout_s)
-    problems = [f"{pending[ref]}: {redact(ray.get(ref))}" for ref in ready if ray.get(ref)]
-    problems += [f"{pending[ref]}: no answer within {timeout_s:.0f} s" for ref in not_ready]
-    for ref in not_ready:
-        ray.cancel(ref, force=True)
-    if problems:
-        raise NodeStorageError(
-            f"storage {storage_uri} is not usable from every Ray node, so workers there would fail mid-run: "
-            f"{'; '.join(problems)}. Give those nodes credentials that can write `storage_path` (instance or pod "
-            "role, or AWS_* in their environment), or set `forward_credentials_to_cluster`"
-        )
-    return len(nodes)
-
-
-def alive_node_resources() -> list[dict[str, float]]:
-    """The resources (CPU, GPU, object store ...) of each alive node of the connected Ray."""
-    import ray
-
-    return [node["Resources"] for node in ray.nodes() if node.get("Alive")]
-
-
-def read_mounts() -> str:
-    try:
-        with open("/proc/mounts") as mounts:
-            return mounts.read()
-    except OSError:
-        return ""
-
-
-# The least CPU an automatically sized worker gets; smaller shares must be set by hand.
-MIN_SIZED_CPUS = 0.5
-
-
-def sized_for_cluster(
-    config: TrainingConfig,
-    nodes: list[dict[str, float]],
-    streams: bool,
-    earlier: float | None = None,
-    data_cpus: float = DATA_TASK_CPUS,
-) -> TrainingConfig:
-    """``config`` with ``cpus_per_worker`` set when it is 0 (unset): the largest share (in hundredths of a CPU)
-    such that the run's most workers fit on the alive nodes, no worker spanning two nodes (nor, with
-    ``use_gpu``, two workers sharing a GPU), and, when a Ray Data pipeline ``streams`` beside the workers,
-    ``data_cpus`` left free for its tasks. ``nodes``: each alive node's resources. Unchanged when set; when
-    nothing fits in shares of at least ``MIN_SIZED_CPUS``, that much, and ``check_resources`` says what is missing
-    (eight workers on two CPUs is a mistake to report, not a run of starved processes).
-
-    ``earlier``: the share an earlier attempt of the same run trained with (a Prefect retry, a resume). It is kept
-    while at least ``num_workers`` fit at it: an elastic run on a cluster that lost a node continues with fewer
-    workers of the same size (what ``max_workers`` is for), not with ``max_workers`` squeezed onto what is left.
-    A fixed worker count that no longer fits at it is sized anew."""
-    if config.cpus_per_worker:
-        return config
-    workers = config.worker_range[1]
-    largest_first = sorted(nodes, key=lambda node: node.get("CPU", 0.0), reverse=True)
-    cpus = [node.get("CPU", 0.0) for node in largest_first]
-    gpus = [node.get("GPU", 0.0) for node in largest_first]
-    if streams and cpus:
-        cpus[0] -= data_cpus  # the streaming tasks' CPU, taken where it hurts the packing least
-
-    def hosted(share: float) -> int:
-        fits = [int(c / share + 1e-9) for c in cpus]
-        if config.use_gpu:
-            fits = [min(f, int(g)) for f, g in zip(fits, gpus, strict=True)]
-        return sum(fits)
-
-    if earlier is not None and earlier >= MIN_SIZED_CPUS and hosted(earlier) >= config.worker_range[0]:
-        return config.model_copy(update={"cpus_per_worker": earlier})
-    candidates = sorted({int(c / k * 100 + 1e-9) / 100 for c in cpus for k in range(1, workers + 1)}, reverse=True)
-    share = next((c for c in candidates if c >= MIN_SIZED_CPUS and hosted(c) >= workers), MIN_SIZED_CPUS)
-    return config.model_copy(update={"cpus_per_worker": share})
-
-
-def requested_resources(config: TrainingConfig) -> ResourceRequest:
-    """What the smallest worker group needs (an elastic group starts with at least `num_workers`)."""
-    return ResourceRequest(
-        cpus=config.num_workers * config.cpus_per_worker,
-        gpus=float(config.num_workers) if config.use_gpu else 0.0,
-    )
-
-
-def check_resources(
-    config: TrainingConfig,
-    available: dict[str, float],
-    streams: bool = False,
-    user_datasets: bool = False,
-    data_cpus: float = DATA_TASK_CPUS,
-) -> None:
-    """Fail in seconds when the cluster cannot host the worker group (Ray Train would wait forever); ``config``
-    sized (``sized_for_cluster``), ``streams``: a Ray Data pipeline runs tasks beside the workers (the built-in
-    loader's, or ``user_datasets``: the ``datasets`` of the user's TrainFunc)."""
-    request = requested_resources(config)
-    cpus, gpus = available.get("CPU", 0.0), available.get("GPU", 0.0)
-    if request.gpus and gpus < request.gpus:
-        raise ClusterError(
-            f"use_gpu=True needs {request.gpus:g} GPUs ({config.num_workers} workers x 1) but the Ray cluster "
-            f"has {gpus:g} GPUs; set `use_gpu` to false or lower `num_workers`"
-        )
-    if cpus < request.cpus:
-        raise ClusterError(
-            f"{config.num_workers} workers x {config.cpus_per_worker:g} CPUs need {request.cpus:g} CPUs but the "
-            f"Ray cluster has {cpus:g} CPUs; lower `num_workers` or `cpus_per_worker`"
-        )
-    if streams and cpus < request.cpus + data_cpus and user_datasets:
-        raise ClusterError(
-            f"train_code {config.train_code!r} gives Ray Datasets (TrainFunc datasets=...), whose tasks run on CPUs "
-            f"beside the workers, but {config.num_workers} workers x {config.cpus_per_worker:g} CPUs leave less "
-            f"than {data_cpus:g} of the Ray cluster's {cpus:g} CPUs free, and the datasets would never be read; "
-            f"leave {data_cpus:g} CPU free "
-            "(set `cpus_per_worker` to 0 to size it automatically, or lower it or `num_workers`)"
-        )
-    if streams and cpus < request.cpus + data_cpus:
-        raise ClusterError(
-            f"data_loader='ray_data' streams this dataset (too big to keep in Ray's object store) through read "
-            f"and preprocessing tasks on CPUs beside the workers, but {config.num_workers} workers x "
-            f"{config.cpus_per_worker:g} CPUs take all {cpus:g} CPUs of the Ray cluster; leave {DATA_TASK_CPUS:g} "
-            "CPU free (set `cpus_per_worker` to 0 to size it automatically, or lower it or `num_workers`), or "
-            "use data_loader='torch'"
-        )

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from mlflow import MlflowClient
     from mlflow.entities import Metric
 
-    from tasks.fit import FitResult
+    from tasks.fit_record import FitResult
 
 EVALUATION_ARTIFACT_DIR = "evaluation"
 

@@ -35,7 +35,7 @@ from raytrain_tasks.redact import redact
 if TYPE_CHECKING:
     from ray.job_submission import JobSubmissionClient
 
-    from tasks.fit import FitResult
+    from tasks.fit_record import FitResult
     from tasks.storage import StorageLocation
 
 ACTIVE = ("PENDING", "RUNNING")
@@ -86,16 +86,14 @@ def fit_as_ray_job(
     """Run (or re-attach to) the run key's fit as a Ray Job and return what it recorded."""
     from tasks import tracking
     from tasks.cluster import ray_session
-    from tasks.fit import _finished_fit, check_cluster, run_logger
+    from tasks.fit_record import finished_fit
+    from tasks.logs import run_logger
+    from tasks.preflight import check_cluster, resolve_code
 
     logger = run_logger()
     # The same pre-flight as a driver run, from here: a wrong setting fails before any job is submitted.
     mlflow = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
-    spec = None
-    if config.train_code:
-        from raytrain_tasks.user_code import resolve
-
-        spec = resolve(config.train_code)  # fails here, naming train_code, before anything is submitted
+    spec = resolve_code(config)  # fails here, naming train_code, before anything is submitted
     with ray_session(config):
         check_cluster(config, dataset, runs, mlflow, run_key, spec is not None and spec.datasets is not None)
     client = connect(config)
@@ -135,7 +133,7 @@ def fit_as_ray_job(
     status, message = follow(client, submission_id, logger)
     if status == "SUCCEEDED":
         experiment = mlflow.get_experiment_by_name(config.experiment_name)
-        fit = _finished_fit(run_dir, mlflow, experiment.experiment_id, run_key) if experiment else None
+        fit = finished_fit(run_dir, mlflow, experiment.experiment_id, run_key) if experiment else None
         if fit is None:  # fail closed: nothing unverified goes on to the promotion gate
             raise TrainingError(
                 f"Ray Job {submission_id} succeeded but run {run_key} has no fit record whose digest MLflow "

@@ -34,7 +34,7 @@ from raytrain_tasks.user_code import resolve
 from tasks import tracking
 from tasks.champion import check_model_layout, download_model, predict_without_pickles
 from tasks.evaluation import load_checkpoint_model, score, scores_as_metrics
-from tasks.fit import FitResult
+from tasks.fit_record import FitResult
 from tasks.promotion import Champion, Promotion, PromotionDecision, decide_promotion
 from tasks.registry_lock import LockHandle, model_lock
 from tasks.user_register import assess_recorded_champion, user_model

@@ -3,13 +3,38 @@ reads of Ray Train's private modules: this file is their one adapter."""
 
 from __future__ import annotations
 
+import contextvars
+import json
+import os
 import threading
 from typing import Any
 
 import ray
+import ray.train
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+from ray.train.v2.api.callback import RayTrainCallback
+
+from raytrain_tasks.checkpoint import STATE_FILE
+from raytrain_tasks.config import TrainingConfig
+from raytrain_tasks.data import DatasetRef
+from raytrain_tasks.errors import (
+    CheckpointError,
+    RepeatedFailureError,
+    TrainingError,
+    UnsafeCheckpointError,
+    UserCodeError,
+)
+from raytrain_tasks.resume import CHECKPOINT_PREFIX
+from raytrain_tasks.tracking import checkpoint_name, epoch_number, pinned_digests
+from tasks import evaluation, tracking
+from tasks.cluster import WORKER_GROUP_START_TIMEOUT_S
+from tasks.fit_record import FitResult, OpenRun, checkpoint_uri, write_fit_record
+from tasks.lease import HeldLease
+from tasks.logs import run_logger
+from tasks.preflight import workers_code_dir
+from tasks.storage import StorageLocation
 
 START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 ABORT_TIMEOUT_S = 10.0
@@ -91,3 +116,236 @@ def waited_for_resources(exc: BaseException) -> WorkerGroupStartupTimeoutError |
     lost, a fixed worker count larger than what is left); None for any other failure."""
     cause = getattr(exc, "controller_failure", None)
     return cause if isinstance(cause, WorkerGroupStartupTimeoutError) else None
+
+
+def build_trainer(
+    config: TrainingConfig,
+    dataset: DatasetRef | None,
+    run_key: str,
+    runs: StorageLocation,
+    *callbacks: RayTrainCallback,  # UserCallbacks and ControllerCallbacks; they run on the controller
+    pins: tuple[frozenset[str], dict[str, str]] = (frozenset(), {}),
+    spec: Any = None,
+    resume_point: Any = None,
+) -> TorchTrainer:
+    # torch loads here, not when the flow module is imported: a Prefect worker needs no CUDA to plan runs.
+    from ray.train.torch import TorchConfig
+
+    from raytrain_tasks.failures import StopOnRepeatedFailure
+    from raytrain_tasks.train_loop import WorkerSpec, train_loop_per_worker
+
+    if not config.cpus_per_worker:
+        raise ValueError("cpus_per_worker is unset: build the trainer from check_cluster's sized config")
+    low, high = config.worker_range
+    data: dict[str, Any] = {}
+    train_func: Any = train_loop_per_worker
+    score_attribute, score_order = config.selection.name, config.selection.order
+    if spec is not None:
+        from tasks.user_fit import trainer_function
+
+        train_func, loop_config, data = trainer_function(config, spec, workers_code_dir(config), resume_point)
+        score_attribute, score_order = spec.metric.name, spec.metric.order
+    else:
+        assert dataset is not None
+        loop_config = WorkerSpec(config=config, dataset=dataset, preexisting=pins[0], pinned=pins[1]).model_dump(
+            mode="json"
+        )
+    if dataset is not None and config.data_loader == "ray_data":
+        from raytrain_tasks.ingest import data_config, ray_datasets
+
+        datasets = ray_datasets(config, dataset, run_logger())
+        data = {"datasets": datasets, "dataset_config": data_config(datasets["train"], low if low == high else 0)}
+    return RunTrainer(
+        train_func,
+        train_loop_config=loop_config,
+        torch_config=TorchConfig(backend="nccl" if config.use_gpu else "gloo"),
+        **data,
+        scaling_config=ray.train.ScalingConfig(
+            # A (min, max) pair makes the worker group elastic (Ray Train V2).
+            num_workers=(low, high) if high > low else low,  # type: ignore[arg-type]
+            use_gpu=config.use_gpu,
+            resources_per_worker={"CPU": config.cpus_per_worker, **({"GPU": 1} if config.use_gpu else {})},
+        ),
+        run_config=ray.train.RunConfig(
+            name=run_key,
+            storage_path=runs.path,
+            storage_filesystem=runs.filesystem,
+            failure_config=ray.train.FailureConfig(
+                max_failures=config.max_failures,
+                # Ray's default (-1) retries a worker group that cannot start forever.
+                controller_failure_limit=max(1, config.max_failures),
+            ),  # type: ignore[call-arg]  # mypy resolves ray.train to the V1 classes; V2 is used at runtime
+            checkpoint_config=ray.train.CheckpointConfig(
+                num_to_keep=config.checkpoints_to_keep,
+                checkpoint_score_attribute=score_attribute,
+                checkpoint_score_order=score_order,
+            ),
+            callbacks=[*callbacks, StopOnRepeatedFailure(run_key)],  # type: ignore[arg-type,list-item]  # V2, see above
+        ),
+    )
+
+
+def summarize(
+    result: ray.train.Result,
+    config: TrainingConfig,
+    run_key: str,
+    run_dir: StorageLocation,
+    run_id: str,
+    experiment_id: str,
+    backend: str,
+    reopened: bool,
+) -> FitResult:
+    latest = result.checkpoint
+    if latest is None:
+        raise TrainingError(f"training run {run_key} finished without a checkpoint; nothing to register")
+    history = read_history(latest)
+    metric = config.selection.name
+    sign = 1.0 if config.selection.higher_is_better else -1.0  # higher is better after the sign
+    scored = [
+        (sign * metrics.get(metric, sign * float("-inf")), checkpoint)
+        for checkpoint, metrics in result.best_checkpoints or []
+    ]
+    best_checkpoint = max(scored, key=lambda pair: pair[0])[1] if scored else latest
+    best = read_state(best_checkpoint)
+    return FitResult(
+        run_key=run_key,
+        run_uri=run_dir.uri,
+        mlflow_run_id=run_id,
+        mlflow_experiment_id=experiment_id,
+        backend=backend,
+        epochs_completed=len(history),
+        best_epoch=epoch_number(best["epoch"]),
+        best_checkpoint_uri=checkpoint_uri(run_dir, best_checkpoint),
+        best_metrics={k: float(v) for k, v in best["metrics"].items()},
+        final_metrics=history[-1] if history else {},
+        history=history,
+        reopened_mlflow_run=reopened,
+    )
+
+
+def read_state(checkpoint: ray.train.Checkpoint) -> dict[str, Any]:
+    path = f"{checkpoint.path.rstrip('/')}/{STATE_FILE}"
+    assert checkpoint.filesystem is not None  # Ray Train always attaches the storage filesystem
+    with checkpoint.filesystem.open_input_stream(path) as stream:
+        return json.loads(stream.read())
+
+
+def read_history(checkpoint: ray.train.Checkpoint) -> list[dict[str, float]]:
+    return [{k: float(v) for k, v in entry.items()} for entry in read_state(checkpoint)["history"]]
+
+
+def training_error(exc: BaseException, run_key: str, config: TrainingConfig) -> BaseException:
+    """What the task raises for ``exc``: a worker's CheckpointError stays one (no retry can fix it)."""
+    if not isinstance(exc, ray.train.TrainingFailedError):
+        return exc
+    stopped = getattr(exc, "controller_failure", None)
+    if isinstance(stopped, UserCodeError):  # raytrain_tasks.user_code.code_error_stopper
+        return UserCodeError(f"training run {run_key}: {stopped}")
+    for failure in getattr(exc, "worker_failures", {}).values():
+        cause: BaseException | None = failure
+        while cause is not None:
+            if isinstance(cause, CheckpointError):
+                return type(cause)(f"training run {run_key}: {cause}")  # UnsafeCheckpointError stays one
+            cause = cause.__cause__ or getattr(cause, "cause", None)
+    repeated = getattr(exc, "controller_failure", None)
+    if isinstance(repeated, RepeatedFailureError):  # raytrain_tasks.failures.StopOnRepeatedFailure
+        return RepeatedFailureError(f"training run {run_key} stopped: {repeated}")
+    timeout = waited_for_resources(exc)
+    if timeout is not None:
+        low, high = config.worker_range
+        waited = os.environ.get(START_TIMEOUT_ENV, WORKER_GROUP_START_TIMEOUT_S)
+        return TrainingError(
+            f"training run {run_key}: the cluster no longer has the resources for {timeout.num_workers} workers "
+            f"(a node lost?); after {config.max_failures} worker-group restarts (`max_failures`) each waited "
+            f"{START_TIMEOUT_ENV} (Ray Train's setting, {waited} s here) for them. "
+            + (
+                "Set `max_workers` above `num_workers` to train on what is left, lower `num_workers`, or add nodes; "
+                if high == low
+                else f"not even `num_workers` ({low}) could start; add nodes or lower `num_workers`; "
+            )
+            + f"it can continue from its last checkpoint with `resume={run_key}`"
+        )
+    return TrainingError(
+        f"training run {run_key} failed after {config.max_failures} worker-group restarts: {exc}. "
+        f"It can continue from its last checkpoint with `resume={run_key}`"
+    )
+
+
+def fit_interruptibly(trainer: TorchTrainer, lease: HeldLease | None = None) -> ray.train.Result:
+    """``trainer.fit()``, with this thread free to take a SIGTERM (a Prefect cancellation) or Ctrl-C at once.
+
+    ``fit()`` waits on the controller inside one ``ray.get``, and a thread blocked there runs Python's signal
+    handlers only when the call returns. Seen: a SIGTERM after epoch 2 of 6 surfaced after epoch 6, as a
+    ``SystemError`` that Prefect took for a failure and retried. So ``fit()`` runs in a helper thread (with this
+    thread's context: Prefect's run context, for logging) and this one waits in short steps. An exception raised
+    here (TerminationSignal, KeyboardInterrupt) leaves the helper behind: ending the process (or ``ray_session``
+    shutting the local Ray down) ends the controller and its workers. Off the main thread, Ray Train installs
+    no SIGINT handler of its own either (one that kept the controller alive after the fit).
+
+    A lost run lease (``lease``) ends the fit at once: its controller is killed, with its workers, whatever Ray
+    this is (a cluster outlives the driver's connection), and RunLeaseLostError is raised.
+    """
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as exc:  # noqa: BLE001 - handed over to the waiting thread as it is, whatever it is
+            outcome["error"] = exc
+
+    context = contextvars.copy_context()
+    helper = threading.Thread(target=context.run, args=(run,), name="ray-train-fit", daemon=True)
+    helper.start()
+    while helper.is_alive():
+        helper.join(timeout=0.2)
+        if lease is not None and lease.lost() is not None:
+            abort = getattr(trainer, "abort", None)
+            if abort is not None:
+                abort()
+            lease.check()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+def record_builtin(
+    config: TrainingConfig,
+    dataset: DatasetRef,
+    run_key: str,
+    run_dir: StorageLocation,
+    client: Any,
+    opened: OpenRun,
+    result: ray.train.Result,
+    lease: HeldLease | None,
+) -> FitResult:
+    """The built-in loop's run: its checkpoints pinned and logged as models, the summary, the best checkpoint
+    scored on the held-out test split, the fit record."""
+    run_id = opened.run_id
+    reported = [(checkpoint_name(checkpoint.path), metrics) for checkpoint, metrics in result.best_checkpoints or []]
+    if foreign := sorted(name for name, _ in reported if not name.startswith(CHECKPOINT_PREFIX)):
+        raise UnsafeCheckpointError(
+            f"Ray Train's checkpoint record of run {run_key} (checkpoint_manager_snapshot.json in {run_dir.uri}) "
+            f"lists {', '.join(foreign)}, which this pipeline never writes (its checkpoints are "
+            f"{CHECKPOINT_PREFIX}NNNN): someone or something changed the run's storage. Nothing is registered "
+            "from it; check who can write `storage_path`, then start a new run (without `resume`)"
+        )
+    tracking.pin_checkpoints(client, run_id, [(n, m) for n, m in reported if n not in opened.preexisting])
+    fit = summarize(result, config, run_key, run_dir, run_id, opened.experiment_id, opened.backend, opened.reopened)
+    added = tracking.reconcile_epochs(client, run_id, fit.history)
+    if added:
+        run_logger().warning("logged %d epoch(s) to MLflow that the controller could not log live", added)
+    tracking.log_summary(client, run_id, fit.history, config.selection.name, fit.best_epoch)
+    kept = {
+        checkpoint_name(checkpoint.path): checkpoint_uri(run_dir, checkpoint)
+        for checkpoint, _ in result.best_checkpoints or []
+    }
+    model_ids = tracking.log_checkpoint_models(
+        client, opened.experiment_id, run_id, kept, pinned_digests(client.get_run(run_id).data.tags)
+    )
+    model_id = model_ids.get(checkpoint_name(fit.best_checkpoint_uri))
+    pointer = {"uri": fit.best_checkpoint_uri, "epoch": fit.best_epoch, "run_uri": fit.run_uri, "run_key": run_key}
+    digest = tracking.recorded_digest(client, run_id, fit.best_checkpoint_uri)
+    scores = evaluation.log_evaluation(client, run_id, dataset, fit, pointer, config.storage_options, digest, model_id)
+    fit = fit.model_copy(update={"scores": scores, "best_checkpoint_model_id": model_id})
+    write_fit_record(run_dir, client, run_id, fit, lease)
+    return fit

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import CheckpointError, TrainingError, UserCodeError
 from raytrain_tasks.tracking import checkpoint_name, epoch_number, numeric_metrics, report_step
+from tasks.fit_record import FitResult, ResumePoint, checkpoint_uri
+from tasks.logs import run_logger
 
 if TYPE_CHECKING:
     import ray.train
@@ -71,16 +72,6 @@ def trainer_function(
         },
         data,
     )
-
-
-@dataclass(frozen=True)
-class ResumePoint:
-    """Which of a run's checkpoints a resume may start from: ``rejected`` ones never (their files do not hash to
-    what the run recorded when Ray Train committed them, or nothing was recorded), ``fallback`` instead."""
-
-    rejected: frozenset[str] = frozenset()
-    fallback: str | None = None
-    why: str = ""
 
 
 def choose_resume_point(run_dir: StorageLocation, pinned: dict[str, str]) -> ResumePoint:
@@ -196,3 +187,44 @@ __all__ = [
     "logged_history",
     "trainer_function",
 ]
+
+
+def record_user_fit(
+    client: Any,
+    result: ray.train.Result,
+    spec: Any,
+    config: TrainingConfig,
+    run_key: str,
+    run_dir: StorageLocation,
+    run_id: str,
+    experiment_id: str,
+    backend: str,
+    reopened: bool,
+    rejected: frozenset[str] = frozenset(),
+) -> FitResult:
+    """What the user's reports said: the best checkpoint by their metric, and the run's history as MLflow holds
+    it. Their metric is the score the gate compares (no held-out split of the pipeline's own here)."""
+    checkpoint, metrics = best_checkpoint(result, spec, run_key, rejected)
+    history = history_of(result, logged_history(client, run_id, spec))
+    step = step_of(metrics, history)
+    best = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    best.pop("epoch", None)
+    log_user_summary(run_logger(), spec, step, best)
+    fit = FitResult(
+        run_key=run_key,
+        run_uri=run_dir.uri,
+        mlflow_run_id=run_id,
+        mlflow_experiment_id=experiment_id,
+        backend=backend,
+        epochs_completed=len(history),
+        best_epoch=step,
+        best_checkpoint_uri=checkpoint_uri(run_dir, checkpoint),
+        best_metrics=best,
+        final_metrics={k: v for k, v in history[-1].items() if k != "epoch"} if history else best,
+        history=history,
+        reopened_mlflow_run=reopened,
+        scores={spec.gate.name: best[spec.gate.name]},
+    )
+    client.set_tag(run_id, "summary.best_epoch", str(step))
+    client.set_tag(run_id, f"summary.best_{spec.metric.name}", f"{best[spec.metric.name]:.6f}")
+    return fit

@@ -22,7 +22,7 @@ from tasks.storage import download_dir, locate
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
-    from tasks.fit import FitResult
+    from tasks.fit_record import FitResult
 
 TRAIN_CODE_TAG = "train_code"
 GATE_METRIC_TAG = "gate.metric"

@@ -23,7 +23,8 @@ from mlflow import MlflowClient
 
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import ClusterError
-from tasks.cluster import check_reachable, storage_shared_with_nodes
+from tasks.cluster import check_reachable
+from tasks.sizing import storage_shared_with_nodes
 from tests.helpers import REPO_ROOT, free_port, stop_process_group, wait_for_http
 
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -339,8 +340,8 @@ def test_local_storage_on_a_multi_node_cluster_fails_early() -> None:
 
 def test_max_workers_makes_the_worker_group_elastic(tmp_path: Path) -> None:
     from raytrain_tasks.data import DatasetRef
-    from tasks.fit import build_trainer
     from tasks.storage import locate
+    from tasks.trainer import build_trainer
 
     dataset = DatasetRef(
         uri=str(tmp_path),

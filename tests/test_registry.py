@@ -21,7 +21,7 @@ from raytrain_tasks.errors import PromotionError
 from raytrain_tasks.models import build_model
 from raytrain_tasks.tracking import pin_tag
 from tasks.data import prepare_dataset
-from tasks.fit import FitResult
+from tasks.fit_record import FitResult
 from tasks.register import APPLIED_TAG
 from tasks.registry_lock import QUEUE_SUFFIX
 from tests.helpers import REPO_ROOT, MlflowServer, free_port, small_config, start_mlflow_server, stop_process_group

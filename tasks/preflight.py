@@ -1,0 +1,116 @@
+"""The fit's pre-flight, once for both launch modes: what must hold before an MLflow run or a checkpoint is
+created, and before any Ray Train worker is requested. Cheapest first; each failure names the setting to change."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from raytrain_tasks.api import TrainFunc
+from raytrain_tasks.config import TrainingConfig
+from raytrain_tasks.data import DATA_TASK_CPUS, USER_DATASET_CPUS, DatasetRef, streams
+from raytrain_tasks.errors import CheckpointError, DatasetError, UserCodeError
+from raytrain_tasks.user_code import resolve
+from tasks import tracking
+from tasks.logs import run_logger
+from tasks.sizing import (
+    alive_node_resources,
+    check_resources,
+    check_storage_on_nodes,
+    read_mounts,
+    sized_for_cluster,
+    storage_shared_with_nodes,
+)
+from tasks.storage import StorageLocation
+
+
+def resolve_code(config: TrainingConfig) -> TrainFunc | None:
+    """The user's code (``train_code``), imported here before anything starts; None for the built-in loop."""
+    spec = resolve(config.train_code) if config.train_code else None
+    if spec is not None and config.register and not spec.can_register:
+        raise UserCodeError(
+            f"train_code {config.train_code!r} gives no load_model/input_example, so nothing it trains can be "
+            "registered: add them to its TrainFunc, or set `register` off (--no-register)"
+        )
+    return spec
+
+
+def check_started_without_checkpoint(config: TrainingConfig, run_key: str, run_dir: StorageLocation) -> None:
+    """A resume of a run that has no checkpoint yet trains from its first epoch, in its MLflow run: it stopped
+    before its first epoch was committed (the likeliest moment to run out of memory: loading data, the first
+    epoch). A run key that never started a fit (no MLflow run, nothing in storage) is a CheckpointError."""
+    client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
+    experiment = client.get_experiment_by_name(config.experiment_name)
+    run = tracking.find_run(client, experiment.experiment_id, run_key) if experiment is not None else None
+    if run is None and not run_dir.exists():
+        raise CheckpointError(
+            f"cannot resume run {run_key}: no MLflow run in experiment {config.experiment_name!r} and no checkpoints "
+            f"under {run_dir.uri}; check `resume`, `experiment_name` and `storage_path` (they must match the "
+            "interrupted run)"
+        )
+    run_logger().warning(
+        "run %s has no committed checkpoint yet (it stopped before its first epoch ended): training from epoch 1%s",
+        run_key,
+        f" in MLflow run {run.info.run_id}" if run is not None else "",
+    )
+
+
+def workers_code_dir(config: TrainingConfig) -> str:
+    """Where a local Ray's workers find the user's code: the folder it was imported from here. On a cluster
+    (``ray_address``) the workers get it through Ray's runtime_env instead (``tasks.cluster.cluster_runtime_env``)."""
+    from raytrain_tasks.user_code import code_root
+
+    return "" if config.ray_address else str(code_root(config.train_code) or "")
+
+
+def check_rows_per_worker(config: TrainingConfig, dataset: DatasetRef | None) -> None:
+    """Every worker needs at least one training row of its own (each takes an equal share of the train split)."""
+    workers = config.worker_range[1]
+    if dataset is not None and dataset.train_rows < workers:
+        raise DatasetError(
+            f"the train split of dataset {dataset.content_hash[:16]} has {dataset.train_rows} rows, fewer than the "
+            f"{workers} workers that would each train on a share of it; lower `num_workers` (and `max_workers`) "
+            "or give `dataset` more rows"
+        )
+
+
+def check_cluster(
+    config: TrainingConfig,
+    dataset: DatasetRef | None,
+    runs: StorageLocation,
+    client: Any,
+    run_key: str,
+    user_datasets: bool = False,
+) -> TrainingConfig:
+    """With Ray connected: the cluster can host the workers and every node can write the run's storage. Returns
+    ``config`` sized to the cluster (``cpus_per_worker`` when unset; an earlier attempt's share of the run, read
+    from its MLflow run through ``client``, while it still fits), what the trainer is built from; the user's
+    settings, not this copy, are the run's MLflow params. ``user_datasets``: the user's code gives Ray Datasets,
+    whose read and transform tasks need a CPU the workers leave free, as the built-in streaming loader's do."""
+    import ray
+
+    check_rows_per_worker(config, dataset)
+    available = ray.cluster_resources()
+    object_store = available.get("object_store_memory", 0.0)
+    streamed = user_datasets or (dataset is not None and streams(config.data_loader, dataset, object_store))
+    nodes = alive_node_resources()
+    earlier = None if config.cpus_per_worker else tracking.earlier_share(client, config.experiment_name, run_key)
+    data_cpus = USER_DATASET_CPUS if user_datasets else DATA_TASK_CPUS
+    sized = sized_for_cluster(config, nodes, streamed, earlier, data_cpus)
+    check_resources(sized, available, streamed, user_datasets, data_cpus)
+    storage_shared_with_nodes(config.storage_path, len(nodes), read_mounts())
+    if config.ray_address:  # a local Ray's node is this process's machine, with this process's credentials
+        check_storage_on_nodes(runs.uri, config.storage_options)
+    if config.train_code:
+        from tasks.user_fit import check_importable_on_cluster
+
+        check_importable_on_cluster(config.train_code, workers_code_dir(config))
+    if not config.cpus_per_worker:
+        run_logger().info(
+            "cpus_per_worker unset: %s workers x %g CPUs each, %s the cluster's %g CPUs%s",
+            "-".join(map(str, sorted(set(config.worker_range)))),
+            sized.cpus_per_worker,
+            "as the run's earlier attempt trained, on" if sized.cpus_per_worker == earlier else "sized to",
+            available.get("CPU", 0.0),
+            f" ({data_cpus:g} left to Ray Data's streaming tasks)" if streamed else "",
+        )
+    return sized
