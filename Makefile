@@ -61,7 +61,7 @@ bench: install  ## benchmarks that print figures (not tests); results in bench/r
 	$(PY) -m bench.own_code
 	$(PY) -m bench.summary
 
-bench-smoke: install  ## the overhead benchmark at tiny sizes, one repetition (CI runs it so it never rots)
+bench-smoke: install  ## the overhead benchmark at tiny sizes, one repetition (run it before changing bench/)
 	$(PY) -m bench.overhead --smoke
 
 docs: install  ## regenerate docs/configuration.md from the config model (tests/test_docs.py checks it)

@@ -284,9 +284,9 @@ def run_loader_fit(w: Workload, world: int, dataset: Any, loader: str, tmp: Path
     import signal
 
     from raytrain_tasks.config import TrainingConfig
-    from tasks.cluster import alive_node_resources, sized_for_cluster
-    from tasks.fit import _read_history, build_trainer
+    from tasks.sizing import alive_node_resources, sized_for_cluster
     from tasks.storage import locate
+    from tasks.trainer import build_trainer, read_history
 
     config = TrainingConfig(
         data_loader=loader,  # type: ignore[arg-type]  # one of the Literal's values
@@ -306,7 +306,7 @@ def run_loader_fit(w: Workload, world: int, dataset: Any, loader: str, tmp: Path
         signal.signal(signal.SIGINT, handler)  # fit() on the main thread leaves its own SIGINT handler behind
     if result.checkpoint is None:
         raise SystemExit(f"the {loader} fit reported no checkpoint")
-    history = _read_history(result.checkpoint)
+    history = read_history(result.checkpoint)
     in_loop = sum(h["epoch_seconds"] for h in history)
     return {
         "in_loop_s": in_loop,
@@ -385,9 +385,10 @@ def bare_fit(workdir: Path, epochs: int, manifest: Path) -> None:
 
     from raytrain_tasks.config import TrainingConfig
     from raytrain_tasks.data import DatasetRef
-    from tasks.cluster import alive_node_resources, sized_for_cluster, worker_env
-    from tasks.fit import _read_history, build_trainer
+    from tasks.cluster import worker_env
+    from tasks.sizing import alive_node_resources, sized_for_cluster
     from tasks.storage import locate
+    from tasks.trainer import build_trainer, read_history
 
     config = TrainingConfig(epochs=epochs, batch_size=FLOW_BATCH_SIZE, storage_path=str(workdir / "storage"))
     dataset = DatasetRef.model_validate_json(manifest.read_text())
@@ -400,7 +401,7 @@ def bare_fit(workdir: Path, epochs: int, manifest: Path) -> None:
     result = build_trainer(config, dataset, "bare", runs).fit()
     if result.checkpoint is None:
         raise SystemExit("the bare fit reported no checkpoint")
-    history = _read_history(result.checkpoint)
+    history = read_history(result.checkpoint)
     print(f"IN_LOOP {sum(h['epoch_seconds'] for h in history):.4f}")
     ray.shutdown()
 
@@ -570,7 +571,8 @@ def main(argv: list[str] | None = None) -> None:
             for rep in range(reps):
                 plain.append(run_plain(workload, world, tmp))
                 ray_2.append(run_ray(workload, world, tmp))
-                ray_1.append(run_ray(workload, 1, tmp))
+                # --smoke keeps the code paths running, not the figures: the 1-worker row is the same code.
+                ray_1.append(ray_2[-1] if args.smoke else run_ray(workload, 1, tmp))
                 print(
                     f"  parity rep {rep + 1}/{reps}: plain {plain[-1]['in_loop_s']:.2f} s, "
                     f"ray {ray_2[-1]['in_loop_s']:.2f} s in the loop",
@@ -588,7 +590,11 @@ def main(argv: list[str] | None = None) -> None:
             fits: dict[str, list[dict[str, float]]] = {"torch": [], "ray_data": []}
             for rep in range(reps):
                 for loader, runs in fits.items():
+                    if args.smoke and loader == "torch":
+                        continue  # --smoke: the product's loop once, fed by Ray Data (the torch loader: see parity)
                     runs.append(run_loader_fit(workload, world, dataset, loader, tmp))
+                if args.smoke:
+                    fits["torch"] = fits["ray_data"]
                 print(
                     f"  loader fit rep {rep + 1}/{reps}: torch {fits['torch'][-1]['samples_per_s']:.0f}, "
                     f"ray_data {fits['ray_data'][-1]['samples_per_s']:.0f} samples/s in the loop",

@@ -20,7 +20,7 @@ def test_entrypoint_imports_and_parameters_validate(spec: dict[str, Any], monkey
     monkeypatch.chdir(REPO_ROOT)  # prefect deploy runs from the repository root
     flow = load_flow_from_entrypoint(spec["entrypoint"])
     validated = flow.validate_parameters(spec.get("parameters") or {})
-    assert config_from_parameters(validated) == TrainingConfig.model_validate(spec["parameters"])
+    assert config_from_parameters(validated) == TrainingConfig.model_validate(spec.get("parameters") or {})
     assert spec["work_pool"]["name"] == "raytrain-process"
 
 
@@ -59,8 +59,17 @@ def test_serve_builds_the_same_deployments() -> None:
     (schedule,) = deployments["nightly-retrain"].schedules
     assert schedule.schedule.cron == "0 2 * * *" and schedule.schedule.timezone == "Europe/Berlin"
     assert not deployments["ad-hoc"].schedules
-    assert deployments["ad-hoc"].parameters["epochs"] == 3
-    assert deployments["nightly-retrain"].parameters["epochs"] == 10
+    assert not deployments["ad-hoc"].parameters  # the flow's defaults, in the form and in every run
+    assert deployments["nightly-retrain"].parameters == {"epochs": 10, "min_improvement": 0.002}
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[s["name"] for s in SPECS])
+def test_a_deployment_states_only_what_differs_from_the_defaults(spec: dict[str, Any]) -> None:
+    """A default declared a second time in prefect.yaml would stop following the config's when that changes."""
+    defaults = TrainingConfig()
+    stated = spec.get("parameters") or {}
+    repeated = {name: value for name, value in stated.items() if getattr(defaults, name) == value}
+    assert not repeated, f"{spec['name']} repeats defaults of raytrain_tasks/config.py: {repeated}"
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=[s["name"] for s in SPECS])
