@@ -319,20 +319,7 @@ def _record_user_code(
 ) -> FitResult:
     from tasks.user_fit import record_user_fit
 
-    rejected = opened.resume_point.rejected if opened.resume_point is not None else frozenset()
-    fit = record_user_fit(
-        client,
-        result,
-        spec,
-        config,
-        run_key,
-        run_dir,
-        opened.run_id,
-        opened.experiment_id,
-        opened.backend,
-        opened.reopened,
-        rejected,
-    )
+    fit = record_user_fit(client, result, spec, config, run_key, run_dir, opened)
     write_fit_record(run_dir, client, opened.run_id, fit, lease)  # what a Ray Job's submitter reads back
     tracking.finish_run(client, opened.run_id)
     return fit

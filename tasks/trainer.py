@@ -190,10 +190,7 @@ def summarize(
     config: TrainingConfig,
     run_key: str,
     run_dir: StorageLocation,
-    run_id: str,
-    experiment_id: str,
-    backend: str,
-    reopened: bool,
+    opened: OpenRun,
 ) -> FitResult:
     latest = result.checkpoint
     if latest is None:
@@ -210,16 +207,16 @@ def summarize(
     return FitResult(
         run_key=run_key,
         run_uri=run_dir.uri,
-        mlflow_run_id=run_id,
-        mlflow_experiment_id=experiment_id,
-        backend=backend,
+        mlflow_run_id=opened.run_id,
+        mlflow_experiment_id=opened.experiment_id,
+        backend=opened.backend,
         epochs_completed=len(history),
         best_epoch=epoch_number(best["epoch"]),
         best_checkpoint_uri=checkpoint_uri(run_dir, best_checkpoint),
         best_metrics={k: float(v) for k, v in best["metrics"].items()},
         final_metrics=history[-1] if history else {},
         history=history,
-        reopened_mlflow_run=reopened,
+        reopened_mlflow_run=opened.reopened,
     )
 
 
@@ -330,7 +327,7 @@ def record_builtin(
             "from it; check who can write `storage_path`, then start a new run (without `resume`)"
         )
     tracking.pin_checkpoints(client, run_id, [(n, m) for n, m in reported if n not in opened.preexisting])
-    fit = summarize(result, config, run_key, run_dir, run_id, opened.experiment_id, opened.backend, opened.reopened)
+    fit = summarize(result, config, run_key, run_dir, opened)
     added = tracking.reconcile_epochs(client, run_id, fit.history)
     if added:
         run_logger().warning("logged %d epoch(s) to MLflow that the controller could not log live", added)

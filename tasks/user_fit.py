@@ -15,7 +15,7 @@ from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import CheckpointError, TrainingError, UserCodeError
 from raytrain_tasks.tracking import checkpoint_name, epoch_number, numeric_metrics, report_step
-from tasks.fit_record import FitResult, ResumePoint, checkpoint_uri
+from tasks.fit_record import FitResult, OpenRun, ResumePoint, checkpoint_uri
 from tasks.logs import run_logger
 
 if TYPE_CHECKING:
@@ -196,14 +196,12 @@ def record_user_fit(
     config: TrainingConfig,
     run_key: str,
     run_dir: StorageLocation,
-    run_id: str,
-    experiment_id: str,
-    backend: str,
-    reopened: bool,
-    rejected: frozenset[str] = frozenset(),
+    opened: OpenRun,
 ) -> FitResult:
     """What the user's reports said: the best checkpoint by their metric, and the run's history as MLflow holds
     it. Their metric is the score the gate compares (no held-out split of the pipeline's own here)."""
+    run_id = opened.run_id
+    rejected = opened.resume_point.rejected if opened.resume_point is not None else frozenset()
     checkpoint, metrics = best_checkpoint(result, spec, run_key, rejected)
     history = history_of(result, logged_history(client, run_id, spec))
     step = step_of(metrics, history)
@@ -214,15 +212,15 @@ def record_user_fit(
         run_key=run_key,
         run_uri=run_dir.uri,
         mlflow_run_id=run_id,
-        mlflow_experiment_id=experiment_id,
-        backend=backend,
+        mlflow_experiment_id=opened.experiment_id,
+        backend=opened.backend,
         epochs_completed=len(history),
         best_epoch=step,
         best_checkpoint_uri=checkpoint_uri(run_dir, checkpoint),
         best_metrics=best,
         final_metrics={k: v for k, v in history[-1].items() if k != "epoch"} if history else best,
         history=history,
-        reopened_mlflow_run=reopened,
+        reopened_mlflow_run=opened.reopened,
         scores={spec.gate.name: best[spec.gate.name]},
     )
     client.set_tag(run_id, "summary.best_epoch", str(step))
