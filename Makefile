@@ -38,7 +38,7 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 typecheck: install
-	$(VENV)/bin/mypy flows tasks raytrain_tasks deployments bench examples
+	$(VENV)/bin/mypy flows tasks driver raytrain_tasks deployments bench examples
 
 s3: install  ## a local S3-compatible server on 127.0.0.1:8333 (SeaweedFS), data in .pipeline/s3
 	$(PY) -m devtools.s3_server --dir .pipeline/s3 --port 8333

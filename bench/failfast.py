@@ -40,10 +40,10 @@ def main() -> None:
         from prefect.testing.utilities import prefect_test_harness
         from ray.util.state import list_actors
 
+        from driver.cluster import worker_env
         from flows.parameters import parameters_of
         from flows.training import training_pipeline
         from raytrain_tasks.config import TrainingConfig
-        from tasks.cluster import worker_env
 
         def train_actors() -> set[str]:
             address = ray.get_runtime_context().gcs_address

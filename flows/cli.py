@@ -96,7 +96,7 @@ def quiet_console() -> None:
     Nothing is lost: the output of every Ray process (the controller's worker-group lines, each worker's) stays
     in Ray's session logs (``/tmp/ray/session_latest/logs``) instead of being copied to this console, and the
     run's own log lines go to Prefect as before."""
-    from tasks.cluster import LOG_TO_DRIVER_ENV
+    from driver.cluster import LOG_TO_DRIVER_ENV
 
     os.environ.setdefault(LOG_TO_DRIVER_ENV, "0")
     for name in QUIET_LOGGERS:
@@ -153,7 +153,7 @@ def _exit_at_the_latest_after_a_signal() -> None:
     """A deadline on stopping: after a SIGTERM, SIGINT or SIGHUP, the run normally stops in a few seconds (Prefect
     turns the signal into a cancellation, the fit marks its MLflow run KILLED). If it is still running
     ``STOP_DEADLINE_S`` later (seen once when the signal landed between the fit and register-model), the process
-    exits with 128 + the signal; the services it started end with it (tasks.process_groups).
+    exits with 128 + the signal; the services it started end with it (driver.process_groups).
 
     Python writes every signal's number to the wakeup fd, whichever handler (ours, Prefect's) then runs it.
     """
@@ -215,7 +215,7 @@ def local_services(config: TrainingConfig) -> Iterator[None]:
     if PREFECT_API_URL.value() or config.ray_address:
         yield
         return
-    from tasks.cluster import ray_session
+    from driver.cluster import ray_session
 
     failure: list[BaseException] = []
 
@@ -225,7 +225,7 @@ def local_services(config: TrainingConfig) -> Iterator[None]:
         try:
             from prefect.server.api.server import SubprocessASGIServer
 
-            from tasks.process_groups import temporary_api_in_its_own_group
+            from flows.temporary_api import temporary_api_in_its_own_group
 
             temporary_api_in_its_own_group()
             if not cancelled.is_set():
@@ -234,7 +234,7 @@ def local_services(config: TrainingConfig) -> Iterator[None]:
             failure.append(exc)
         finally:
             started.set()
-        # The server dies with the thread that started it (tasks.process_groups): this one lives as long as the
+        # The server dies with the thread that started it (driver.process_groups): this one lives as long as the
         # process, so a killed run (SIGKILL, out of memory) takes its temporary API along.
         threading.Event().wait()
 

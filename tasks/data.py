@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
+from driver.storage import DATASETS_DIR, StorageLocation, check_writable, locate
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import (
     LABEL_INDEX_COLUMN,
@@ -25,7 +26,6 @@ from raytrain_tasks.data import (
 from raytrain_tasks.datasets import BUILTIN_DATASETS, DatasetRequest
 from raytrain_tasks.errors import DatasetError
 from raytrain_tasks.redact import redacted_errors
-from tasks.storage import DATASETS_DIR, StorageLocation, check_writable, locate
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -1,22 +1,20 @@
-"""distributed-fit: run Ray Train's TorchTrainer for one run key, checkpointing every epoch to storage.
+"""distributed-fit: the Prefect task that trains one run key (driver/fit.py), here or as a Ray Job on the cluster.
 
-The run key names the Ray Train run (``<storage>/runs/<run key>``) and tags the MLflow run. Calling this
-again with the same key (a Prefect retry, or ``resume``) continues from the latest registered checkpoint
-in the same MLflow run.
+It hands the driver this task run's logger and run page, and the tags that lead back to the flow run; it decides
+which failures Prefect retries.
 """
 
 from __future__ import annotations
 
-import contextlib
-from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any
 
-import ray
-import ray.train
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
-from prefect.exceptions import TerminationSignal
 
+from driver.fit import fit_in_this_process
+from driver.fit_record import FitResult
+from driver.logs import Logger, RunHooks, run_hooks
+from driver.storage import RUNS_DIR, locate
 from raytrain_tasks.config import TrainingConfig, check_run_key
 from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.errors import (
@@ -26,25 +24,12 @@ from raytrain_tasks.errors import (
     NodeStorageError,
     RepeatedFailureError,
     RunLeaseError,
-    RunLeaseLostError,
     TrackingError,
     UserCodeError,
 )
 from raytrain_tasks.redact import redacted_errors
-from raytrain_tasks.resume import checkpoint_epoch
-from raytrain_tasks.tracking import MlflowEpochLogger, OpenMlflowEarly, pinned_digests
-from tasks import evaluation, tracking
-from tasks.cluster import ray_session
-from tasks.fit_record import FitResult, OpenRun, finished_fit, write_fit_record
-from tasks.lease import HeldLease, run_lease
-from tasks.logs import in_prefect_run, run_logger
-from tasks.origin import prefect_origin, run_description, run_tags
-from tasks.preflight import check_cluster, check_started_without_checkpoint, resolve_code
+from tasks.origin import prefect_origin
 from tasks.run_page import EpochProgress
-from tasks.storage import RUNS_DIR, StorageLocation, locate
-
-if TYPE_CHECKING:
-    from raytrain_tasks.api import TrainFunc
 
 # Failures that another attempt cannot fix: the config or the environment must change first.
 # RunLeaseError: another live driver holds the run; a retry seconds later would only be refused again.
@@ -69,6 +54,13 @@ def is_retryable(task: Any, task_run: Any, state: Any) -> bool:
     return not isinstance(error, NOT_RETRYABLE)
 
 
+def _run_page(
+    client: Any, run_id: str, epochs: int, logger: Logger, builtin: bool, expects: tuple[str, ...]
+) -> EpochProgress:
+    """The task run's progress artifact, following the fit's committed epochs."""
+    return EpochProgress(client, run_id, epochs, logger, builtin=builtin, expects=expects)
+
+
 @task(
     name="distributed-fit",
     task_run_name="fit-{run_key}",
@@ -77,301 +69,14 @@ def is_retryable(task: Any, task_run: Any, state: Any) -> bool:
 )
 def distributed_fit(config: TrainingConfig, dataset: DatasetRef | None, run_key: str) -> FitResult:
     """Train (or continue training) run ``run_key`` and return its best checkpoint and metrics."""
-    with redacted_errors():
+    with redacted_errors(), run_hooks(RunHooks(get_run_logger(), progress=_run_page)):
         check_run_key(run_key)  # it names a folder in storage and goes into MLflow filters
         runs = locate(config.storage_path, config.storage_options).child(RUNS_DIR)
         run_dir = runs.child(run_key)
+        origin = prefect_origin(run_key)
         if config.launch_mode == "ray_job":
-            from tasks.ray_job import fit_as_ray_job
+            from driver.ray_job import fit_as_ray_job
 
-            # The job takes the run's lease itself (fit_in_this_process, run by tasks/fit_job.py on the cluster).
-            return fit_as_ray_job(config, dataset, run_key, runs, run_dir, origin=prefect_origin(run_key))
-        return fit_in_this_process(config, dataset, run_key, runs, run_dir)
-
-
-def fit_in_this_process(
-    config: TrainingConfig,
-    dataset: DatasetRef | None,
-    run_key: str,
-    runs: StorageLocation,
-    run_dir: StorageLocation,
-    origin: dict[str, str] | None = None,
-) -> FitResult:
-    """The fit with this process as Ray Train's driver, under the run's lease. ``origin``: the MLflow run name and
-    Prefect tags, when this process is not the Prefect run (a Ray Job); see ``prefect_origin``."""
-    with redacted_errors():
-        if config.resume and not run_dir.child("checkpoint_manager_snapshot.json").exists():
-            check_started_without_checkpoint(config, run_key, run_dir)
-        # One driver per run key, whatever host it runs on (tasks/lease.py).
-        with run_lease(
-            run_dir, run_key, tracking.this_driver(), config.run_lease_seconds, holder_alive=tracking.driver_alive
-        ) as lease:
-            return _distributed_fit(config, dataset, run_key, runs, run_dir, origin or prefect_origin(run_key), lease)
-
-
-def _distributed_fit(
-    config: TrainingConfig,
-    dataset: DatasetRef | None,
-    run_key: str,
-    runs: StorageLocation,
-    run_dir: StorageLocation,
-    origin: dict[str, str],
-    lease: HeldLease | None = None,
-) -> FitResult:
-    """The fit's phases: pre-flight, open the MLflow run, train, record. Pre-flight goes cheapest first (the user's
-    code imports, MLflow answers, Ray is reachable and can host the workers, every node can write storage);
-    nothing is created (no MLflow run, no checkpoint) until it holds, and the lease taken by the caller is removed
-    with the folders it made if it fails."""
-    spec = resolve_code(config)  # fails before Ray, naming train_code
-    client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
-    run_id: str | None = None
-    try:
-        with ray_session(config):
-            sized = check_cluster(
-                config, dataset, runs, client, run_key, spec is not None and spec.datasets is not None
-            )
-            experiment_id = tracking.ensure_experiment(
-                client, config.experiment_name, config.mlflow_tracking_uri, config.storage_path
-            )
-            tracking.mark_dead_runs_killed(client, experiment_id, found_by=run_key)
-            finished = finished_fit(run_dir, client, experiment_id, run_key)
-            if finished is not None:
-                return _confirm_finished(config, dataset, run_key, client, experiment_id, finished)
-            backend = "nccl" if config.use_gpu else "gloo"
-            run_id, reopened = _start_run(
-                config, dataset, run_key, run_dir, origin, sized, client, experiment_id, backend
-            )
-            opened = _prepare_resume(config, run_key, run_dir, spec, client, run_id, experiment_id, reopened, backend)
-            result = _train(config, dataset, run_key, runs, sized, spec, client, opened, lease)
-        # Pins the controller could not write to MLflow during an outage (kept in the journal meanwhile).
-        tracking.pins_from_journal(client, run_id, opened.journal)
-        if spec is not None or dataset is None:
-            assert spec is not None, "the built-in loop trains on a prepared dataset"
-            return _record_user_code(config, run_key, run_dir, spec, client, opened, result, lease)
-        from tasks.trainer import record_builtin
-
-        fit = record_builtin(config, dataset, run_key, run_dir, client, opened, result, lease)
-    except BaseException as exc:
-        if run_id is None:
-            raise
-        _end_unfinished_run(exc, config, run_key, client, run_id, lease)
-    tracking.finish_run(client, run_id)
-    run_logger().info(
-        "best epoch %d by %s: %s, test %s at %s",
-        fit.best_epoch,
-        config.promotion_metric,
-        ", ".join(f"{k}={v:.4f}" for k, v in fit.best_metrics.items() if k.startswith("val_")),
-        ", ".join(f"{k}={v:.4f}" for k, v in fit.scores.items() if k.startswith("test_")),
-        fit.best_checkpoint_uri,
-    )
-    return fit
-
-
-def _confirm_finished(
-    config: TrainingConfig,
-    dataset: DatasetRef | None,
-    run_key: str,
-    client: Any,
-    experiment_id: str,
-    finished: FitResult,
-) -> FitResult:
-    """Everything was trained and recorded earlier: check the settings match, train nothing."""
-    dataset_hash = dataset.content_hash if dataset is not None else None
-    tracking.check_resumable(client, experiment_id, run_key, config.public_params(), dataset_hash)
-    tracking.finish_run(client, finished.mlflow_run_id)
-    run_logger().info("run key %s finished all %d epochs earlier; nothing to train", run_key, config.epochs)
-    return finished
-
-
-def _start_run(
-    config: TrainingConfig,
-    dataset: DatasetRef | None,
-    run_key: str,
-    run_dir: StorageLocation,
-    origin: dict[str, str],
-    sized: TrainingConfig,
-    client: Any,
-    experiment_id: str,
-    backend: str,
-) -> tuple[str, bool]:
-    """A new MLflow run for the run key, or its earlier one reopened (a resume, a retry): (run id, reopened)."""
-    run_id, reopened = tracking.start_or_reopen_run(
-        client,
-        experiment_id,
-        run_key,
-        run_name=origin.get("run_name", run_key),
-        tags=run_tags(config, dataset, run_key, run_dir, backend)
-        | {tracking.CPUS_PER_WORKER_TAG: f"{sized.cpus_per_worker:g}"}
-        | {k: v for k, v in origin.items() if k != "run_name"}
-        | {tracking.NOTE_TAG: run_description(config, run_key, run_dir, origin)},
-        params=config.public_params(),
-    )
-    if not reopened and dataset is not None:
-        evaluation.log_dataset_input(client, run_id, dataset)
-    run_logger().info(
-        "run key %s: %s MLflow run %s; checkpoints in %s",
-        run_key,
-        "continuing" if reopened else "new",
-        run_id,
-        run_dir.uri,
-    )
-    return run_id, reopened
-
-
-def _prepare_resume(
-    config: TrainingConfig,
-    run_key: str,
-    run_dir: StorageLocation,
-    spec: TrainFunc | None,
-    client: Any,
-    run_id: str,
-    experiment_id: str,
-    reopened: bool,
-    backend: str,
-) -> OpenRun:
-    """What this fit may resume from. What existed before it is trusted only as far as MLflow vouches for it
-    (resume.CheckpointPins): every name, not only `epoch-*` ones, since anyone who can write storage can point Ray
-    Train's checkpoint snapshot at a folder of another name."""
-    logger = run_logger()
-    preexisting = frozenset(run_dir.list_names())
-    journal = tracking.pin_journal(config, run_key)
-    if reopened and (recovered := tracking.pins_from_journal(client, run_id, journal)):
-        logger.info(
-            "recorded in MLflow the pins of %s from this machine's pin journal (MLflow was down when they "
-            "were committed)",
-            ", ".join(recovered),
-        )
-    pinned = pinned_digests(client.get_run(run_id).data.tags) if reopened else {}
-    resume_point = None
-    if spec is not None:
-        from tasks.user_fit import choose_resume_point
-
-        resume_point = choose_resume_point(run_dir, pinned)
-        if resume_point.rejected:
-            logger.warning(
-                "run %s resumes from checkpoint %s, not a newer one: %s",
-                run_key,
-                resume_point.fallback,
-                resume_point.why,
-            )
-            client.set_tag(run_id, "prefect_raytrain.resume_fallback", resume_point.why[:4000])
-    else:
-        announce_resume(logger, config, run_dir, preexisting, pinned)
-    return OpenRun(run_id, experiment_id, reopened, backend, journal, preexisting, pinned, resume_point)
-
-
-def _train(
-    config: TrainingConfig,
-    dataset: DatasetRef | None,
-    run_key: str,
-    runs: StorageLocation,
-    sized: TrainingConfig,
-    spec: TrainFunc | None,
-    client: Any,
-    opened: OpenRun,
-    lease: HeldLease | None,
-) -> ray.train.Result:
-    """Ray Train's fit, its reports logged to the MLflow run as they come, the run page following it."""
-    from tasks.trainer import build_trainer, fit_interruptibly
-
-    uri, run_id = config.mlflow_tracking_uri, opened.run_id
-    callbacks: list[Any] = [OpenMlflowEarly(uri, run_id)]
-    if spec is None:
-        callbacks.append(MlflowEpochLogger(uri, run_id, journal=opened.journal))
-    else:
-        from raytrain_tasks.user_code import code_error_stopper
-
-        callbacks.append(MlflowEpochLogger(uri, run_id, step_key=spec.metric.name, keys=None, journal=opened.journal))
-        callbacks.append(code_error_stopper(config.train_code))
-    trainer = build_trainer(
-        sized,
-        dataset,
-        run_key,
-        runs,
-        *callbacks,
-        pins=(opened.preexisting, opened.pinned),
-        spec=spec,
-        resume_point=opened.resume_point,
-    )
-    # Off a Prefect run (a Ray Job) there is no run page to update: the job's submitter shows the progress.
-    expects = tuple(dict.fromkeys((spec.metric.name, spec.gate.name))) if spec is not None else ()
-    progress = (
-        EpochProgress(client, run_id, config.epochs, run_logger(), builtin=spec is None, expects=expects)
-        if in_prefect_run()
-        else None
-    )
-    with (
-        tracking.system_metrics(config.system_metrics, uri, run_id, opened.reopened),
-        progress or contextlib.nullcontext(),
-    ):
-        return fit_interruptibly(trainer, lease)
-
-
-def _record_user_code(
-    config: TrainingConfig,
-    run_key: str,
-    run_dir: StorageLocation,
-    spec: TrainFunc,
-    client: Any,
-    opened: OpenRun,
-    result: ray.train.Result,
-    lease: HeldLease | None,
-) -> FitResult:
-    from tasks.user_fit import record_user_fit
-
-    fit = record_user_fit(client, result, spec, config, run_key, run_dir, opened)
-    write_fit_record(run_dir, client, opened.run_id, fit, lease)  # what a Ray Job's submitter reads back
-    tracking.finish_run(client, opened.run_id)
-    return fit
-
-
-def _end_unfinished_run(
-    exc: BaseException, config: TrainingConfig, run_key: str, client: Any, run_id: str, lease: HeldLease | None
-) -> NoReturn:
-    """The MLflow run of a fit that raised ``exc``: left to the lease's new holder, KILLED (a signal), or FAILED."""
-    if lease is not None and lease.lost() is not None:
-        # The run and its MLflow run belong to the lease's new holder now: marking it KILLED or FAILED here
-        # would end the run that driver is training.
-        run_logger().error("run %s: this driver lost the lease; MLflow run %s is left to its holder", run_key, run_id)
-        if isinstance(exc, RunLeaseLostError):
-            raise exc
-        try:
-            lease.check()
-        except RunLeaseLostError as lost:
-            raise lost from exc
-    if isinstance(exc, TerminationSignal | KeyboardInterrupt):  # a Prefect cancellation (SIGTERM), Ctrl-C
-        how = f"signal {exc.signal}" if isinstance(exc, TerminationSignal) else "Ctrl-C"
-        tracking.stop_run(
-            client,
-            run_id,
-            f"stopped by {how} at {datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC (a cancellation from Prefect, an "
-            f"interrupt, or the machine shutting down); its checkpoints are kept: continue it with "
-            f"resume={run_key}",
-        )
-        raise exc
-    from tasks.trainer import training_error
-
-    error = training_error(exc, run_key, config)
-    tracking.fail_run(client, run_id, error)
-    if error is exc:
-        raise exc
-    raise error from exc
-
-
-def announce_resume(
-    logger: Any, config: TrainingConfig, run_dir: StorageLocation, preexisting: frozenset[str], pinned: dict[str, str]
-) -> None:
-    """Say which checkpoint a continued run resumes from, on the driver, where the default console shows it.
-
-    The workers resume from the newest checkpoint that is both in storage and pinned in MLflow (an unpinned one
-    is passed over, see ``resume.CheckpointPins``); a damaged one makes them fall back further and say so in
-    the Ray logs.
-    """
-    trusted = sorted(name for name in preexisting if name in pinned)
-    if not trusted:
-        return
-    epoch, uri = checkpoint_epoch(trusted[-1]), run_dir.child(trusted[-1]).uri
-    if epoch >= config.epochs:
-        logger.info("resuming from checkpoint %s: epoch %d, the last, was committed; finishing the run", uri, epoch)
-    else:
-        logger.info("resuming from checkpoint %s (epoch %d of %d): next epoch %d", uri, epoch, config.epochs, epoch + 1)
+            # The job takes the run's lease itself (fit_in_this_process, run by driver/fit_job.py on the cluster).
+            return fit_as_ray_job(config, dataset, run_key, runs, run_dir, origin=origin)
+        return fit_in_this_process(config, dataset, run_key, runs, run_dir, origin)

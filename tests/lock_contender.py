@@ -14,7 +14,7 @@ from pathlib import Path
 
 from mlflow import MlflowClient
 
-from tasks.registry_lock import model_lock
+from driver.registry_lock import model_lock
 
 
 def main(url: str, model: str, owner: str, hold_s: str, lease_s: str, markers: str) -> None:

@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 from mlflow import MlflowClient
 
+from driver.cluster import check_reachable
+from driver.sizing import storage_shared_with_nodes
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import ClusterError
-from tasks.cluster import check_reachable
-from tasks.sizing import storage_shared_with_nodes
 from tests.helpers import REPO_ROOT, free_port, stop_process_group, wait_for_http
 
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -38,6 +38,23 @@ CLIENT_ENV = {**LOOPBACK_ENV, "RAY_AUTH_MODE": "token"}
 HEAD_STOP_GRACE_S = 3.0
 # A node's image has its Python first on PATH: a Ray Job's `python` entrypoint is that one.
 NODE_PATH = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
+NO_PREFECT = textwrap.dedent(
+    """
+    import importlib.abc
+    import sys
+
+
+    class _NoPrefect(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "prefect" or name.startswith("prefect."):
+                raise ModuleNotFoundError(f"No module named {name!r} (this test's Ray node has no Prefect)", name=name)
+
+
+    sys.meta_path.insert(0, _NoPrefect())
+    """
+)
 
 
 @dataclass(frozen=True)
@@ -95,11 +112,17 @@ def head_node(env: dict[str, str] | None = None, num_cpus: int = 2) -> Iterator[
         strict=True,
     ):
         command += [flag, str(port)]
+    # The node's image has no Prefect (the project asks for none on a cluster: a fit's Ray Job runs the driver
+    # package, which does not import it): every Python process of the node fails to import it.
+    without_prefect = temp_dir / "without-prefect"
+    without_prefect.mkdir()
+    (without_prefect / "sitecustomize.py").write_text(NO_PREFECT)
+    node_path = os.pathsep.join(filter(None, [str(without_prefect), os.environ.get("PYTHONPATH", "")]))
     log_path = temp_dir / "ray-start.log"
     with log_path.open("w") as log:
         head = subprocess.Popen(
             command,
-            env={**os.environ, **LOOPBACK_ENV, **NODE_PATH, **(env or {})},
+            env={**os.environ, **LOOPBACK_ENV, **NODE_PATH, "PYTHONPATH": node_path, **(env or {})},
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -248,6 +271,9 @@ def test_user_code_outside_the_project_reaches_the_clusters_workers_through_runt
     assert list(resources.glob("py_modules_files/*/my_model/train.py")), sorted(
         str(p.relative_to(resources)) for p in resources.rglob("*")
     )[:50]
+    if launch_mode == "ray_job":  # the job ran the driver package, on a node without Prefect, and nothing above it
+        assert list(resources.glob("py_modules_files/*/driver/fit_job.py"))
+        assert not list(resources.glob("py_modules_files/*/tasks/*.py"))
 
 
 @pytest.mark.slow
@@ -256,7 +282,7 @@ def test_connecting_never_shuts_the_cluster_down(external_cluster: ExternalClust
         f"""
         import ray
         from raytrain_tasks.config import TrainingConfig
-        from tasks.cluster import ray_session
+        from driver.cluster import ray_session
         config = TrainingConfig(ray_address="{external_cluster.address}")
         with ray_session(config):
             first = ray.get_runtime_context().get_job_id()
@@ -275,7 +301,7 @@ def test_a_driver_without_the_cluster_token_is_told_how_to_authenticate(external
     code = textwrap.dedent(
         f"""
         from raytrain_tasks.config import TrainingConfig
-        from tasks.cluster import ray_session
+        from driver.cluster import ray_session
         with ray_session(TrainingConfig(ray_address="{external_cluster.address}")):
             pass
         """
@@ -306,7 +332,7 @@ def test_a_warm_ray_gone_with_its_serve_process_leaves_the_run_a_local_ray_of_it
         import ray
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
         from raytrain_tasks.config import TrainingConfig
-        from tasks.cluster import WARM_RAY_ENV, ray_session
+        from driver.cluster import WARM_RAY_ENV, ray_session
         os.environ[WARM_RAY_ENV] = "{dead}"
         with ray_session(TrainingConfig()):
             print("CONNECTED", ray.get_runtime_context().gcs_address)
@@ -339,9 +365,9 @@ def test_local_storage_on_a_multi_node_cluster_fails_early() -> None:
 
 
 def test_max_workers_makes_the_worker_group_elastic(tmp_path: Path) -> None:
+    from driver.storage import locate
+    from driver.trainer import build_trainer
     from raytrain_tasks.data import DatasetRef
-    from tasks.storage import locate
-    from tasks.trainer import build_trainer
 
     dataset = DatasetRef(
         uri=str(tmp_path),
@@ -363,7 +389,7 @@ def test_max_workers_makes_the_worker_group_elastic(tmp_path: Path) -> None:
 
 
 def test_credentials_reach_a_cluster_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tasks.cluster import cluster_runtime_env
+    from driver.cluster import cluster_runtime_env
 
     for name, value in DRIVER_SECRETS.items():
         monkeypatch.setenv(name, value)
@@ -407,8 +433,8 @@ def test_a_node_that_cannot_write_the_bucket_is_named_before_any_worker_starts(
     client = MlflowClient(tracking_uri)
     experiment = client.get_experiment_by_name("nodes")
     assert experiment is None or client.search_runs([experiment.experiment_id]) == []
+    from driver.storage import s3_client
     from raytrain_tasks.fs import StorageOptions
-    from tasks.storage import s3_client
 
     listed = s3_client(StorageOptions(endpoint_url=s3_server.endpoint_url)).list_objects_v2(Bucket="prt-nodes")
     assert [o["Key"] for o in listed.get("Contents", []) if "/runs/" in o["Key"]] == []
@@ -429,7 +455,7 @@ def test_an_address_that_accepts_but_is_not_ray_is_refused_naming_the_connect_ti
         threading.Thread(target=lambda: [held.append(listener.accept()) for _ in iter(int, 1)], daemon=True).start()
         from raytrain_tasks.config import TrainingConfig
         from raytrain_tasks.errors import ClusterError
-        from tasks.cluster import ray_session
+        from driver.cluster import ray_session
         try:
             with ray_session(TrainingConfig(ray_address=f"127.0.0.1:{port}", ray_connect_timeout_s=5)):
                 print("CONNECTED")

@@ -115,9 +115,9 @@ def test_torch_and_ray_data_loaders_reach_the_same_accuracy(
 
 
 def test_ray_data_that_streams_needs_cpus_beside_the_workers(tmp_path: Path, ray_cluster: dict[str, float]) -> None:
+    from driver.sizing import check_resources, sized_for_cluster
     from raytrain_tasks.data import streams
     from raytrain_tasks.errors import ClusterError
-    from tasks.sizing import check_resources, sized_for_cluster
 
     config = small_config(tmp_path, data_loader="ray_data", num_workers=2, cpus_per_worker=1.0)
     object_store = ray_cluster["object_store_memory"]
@@ -156,8 +156,8 @@ def test_a_run_without_ray_datasets_starts_no_dataset_manager(
     """Ray Train would start (and make the workers wait for) a Ray Data actor at every worker-group start."""
     from ray.util.state import list_actors
 
-    from tasks.storage import locate
-    from tasks.trainer import build_trainer
+    from driver.storage import locate
+    from driver.trainer import build_trainer
 
     def dataset_managers() -> int:
         return len(
@@ -190,8 +190,8 @@ def test_a_retried_elastic_fit_keeps_the_cpus_per_worker_it_trained_with(
     at 2 CPUs per worker (a bigger cluster) and the retry runs on this 2-CPU Ray: one worker, at 2 CPUs."""
     from prefect import flow
 
+    from driver import tracking
     from raytrain_tasks.config import new_run_key
-    from tasks import tracking
     from tasks.fit import distributed_fit
 
     config = small_config(tmp_path, num_workers=1, max_workers=2, epochs=1, register=False).resolved(tmp_path, {})

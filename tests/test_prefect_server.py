@@ -240,10 +240,13 @@ def test_deploy_schedules_nightly_runs_and_a_worker_runs_an_override(prefect_ser
 EPOCHS = 4
 
 
-def _deploy_to_the_pool(server: PrefectServer) -> Any:
-    _prefect_cli(server, "work-pool", "create", "raytrain-process", "--type", "process", "--overwrite")
-    _prefect_cli(server, "deploy", "--all", "--prefect-file", "deployments/prefect.yaml")
-    return _api(server, lambda client: client.read_deployment_by_name("training-pipeline/ad-hoc"))
+@pytest.fixture(scope="module")
+def ad_hoc(prefect_server: PrefectServer) -> Any:
+    """The ad-hoc deployment on the process pool, deployed once for the module's worker tests (each `prefect
+    deploy` takes about 12 s here); each test runs it under an experiment and model name of its own."""
+    _prefect_cli(prefect_server, "work-pool", "create", "raytrain-process", "--type", "process", "--overwrite")
+    _prefect_cli(prefect_server, "deploy", "--all", "--prefect-file", "deployments/prefect.yaml")
+    return _api(prefect_server, lambda client: client.read_deployment_by_name("training-pipeline/ad-hoc"))
 
 
 def _start_until_epoch_2(server: PrefectServer, deployment: Any, name: str, worker_log: Path) -> tuple[Any, str]:
@@ -326,11 +329,10 @@ def _assert_continued_to_the_end(
     )
 
 
-def test_a_crashed_deployment_run_continues_by_itself(prefect_server: PrefectServer) -> None:
+def test_a_crashed_deployment_run_continues_by_itself(prefect_server: PrefectServer, ad_hoc: Any) -> None:
     """The flow-run process SIGKILLed after epoch 2 of 4 (as an OOM kill does): the worker marks the run Crashed,
     the deployment's crash trigger starts a continuation, and it resumes the same run key in the same MLflow run:
     every epoch logged once, one registered version. Nobody runs `--resume`."""
-    ad_hoc = _deploy_to_the_pool(prefect_server)
     with _worker(prefect_server) as (_, worker_log):
         flow_run, mlflow_run_id = _start_until_epoch_2(prefect_server, ad_hoc, "crash-test", worker_log)
         os.kill(int(str(flow_run.infrastructure_pid).rsplit(":", 1)[-1]), signal.SIGKILL)
@@ -342,13 +344,12 @@ def test_a_crashed_deployment_run_continues_by_itself(prefect_server: PrefectSer
     _assert_continued_to_the_end(prefect_server, crashed, finished, mlflow_run_id, "crash-test", killed_at)
 
 
-def test_a_run_that_lost_its_worker_too_is_found_and_continued(prefect_server: PrefectServer) -> None:
+def test_a_run_that_lost_its_worker_too_is_found_and_continued(prefect_server: PrefectServer, ad_hoc: Any) -> None:
     """The worker and the flow-run process SIGKILLed together (a lost machine): nobody is left to set the run
     Crashed, so it would stay Running forever. Its heartbeats stop; after the watch's window of silence the zombie
     watch sets it Crashed, the crash trigger starts a continuation, and the next worker to start runs it to the end.
     The run sets the window to its shortest, two heartbeats (60 s; 120 s by default): the run's start brings the
     server's watch to it, as a deployment's job variable would."""
-    ad_hoc = _deploy_to_the_pool(prefect_server)
     with _worker(prefect_server, PREFECT_RAYTRAIN_ZOMBIE_SILENCE_SECONDS="60") as (worker, worker_log):
         flow_run, mlflow_run_id = _start_until_epoch_2(prefect_server, ad_hoc, "zombie-test", worker_log)
         os.kill(worker.pid, signal.SIGKILL)
@@ -367,7 +368,7 @@ def test_a_run_that_lost_its_worker_too_is_found_and_continued(prefect_server: P
     _assert_continued_to_the_end(prefect_server, crashed, finished, mlflow_run_id, "zombie-test", killed_at)
 
 
-def test_cancelling_a_run_stops_training_and_keeps_it_resumable(prefect_server: PrefectServer) -> None:
+def test_cancelling_a_run_stops_training_and_keeps_it_resumable(prefect_server: PrefectServer, ad_hoc: Any) -> None:
     """`prefect flow-run cancel` mid-fit: the run is Cancelled within seconds, the driver and every Ray process
     it started are gone, the MLflow run is KILLED (not FAILED) with the reason, the checkpoints stay, nothing
     continues it by itself (a cancel is not a crash), and a run with `resume` finishes it: each epoch once."""
@@ -375,7 +376,6 @@ def test_cancelling_a_run_stops_training_and_keeps_it_resumable(prefect_server: 
 
     from raytrain_tasks.checkpoint import verify_checkpoint
 
-    ad_hoc = _deploy_to_the_pool(prefect_server)
     with _worker(prefect_server) as (_, worker_log):
         flow_run, mlflow_run_id = _start_until_epoch_2(prefect_server, ad_hoc, "cancel-test", worker_log)
         driver = psutil.Process(int(str(flow_run.infrastructure_pid).rsplit(":", 1)[-1]))

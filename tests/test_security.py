@@ -160,8 +160,8 @@ def test_a_run_key_that_skipped_the_config_never_reaches_a_path_or_filter(tmp_pa
     """The fit and registry entry points check the key themselves: a caller may pass one that is not from a config."""
     from mlflow import MlflowClient
 
-    from tasks.register import _version_of_run
-    from tasks.tracking import find_run
+    from driver.register import _version_of_run
+    from driver.tracking import find_run
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     with pytest.raises(ValueError, match="is not a run key"):

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from mlflow import MlflowClient
 
+from driver import tracking
 from raytrain_tasks.tracking import MlflowEpochLogger
-from tasks import tracking
 from tests.helpers import free_port, stop_process_group, wait_for_http
 
 
@@ -165,7 +165,7 @@ def test_a_resume_on_data_with_another_content_hash_is_refused_naming_both(tmp_p
 
     from raytrain_tasks.errors import TrackingError
 
-    tag = "prefect_raytrain.dataset_hash"  # what tasks.fit tags every run with at its start
+    tag = "prefect_raytrain.dataset_hash"  # what driver.fit tags every run with at its start
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment = client.create_experiment("pinned-data")
     key, params = "20261125-030000-cccccc", {"dataset": "data.csv", "epochs": 2}
@@ -229,12 +229,10 @@ def test_the_pin_journal_keeps_pins_for_the_mlflow_run_they_belong_to_and_fills_
 def test_no_pin_journal_inside_a_local_storage_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The journal vouches for storage, so it never lives in it (e.g. PREFECT_HOME=.pipeline/prefect and
     storage_path=.pipeline)."""
-    from prefect.settings import PREFECT_HOME, temporary_settings
-
     from raytrain_tasks.config import TrainingConfig
 
-    with temporary_settings({PREFECT_HOME: str(tmp_path / "state" / "prefect")}):
-        inside = TrainingConfig(storage_path=str(tmp_path / "state"))
-        assert tracking.pin_journal(inside, "20260101-000000-abcdef") is None
-        journal = tracking.pin_journal(TrainingConfig(storage_path=str(tmp_path / "storage")), "20260101-000000-abcdef")
-        assert journal is not None and Path(journal.path).is_relative_to(tmp_path / "state" / "prefect")
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "state" / "prefect"))
+    inside = TrainingConfig(storage_path=str(tmp_path / "state"))
+    assert tracking.pin_journal(inside, "20260101-000000-abcdef") is None
+    journal = tracking.pin_journal(TrainingConfig(storage_path=str(tmp_path / "storage")), "20260101-000000-abcdef")
+    assert journal is not None and Path(journal.path).is_relative_to(tmp_path / "state" / "prefect")

@@ -1,6 +1,6 @@
 """distributed-fit for the user's own ``train_func`` (``train_code``): what differs from the built-in loop.
 
-The fit itself is the same (``tasks.fit``: one run key, its lease, its MLflow run, Ray Train's checkpoints in the
+The fit itself is the same (``driver.fit``: one run key, its lease, its MLflow run, Ray Train's checkpoints in the
 run's storage, resume through ``ray.train.get_checkpoint()``). Here: the import check on the cluster, the
 trainer's function and config, and the record of what the user's reports said.
 """
@@ -11,17 +11,17 @@ import logging
 import re
 from typing import TYPE_CHECKING, Any
 
+from driver.fit_record import FitResult, OpenRun, ResumePoint, checkpoint_uri
+from driver.logs import run_logger
 from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import CheckpointError, TrainingError, UserCodeError
 from raytrain_tasks.tracking import checkpoint_name, epoch_number, numeric_metrics, report_step
-from tasks.fit_record import FitResult, OpenRun, ResumePoint, checkpoint_uri
-from tasks.logs import run_logger
 
 if TYPE_CHECKING:
     import ray.train
 
-    from tasks.storage import StorageLocation
+    from driver.storage import StorageLocation
 
 # Ray Train names a reported checkpoint folder checkpoint_<timestamp> when the code passes no checkpoint_dir_name
 # (and keeps checkpoint_manager_snapshot.json beside them, which is not one).

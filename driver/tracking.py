@@ -160,7 +160,7 @@ def check_resumable(
 
 
 DRIVER_TAG = "prefect_raytrain.driver"
-DATASET_HASH_TAG = "prefect_raytrain.dataset_hash"  # set by tasks.fit at the run's start; a resume must match it
+DATASET_HASH_TAG = "prefect_raytrain.dataset_hash"  # set by driver.fit at the run's start; a resume must match it
 KILLED_TAG = "prefect_raytrain.killed"
 
 
@@ -262,10 +262,12 @@ def pin_checkpoints(client: MlflowClient, run_id: str, reported: list[tuple[str,
 
 def pin_journal_dir() -> Path:
     """Where this machine keeps its pin journals (raytrain_tasks.pin_journal): under the Prefect home of the
-    process that drives the run (a CLI run, a deployment's worker or serve), never in the run's storage."""
-    from prefect.settings import PREFECT_HOME
+    process that drives the run (a CLI run, a deployment's worker or serve), never in the run's storage.
 
-    return Path(PREFECT_HOME.value()).expanduser().resolve() / "prefect-raytrain" / "pin-journal"
+    Read from the environment as Prefect reads it (``PREFECT_HOME``, default ``~/.prefect``): the driver does not
+    import Prefect, and a Ray Job's driver on a cluster need not have it installed."""
+    home = os.environ.get("PREFECT_HOME") or "~/.prefect"
+    return Path(home).expanduser().resolve() / "prefect-raytrain" / "pin-journal"
 
 
 def pin_journal(config: TrainingConfig, run_key: str) -> PinJournal | None:

@@ -13,16 +13,16 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from driver.promotion import Champion
+from driver.storage import download_dir, locate
 from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import UnsafeCheckpointError, UserCodeError
-from tasks.promotion import Champion
-from tasks.storage import download_dir, locate
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
-    from tasks.fit_record import FitResult
+    from driver.fit_record import FitResult
 
 TRAIN_CODE_TAG = "train_code"
 GATE_METRIC_TAG = "gate.metric"

@@ -5,14 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from raytrain_tasks.api import TrainFunc
-from raytrain_tasks.config import TrainingConfig
-from raytrain_tasks.data import DATA_TASK_CPUS, USER_DATASET_CPUS, DatasetRef, streams
-from raytrain_tasks.errors import CheckpointError, DatasetError, UserCodeError
-from raytrain_tasks.user_code import resolve
-from tasks import tracking
-from tasks.logs import run_logger
-from tasks.sizing import (
+from driver import tracking
+from driver.logs import run_logger
+from driver.sizing import (
     alive_node_resources,
     check_resources,
     check_storage_on_nodes,
@@ -20,7 +15,12 @@ from tasks.sizing import (
     sized_for_cluster,
     storage_shared_with_nodes,
 )
-from tasks.storage import StorageLocation
+from driver.storage import StorageLocation
+from raytrain_tasks.api import TrainFunc
+from raytrain_tasks.config import TrainingConfig
+from raytrain_tasks.data import DATA_TASK_CPUS, USER_DATASET_CPUS, DatasetRef, streams
+from raytrain_tasks.errors import CheckpointError, DatasetError, UserCodeError
+from raytrain_tasks.user_code import resolve
 
 
 def resolve_code(config: TrainingConfig) -> TrainFunc | None:
@@ -56,7 +56,7 @@ def check_started_without_checkpoint(config: TrainingConfig, run_key: str, run_d
 
 def workers_code_dir(config: TrainingConfig) -> str:
     """Where a local Ray's workers find the user's code: the folder it was imported from here. On a cluster
-    (``ray_address``) the workers get it through Ray's runtime_env instead (``tasks.cluster.cluster_runtime_env``)."""
+    (``ray_address``) the workers get it through Ray's runtime_env instead (``driver.cluster.cluster_runtime_env``)."""
     from raytrain_tasks.user_code import code_root
 
     return "" if config.ray_address else str(code_root(config.train_code) or "")
@@ -101,7 +101,7 @@ def check_cluster(
     if config.ray_address:  # a local Ray's node is this process's machine, with this process's credentials
         check_storage_on_nodes(runs.uri, config.storage_options)
     if config.train_code:
-        from tasks.user_fit import check_importable_on_cluster
+        from driver.user_fit import check_importable_on_cluster
 
         check_importable_on_cluster(config.train_code, workers_code_dir(config))
     if not config.cpus_per_worker:

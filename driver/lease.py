@@ -11,7 +11,7 @@ Expiry is judged without any other host's clock: a lease counts as expired when 
 written more than its length ago (S3's ``LastModified`` against the same reply's ``Date``). The holder, on its
 own monotonic clock, counts itself as having lost the lease when it has had no successful renewal for
 ``LOST_AFTER`` of the length, before anyone else can see it expired, or as soon as a renewal finds it taken; the
-block under the lease must then stop at once (``HeldLease.check``; ``tasks.fit`` kills the Ray Train controller).
+block under the lease must then stop at once (``HeldLease.check``; ``driver.fit`` kills the Ray Train controller).
 
 Taking, renewing and releasing the lease are compare-and-swap operations (``StorageLocation.write_if`` and
 ``delete_if``: conditional requests on S3, a folder lock locally): of two drivers that start in the same moment
@@ -30,8 +30,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from driver.storage import StorageLocation, make_dirs, remove_empty_dirs
 from raytrain_tasks.errors import RunLeaseError, RunLeaseLostError
-from tasks.storage import StorageLocation, make_dirs, remove_empty_dirs
 
 LEASE_FILE = "driver.lease"
 # The holder gives the lease up after this share of its length without a successful renewal: the rest is the
@@ -153,7 +153,7 @@ def run_lease(
     The block must call ``check()`` on what it gets often (or watch ``lost_event``): a lease lost mid-block is
     not taken back, and the block must stop driving the run.
 
-    ``holder_alive``: what this host can tell about a holder (``tasks.tracking.driver_alive``): False (a
+    ``holder_alive``: what this host can tell about a holder (``driver.tracking.driver_alive``): False (a
     process of this host that is gone) lets its lease be taken over before it runs out; None: cannot tell.
     """
     location = run_dir.child(LEASE_FILE)

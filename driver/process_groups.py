@@ -6,7 +6,8 @@ flow run (``os.killpg(pid, SIGTERM)``, prefect/runner/_process_manager.py) signa
 services used to be in it: they died first, and the run then waited on them forever (issue 29). In a group of
 their own they keep running while the run handles the signal (its MLflow run marked KILLED, checkpoints kept),
 and the run stops them on its way out: Ray by ``ray.shutdown()`` (and Ray's own fate-sharing, which ends its
-processes with this one), the temporary API by Prefect's exit handler.
+processes with this one), the temporary API by Prefect's exit handler. This module holds Ray's door; the
+temporary Prefect API's is in flows/temporary_api.py (the driver does not import Prefect).
 
 Neither library has a public switch for this; each door below names the private call it wraps (read from
 ray 2.60.0 and prefect 3.8.8). tests/test_signals.py fails if either shape changes.
@@ -14,12 +15,9 @@ ray 2.60.0 and prefect 3.8.8). tests/test_signals.py fails if either shape chang
 
 from __future__ import annotations
 
-import functools
-import subprocess
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from types import SimpleNamespace
 from typing import Any
 
 _lock = threading.Lock()
@@ -48,35 +46,3 @@ def ray_processes_in_their_own_group() -> Iterator[None]:
             yield
         finally:
             services.ConsolePopen = original  # type: ignore[misc]
-
-
-def temporary_api_in_its_own_group() -> None:
-    """Make the temporary Prefect API server that this process starts (Prefect's ``SubprocessASGIServer``,
-    started without ``PREFECT_API_URL``) begin a session of its own.
-
-    Prefect 3.8.8 starts it with ``subprocess.Popen`` in ``SubprocessASGIServer._run_uvicorn_command``
-    (prefect/server/api/server.py); the module's ``subprocess`` is replaced by one whose ``Popen`` starts a new
-    session, which touches no other caller. Prefect stops the server at this process's exit, as before.
-    """
-    from prefect.server.api import server
-
-    if getattr(server.subprocess, "own_session", False):
-        return
-    server.subprocess = SimpleNamespace(  # type: ignore[assignment]
-        **{name: getattr(subprocess, name) for name in dir(subprocess) if not name.startswith("__")},
-        own_session=True,
-    )
-    server.subprocess.Popen = functools.partial(  # type: ignore[misc, assignment]
-        subprocess.Popen, start_new_session=True, preexec_fn=_end_with_parent
-    )
-
-
-def _end_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the thread that started it ends (PR_SET_PDEATHSIG), so a killed run
-    (SIGKILL, the OOM killer) takes its temporary API along; a run that exits stops it first (Prefect's atexit).
-    The starting thread must live as long as the process (flows.cli keeps it waiting)."""
-    import ctypes
-    import signal
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)

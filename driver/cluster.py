@@ -11,9 +11,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from driver.process_groups import ray_processes_in_their_own_group
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import ClusterError
-from tasks.process_groups import ray_processes_in_their_own_group
 
 # Far faster than Ray's 2 s default. The controller takes one report per worker each time it polls, and a worker
 # waits in report() until its previous report was taken: epochs shorter than the interval are held to one per
@@ -135,7 +135,7 @@ def ray_session(config: TrainingConfig) -> Iterator[None]:
             f"cannot start or reach Ray {where}: {exc}; check `ray_address` (empty starts a local Ray)"
         ) from exc
     if warm:
-        from tasks.logs import run_logger
+        from driver.logs import run_logger
 
         run_logger().info("training on the warm local Ray at %s (kept by deployments.serve)", warm)
     if config.ray_address or warm:
@@ -178,7 +178,7 @@ def _warm_ray_address() -> str:
     A warm Ray that no longer answers (its serve process died, leaving this run behind) is not a reason to fail
     a run that asked for a local Ray: it gets its own, as without serve, and says so.
     """
-    from tasks.logs import run_logger
+    from driver.logs import run_logger
 
     address = os.environ.get(WARM_RAY_ENV, "")
     if not address:

@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
 
+from driver import tracking
+from driver.lease import HeldLease
+from driver.logs import run_logger
+from driver.storage import StorageLocation
 from raytrain_tasks.errors import UnsafeCheckpointError
 from raytrain_tasks.tracking import checkpoint_name
-from tasks import tracking
-from tasks.lease import HeldLease
-from tasks.logs import run_logger
-from tasks.storage import StorageLocation
 
 if TYPE_CHECKING:
     import ray.train

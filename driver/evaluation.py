@@ -10,16 +10,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from driver.reports import dataset_summary, evaluation_report, write_report_files
+from driver.storage import download_dir, locate
 from raytrain_tasks.data import DatasetRef, read_split
 from raytrain_tasks.fs import StorageOptions
-from tasks.reports import dataset_summary, evaluation_report, write_report_files
-from tasks.storage import download_dir, locate
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
     from mlflow.entities import Metric
 
-    from tasks.fit_record import FitResult
+    from driver.fit_record import FitResult
 
 EVALUATION_ARTIFACT_DIR = "evaluation"
 
@@ -39,7 +39,7 @@ def load_checkpoint_model(checkpoint_uri: str, options: StorageOptions, expected
     """Rebuild the network stored in a checkpoint (local or remote storage), in eval mode, on CPU.
 
     ``expected_digest``: the manifest digest the run recorded in MLflow when the checkpoint was committed
-    (``tasks.tracking.recorded_digest``); a checkpoint that no longer has it is refused before anything is loaded.
+    (``driver.tracking.recorded_digest``); a checkpoint that no longer has it is refused before anything is loaded.
     """
     from raytrain_tasks.checkpoint import load_weights, manifest_digest
     from raytrain_tasks.errors import UnsafeCheckpointError

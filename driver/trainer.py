@@ -16,6 +16,13 @@ from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
 from ray.train.v2.api.callback import RayTrainCallback
 
+from driver import evaluation, tracking
+from driver.cluster import WORKER_GROUP_START_TIMEOUT_S
+from driver.fit_record import FitResult, OpenRun, checkpoint_uri, write_fit_record
+from driver.lease import HeldLease
+from driver.logs import run_logger
+from driver.preflight import workers_code_dir
+from driver.storage import StorageLocation
 from raytrain_tasks.checkpoint import STATE_FILE
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DatasetRef
@@ -28,13 +35,6 @@ from raytrain_tasks.errors import (
 )
 from raytrain_tasks.resume import CHECKPOINT_PREFIX
 from raytrain_tasks.tracking import checkpoint_name, epoch_number, pinned_digests
-from tasks import evaluation, tracking
-from tasks.cluster import WORKER_GROUP_START_TIMEOUT_S
-from tasks.fit_record import FitResult, OpenRun, checkpoint_uri, write_fit_record
-from tasks.lease import HeldLease
-from tasks.logs import run_logger
-from tasks.preflight import workers_code_dir
-from tasks.storage import StorageLocation
 
 START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 ABORT_TIMEOUT_S = 10.0
@@ -141,7 +141,7 @@ def build_trainer(
     train_func: Any = train_loop_per_worker
     score_attribute, score_order = config.selection.name, config.selection.order
     if spec is not None:
-        from tasks.user_fit import trainer_function
+        from driver.user_fit import trainer_function
 
         train_func, loop_config, data = trainer_function(config, spec, workers_code_dir(config), resume_point)
         score_attribute, score_order = spec.metric.name, spec.metric.order

@@ -105,7 +105,7 @@ def predict_without_pickles(directory: Path, features: np.ndarray) -> np.ndarray
     """The logits of the model in ``directory`` (checked with ``check_model_layout`` first), loaded with pickles off."""
     import mlflow
 
-    from tasks.evaluation import PREDICT_BATCH_ROWS
+    from driver.evaluation import PREDICT_BATCH_ROWS
 
     with pickle_deserialization_off():
         model = mlflow.pyfunc.load_model(str(directory))

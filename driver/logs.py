@@ -1,0 +1,66 @@
+"""The driver's logger and run page: the Prefect task run's while a Prefect task runs the driver, plain ones
+elsewhere (the fit's Ray Job on a cluster, a benchmark).
+
+The driver never imports Prefect: the task entry points (``tasks/``) hand their run logger and run page in
+with ``run_hooks``, for the code they call in the same thread (and in threads started with a copy of its
+context, as ``contextvars.copy_context().run`` does).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+Logger = logging.Logger | logging.LoggerAdapter[Any]
+# progress(client, run_id, epochs, logger, builtin, expects): a context manager that shows the fit's epochs
+# as they are committed (the Prefect task's progress artifact, tasks/run_page.py).
+ProgressPage = Callable[[Any, str, int, Logger, bool, tuple[str, ...]], AbstractContextManager[Any]]
+
+
+@dataclass(frozen=True)
+class RunHooks:
+    logger: Logger
+    progress: ProgressPage | None = None
+
+
+_HOOKS: ContextVar[RunHooks | None] = ContextVar("prefect_raytrain_run_hooks", default=None)
+_PLAIN = logging.getLogger("prefect_raytrain.fit")
+
+
+@contextmanager
+def run_hooks(hooks: RunHooks) -> Iterator[None]:
+    """While active, ``run_logger()`` and ``progress_page()`` are ``hooks``'."""
+    token = _HOOKS.set(hooks)
+    try:
+        yield
+    finally:
+        _HOOKS.reset(token)
+
+
+def run_logger() -> Logger:
+    """The calling task's logger; a plain one where no task handed one in."""
+    hooks = _HOOKS.get()
+    return hooks.logger if hooks is not None else _PLAIN
+
+
+def progress_page() -> ProgressPage | None:
+    """The run page to follow the fit on; None where there is none (a Ray Job: its submitter shows the progress)."""
+    hooks = _HOOKS.get()
+    return hooks.progress if hooks is not None else None
+
+
+def stopped_by(exc: BaseException) -> str | None:
+    """How ``exc`` stopped the run from outside, in words; None for a failure.
+
+    Ctrl-C raises KeyboardInterrupt; a termination signal is raised as an exception outside ``Exception`` that
+    carries the signal number (Prefect's ``TerminationSignal`` on SIGTERM, e.g. a cancellation)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "Ctrl-C"
+    signum = getattr(exc, "signal", None)
+    if not isinstance(exc, Exception) and isinstance(signum, int):
+        return f"signal {signum}"
+    return None

@@ -1,0 +1,55 @@
+"""Where an MLflow run comes from: its tags and its description (the tags that lead back to the Prefect flow run
+are taken by the task, tasks/origin.py, and handed in as ``origin``)."""
+
+from __future__ import annotations
+
+from driver import tracking
+from driver.storage import StorageLocation
+from raytrain_tasks.config import TrainingConfig
+from raytrain_tasks.data import DatasetRef
+
+ENTRY_POINT = "flows/training.py:training_pipeline"  # as deployments/prefect.yaml names it
+
+
+def run_description(config: TrainingConfig, run_key: str, run_dir: StorageLocation, origin: dict[str, str]) -> str:
+    """The MLflow run's description (``mlflow.note.content``, Markdown): what ran, from where, and how to go on."""
+    workers = f"{config.num_workers}" + (f"-{config.max_workers}" if config.max_workers else "")
+    what = f"`{config.train_code}`" if config.train_code else f"**{config.model}** on `{config.dataset}`"
+    lines = [
+        f"{what}: {config.epochs} epochs, {workers} Ray Train workers "
+        f"({'GPU, nccl' if config.use_gpu else 'CPU, gloo'}), data loader `{config.data_loader}`.",
+        "",
+        f"- run key `{run_key}`: continue an interrupted run with `resume={run_key}`",
+        f"- checkpoints: `{run_dir.uri}`",
+    ]
+    flow_run = origin.get("prefect.flow_run_url") or origin.get("prefect.flow_run_id")
+    if flow_run:
+        via = f" of deployment `{origin['prefect.deployment_name']}`" if "prefect.deployment_name" in origin else ""
+        lines.append(f"- Prefect flow run{via}: {flow_run} (the latest one that trained this run)")
+    lines.append(f"- code: `{ENTRY_POINT}` at commit `{tracking.code_version()}`")
+    return "\n".join(lines)
+
+
+def run_tags(
+    config: TrainingConfig, dataset: DatasetRef | None, run_key: str, run_dir: StorageLocation, backend: str
+) -> dict[str, str]:
+    lineage = (
+        {"prefect_raytrain.dataset_hash": dataset.content_hash, "prefect_raytrain.dataset_uri": dataset.uri}
+        if dataset is not None
+        else {"prefect_raytrain.train_code": config.train_code}
+    )
+    import ray
+
+    tags = {
+        tracking.DRIVER_TAG: tracking.this_driver(),
+        "prefect_raytrain.ray_run_name": run_key,
+        "prefect_raytrain.storage": run_dir.uri,
+        **lineage,
+        "prefect_raytrain.num_workers": str(config.num_workers),
+        "prefect_raytrain.use_gpu": str(config.use_gpu).lower(),
+        "prefect_raytrain.backend": backend,
+        "prefect_raytrain.data_loader": config.data_loader,
+        "prefect_raytrain.ray_cluster": ray.get_runtime_context().gcs_address,
+        "mlflow.source.git.commit": tracking.code_version(),
+    }
+    return tags

@@ -1,0 +1,475 @@
+"""Registering a fit's model (the register-model task, tasks/register.py): log the best checkpoint's model to
+MLflow, register one version per run key, decide its alias.
+
+Order matters, and every step can be repeated (a Prefect retry, a resume of the same run key, a kill in
+between) without a second model or version:
+1. The model is logged once per MLflow run: a READY logged model of the run is reused.
+2. Under the model's registry lock (``driver.registry_lock``), the run key's version is looked up and registered
+   only if missing, so two attempts never both register.
+3. Still under the lock, the decision is recorded as version tags, then the aliases move, then
+   ``promotion.applied`` marks it done. A final decision is never redone; an undecided one (the champion could
+   not be assessed) keeps every alias where it was and fails the task, and the next attempt decides again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from driver import tracking
+from driver.champion import check_model_layout, download_model, predict_without_pickles
+from driver.evaluation import load_checkpoint_model, score, scores_as_metrics
+from driver.fit_record import FitResult
+from driver.logs import run_logger, stopped_by
+from driver.promotion import Champion, Promotion, PromotionDecision, decide_promotion
+from driver.registry_lock import LockHandle, model_lock
+from driver.user_register import assess_recorded_champion, user_model
+from driver.user_register import version_tags as user_version_tags
+from raytrain_tasks.api import TrainFunc
+from raytrain_tasks.config import TrainingConfig, check_run_key
+from raytrain_tasks.data import DatasetRef, read_split
+from raytrain_tasks.errors import PromotionError, TrackingError
+from raytrain_tasks.models import with_standardisation
+from raytrain_tasks.redact import redacted_errors
+from raytrain_tasks.user_code import resolve
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
+CHAMPION = "champion"
+CHALLENGER = "challenger"
+PREVIOUS_CHAMPION = "previous_champion"
+# On a model version (the MLflow run carries driver.tracking.RUN_KEY_TAG): which run key registered it, so a
+# resumed registration finds the version instead of making a second one.
+VERSION_RUN_KEY_TAG = "run_key"
+SCHEMA_TAG = "schema.digest"
+APPLIED_TAG = "promotion.applied"
+LOGGED_MODEL_NAME = "model"
+
+
+class ModelRef(BaseModel):
+    """The registered version and what was decided about it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    version: str
+    model_uri: str
+    aliases: tuple[str, ...]
+    decision: str
+    reason: str
+    metric: str
+    score: float
+    champion_version: str | None
+    champion_score: float | None
+
+
+def register(
+    config: TrainingConfig, dataset: DatasetRef | None, fit: FitResult, tags: dict[str, str] | None = None
+) -> ModelRef:
+    """Log the best checkpoint as an MLflow model in the fit's run and register (at most) one version of it,
+    with ``tags`` beside the version's own (the Prefect flow run it came from). A stop from outside (a Prefect
+    cancellation, Ctrl-C) marks the MLflow run KILLED; at most one version is registered either way."""
+    with redacted_errors():
+        try:
+            return _register_model(config, dataset, fit, tags or {})
+        except BaseException as exc:
+            if (how := stopped_by(exc)) is None:
+                raise
+            tracking.stop_run(
+                tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url),
+                fit.mlflow_run_id,
+                f"stopped by {how} during register-model; its checkpoints are kept and at most one version is "
+                f"registered: continue it with resume={fit.run_key}",
+            )
+            raise
+
+
+def _register_model(
+    config: TrainingConfig, dataset: DatasetRef | None, fit: FitResult, origin_tags: dict[str, str]
+) -> ModelRef:
+    logger = run_logger()
+    client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
+    # The user's own code (train_code) declares its gate metric and direction; the built-in classifier's is the
+    # config's (the test split's counterpart of `promotion_metric`).
+    spec = resolve(config.train_code) if config.train_code else None
+    gate = spec.gate if spec is not None else config.gate
+    metric, higher_is_better = gate.name, gate.higher_is_better
+    candidate_score = fit.scores[metric]
+    # MLflow's fluent API (log_model, register_model, pyfunc) reads a process-wide URI that set_tracking_uri
+    # also exports as MLFLOW_TRACKING_URI: scoped here, so a later run in this process is not redirected.
+    with tracking.using_tracking_uri(config.mlflow_tracking_uri):
+        model_uri = _logged_model_uri(fit) or _log_model(client, config, dataset, fit, spec)
+        _link_logged_model(client, fit, model_uri.removeprefix("models:/"))
+        with model_lock(client, config.model_name, owner=fit.run_key) as lock:
+            version = _version_of_run(client, config.model_name, fit.run_key)
+            if version is None:
+                lock.check()  # a holder taken over while it looked must not register a second version
+                version = _create_version(
+                    client,
+                    config.model_name,
+                    model_uri,
+                    fit,
+                    tags=_version_tags(config, dataset, fit, spec) | origin_tags,
+                    description=_description(config, dataset, fit, metric),
+                )
+            else:
+                logger.info("run %s already registered %s version %s", fit.run_key, config.model_name, version)
+            ref = _decided(client, config, version, candidate_score, metric, lock)
+            if ref is None:
+                if config.promote and spec is not None:
+                    champion = assess_recorded_champion(client, config.model_name, config, spec)
+                elif config.promote:
+                    assert dataset is not None
+                    x_test, y_test = read_split(dataset, "test", config.storage_options, standardised=False)
+                    champion = assess_champion(
+                        client, config.model_name, schema_digest(dataset), x_test, y_test, metric
+                    )
+                else:
+                    champion = Champion.absent()
+                decision = decide_promotion(
+                    candidate_score,
+                    champion,
+                    min_improvement=config.min_improvement,
+                    promote=config.promote,
+                    higher_is_better=higher_is_better,
+                    replace_incomparable=config.replace_incomparable_champion,
+                )
+                aliases = apply_decision(client, config.model_name, version, champion.version, decision, metric, lock)
+                ref = _model_ref(config, version, aliases, decision, champion.version, metric)
+    logger.info(
+        "%s version %s (%s %.4f): %s, %s",
+        config.model_name,
+        ref.version,
+        metric,
+        ref.score,
+        ref.decision,
+        ref.reason,
+    )
+    if ref.decision == Promotion.UNDECIDED.value:
+        raise PromotionError(
+            f"{config.model_name} version {ref.version} is registered as '{CHALLENGER}', but the champion decision "
+            f"could not be made: {ref.reason}. No alias moved; run again with `resume={fit.run_key}` to decide again"
+        )
+    return ref
+
+
+def schema_digest(dataset: DatasetRef) -> str:
+    """What a model's input and output mean: feature names in order, and class labels in order."""
+    payload = json.dumps({"features": list(dataset.feature_names), "classes": list(dataset.class_labels)})
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def assess_champion(
+    client: MlflowClient, name: str, digest: str, x_test: np.ndarray, y_test: np.ndarray, metric: str
+) -> Champion:
+    """The current champion scored on this run's test split; only a missing alias means there is none.
+
+    It is scored only in this project's exact pt2 layout, from the local copy that was checked (driver.champion).
+    """
+    from mlflow.exceptions import MlflowException
+
+    try:
+        version = client.get_registered_model(name).aliases.get(CHAMPION)
+        if version is None:
+            return Champion.absent()
+        version = str(version)
+        tags = client.get_model_version(name, version).tags
+    except MlflowException as exc:
+        return Champion(version=None, error=f"cannot read {name}@{CHAMPION} from the registry: {exc}")
+    recorded = tags.get(SCHEMA_TAG)
+    if recorded is None:
+        return Champion(version, incomparable="it records no input schema (registered by an older release)")
+    if recorded != digest:
+        return Champion(
+            version,
+            incomparable=f"its input schema {recorded} (features, class labels) differs from this run's {digest}",
+        )
+    try:
+        with tempfile.TemporaryDirectory(prefix="prt-champion-") as scratch:
+            local = download_model(f"models:/{name}/{version}", Path(scratch))
+            layout = check_model_layout(local)
+            if layout.foreign:
+                return Champion(version, incomparable=layout.foreign)
+            if layout.tampered:
+                return Champion(
+                    version,
+                    error=f"{name} version {version} was refused: {layout.tampered}. Look at who wrote there, then "
+                    f"remove those files or point '{CHAMPION}' at a version you trust",
+                )
+            logits = predict_without_pickles(local, x_test)
+    except Exception as exc:  # noqa: BLE001 - any failure to load or run the champion leaves it in place (tested)
+        return Champion(
+            version, error=f"loading or scoring {name} version {version} failed: {type(exc).__name__}: {exc}"
+        )
+    if logits.ndim != 2 or logits.shape[0] != len(y_test) or logits.shape[1] <= int(y_test.max()):
+        return Champion(version, error=f"{name} version {version} returned outputs of shape {logits.shape}")
+    return Champion(version, score=score(logits, y_test).get(metric.removeprefix("test_")))
+
+
+def apply_decision(
+    client: MlflowClient,
+    name: str,
+    version: str,
+    champion_version: str | None,
+    decision: PromotionDecision,
+    metric: str,
+    lock: LockHandle,
+) -> tuple[str, ...]:
+    """Record the decision on the version, then move aliases; returns the version's aliases."""
+    from mlflow.exceptions import MlflowException
+
+    tags = {
+        "promotion.decision": decision.action.value,
+        "promotion.reason": decision.reason[:4000],
+        "promotion.metric": metric,
+        "promotion.candidate_score": f"{decision.candidate_score:.6f}",
+        "promotion.champion_score": "" if decision.champion_score is None else f"{decision.champion_score:.6f}",
+        "promotion.champion_version": champion_version or "",
+    }
+    try:
+        for key, value in tags.items():
+            client.set_model_version_tag(name, version, key, value)
+        lock.check()  # never move an alias on a lock that was taken over
+        if decision.action.moves_champion:
+            client.set_registered_model_alias(name, CHAMPION, version)
+            if champion_version is not None:
+                client.set_registered_model_alias(name, PREVIOUS_CHAMPION, champion_version)
+            aliases: tuple[str, ...] = (CHAMPION,)
+        else:
+            client.set_registered_model_alias(name, CHALLENGER, version)
+            aliases = (CHALLENGER,)
+        if decision.action.is_final:
+            client.set_model_version_tag(name, version, APPLIED_TAG, "true")
+        return aliases
+    except MlflowException as exc:
+        raise TrackingError(f"could not record the decision on {name} version {version}: {exc}") from exc
+
+
+def _decided(
+    client: MlflowClient, config: TrainingConfig, version: str, score: float, metric: str, lock: LockHandle
+) -> ModelRef | None:
+    """The version's decision if an earlier attempt made it final; None when it must be (re)decided."""
+    name = config.model_name
+    tags = client.get_model_version(name, version).tags
+    action = tags.get("promotion.decision")
+    if action is None or not Promotion(action).is_final:
+        return None
+    champion_now = client.get_registered_model(name).aliases.get(CHAMPION)
+    if tags.get(APPLIED_TAG) != "true" and str(champion_now) != version:
+        return None  # recorded but never applied (killed in between): nothing moved, decide again
+    recorded_champion = tags.get("promotion.champion_version") or None
+    if tags.get(APPLIED_TAG) != "true":  # champion moved to this version; finish what the kill interrupted
+        lock.check()  # the repair moves an alias: only while the lock is still ours
+        if recorded_champion is not None:
+            client.set_registered_model_alias(name, PREVIOUS_CHAMPION, recorded_champion)
+        client.set_model_version_tag(name, version, APPLIED_TAG, "true")
+    champion_score = tags.get("promotion.champion_score")
+    decision = PromotionDecision(
+        Promotion(action),
+        tags.get("promotion.reason", ""),
+        score,
+        float(champion_score) if champion_score else None,
+    )
+    aliases = tuple(alias for alias, v in client.get_registered_model(name).aliases.items() if str(v) == version)
+    return _model_ref(config, version, aliases, decision, recorded_champion, metric)
+
+
+def _model_ref(
+    config: TrainingConfig,
+    version: str,
+    aliases: tuple[str, ...],
+    decision: PromotionDecision,
+    champion_version: str | None,
+    metric: str,
+) -> ModelRef:
+    return ModelRef(
+        name=config.model_name,
+        version=version,
+        model_uri=f"models:/{config.model_name}/{version}",
+        aliases=aliases,
+        decision=decision.action.value,
+        reason=decision.reason,
+        metric=metric,
+        score=decision.candidate_score,
+        champion_version=champion_version,
+        champion_score=decision.champion_score,
+    )
+
+
+def _version_of_run(client: MlflowClient, name: str, run_key: str) -> str | None:
+    from mlflow.exceptions import MlflowException
+
+    check_run_key(run_key)  # it goes into a filter string
+    try:
+        found = client.search_model_versions(f"name = '{name}' and tags.{VERSION_RUN_KEY_TAG} = '{run_key}'")
+    except MlflowException as exc:
+        if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return None
+        raise
+    versions = sorted(int(v.version) for v in found)
+    return str(versions[0]) if versions else None
+
+
+def _logged_model_uri(fit: FitResult) -> str | None:
+    """The model an earlier attempt of this run logged completely, if any."""
+    import mlflow
+    from mlflow.entities import LoggedModelStatus
+
+    models = mlflow.search_logged_models(
+        experiment_ids=[fit.mlflow_experiment_id],
+        filter_string=f"source_run_id = '{fit.mlflow_run_id}' AND name = '{LOGGED_MODEL_NAME}'",
+        output_format="list",
+    )
+    ready = [m for m in models if m.status == LoggedModelStatus.READY]
+    return f"models:/{ready[0].model_id}" if ready else None
+
+
+def _log_model(
+    client: MlflowClient, config: TrainingConfig, dataset: DatasetRef | None, fit: FitResult, spec: TrainFunc | None
+) -> str:
+    if spec is not None:  # the user's own code: its load_model, on a verified copy of the best checkpoint
+        model, example = user_model(
+            config, fit, spec, tracking.recorded_digest(client, fit.mlflow_run_id, fit.best_checkpoint_uri)
+        )
+        return _log_pt2(fit, model, example, {"run_key": fit.run_key, "train_code": config.train_code})
+    assert dataset is not None
+
+    # The registered model takes raw features (it standardises them itself), as a user's data comes.
+    model = with_standardisation(
+        load_checkpoint_model(
+            fit.best_checkpoint_uri,
+            config.storage_options,
+            tracking.recorded_digest(client, fit.mlflow_run_id, fit.best_checkpoint_uri),
+        ),
+        dataset.feature_mean,
+        dataset.feature_std,
+    ).eval()
+    example = input_example(config, dataset)
+    preprocessing = {
+        "feature_names": dataset.feature_names,
+        "feature_mean": dataset.feature_mean,
+        "feature_std": dataset.feature_std,
+        "class_labels": dataset.class_labels,
+        "input": "raw features in feature_names order; the model applies (x - feature_mean) / feature_std",
+        "output": "logits; argmax is the index into class_labels",
+    }
+    metadata = {"run_key": fit.run_key, "dataset_hash": dataset.content_hash}
+    return _log_pt2(fit, model, example, metadata, {"preprocessing.json": json.dumps(preprocessing, indent=1)})
+
+
+def _log_pt2(
+    fit: FitResult, model: Any, example: Any, metadata: dict[str, str], texts: dict[str, str] | None = None
+) -> str:
+    """Log ``model`` (and ``texts`` as run artifacts) in the fit's MLflow run, in the pt2 format; its model URI."""
+    import mlflow
+    import torch
+
+    with mlflow.start_run(run_id=fit.mlflow_run_id):
+        for name, text in (texts or {}).items():
+            mlflow.log_text(text, name)
+        info = mlflow.pytorch.log_model(
+            model,
+            name=LOGGED_MODEL_NAME,
+            input_example=example,
+            # Explicit: MLflow's default is "pickle" on some tracking servers (Databricks); pt2 loads no pickles.
+            serialization_format="pt2",
+            # Explicit requirements: inferring them spawns a subprocess that costs ~8 s.
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}"],
+            metadata=metadata,
+        )
+    return str(info.model_uri)
+
+
+def _create_version(
+    client: MlflowClient, name: str, model_uri: str, fit: FitResult, tags: dict[str, str], description: str
+) -> str:
+    """Register one version of ``model_uri`` (``models:/<model_id>``) with its tags and description in one call.
+
+    MlflowClient, not ``mlflow.register_model``: the fluent call prints to stderr on its own ("Successfully
+    registered model ...", which the register-model log line says already) and sets the description in a
+    second request, which a crash in between would leave unset.
+    """
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.create_registered_model(name)
+    except MlflowException as exc:
+        if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    created = client.create_model_version(
+        name,
+        source=model_uri,
+        run_id=fit.mlflow_run_id,
+        tags=tags,
+        description=description,
+        model_id=model_uri.removeprefix("models:/"),
+    )
+    return str(created.version)
+
+
+def _link_logged_model(client: MlflowClient, fit: FitResult, model_id: str) -> None:
+    """The registered model's LoggedModel carries the best checkpoint's scores (so the experiment's Models tab
+    can sort by them) and says which checkpoint it was made from; idempotent (MLflow skips a metric it has)."""
+    client.log_batch(fit.mlflow_run_id, metrics=scores_as_metrics(fit.scores, fit.best_epoch, model_id))
+    tags = {
+        "prefect_raytrain.run_key": fit.run_key,
+        "prefect_raytrain.epoch": str(fit.best_epoch),
+        tracking.CHECKPOINT_URI_TAG: fit.best_checkpoint_uri,
+    }
+    if fit.best_checkpoint_model_id:
+        tags["prefect_raytrain.checkpoint_model_id"] = fit.best_checkpoint_model_id
+    client.set_logged_model_tags(model_id, tags)
+
+
+def input_example(config: TrainingConfig, dataset: DatasetRef) -> np.ndarray:
+    """The logged model's input example: no real record unless `input_example='validation_rows'`.
+
+    The artifact store is often readable by more people than the training data (anyone with the MLflow UI),
+    and a row of it may be personal data. The synthetic rows (mean, mean - std, mean + std of the training
+    split, already in preprocessing.json) give MLflow the schema and the shapes it needs to export the model.
+    """
+    if config.input_example == "validation_rows":
+        x_val, _ = read_split(dataset, "val", config.storage_options, standardised=False)
+        return np.array(x_val[:5])
+    mean = np.asarray(dataset.feature_mean, dtype=np.float32)
+    std = np.asarray(dataset.feature_std, dtype=np.float32)
+    return np.stack([mean, mean - std, mean + std]).astype(np.float32)
+
+
+def _version_tags(
+    config: TrainingConfig, dataset: DatasetRef | None, fit: FitResult, spec: TrainFunc | None
+) -> dict[str, str]:
+    lineage = (
+        {SCHEMA_TAG: schema_digest(dataset), "dataset_hash": dataset.content_hash}
+        if dataset is not None
+        else user_version_tags(config, spec, fit.scores[spec.gate.name] if spec is not None else 0.0)
+    )
+    tags = {
+        VERSION_RUN_KEY_TAG: fit.run_key,
+        **lineage,
+        "best_epoch": str(fit.best_epoch),
+        **{key: f"{value:.6f}" for key, value in sorted(fit.scores.items())},
+    }
+    return tags
+
+
+def _description(config: TrainingConfig, dataset: DatasetRef | None, fit: FitResult, metric: str) -> str:
+    scores = ", ".join(f"{key} {value:.4f}" for key, value in sorted(fit.scores.items()))
+    if dataset is None:
+        return (
+            f"{config.train_code} trained by run {fit.run_key} (train_config {config.train_config}); best checkpoint: "
+            f"step {fit.best_epoch} by {metric}; {scores}."
+        )
+    return (
+        f"{config.model} {config.hidden_sizes} trained on dataset {dataset.content_hash} ({dataset.source}) by "
+        f"run {fit.run_key}; best checkpoint: epoch {fit.best_epoch} by {config.promotion_metric}; {scores}. "
+        "Input: raw float32 features in feature_names order (the model standardises them with the train "
+        "statistics in the run's preprocessing.json); output: logits over class_labels."
+    )
