@@ -39,7 +39,7 @@ def load_checkpoint_model(checkpoint_uri: str, options: StorageOptions, expected
     """Rebuild the network stored in a checkpoint (local or remote storage), in eval mode, on CPU.
 
     ``expected_digest``: the manifest digest the run recorded in MLflow when the checkpoint was committed
-    (``driver.tracking.recorded_digest``); a checkpoint that no longer has it is refused before anything is loaded.
+    (``driver.pins.recorded_digest``); a checkpoint that no longer has it is refused before anything is loaded.
     """
     from raytrain_tasks.checkpoint import load_weights, manifest_digest
     from raytrain_tasks.errors import UnsafeCheckpointError

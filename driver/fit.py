@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import ray
 import ray.train
 
-from driver import evaluation, tracking
+from driver import evaluation, pins, run_owner, tracking
 from driver.cluster import ray_session
 from driver.fit_record import FitResult, OpenRun, finished_fit, write_fit_record
 from driver.lease import HeldLease, run_lease
@@ -51,7 +51,7 @@ def fit_in_this_process(
             check_started_without_checkpoint(config, run_key, run_dir)
         # One driver per run key, whatever host it runs on (driver/lease.py).
         with run_lease(
-            run_dir, run_key, tracking.this_driver(), config.run_lease_seconds, holder_alive=tracking.driver_alive
+            run_dir, run_key, run_owner.this_driver(), config.run_lease_seconds, holder_alive=run_owner.driver_alive
         ) as lease:
             return _distributed_fit(config, dataset, run_key, runs, run_dir, origin, lease)
 
@@ -80,7 +80,7 @@ def _distributed_fit(
             experiment_id = tracking.ensure_experiment(
                 client, config.experiment_name, config.mlflow_tracking_uri, config.storage_path
             )
-            tracking.mark_dead_runs_killed(client, experiment_id, found_by=run_key)
+            run_owner.mark_dead_runs_killed(client, experiment_id, found_by=run_key)
             finished = finished_fit(run_dir, client, experiment_id, run_key)
             if finished is not None:
                 return _confirm_finished(config, dataset, run_key, client, experiment_id, finished)
@@ -91,7 +91,7 @@ def _distributed_fit(
             opened = _prepare_resume(config, run_key, run_dir, spec, client, run_id, experiment_id, reopened, backend)
             result = _train(config, dataset, run_key, runs, sized, spec, client, opened, lease)
         # Pins the controller could not write to MLflow during an outage (kept in the journal meanwhile).
-        tracking.pins_from_journal(client, run_id, opened.journal)
+        pins.pins_from_journal(client, run_id, opened.journal)
         if spec is not None or dataset is None:
             assert spec is not None, "the built-in loop trains on a prepared dataset"
             return _record_user_code(config, run_key, run_dir, spec, client, opened, result, lease)
@@ -181,8 +181,8 @@ def _prepare_resume(
     Train's checkpoint snapshot at a folder of another name."""
     logger = run_logger()
     preexisting = frozenset(run_dir.list_names())
-    journal = tracking.pin_journal(config, run_key)
-    if reopened and (recovered := tracking.pins_from_journal(client, run_id, journal)):
+    journal = pins.pin_journal(config, run_key)
+    if reopened and (recovered := pins.pins_from_journal(client, run_id, journal)):
         logger.info(
             "recorded in MLflow the pins of %s from this machine's pin journal (MLflow was down when they "
             "were committed)",

@@ -153,7 +153,7 @@ def run_lease(
     The block must call ``check()`` on what it gets often (or watch ``lost_event``): a lease lost mid-block is
     not taken back, and the block must stop driving the run.
 
-    ``holder_alive``: what this host can tell about a holder (``driver.tracking.driver_alive``): False (a
+    ``holder_alive``: what this host can tell about a holder (``driver.run_owner.driver_alive``): False (a
     process of this host that is gone) lets its lease be taken over before it runs out; None: cannot tell.
     """
     location = run_dir.child(LEASE_FILE)

@@ -3,7 +3,7 @@ are taken by the task, tasks/origin.py, and handed in as ``origin``)."""
 
 from __future__ import annotations
 
-from driver import tracking
+from driver import run_owner, tracking
 from driver.storage import StorageLocation
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DatasetRef
@@ -41,7 +41,7 @@ def run_tags(
     import ray
 
     tags = {
-        tracking.DRIVER_TAG: tracking.this_driver(),
+        run_owner.DRIVER_TAG: run_owner.this_driver(),
         "prefect_raytrain.ray_run_name": run_key,
         "prefect_raytrain.storage": run_dir.uri,
         **lineage,

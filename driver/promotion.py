@@ -9,6 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+# The registered model's aliases: the version in service, a registered version that did not win, the one before.
+CHAMPION = "champion"
+CHALLENGER = "challenger"
+PREVIOUS_CHAMPION = "previous_champion"
+
 # Scores are rounded to this many decimals before the margin test: 0.95 - 0.93 is 0.0199999... in binary
 # floating point, and must still count as a gain of 0.02.
 SCORE_DECIMALS = 9

@@ -13,21 +13,24 @@ between) without a second model or version:
 
 from __future__ import annotations
 
-import hashlib
-import json
-import tempfile
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from driver import tracking
-from driver.champion import check_model_layout, download_model, predict_without_pickles
-from driver.evaluation import load_checkpoint_model, score, scores_as_metrics
+from driver import builtin_register, pins, tracking
+from driver.builtin_register import SCHEMA_TAG
+from driver.evaluation import scores_as_metrics
 from driver.fit_record import FitResult
 from driver.logs import run_logger, stopped_by
-from driver.promotion import Champion, Promotion, PromotionDecision, decide_promotion
+from driver.promotion import (
+    CHALLENGER,
+    CHAMPION,
+    PREVIOUS_CHAMPION,
+    Champion,
+    Promotion,
+    PromotionDecision,
+    decide_promotion,
+)
 from driver.registry_lock import LockHandle, model_lock
 from driver.user_register import assess_recorded_champion, user_model
 from driver.user_register import version_tags as user_version_tags
@@ -35,20 +38,15 @@ from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig, check_run_key
 from raytrain_tasks.data import DatasetRef, read_split
 from raytrain_tasks.errors import PromotionError, TrackingError
-from raytrain_tasks.models import with_standardisation
 from raytrain_tasks.redact import redacted_errors
 from raytrain_tasks.user_code import resolve
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
-CHAMPION = "champion"
-CHALLENGER = "challenger"
-PREVIOUS_CHAMPION = "previous_champion"
 # On a model version (the MLflow run carries driver.tracking.RUN_KEY_TAG): which run key registered it, so a
 # resumed registration finds the version instead of making a second one.
 VERSION_RUN_KEY_TAG = "run_key"
-SCHEMA_TAG = "schema.digest"
 APPLIED_TAG = "promotion.applied"
 LOGGED_MODEL_NAME = "model"
 
@@ -128,8 +126,8 @@ def _register_model(
                 elif config.promote:
                     assert dataset is not None
                     x_test, y_test = read_split(dataset, "test", config.storage_options, standardised=False)
-                    champion = assess_champion(
-                        client, config.model_name, schema_digest(dataset), x_test, y_test, metric
+                    champion = builtin_register.assess_champion(
+                        client, config.model_name, builtin_register.schema_digest(dataset), x_test, y_test, metric
                     )
                 else:
                     champion = Champion.absent()
@@ -158,59 +156,6 @@ def _register_model(
             f"could not be made: {ref.reason}. No alias moved; run again with `resume={fit.run_key}` to decide again"
         )
     return ref
-
-
-def schema_digest(dataset: DatasetRef) -> str:
-    """What a model's input and output mean: feature names in order, and class labels in order."""
-    payload = json.dumps({"features": list(dataset.feature_names), "classes": list(dataset.class_labels)})
-    return hashlib.sha256(payload.encode()).hexdigest()[:16]
-
-
-def assess_champion(
-    client: MlflowClient, name: str, digest: str, x_test: np.ndarray, y_test: np.ndarray, metric: str
-) -> Champion:
-    """The current champion scored on this run's test split; only a missing alias means there is none.
-
-    It is scored only in this project's exact pt2 layout, from the local copy that was checked (driver.champion).
-    """
-    from mlflow.exceptions import MlflowException
-
-    try:
-        version = client.get_registered_model(name).aliases.get(CHAMPION)
-        if version is None:
-            return Champion.absent()
-        version = str(version)
-        tags = client.get_model_version(name, version).tags
-    except MlflowException as exc:
-        return Champion(version=None, error=f"cannot read {name}@{CHAMPION} from the registry: {exc}")
-    recorded = tags.get(SCHEMA_TAG)
-    if recorded is None:
-        return Champion(version, incomparable="it records no input schema (registered by an older release)")
-    if recorded != digest:
-        return Champion(
-            version,
-            incomparable=f"its input schema {recorded} (features, class labels) differs from this run's {digest}",
-        )
-    try:
-        with tempfile.TemporaryDirectory(prefix="prt-champion-") as scratch:
-            local = download_model(f"models:/{name}/{version}", Path(scratch))
-            layout = check_model_layout(local)
-            if layout.foreign:
-                return Champion(version, incomparable=layout.foreign)
-            if layout.tampered:
-                return Champion(
-                    version,
-                    error=f"{name} version {version} was refused: {layout.tampered}. Look at who wrote there, then "
-                    f"remove those files or point '{CHAMPION}' at a version you trust",
-                )
-            logits = predict_without_pickles(local, x_test)
-    except Exception as exc:  # noqa: BLE001 - any failure to load or run the champion leaves it in place (tested)
-        return Champion(
-            version, error=f"loading or scoring {name} version {version} failed: {type(exc).__name__}: {exc}"
-        )
-    if logits.ndim != 2 or logits.shape[0] != len(y_test) or logits.shape[1] <= int(y_test.max()):
-        return Champion(version, error=f"{name} version {version} returned outputs of shape {logits.shape}")
-    return Champion(version, score=score(logits, y_test).get(metric.removeprefix("test_")))
 
 
 def apply_decision(
@@ -336,32 +281,14 @@ def _log_model(
 ) -> str:
     if spec is not None:  # the user's own code: its load_model, on a verified copy of the best checkpoint
         model, example = user_model(
-            config, fit, spec, tracking.recorded_digest(client, fit.mlflow_run_id, fit.best_checkpoint_uri)
+            config, fit, spec, pins.recorded_digest(client, fit.mlflow_run_id, fit.best_checkpoint_uri)
         )
         return _log_pt2(fit, model, example, {"run_key": fit.run_key, "train_code": config.train_code})
     assert dataset is not None
-
-    # The registered model takes raw features (it standardises them itself), as a user's data comes.
-    model = with_standardisation(
-        load_checkpoint_model(
-            fit.best_checkpoint_uri,
-            config.storage_options,
-            tracking.recorded_digest(client, fit.mlflow_run_id, fit.best_checkpoint_uri),
-        ),
-        dataset.feature_mean,
-        dataset.feature_std,
-    ).eval()
-    example = input_example(config, dataset)
-    preprocessing = {
-        "feature_names": dataset.feature_names,
-        "feature_mean": dataset.feature_mean,
-        "feature_std": dataset.feature_std,
-        "class_labels": dataset.class_labels,
-        "input": "raw features in feature_names order; the model applies (x - feature_mean) / feature_std",
-        "output": "logits; argmax is the index into class_labels",
-    }
-    metadata = {"run_key": fit.run_key, "dataset_hash": dataset.content_hash}
-    return _log_pt2(fit, model, example, metadata, {"preprocessing.json": json.dumps(preprocessing, indent=1)})
+    model, example, metadata, texts = builtin_register.builtin_model(
+        config, dataset, fit, pins.recorded_digest(client, fit.mlflow_run_id, fit.best_checkpoint_uri)
+    )
+    return _log_pt2(fit, model, example, metadata, texts)
 
 
 def _log_pt2(
@@ -428,26 +355,11 @@ def _link_logged_model(client: MlflowClient, fit: FitResult, model_id: str) -> N
     client.set_logged_model_tags(model_id, tags)
 
 
-def input_example(config: TrainingConfig, dataset: DatasetRef) -> np.ndarray:
-    """The logged model's input example: no real record unless `input_example='validation_rows'`.
-
-    The artifact store is often readable by more people than the training data (anyone with the MLflow UI),
-    and a row of it may be personal data. The synthetic rows (mean, mean - std, mean + std of the training
-    split, already in preprocessing.json) give MLflow the schema and the shapes it needs to export the model.
-    """
-    if config.input_example == "validation_rows":
-        x_val, _ = read_split(dataset, "val", config.storage_options, standardised=False)
-        return np.array(x_val[:5])
-    mean = np.asarray(dataset.feature_mean, dtype=np.float32)
-    std = np.asarray(dataset.feature_std, dtype=np.float32)
-    return np.stack([mean, mean - std, mean + std]).astype(np.float32)
-
-
 def _version_tags(
     config: TrainingConfig, dataset: DatasetRef | None, fit: FitResult, spec: TrainFunc | None
 ) -> dict[str, str]:
     lineage = (
-        {SCHEMA_TAG: schema_digest(dataset), "dataset_hash": dataset.content_hash}
+        {SCHEMA_TAG: builtin_register.schema_digest(dataset), "dataset_hash": dataset.content_hash}
         if dataset is not None
         else user_version_tags(config, spec, fit.scores[spec.gate.name] if spec is not None else 0.0)
     )

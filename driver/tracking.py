@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import logging
 import math
 import os
-import secrets
-import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from raytrain_tasks.config import RESUME_MAY_CHANGE, TrainingConfig, check_run_key
-from raytrain_tasks.errors import CheckpointError, TrackingError
-from raytrain_tasks.pin_journal import PinJournal
+from driver.run_owner import DRIVER_TAG, KILLED_TAG, driver_alive, this_driver
+from raytrain_tasks.config import RESUME_MAY_CHANGE, check_run_key
+from raytrain_tasks.errors import TrackingError
 from raytrain_tasks.redact import redact, redact_exception, redact_uri
 from raytrain_tasks.tracking import EPOCH_METRICS, epoch_number, log_epoch
 
@@ -159,161 +154,10 @@ def check_resumable(
         _check_dataset_unchanged(existing.data.tags, dataset_hash, run_key)
 
 
-DRIVER_TAG = "prefect_raytrain.driver"
 DATASET_HASH_TAG = "prefect_raytrain.dataset_hash"  # set by driver.fit at the run's start; a resume must match it
-KILLED_TAG = "prefect_raytrain.killed"
-
-
-def this_driver() -> str:
-    """``host@scope:pid:start`` of this process. The scope names the process table the pid is in (the kernel's
-    boot and the pid namespace), so two containers with the same hostname are told apart; the start time tells a
-    reused pid from the original."""
-    return f"{socket.gethostname()}@{_pid_scope()}:{os.getpid()}:{_process_start(os.getpid())}"
-
-
-def driver_alive(driver: str) -> bool | None:
-    """Whether the process a DRIVER_TAG names still runs; None when this process cannot tell (another host or
-    container, or a tag without a scope, from an older release)."""
-    host, _, rest = driver.partition(":")
-    pid, _, start = rest.partition(":")
-    if host != f"{socket.gethostname()}@{_pid_scope()}" or not pid.isdigit() or not start:
-        return None
-    return _process_start(int(pid)) == start
-
-
-@functools.cache
-def _pid_scope() -> str:
-    """What makes this process's pids its own: the kernel's boot id and the pid namespace (Linux). Where either
-    cannot be read, a random token: no other process then shares the scope, and nobody judges this one dead."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as boot:
-            identity = boot.read().strip() + os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return secrets.token_hex(6)
-    return hashlib.sha256(identity.encode()).hexdigest()[:12]
-
-
-def mark_dead_runs_killed(client: MlflowClient, experiment_id: str, found_by: str) -> list[str]:
-    """Mark KILLED the experiment's RUNNING runs whose driver process on this host is gone; returns their ids.
-
-    A killed process cannot mark its own run. Runs driven from other hosts are left alone: from here
-    nobody can tell whether they still train.
-    """
-    from datetime import UTC, datetime
-
-    killed = []
-    for run in client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'", max_results=200):
-        driver = run.data.tags.get(DRIVER_TAG, "")
-        if driver_alive(driver) is not False:
-            continue
-        reason = (
-            f"driver process {driver} ended without finishing this run; marked KILLED by run {found_by} at "
-            f"{datetime.now(UTC):%Y-%m-%dT%H:%M:%SZ}"
-        )
-        client.set_tag(run.info.run_id, KILLED_TAG, reason)
-        client.set_terminated(run.info.run_id, status="KILLED")
-        killed.append(run.info.run_id)
-    return killed
-
-
-def _process_start(pid: int) -> str:
-    """The process's start time in clock ticks since boot (Linux), or '' where it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-        return fields[19]  # field 22 of proc(5); fields[0] is field 3 (state)
-    except (OSError, IndexError):
-        return ""
 
 
 FIT_RECORD_TAG = "prefect_raytrain.fit_record_sha256"
-
-
-def recorded_digest(client: MlflowClient, run_id: str, checkpoint_uri: str) -> str:
-    """The manifest digest run ``run_id`` recorded for the checkpoint at ``checkpoint_uri``; CheckpointError if none."""
-    from raytrain_tasks.tracking import checkpoint_name, pinned_digests
-
-    name = checkpoint_name(checkpoint_uri)
-    digest = pinned_digests(client.get_run(run_id).data.tags).get(name)
-    if digest is None:
-        raise CheckpointError(
-            f"checkpoint {checkpoint_uri} has no manifest digest recorded in MLflow run {run_id}: as far as MLflow "
-            "knows, this run never committed it, so it is not loaded. Resume the run (`resume`) to train it again"
-        )
-    return digest
-
-
-def pin_checkpoints(client: MlflowClient, run_id: str, reported: list[tuple[str, dict[str, Any]]]) -> int:
-    """Record the manifest digests this fit's workers reported (folder name, metrics) that MLflow lacks."""
-    from mlflow.entities import RunTag
-
-    from raytrain_tasks.tracking import MANIFEST_METRIC, pin_tag, pinned_digests
-
-    known = pinned_digests(client.get_run(run_id).data.tags)
-    missing = [
-        RunTag(pin_tag(name), str(metrics[MANIFEST_METRIC]))
-        for name, metrics in reported
-        if name not in known and isinstance(metrics.get(MANIFEST_METRIC), str)
-    ]
-    if missing:
-        client.log_batch(run_id, tags=missing)
-    return len(missing)
-
-
-def pin_journal_dir() -> Path:
-    """Where this machine keeps its pin journals (raytrain_tasks.pin_journal): under the Prefect home of the
-    process that drives the run (a CLI run, a deployment's worker or serve), never in the run's storage.
-
-    Read from the environment as Prefect reads it (``PREFECT_HOME``, default ``~/.prefect``): the driver does not
-    import Prefect, and a Ray Job's driver on a cluster need not have it installed."""
-    home = os.environ.get("PREFECT_HOME") or "~/.prefect"
-    return Path(home).expanduser().resolve() / "prefect-raytrain" / "pin-journal"
-
-
-def pin_journal(config: TrainingConfig, run_key: str) -> PinJournal | None:
-    """The run's pin journal; None (warned) where it would lie inside a local `storage_path`, which cannot vouch
-    for itself."""
-    from raytrain_tasks.fs import is_s3
-
-    directory = pin_journal_dir()
-    if not is_s3(config.storage_path) and directory.is_relative_to(Path(config.storage_path).resolve()):
-        logger.warning(
-            "no pin journal for run %s: %s lies inside storage_path; checkpoints are pinned in MLflow alone",
-            run_key,
-            directory,
-        )
-        return None
-    return PinJournal.for_run(directory, run_key)
-
-
-def pins_from_journal(client: MlflowClient, run_id: str, journal: PinJournal | None) -> list[str]:
-    """Record in the MLflow run what ``journal`` holds for it and the run lacks (MLflow was down when those
-    checkpoints were committed): their pins, and their epochs' metrics at their steps. A pin or a metric MLflow
-    already has is never replaced. The folder names whose pins were added."""
-    from mlflow.entities import Metric, RunTag
-
-    from raytrain_tasks.tracking import pin_tag, pinned_digests
-
-    if journal is None:
-        return []
-    known = pinned_digests(client.get_run(run_id).data.tags)
-    missing = [entry for entry in journal.entries(run_id) if entry.checkpoint not in known]
-    if not missing:
-        return []
-    steps: dict[str, set[int]] = {}
-    metrics: list[Metric] = []
-    timestamp = int(time.time() * 1000)
-    for entry in missing:
-        for key, value in entry.metrics.items():
-            if key not in steps:
-                steps[key] = {int(m.step) for m in client.get_metric_history(run_id, key)}
-            if entry.step not in steps[key]:
-                steps[key].add(entry.step)
-                metrics.append(Metric(key, value, timestamp, entry.step))
-    tags = [RunTag(pin_tag(entry.checkpoint), entry.sha256) for entry in missing]
-    for start in range(0, max(len(tags), len(metrics)), 100):
-        client.log_batch(run_id, metrics=metrics[start : start + 100], tags=tags[start : start + 100])
-    return [entry.checkpoint for entry in missing]
 
 
 def reconcile_epochs(client: MlflowClient, run_id: str, history: list[dict[str, float]]) -> int:

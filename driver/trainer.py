@@ -16,7 +16,7 @@ from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
 from ray.train.v2.api.callback import RayTrainCallback
 
-from driver import evaluation, tracking
+from driver import evaluation, pins, tracking
 from driver.cluster import WORKER_GROUP_START_TIMEOUT_S
 from driver.fit_record import FitResult, OpenRun, checkpoint_uri, write_fit_record
 from driver.lease import HeldLease
@@ -326,7 +326,7 @@ def record_builtin(
             f"{CHECKPOINT_PREFIX}NNNN): someone or something changed the run's storage. Nothing is registered "
             "from it; check who can write `storage_path`, then start a new run (without `resume`)"
         )
-    tracking.pin_checkpoints(client, run_id, [(n, m) for n, m in reported if n not in opened.preexisting])
+    pins.pin_checkpoints(client, run_id, [(n, m) for n, m in reported if n not in opened.preexisting])
     fit = summarize(result, config, run_key, run_dir, opened)
     added = tracking.reconcile_epochs(client, run_id, fit.history)
     if added:
@@ -341,7 +341,7 @@ def record_builtin(
     )
     model_id = model_ids.get(checkpoint_name(fit.best_checkpoint_uri))
     pointer = {"uri": fit.best_checkpoint_uri, "epoch": fit.best_epoch, "run_uri": fit.run_uri, "run_key": run_key}
-    digest = tracking.recorded_digest(client, run_id, fit.best_checkpoint_uri)
+    digest = pins.recorded_digest(client, run_id, fit.best_checkpoint_uri)
     scores = evaluation.log_evaluation(client, run_id, dataset, fit, pointer, config.storage_options, digest, model_id)
     fit = fit.model_copy(update={"scores": scores, "best_checkpoint_model_id": model_id})
     write_fit_record(run_dir, client, run_id, fit, lease)

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from driver.promotion import Champion
+from driver.promotion import CHAMPION, Champion
 from driver.storage import download_dir, locate
 from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig
@@ -86,7 +86,7 @@ def assess_recorded_champion(client: MlflowClient, name: str, config: TrainingCo
     from mlflow.exceptions import MlflowException
 
     try:
-        version = client.get_registered_model(name).aliases.get("champion")
+        version = client.get_registered_model(name).aliases.get(CHAMPION)
         if version is None:
             return Champion.absent()
         version = str(version)

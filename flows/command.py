@@ -98,12 +98,12 @@ def committed_epochs(client: Any, run: Any) -> int:
 
 def describe_run(client: Any, run: Any) -> dict[str, str]:
     """What `runs` shows of one MLflow run of the pipeline."""
-    from driver import tracking
+    from driver import run_owner, tracking
 
     status = run.info.status
     state = {"FINISHED": "finished", "FAILED": "failed", "KILLED": "stopped"}.get(status, status.lower())
     if status == "RUNNING":
-        alive = tracking.driver_alive(run.data.tags.get(tracking.DRIVER_TAG, ""))
+        alive = run_owner.driver_alive(run.data.tags.get(run_owner.DRIVER_TAG, ""))
         state = {True: "running", False: "interrupted", None: "running (other host)"}[alive]
     done = committed_epochs(client, run)
     planned = run.data.params.get("epochs", "?")

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from driver.lease import LEASE_FILE, read_lease, run_lease
+from driver.run_owner import driver_alive, this_driver
 from driver.storage import StorageLocation, locate, s3_client
-from driver.tracking import driver_alive, this_driver
 from raytrain_tasks.errors import RunLeaseError
 from raytrain_tasks.fs import StorageOptions
 
@@ -169,7 +169,7 @@ def test_a_driver_in_another_pid_namespace_with_the_same_hostname_is_not_judged_
     """Two containers with one hostname: a driver in the other one was `hostname:pid:start` like ours, and its
     pid looked up in our process table (gone, or another process) made it "dead": its live run's lease was taken
     over and its MLflow run marked KILLED."""
-    probe = "from driver.tracking import this_driver; print(this_driver())"
+    probe = "from driver.run_owner import this_driver; print(this_driver())"
     try:
         other = subprocess.run(
             ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", probe],
@@ -326,7 +326,7 @@ def test_a_fit_whose_lease_is_taken_stops_at_once_and_leaves_the_mlflow_run_alon
     import ray
     from mlflow import MlflowClient
 
-    from driver import tracking
+    from driver import run_owner, tracking
     from driver.fit import fit_in_this_process
     from driver.storage import RUNS_DIR
     from raytrain_tasks.config import new_run_key
@@ -390,7 +390,7 @@ def test_a_fit_whose_lease_is_taken_stops_at_once_and_leaves_the_mlflow_run_alon
     client = MlflowClient(config.mlflow_tracking_uri)
     (run,) = client.search_runs([client.get_experiment_by_name(config.experiment_name).experiment_id])
     assert run.info.status == "RUNNING"  # the holder's: not KILLED, not FAILED by the driver that lost it
-    assert tracking.KILLED_TAG not in run.data.tags and tracking.ERROR_TAG not in run.data.tags
+    assert run_owner.KILLED_TAG not in run.data.tags and tracking.ERROR_TAG not in run.data.tags
     lease = read_lease(lease_file)
     assert lease is not None and lease.holder == taker  # and the lost driver did not release the taker's lease
     assert ray.is_initialized()

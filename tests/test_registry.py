@@ -208,7 +208,7 @@ def test_a_champion_stored_as_a_pickle_is_never_loaded(registry: dict[str, Any],
     import mlflow
     import torch
 
-    from driver.register import SCHEMA_TAG, schema_digest
+    from driver.builtin_register import SCHEMA_TAG, schema_digest
 
     config, client, workdir = registry["config"], registry["client"], registry["workdir"]
     marker = tmp_path / "pwned"
@@ -355,7 +355,7 @@ def test_a_registry_outage_in_the_middle_of_the_decision_moves_nothing_and_a_ret
     """`mlflow server` stops after the candidate's version is registered and before the champion is read: the
     task fails (no alias moves, the version is not marked decided); with the server back, the next attempt of
     the same run key decides on that same version."""
-    import driver.register as register
+    import driver.builtin_register as builtin_register
     import driver.registry_lock as registry_lock
 
     # A short lock lease, so the retry waits seconds, not a minute, for the failed attempt's ticket to go stale.
@@ -372,7 +372,7 @@ def test_a_registry_outage_in_the_middle_of_the_decision_moves_nothing_and_a_ret
         champion = _register(config, dataset, _fit(client, workdir, config, dataset, "20261123-090000-aaaaaa", 0.5))
         assert champion.decision == "promote"
 
-        assess = register.assess_champion
+        assess = builtin_register.assess_champion
         stopped = []
 
         def outage(*args: Any, **kwargs: Any) -> Any:
@@ -380,14 +380,14 @@ def test_a_registry_outage_in_the_middle_of_the_decision_moves_nothing_and_a_ret
             stopped.append(True)
             return assess(*args, **kwargs)
 
-        monkeypatch.setattr(register, "assess_champion", outage)
+        monkeypatch.setattr(builtin_register, "assess_champion", outage)
         fit = _fit(client, workdir, config, dataset, "20261123-100000-bbbbbb", 0.99)
         error = _register(config, dataset, fit)
         assert stopped and isinstance(error, Exception), error  # the task ended Failed
         assert "outage version 2" in str(error), error
 
         server = start_mlflow_server(root, port)
-        monkeypatch.setattr(register, "assess_champion", assess)
+        monkeypatch.setattr(builtin_register, "assess_champion", assess)
         assert _champion(client, "outage") == champion.version  # nothing moved
         assert _versions(client, "outage") == [champion.version, "2"]
         assert APPLIED_TAG not in client.get_model_version("outage", "2").tags

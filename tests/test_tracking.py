@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from mlflow import MlflowClient
 
-from driver import tracking
+from driver import pins, run_owner, tracking
 from raytrain_tasks.tracking import MlflowEpochLogger
 from tests.helpers import free_port, stop_process_group, wait_for_http
 
@@ -21,20 +21,20 @@ def test_a_run_whose_driver_died_is_marked_killed_by_the_next_pipeline(tmp_path:
     experiment = client.create_experiment("killed")
     dead = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        alive_driver = tracking.this_driver()
+        alive_driver = run_owner.this_driver()
         dead_driver = alive_driver.replace(f":{os.getpid()}:", f":{dead.pid}:").rsplit(":", 1)[0]
-        dead_driver += ":" + tracking._process_start(dead.pid)
+        dead_driver += ":" + run_owner._process_start(dead.pid)
     finally:
         dead.kill()
         dead.wait()
-    orphan = client.create_run(experiment, tags={tracking.DRIVER_TAG: dead_driver}).info.run_id
-    live = client.create_run(experiment, tags={tracking.DRIVER_TAG: alive_driver}).info.run_id
-    elsewhere = client.create_run(experiment, tags={tracking.DRIVER_TAG: "other-host:1:1"}).info.run_id
+    orphan = client.create_run(experiment, tags={run_owner.DRIVER_TAG: dead_driver}).info.run_id
+    live = client.create_run(experiment, tags={run_owner.DRIVER_TAG: alive_driver}).info.run_id
+    elsewhere = client.create_run(experiment, tags={run_owner.DRIVER_TAG: "other-host:1:1"}).info.run_id
 
-    assert tracking.mark_dead_runs_killed(client, experiment, found_by="20261123-000000-abcdef") == [orphan]
+    assert run_owner.mark_dead_runs_killed(client, experiment, found_by="20261123-000000-abcdef") == [orphan]
     killed = client.get_run(orphan)
     assert killed.info.status == "KILLED"
-    assert "ended without finishing" in killed.data.tags[tracking.KILLED_TAG]
+    assert "ended without finishing" in killed.data.tags[run_owner.KILLED_TAG]
     assert client.get_run(live).info.status == "RUNNING"  # its driver (this process) still runs
     assert client.get_run(elsewhere).info.status == "RUNNING"  # another host: nobody here can tell
 
@@ -87,7 +87,7 @@ def test_the_pin_the_controller_records_is_found_for_every_spelling_of_the_check
     metrics = {"epoch": 1, "train_loss": 0.5, MANIFEST_METRIC: "a" * 64}
     log_epoch(client, run_id, metrics, "bucket/runs/key/epoch-0002/")
     for uri in ("s3://bucket/runs/key/epoch-0002", "s3://bucket/runs/key/epoch-0002/", "/local/runs/key/epoch-0002"):
-        assert tracking.recorded_digest(client, run_id, uri) == "a" * 64
+        assert pins.recorded_digest(client, run_id, uri) == "a" * 64
     assert [m.step for m in client.get_metric_history(run_id, "train_loss")] == [2]
 
 
@@ -212,12 +212,12 @@ def test_the_pin_journal_keeps_pins_for_the_mlflow_run_they_belong_to_and_fills_
 
     client.set_tag(run_id, pin_tag("epoch-0001"), "f" * 64)  # what MLflow recorded stands
     client.log_metric(run_id, "val_loss", 0.9, step=2)
-    assert tracking.pins_from_journal(client, run_id, journal) == ["epoch-0002", "epoch-0003"]
-    pins = pinned_digests(client.get_run(run_id).data.tags)
-    assert pins == {"epoch-0001": "f" * 64, "epoch-0002": "2" * 64, "epoch-0003": "3" * 64}
+    assert pins.pins_from_journal(client, run_id, journal) == ["epoch-0002", "epoch-0003"]
+    pinned = pinned_digests(client.get_run(run_id).data.tags)
+    assert pinned == {"epoch-0001": "f" * 64, "epoch-0002": "2" * 64, "epoch-0003": "3" * 64}
     history = {m.step: m.value for m in client.get_metric_history(run_id, "val_loss")}
     assert history == {2: 0.9, 3: pytest.approx(1 / 3)}  # epoch 3 filled in; MLflow's epoch 2 kept
-    assert tracking.pins_from_journal(client, run_id, journal) == []
+    assert pins.pins_from_journal(client, run_id, journal) == []
     assert pinned_digests(client.get_run(other_run).data.tags) == {}
 
     Path(journal.path).chmod(0o666)  # writable by anyone: not evidence of anything
@@ -233,6 +233,6 @@ def test_no_pin_journal_inside_a_local_storage_path(tmp_path: Path, monkeypatch:
 
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "state" / "prefect"))
     inside = TrainingConfig(storage_path=str(tmp_path / "state"))
-    assert tracking.pin_journal(inside, "20260101-000000-abcdef") is None
-    journal = tracking.pin_journal(TrainingConfig(storage_path=str(tmp_path / "storage")), "20260101-000000-abcdef")
+    assert pins.pin_journal(inside, "20260101-000000-abcdef") is None
+    journal = pins.pin_journal(TrainingConfig(storage_path=str(tmp_path / "storage")), "20260101-000000-abcdef")
     assert journal is not None and Path(journal.path).is_relative_to(tmp_path / "state" / "prefect")
