@@ -36,6 +36,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
+	$(PY) -m devtools.check_sizes
 
 typecheck: install
 	$(VENV)/bin/mypy flows tasks driver raytrain_tasks deployments bench examples

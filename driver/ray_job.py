@@ -96,6 +96,32 @@ def fit_as_ray_job(
     with ray_session(config):
         check_cluster(config, dataset, runs, mlflow, run_key, spec is not None and spec.datasets is not None)
     client = connect(config)
+    submission_id = _attach_or_submit(client, config, dataset, run_key, run_dir, origin, logger)
+    status, message = follow(client, submission_id, logger)
+    if status == "SUCCEEDED":
+        experiment = mlflow.get_experiment_by_name(config.experiment_name)
+        fit = finished_fit(run_dir, mlflow, experiment.experiment_id, run_key) if experiment else None
+        if fit is None:  # fail closed: nothing unverified goes on to the promotion gate
+            raise TrainingError(
+                f"Ray Job {submission_id} succeeded but run {run_key} has no fit record whose digest MLflow "
+                f"holds under {run_dir.uri}; check that `storage_path` and `mlflow_tracking_uri` name the same "
+                "storage and server from the cluster as from here"
+            )
+        return fit
+    raise job_error(client, submission_id, status, message, run_key)
+
+
+def _attach_or_submit(
+    client: JobSubmissionClient,
+    config: TrainingConfig,
+    dataset: DatasetRef | None,
+    run_key: str,
+    run_dir: StorageLocation,
+    origin: dict[str, str],
+    logger: Any,
+) -> str:
+    """The run key's job to follow: the one still training (or done while nobody watched), else a new one that
+    resumes from the last checkpoint."""
     existing = jobs_of(client, run_key)
     newest = next((name for name in reversed(submission_ids(run_key)) if name in existing), None)
     if newest is not None and existing[newest] in (*ACTIVE, "SUCCEEDED"):
@@ -129,18 +155,7 @@ def fit_as_ray_job(
             config.dashboard_url,
             f" (after {newest}, {existing[newest]})" if newest else "",
         )
-    status, message = follow(client, submission_id, logger)
-    if status == "SUCCEEDED":
-        experiment = mlflow.get_experiment_by_name(config.experiment_name)
-        fit = finished_fit(run_dir, mlflow, experiment.experiment_id, run_key) if experiment else None
-        if fit is None:  # fail closed: nothing unverified goes on to the promotion gate
-            raise TrainingError(
-                f"Ray Job {submission_id} succeeded but run {run_key} has no fit record whose digest MLflow "
-                f"holds under {run_dir.uri}; check that `storage_path` and `mlflow_tracking_uri` name the same "
-                "storage and server from the cluster as from here"
-            )
-        return fit
-    raise job_error(client, submission_id, status, message, run_key)
+    return submission_id
 
 
 def _submit(client: JobSubmissionClient, config: TrainingConfig, submission_id: str, payload: dict[str, Any]) -> None:

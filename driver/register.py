@@ -121,16 +121,7 @@ def _register_model(
                 logger.info("run %s already registered %s version %s", fit.run_key, config.model_name, version)
             ref = _decided(client, config, version, candidate_score, metric, lock)
             if ref is None:
-                if config.promote and spec is not None:
-                    champion = assess_recorded_champion(client, config.model_name, config, spec)
-                elif config.promote:
-                    assert dataset is not None
-                    x_test, y_test = read_split(dataset, "test", config.storage_options, standardised=False)
-                    champion = builtin_register.assess_champion(
-                        client, config.model_name, builtin_register.schema_digest(dataset), x_test, y_test, metric
-                    )
-                else:
-                    champion = Champion.absent()
+                champion = _current_champion(client, config, dataset, spec, metric)
                 decision = decide_promotion(
                     candidate_score,
                     champion,
@@ -156,6 +147,21 @@ def _register_model(
             f"could not be made: {ref.reason}. No alias moved; run again with `resume={fit.run_key}` to decide again"
         )
     return ref
+
+
+def _current_champion(
+    client: MlflowClient, config: TrainingConfig, dataset: DatasetRef | None, spec: TrainFunc | None, metric: str
+) -> Champion:
+    """The champion the candidate is compared with, assessed the way its kind of code allows (fail closed: a
+    champion that cannot be assessed comes back with an error, and nothing moves)."""
+    if not config.promote:
+        return Champion.absent()
+    if spec is not None:
+        return assess_recorded_champion(client, config.model_name, config, spec)
+    assert dataset is not None
+    x_test, y_test = read_split(dataset, "test", config.storage_options, standardised=False)
+    digest = builtin_register.schema_digest(dataset)
+    return builtin_register.assess_champion(client, config.model_name, digest, x_test, y_test, metric)
 
 
 def apply_decision(

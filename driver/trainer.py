@@ -118,6 +118,16 @@ def waited_for_resources(exc: BaseException) -> WorkerGroupStartupTimeoutError |
     return cause if isinstance(cause, WorkerGroupStartupTimeoutError) else None
 
 
+def _scaling(config: TrainingConfig) -> ray.train.ScalingConfig:
+    """The worker group: a fixed count, or a (min, max) pair that makes it elastic (Ray Train V2)."""
+    low, high = config.worker_range
+    return ray.train.ScalingConfig(
+        num_workers=(low, high) if high > low else low,  # type: ignore[arg-type]
+        use_gpu=config.use_gpu,
+        resources_per_worker={"CPU": config.cpus_per_worker, **({"GPU": 1} if config.use_gpu else {})},
+    )
+
+
 def build_trainer(
     config: TrainingConfig,
     dataset: DatasetRef | None,
@@ -160,12 +170,7 @@ def build_trainer(
         train_loop_config=loop_config,
         torch_config=TorchConfig(backend="nccl" if config.use_gpu else "gloo"),
         **data,
-        scaling_config=ray.train.ScalingConfig(
-            # A (min, max) pair makes the worker group elastic (Ray Train V2).
-            num_workers=(low, high) if high > low else low,  # type: ignore[arg-type]
-            use_gpu=config.use_gpu,
-            resources_per_worker={"CPU": config.cpus_per_worker, **({"GPU": 1} if config.use_gpu else {})},
-        ),
+        scaling_config=_scaling(config),
         run_config=ray.train.RunConfig(
             name=run_key,
             storage_path=runs.path,

@@ -71,6 +71,57 @@ def model_spec(config: TrainingConfig, dataset: DatasetRef) -> ModelSpec:
     )
 
 
+def _train_epoch(model: Any, optimizer: Any, loss_fn: Any, epoch_batches: Any, device: Any) -> tuple[Any, int]:
+    """One pass over this rank's batches: (summed training loss as a float64 tensor on the device, samples)."""
+    model.train()
+    # Metrics accumulate on the device: no per-step .item(), which would make the host wait for the GPU at
+    # every step. The one transfer per epoch is the all-reduced sums of the caller.
+    train_loss_total = torch.zeros((), dtype=torch.float64, device=device)
+    samples = 0
+    for features, labels, _ in epoch_batches:
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(features), labels)
+        (loss / labels.shape[0]).backward()
+        optimizer.step()
+        train_loss_total += loss.detach().to(torch.float64)
+        samples += labels.shape[0]  # a shape is known on the host
+    return train_loss_total, samples
+
+
+def _validate(model: Any, val_x: Any, val_y: Any, loss_fn: Any, batch_size: int) -> tuple[Any, Any]:
+    """This rank's summed validation loss and correct predictions (float64 tensors on its device)."""
+    model.eval()
+    val_loss_total = torch.zeros((), dtype=torch.float64, device=val_x.device)
+    correct = torch.zeros((), dtype=torch.float64, device=val_x.device)
+    with torch.no_grad():  # batch_size rows per forward pass: a large split never needs one pass's memory
+        for start in range(0, len(val_y), batch_size):
+            logits = model(val_x[start : start + batch_size])
+            labels = val_y[start : start + batch_size]
+            val_loss_total += loss_fn(logits, labels).to(torch.float64)
+            correct += (logits.argmax(1) == labels).sum().to(torch.float64)
+    return val_loss_total, correct
+
+
+def _restore(spec: WorkerSpec, net: Any, rank: int) -> tuple[int, list[dict[str, float]], Any, Any, frozenset[str]]:
+    """Where this worker starts: (first epoch, history, RNG state, optimizer state, checkpoint names it must not
+    write into), with ``net`` loaded from the newest intact pinned checkpoint when there is one."""
+    # A folder left by an earlier attempt (even one Ray never registered: killed mid-upload) is never written
+    # into again.
+    taken = spec.preexisting
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return 0, [], None, None, taken
+    taken |= existing_checkpoint_names(checkpoint)
+    loaded, checkpoint = load_newest_intact(
+        checkpoint, announce=rank == 0, pins=CheckpointPins(spec.preexisting, spec.pinned)
+    )
+    net.load_state_dict(loaded.model_state)
+    start_epoch = loaded.state.epoch + 1
+    if rank == 0:
+        logger.info("resuming from %s: next epoch %d", checkpoint.path, epoch_number(start_epoch))
+    return start_epoch, list(loaded.state.history), loaded.rng_state, loaded.optimizer_state, taken
+
+
 def train_loop_per_worker(train_loop_config: dict[str, Any]) -> None:
     spec = WorkerSpec.model_validate(train_loop_config)
     config, dataset = spec.config, spec.dataset
@@ -89,21 +140,7 @@ def train_loop_per_worker(train_loop_config: dict[str, Any]) -> None:
     val_x, val_y = torch.from_numpy(x_val).to(device), torch.from_numpy(y_val).to(device)
 
     net = build_model(config.model, dataset.num_features, dataset.num_classes, config.hidden_sizes)
-    start_epoch, history, rng_state, optimizer_state = 0, [], None, None
-    # A folder left by an earlier attempt (even one Ray never registered: killed mid-upload) is never written
-    # into again.
-    taken = spec.preexisting
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        taken |= existing_checkpoint_names(checkpoint)
-        loaded, checkpoint = load_newest_intact(
-            checkpoint, announce=rank == 0, pins=CheckpointPins(spec.preexisting, spec.pinned)
-        )
-        net.load_state_dict(loaded.model_state)
-        start_epoch, history = loaded.state.epoch + 1, list(loaded.state.history)
-        rng_state, optimizer_state = loaded.rng_state, loaded.optimizer_state
-        if rank == 0:
-            logger.info("resuming from %s: next epoch %d", checkpoint.path, epoch_number(start_epoch))
+    start_epoch, history, rng_state, optimizer_state, taken = _restore(spec, net, rank)
 
     model = ray.train.torch.prepare_model(net)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate)
@@ -117,28 +154,8 @@ def train_loop_per_worker(train_loop_config: dict[str, Any]) -> None:
         batches.warm(start_epoch)
     for epoch in range(start_epoch, config.epochs):
         started = time.perf_counter()
-        model.train()
-        # Metrics accumulate on the device: no per-step .item(), which would make the host wait for the GPU
-        # at every step. The one transfer per epoch is the all-reduced sums below.
-        train_loss_total = torch.zeros((), dtype=torch.float64, device=device)
-        samples = 0
-        for features, labels, _ in batches.epoch(epoch):
-            optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(model(features), labels)
-            (loss / labels.shape[0]).backward()
-            optimizer.step()
-            train_loss_total += loss.detach().to(torch.float64)
-            samples += labels.shape[0]  # a shape is known on the host
-
-        model.eval()
-        val_loss_total = torch.zeros((), dtype=torch.float64, device=device)
-        correct = torch.zeros((), dtype=torch.float64, device=device)
-        with torch.no_grad():  # batch_size rows per forward pass: a large split never needs one pass's memory
-            for start in range(0, len(val_y), config.batch_size):
-                logits = model(val_x[start : start + config.batch_size])
-                labels = val_y[start : start + config.batch_size]
-                val_loss_total += loss_fn(logits, labels).to(torch.float64)
-                correct += (logits.argmax(1) == labels).sum().to(torch.float64)
+        train_loss_total, samples = _train_epoch(model, optimizer, loss_fn, batches.epoch(epoch), device)
+        val_loss_total, correct = _validate(model, val_x, val_y, loss_fn, config.batch_size)
         counts = torch.tensor([samples, len(val_y)], dtype=torch.float64, device=device)
         sums = torch.stack([train_loss_total, counts[0], val_loss_total, correct, counts[1]])
         if dist.is_available() and dist.is_initialized():

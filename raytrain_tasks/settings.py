@@ -1,0 +1,345 @@
+"""The settings of a training run, declared once, by section; ``raytrain_tasks.config.TrainingConfig`` is all of
+them together (with the checks that span sections), and the flow's parameters, the CLI's flags, the Prefect form
+and docs/configuration.md follow from these declarations, in this order.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import PurePosixPath
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from raytrain_tasks.models import MODELS
+
+DEFAULT_STATE_DIR = ".pipeline"
+
+
+def _dataset_stem(dataset: str) -> str:
+    """A registered-model name part from ``dataset``: 'synthetic', or its file's name without the extension."""
+    stem = PurePosixPath(dataset.rstrip("/").split("://", 1)[-1]).name.split(".")[0]
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("-._") or "dataset"
+
+
+# On the settings that decide where this process's credentials are sent (MLflow's, the AWS keys, Ray's token): a
+# run of a deployment that sets another value than its deployment's is refused
+# (tasks.run_settings.check_deployment_pins), so whoever may only trigger runs cannot point them at a server of
+# their own.
+PINNED_BY_DEPLOYMENT: dict[str, Any] = {"pinned_by_deployment": True}
+# On the settings that steer a run rather than decide what it trains (retries, windows, registration): a resume may
+# give them other values; any other setting changed on resume is refused (driver.tracking), or the checkpoints and
+# metrics of one MLflow run would not add up.
+MAY_CHANGE_ON_RESUME: dict[str, Any] = {"may_change_on_resume": True}
+
+
+class _Section(BaseModel):
+    # A refused value is not echoed (it may be a `user:password@host`): messages name the setting, and quote the
+    # value only through redact().
+    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
+
+
+class DataSettings(_Section):
+    """What the run trains on, and how it is split."""
+
+    dataset: str = Field(
+        default="digits",
+        title="Dataset",
+        description=(
+            "'digits' (scikit-learn's bundled 8x8 handwritten digits), 'synthetic' (a generated "
+            "classification problem), or a path/URI to a .csv or .parquet file with a label column."
+        ),
+    )
+    label_column: str = Field(
+        default="label",
+        min_length=1,
+        title="Label column",
+        description="Name of the class-label column in a CSV/Parquet dataset.",
+    )
+    synthetic_samples: int = Field(
+        default=4000, ge=100, le=10_000_000, title="Synthetic samples", description="Rows of 'synthetic'."
+    )
+    synthetic_features: int = Field(
+        default=20, ge=2, le=10_000, title="Synthetic features", description="Feature columns of 'synthetic'."
+    )
+    val_fraction: float = Field(
+        default=0.2,
+        gt=0.0,
+        lt=0.9,
+        title="Validation fraction",
+        description="Share of rows held out to pick the best checkpoint.",
+    )
+    test_fraction: float = Field(
+        default=0.1,
+        gt=0.0,
+        lt=0.9,
+        title="Test fraction",
+        description=(
+            "Share of rows held out from training and checkpoint selection; the candidate and the champion are "
+            "compared on it."
+        ),
+    )
+    split_key_column: str = Field(
+        default="",
+        title="Split key column",
+        description=(
+            "Column whose value identifies a row (not used as a feature); a row's split follows from its hash, so "
+            "rows keep their split as data grows. Empty: the hash of the row's values."
+        ),
+    )
+
+
+class ComputeSettings(_Section):
+    """The Ray Train worker group."""
+
+    num_workers: int = Field(
+        default=2, ge=1, le=1024, title="Workers", description="Ray Train DDP workers (one process each)."
+    )
+    max_workers: int = Field(
+        default=0,
+        ge=0,
+        le=1024,
+        title="Max workers (elastic)",
+        description=(
+            "0: exactly num_workers. Above num_workers: elastic, Ray Train starts with whatever fits between "
+            "num_workers and max_workers and resizes the group (restarting from the last checkpoint) as "
+            "nodes join or leave."
+        ),
+    )
+    use_gpu: bool = Field(
+        default=False,
+        title="Use GPU",
+        description="One GPU per worker and the NCCL backend; gloo on CPUs otherwise.",
+    )
+    cpus_per_worker: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=256,
+        title="CPUs per worker",
+        description=(
+            "CPU cores reserved per worker (and its torch threads). 0: sized to the cluster when the fit starts, "
+            "its CPUs shared among the most workers the run can have (one node each), less what a streamed "
+            "Ray Data pipeline needs beside them; the value used is logged, and kept by the run's retries and "
+            "resumes while `num_workers` fit at it."
+        ),
+    )
+
+    data_loader: Literal["torch", "ray_data"] = Field(
+        default="torch",
+        title="Data loader",
+        description=(
+            "'torch': every worker reads the split and a DistributedSampler shards it. 'ray_data': Ray Data "
+            "reads the Parquet split and standardises it on CPU tasks, once per run into Ray's object store when "
+            "it fits (streamed every epoch beside the workers otherwise), and feeds a disjoint shard to each "
+            "worker."
+        ),
+    )
+
+
+class TrainingSettings(_Section):
+    """What is trained, and how: your own code (`train_code`) or the built-in classifier."""
+
+    train_code: str = Field(
+        default="",
+        max_length=300,
+        title="Training code",
+        description=(
+            "Your own training code, 'package.module:attribute' naming a raytrain_tasks.api.TrainFunc (Ray Train's "
+            "train_func with its metric and model loader), imported from the directory the command runs in or "
+            "from the installed packages. Empty: the built-in table classifier (`model`, `dataset`, ...)."
+        ),
+    )
+    train_config: str = Field(
+        default="{}",
+        max_length=20_000,
+        title="Training code config (JSON)",
+        description=(
+            'A JSON object of hyperparameters for `train_code`, e.g. {"hidden": 64}: added to the config its '
+            "train_func receives (beside epochs, batch_size, lr, seed), logged as MLflow params train_config.<key>, "
+            "and kept by a resume."
+        ),
+    )
+    model: Literal[tuple(MODELS)] = Field(  # type: ignore[valid-type]
+        default="mlp", title="Model", description="Model architecture from raytrain_tasks/models.py."
+    )
+    hidden_sizes: list[int] = Field(
+        default=[128, 64],
+        min_length=1,
+        max_length=16,
+        title="Hidden layer sizes",
+        description="Widths of the hidden layers, e.g. [128, 64].",
+    )
+    epochs: int = Field(default=3, ge=1, le=10_000, title="Epochs", description="Passes over the training split.")
+    batch_size: int = Field(default=32, ge=1, le=65_536, title="Batch size", description="Per worker, per step.")
+    learning_rate: float = Field(default=3e-3, gt=0.0, le=10.0, title="Learning rate", description="Adam step size.")
+    seed: int = Field(
+        default=42, ge=0, title="Seed", description="Seeds weight init and shuffling (splits follow row hashes)."
+    )
+
+
+class ServiceSettings(_Section):
+    """Where state goes and what the run talks to: storage, Ray, MLflow."""
+
+    storage_path: str = Field(
+        default=f"{DEFAULT_STATE_DIR}/storage",
+        min_length=1,
+        title="Storage path",
+        description=(
+            "Shared storage for datasets and checkpoints: a local directory every Ray node sees, or "
+            "s3://bucket/prefix (credentials from the AWS chain: AWS_ACCESS_KEY_ID/..., AWS_PROFILE, roles)."
+        ),
+    )
+    s3_endpoint_url: str = Field(
+        json_schema_extra=PINNED_BY_DEPLOYMENT,
+        default="",
+        title="S3 endpoint URL",
+        description="For S3-compatible stores, e.g. 'http://127.0.0.1:8333'. Empty: AWS_ENDPOINT_URL_S3, "
+        "AWS_ENDPOINT_URL, or AWS itself.",
+    )
+    s3_region: str = Field(
+        default="", title="S3 region", description="Empty: AWS_REGION / AWS_DEFAULT_REGION, else us-east-1."
+    )
+    s3_max_attempts: int = Field(
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
+        default=8,
+        ge=1,
+        le=15,
+        title="S3 attempts per request",
+        description=(
+            "How often a checkpoint or data request to S3 is tried, with AWS's standard backoff, before the epoch "
+            "fails: 8 rides out about a minute of outage, 3 (AWS's default) about 2 s."
+        ),
+    )
+    create_bucket: bool = Field(
+        default=False, title="Create bucket", description="Create the storage bucket if it does not exist."
+    )
+    ray_address: str = Field(
+        json_schema_extra=PINNED_BY_DEPLOYMENT,
+        default="",
+        title="Ray address",
+        description="Empty: start a local Ray. Otherwise a cluster address, e.g. '127.0.0.1:6379' or 'ray://h:10001'.",
+    )
+    ray_connect_timeout_s: float = Field(
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
+        default=60.0,
+        ge=1,
+        le=3600,
+        title="Ray connect timeout (s)",
+        description="How long connecting to the cluster at `ray_address` may take before the run fails.",
+    )
+    launch_mode: Literal["driver", "ray_job"] = Field(
+        default="driver",
+        title="Launch mode",
+        description=(
+            "driver: the fit's Ray driver runs in the flow-run process. ray_job (a cluster by `ray_address`): it "
+            "runs on the cluster as a Ray Job, which keeps training if the flow-run process dies; the next run "
+            "with the same run key re-attaches to it."
+        ),
+    )
+    ray_dashboard_url: str = Field(
+        json_schema_extra=PINNED_BY_DEPLOYMENT,
+        default="",
+        title="Ray dashboard URL",
+        description=(
+            "Where launch_mode=ray_job submits the fit (what `ray job submit --address` takes). Empty: the host "
+            "of `ray_address`, port 8265."
+        ),
+    )
+    forward_credentials_to_cluster: bool = Field(
+        json_schema_extra={**PINNED_BY_DEPLOYMENT, **MAY_CHANGE_ON_RESUME},
+        default=False,
+        title="Forward credentials to the cluster",
+        description=(
+            "Copy this process's AWS keys and MLflow credentials into the Ray job's runtime_env. Ray keeps them in "
+            "its job table, readable by anyone who reaches the cluster's dashboard. Off: nodes use their own."
+        ),
+    )
+    mlflow_tracking_uri: str = Field(
+        json_schema_extra=PINNED_BY_DEPLOYMENT,
+        default="",
+        title="MLflow tracking URI",
+        description=f"Empty: a SQLite store under ./{DEFAULT_STATE_DIR}/. Or e.g. 'http://127.0.0.1:5000'.",
+    )
+    experiment_name: str = Field(
+        default="prefect-raytrain", min_length=1, title="MLflow experiment", description="Created if missing."
+    )
+    system_metrics: bool = Field(
+        default=False,
+        title="Log system metrics",
+        description="Sample CPU, memory (and GPU when present) of the driver's node into the MLflow run every 5 s.",
+    )
+    model_name: str = Field(
+        default="digits-classifier",
+        min_length=1,
+        max_length=200,
+        # It goes into MLflow search filters: no quotes, no backslashes.
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9 ._-]*$",
+        title="Registered model name",
+        description=(
+            "MLflow registered model that receives a new version per run (letters, digits, space, . _ -). With "
+            "`train_code` and this default, the module of the code (e.g. 'my_model.train') is the name instead; "
+            "with another `dataset`, its file name (e.g. 'flowers-classifier' for flowers.csv, "
+            "'synthetic-classifier')."
+        ),
+    )
+
+
+class FaultToleranceSettings(_Section):
+    """Retries, restarts, windows, and the run a resume continues."""
+
+    max_failures: int = Field(
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
+        default=2,
+        ge=0,
+        le=100,
+        title="Max worker failures",
+        description="Worker-group restarts Ray Train makes, each resuming from the last checkpoint.",
+    )
+    checkpoints_to_keep: int = Field(
+        default=2,
+        ge=1,
+        le=1000,
+        title="Checkpoints to keep",
+        description="Checkpoints kept per run: the best by promotion_metric, plus always the latest.",
+    )
+    fit_retries: int = Field(
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
+        default=1,
+        ge=0,
+        le=20,
+        title="Fit retries",
+        description="Prefect retries of the distributed-fit task; each resumes from the last checkpoint.",
+    )
+    retry_delay_seconds: float = Field(
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
+        default=5.0,
+        ge=0,
+        le=3600,
+        title="Retry delay (s)",
+        description="Wait before a distributed-fit retry.",
+    )
+    max_crash_resumes: int = Field(
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
+        default=2,
+        ge=0,
+        le=20,
+        title="Max crash continuations",
+        description=(
+            "How often a deployment run whose process died (Crashed) is continued automatically from its last "
+            "checkpoint, per run key; 0 turns it off. A run that crashes more often stays Crashed for a person."
+        ),
+    )
+    run_lease_seconds: float = Field(
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
+        default=60.0,
+        ge=5,
+        le=3600,
+        title="Driver lease (s)",
+        description="How long a run key stays locked to its driver after that driver stops renewing (e.g. dies).",
+    )
+    resume: str = Field(
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
+        default="",
+        title="Resume run key",
+        description="Run key of an interrupted run to continue (printed at start, tagged in MLflow).",
+    )
