@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from driver.champion import check_model_layout, download_model, predict_without_pickles
+from driver.champion import check_model_layout, download_model, predict_without_pickles, read_champion
 from driver.evaluation import load_checkpoint_model, score
 from driver.fit_record import FitResult
 from driver.promotion import CHAMPION, Champion
@@ -65,16 +65,10 @@ def assess_champion(
 
     It is scored only in this project's exact pt2 layout, from the local copy that was checked (driver.champion).
     """
-    from mlflow.exceptions import MlflowException
-
-    try:
-        version = client.get_registered_model(name).aliases.get(CHAMPION)
-        if version is None:
-            return Champion.absent()
-        version = str(version)
-        tags = client.get_model_version(name, version).tags
-    except MlflowException as exc:
-        return Champion(version=None, error=f"cannot read {name}@{CHAMPION} from the registry: {exc}")
+    found = read_champion(client, name)
+    if isinstance(found, Champion):
+        return found
+    version, tags = found
     recorded = tags.get(SCHEMA_TAG)
     if recorded is None:
         return Champion(version, incomparable="it records no input schema (registered by an older release)")

@@ -13,8 +13,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from driver.promotion import CHAMPION, Champion
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
 
 # What `mlflow.pytorch.log_model(..., serialization_format="pt2", input_example=...)` writes (MLflow 3.17.2,
 # checked on a real store), and so everything a champion may hold.
@@ -114,3 +120,18 @@ def predict_without_pickles(directory: Path, features: np.ndarray) -> np.ndarray
         for start in range(0, len(features), PREDICT_BATCH_ROWS)
     ]
     return np.concatenate(parts) if parts else np.asarray(model.predict(features))
+
+
+def read_champion(client: MlflowClient, name: str) -> Champion | tuple[str, dict[str, str]]:
+    """The version the ``champion`` alias names and its tags; or, when there is nothing to read, the Champion to
+    decide with: absent (no alias: the only case that counts as no champion), or open with the registry's error
+    (fail closed: nothing moves)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        version = client.get_registered_model(name).aliases.get(CHAMPION)
+        if version is None:
+            return Champion.absent()
+        return str(version), dict(client.get_model_version(name, str(version)).tags)
+    except MlflowException as exc:
+        return Champion(version=None, error=f"cannot read {name}@{CHAMPION} from the registry: {exc}")

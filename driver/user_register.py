@@ -13,7 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from driver.promotion import CHAMPION, Champion
+from driver.champion import read_champion
+from driver.promotion import Champion
 from driver.storage import download_dir, locate
 from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig
@@ -83,16 +84,10 @@ def version_tags(config: TrainingConfig, spec: TrainFunc | None, score: float) -
 def assess_recorded_champion(client: MlflowClient, name: str, config: TrainingConfig, spec: TrainFunc) -> Champion:
     """The champion's score as recorded when it was registered; incomparable unless the same training code
     registered it on the same metric. Only a missing alias means there is none; a registry error leaves it open."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        version = client.get_registered_model(name).aliases.get(CHAMPION)
-        if version is None:
-            return Champion.absent()
-        version = str(version)
-        tags = client.get_model_version(name, version).tags
-    except MlflowException as exc:
-        return Champion(version=None, error=f"cannot read {name}@champion from the registry: {exc}")
+    found = read_champion(client, name)
+    if isinstance(found, Champion):
+        return found
+    version, tags = found
     if tags.get(TRAIN_CODE_TAG) != config.train_code:
         return Champion(
             version,

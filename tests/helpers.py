@@ -105,12 +105,16 @@ def small_config(workdir: Path, **overrides: Any) -> TrainingConfig:
     return TrainingConfig(**values)
 
 
-def start_mlflow_server(root: Path, port: int) -> subprocess.Popen[Any]:
-    """`mlflow server` with a SQLite backend and a local artifact root under ``root``; returns once it answers.
-    Started again on the same ``root`` and port, it is the same registry, as after an outage."""
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+def start_mlflow_server(
+    root: Path, port: int, app_name: str = "", env: dict[str, str] | None = None
+) -> subprocess.Popen[Any]:
+    """`mlflow server` with a SQLite backend (``root``/mlflow.db, kept if there) and a local artifact root under
+    ``root``, on 127.0.0.1:``port``; returns once it answers. Started again on the same ``root`` and port, it is
+    the same registry, as after an outage. ``app_name``: e.g. "basic-auth"; ``env``: added to the server's."""
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **(env or {})}
     seed_mlflow_store(root / "mlflow.db")
-    command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port)]
+    command = [sys.executable, "-m", "mlflow", "server", *(["--app-name", app_name] if app_name else [])]
+    command += ["--host", "127.0.0.1", "--port", str(port)]
     command += ["--workers", "1", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}"]
     command += ["--artifacts-destination", str(root / "artifacts")]
     with (root / "server.log").open("a") as log:

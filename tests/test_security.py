@@ -220,11 +220,8 @@ WRONG_PASSWORD = "prt-wrong-pw-never-shown-4419"
 @pytest.fixture(scope="module")
 def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`mlflow server --app-name basic-auth` on a free port: every request needs a user and password."""
-    import os
-    import subprocess
-    import sys
 
-    from tests.helpers import free_port, stop_process_group, wait_for_http
+    from tests.helpers import free_port, start_mlflow_server, stop_process_group
 
     root = tmp_path_factory.mktemp("mlflow-auth")
     ini = root / "basic_auth.ini"
@@ -235,19 +232,12 @@ def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     )
     port = free_port()
     env = {
-        **os.environ,
-        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
         "MLFLOW_AUTH_CONFIG_PATH": str(ini),
         "MLFLOW_AUTH_ADMIN_PASSWORD": ADMIN_PASSWORD,
         "MLFLOW_FLASK_SERVER_SECRET_KEY": "prt-test-only-flask-key",
     }
-    command = [sys.executable, "-m", "mlflow", "server", "--app-name", "basic-auth", "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--workers", "1", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}"]
-    command += ["--artifacts-destination", str(root / "artifacts")]
-    with (root / "server.log").open("w") as log:
-        server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = start_mlflow_server(root, port, app_name="basic-auth", env=env)
     try:
-        wait_for_http(f"http://127.0.0.1:{port}/health", server, root / "server.log", timeout=120)
         yield f"127.0.0.1:{port}"
     finally:
         stop_process_group(server)

@@ -13,7 +13,7 @@ from mlflow import MlflowClient
 
 from driver import pins, run_owner, tracking
 from raytrain_tasks.tracking import MlflowEpochLogger
-from tests.helpers import free_port, stop_process_group, wait_for_http
+from tests.helpers import free_port, start_mlflow_server, stop_process_group
 
 
 def test_a_run_whose_driver_died_is_marked_killed_by_the_next_pipeline(tmp_path: Path) -> None:
@@ -61,14 +61,8 @@ def test_live_epoch_logging_survives_an_mlflow_outage(tmp_path: Path) -> None:
     # The server is down: logged as an error, not raised (how long it takes: `python -m bench.waits`).
     logger.after_report(None, _epoch(0), _Checkpoint())
 
-    log = tmp_path / "server.log"
-    command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port)]
-    command += ["--workers", "1", "--backend-store-uri", db]
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    with log.open("w") as out:
-        server = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    server = start_mlflow_server(tmp_path, port)  # on the run's own store
     try:
-        wait_for_http(f"{url}/health", server, log, timeout=90)
         logger.after_report(None, _epoch(1), _Checkpoint())
         logger.after_report(None, _epoch(2), _Checkpoint())
         steps = sorted(m.step for m in MlflowClient(url).get_metric_history(run_id, "val_accuracy"))
