@@ -297,11 +297,11 @@ def run_loader_fit(w: Workload, world: int, dataset: Any, loader: str, tmp: Path
         epochs=w.epochs,
         storage_path=str(tmp / f"loader-fit-{loader}-{time.monotonic_ns()}"),
     )
-    config = sized_for_cluster(config, alive_node_resources(), streams=False)
+    plan = sized_for_cluster(config, alive_node_resources(), streams=False)
     runs = locate(config.storage_path, config.storage_options).child("runs")
     handler = signal.getsignal(signal.SIGINT)
     try:
-        result = build_trainer(config, dataset, "loader", runs).fit()
+        result = build_trainer(config, plan, dataset, "loader", runs).fit()
     finally:
         signal.signal(signal.SIGINT, handler)  # fit() on the main thread leaves its own SIGINT handler behind
     if result.checkpoint is None:
@@ -397,8 +397,8 @@ def bare_fit(workdir: Path, epochs: int, manifest: Path) -> None:
     print(f"RAY_START {time.perf_counter() - started:.3f}")
     runs = locate(config.storage_path, config.storage_options).child("runs")
     # The flow sizes cpus_per_worker to the cluster the same way.
-    config = sized_for_cluster(config, alive_node_resources(), streams=False)
-    result = build_trainer(config, dataset, "bare", runs).fit()
+    plan = sized_for_cluster(config, alive_node_resources(), streams=False)
+    result = build_trainer(config, plan, dataset, "bare", runs).fit()
     if result.checkpoint is None:
         raise SystemExit("the bare fit reported no checkpoint")
     history = read_history(result.checkpoint)

@@ -79,9 +79,9 @@ def measure(workdir: Path) -> dict[str, float] | None:
     fit_called: list[float] = []
     original = driver.trainer.fit_interruptibly
 
-    def timed_fit(trainer: Any) -> Any:
+    def timed_fit(trainer: Any, lease: Any = None) -> Any:
         fit_called.append(time.time())
-        return original(trainer)
+        return original(trainer, lease)
 
     driver.trainer.fit_interruptibly = timed_fit  # type: ignore[assignment]  # a clock on the call, nothing else
     ray.init(address="local", num_cpus=2, runtime_env={"env_vars": worker_env()}, logging_level=logging.ERROR)

@@ -17,10 +17,11 @@ import ray.train
 from driver import evaluation, pins, run_owner, tracking
 from driver.cluster import ray_session
 from driver.fit_record import FitResult, OpenRun, finished_fit, write_fit_record
+from driver.hooks import progress_page, run_logger, stopped_by
 from driver.lease import HeldLease, run_lease
-from driver.logs import progress_page, run_logger, stopped_by
 from driver.origin import run_description, run_tags
 from driver.preflight import check_cluster, check_started_without_checkpoint, resolve_code
+from driver.sizing import FitPlan
 from driver.storage import StorageLocation
 from raytrain_tasks.config import TrainingConfig, check_run_key
 from raytrain_tasks.data import DatasetRef
@@ -74,9 +75,7 @@ def _distributed_fit(
     run_id: str | None = None
     try:
         with ray_session(config):
-            sized = check_cluster(
-                config, dataset, runs, client, run_key, spec is not None and spec.datasets is not None
-            )
+            plan = check_cluster(config, dataset, runs, client, run_key, spec is not None and spec.datasets is not None)
             experiment_id = tracking.ensure_experiment(
                 client, config.experiment_name, config.mlflow_tracking_uri, config.storage_path
             )
@@ -84,12 +83,11 @@ def _distributed_fit(
             finished = finished_fit(run_dir, client, experiment_id, run_key)
             if finished is not None:
                 return _confirm_finished(config, dataset, run_key, client, experiment_id, finished)
-            backend = "nccl" if config.use_gpu else "gloo"
-            run_id, reopened = _start_run(
-                config, dataset, run_key, run_dir, origin, sized, client, experiment_id, backend
+            run_id, reopened = _start_run(config, dataset, run_key, run_dir, origin, plan, client, experiment_id)
+            opened = _prepare_resume(
+                config, run_key, run_dir, spec, client, run_id, experiment_id, reopened, plan.backend
             )
-            opened = _prepare_resume(config, run_key, run_dir, spec, client, run_id, experiment_id, reopened, backend)
-            result = _train(config, dataset, run_key, runs, sized, spec, client, opened, lease)
+            result = _train(config, dataset, run_key, runs, plan, spec, client, opened, lease)
         # Pins the controller could not write to MLflow during an outage (kept in the journal meanwhile).
         pins.pins_from_journal(client, run_id, opened.journal)
         if spec is not None or dataset is None:
@@ -136,10 +134,9 @@ def _start_run(
     run_key: str,
     run_dir: StorageLocation,
     origin: dict[str, str],
-    sized: TrainingConfig,
+    plan: FitPlan,
     client: Any,
     experiment_id: str,
-    backend: str,
 ) -> tuple[str, bool]:
     """A new MLflow run for the run key, or its earlier one reopened (a resume, a retry): (run id, reopened)."""
     run_id, reopened = tracking.start_or_reopen_run(
@@ -147,8 +144,8 @@ def _start_run(
         experiment_id,
         run_key,
         run_name=origin.get("run_name", run_key),
-        tags=run_tags(config, dataset, run_key, run_dir, backend)
-        | {tracking.CPUS_PER_WORKER_TAG: f"{sized.cpus_per_worker:g}"}
+        tags=run_tags(config, dataset, run_key, run_dir, plan.backend)
+        | {tracking.CPUS_PER_WORKER_TAG: f"{plan.cpus_per_worker:g}"}
         | {k: v for k, v in origin.items() if k != "run_name"}
         | {tracking.NOTE_TAG: run_description(config, run_key, run_dir, origin)},
         params=config.public_params(),
@@ -212,7 +209,7 @@ def _train(
     dataset: DatasetRef | None,
     run_key: str,
     runs: StorageLocation,
-    sized: TrainingConfig,
+    plan: FitPlan,
     spec: TrainFunc | None,
     client: Any,
     opened: OpenRun,
@@ -231,7 +228,8 @@ def _train(
         callbacks.append(MlflowEpochLogger(uri, run_id, step_key=spec.metric.name, keys=None, journal=opened.journal))
         callbacks.append(code_error_stopper(config.train_code))
     trainer = build_trainer(
-        sized,
+        config,
+        plan,
         dataset,
         run_key,
         runs,

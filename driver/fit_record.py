@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict
 
 from driver import tracking
+from driver.hooks import run_logger
 from driver.lease import HeldLease
-from driver.logs import run_logger
 from driver.storage import StorageLocation
 from raytrain_tasks.errors import UnsafeCheckpointError
 from raytrain_tasks.tracking import checkpoint_name

@@ -4,11 +4,11 @@ registry trust), and the pin journal that keeps them on the driver's disk while 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from driver.hooks import state_dir
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import CheckpointError
 from raytrain_tasks.pin_journal import PinJournal
@@ -51,13 +51,10 @@ def pin_checkpoints(client: MlflowClient, run_id: str, reported: list[tuple[str,
 
 
 def pin_journal_dir() -> Path:
-    """Where this machine keeps its pin journals (raytrain_tasks.pin_journal): under the Prefect home of the
-    process that drives the run (a CLI run, a deployment's worker or serve), never in the run's storage.
-
-    Read from the environment as Prefect reads it (``PREFECT_HOME``, default ``~/.prefect``): the driver does not
-    import Prefect, and a Ray Job's driver on a cluster need not have it installed."""
-    home = os.environ.get("PREFECT_HOME") or "~/.prefect"
-    return Path(home).expanduser().resolve() / "prefect-raytrain" / "pin-journal"
+    """Where this machine keeps its pin journals (raytrain_tasks.pin_journal): under the state folder of the
+    process that drives the run (Prefect's home of a CLI run, a deployment's worker or serve; see
+    ``driver.hooks.state_dir``), never in the run's storage."""
+    return state_dir().expanduser().resolve() / "prefect-raytrain" / "pin-journal"
 
 
 def pin_journal(config: TrainingConfig, run_key: str) -> PinJournal | None:

@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from driver import tracking
-from driver.logs import run_logger
+from driver.hooks import run_logger
 from driver.sizing import (
+    FitPlan,
     alive_node_resources,
     check_resources,
     check_storage_on_nodes,
@@ -80,12 +81,12 @@ def check_cluster(
     client: Any,
     run_key: str,
     user_datasets: bool = False,
-) -> TrainingConfig:
+) -> FitPlan:
     """With Ray connected: the cluster can host the workers and every node can write the run's storage. Returns
-    ``config`` sized to the cluster (``cpus_per_worker`` when unset; an earlier attempt's share of the run, read
-    from its MLflow run through ``client``, while it still fits), what the trainer is built from; the user's
-    settings, not this copy, are the run's MLflow params. ``user_datasets``: the user's code gives Ray Datasets,
-    whose read and transform tasks need a CPU the workers leave free, as the built-in streaming loader's do."""
+    the worker group's plan (``cpus_per_worker`` sized to the cluster when unset; an earlier attempt's share of
+    the run, read from its MLflow run through ``client``, while it still fits), what the trainer is built from.
+    ``user_datasets``: the user's code gives Ray Datasets, whose read and transform tasks need a CPU the workers
+    leave free, as the built-in streaming loader's do."""
     import ray
 
     check_rows_per_worker(config, dataset)
@@ -95,8 +96,8 @@ def check_cluster(
     nodes = alive_node_resources()
     earlier = None if config.cpus_per_worker else tracking.earlier_share(client, config.experiment_name, run_key)
     data_cpus = USER_DATASET_CPUS if user_datasets else DATA_TASK_CPUS
-    sized = sized_for_cluster(config, nodes, streamed, earlier, data_cpus)
-    check_resources(sized, available, streamed, user_datasets, data_cpus)
+    plan = sized_for_cluster(config, nodes, streamed, earlier, data_cpus)
+    check_resources(config, plan, available, streamed, user_datasets, data_cpus)
     storage_shared_with_nodes(config.storage_path, len(nodes), read_mounts())
     if config.ray_address:  # a local Ray's node is this process's machine, with this process's credentials
         check_storage_on_nodes(runs.uri, config.storage_options)
@@ -104,13 +105,13 @@ def check_cluster(
         from driver.user_fit import check_importable_on_cluster
 
         check_importable_on_cluster(config.train_code, workers_code_dir(config))
-    if not config.cpus_per_worker:
+    if plan.sized:
         run_logger().info(
             "cpus_per_worker unset: %s workers x %g CPUs each, %s the cluster's %g CPUs%s",
             "-".join(map(str, sorted(set(config.worker_range)))),
-            sized.cpus_per_worker,
-            "as the run's earlier attempt trained, on" if sized.cpus_per_worker == earlier else "sized to",
+            plan.cpus_per_worker,
+            "as the run's earlier attempt trained, on" if plan.cpus_per_worker == earlier else "sized to",
             available.get("CPU", 0.0),
             f" ({data_cpus:g} left to Ray Data's streaming tasks)" if streamed else "",
         )
-    return sized
+    return plan

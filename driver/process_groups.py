@@ -9,8 +9,8 @@ and the run stops them on its way out: Ray by ``ray.shutdown()`` (and Ray's own 
 processes with this one), the temporary API by Prefect's exit handler. This module holds Ray's door; the
 temporary Prefect API's is in flows/temporary_api.py (the driver does not import Prefect).
 
-Neither library has a public switch for this; each door below names the private call it wraps (read from
-ray 2.60.0 and prefect 3.8.8). tests/test_signals.py fails if either shape changes.
+Neither library has a public switch for this; the door below names the private call it wraps (read from
+ray 2.60.0). tests/test_signals.py fails if its shape changes.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import driver
 import raytrain_tasks
 import raytrain_tasks.errors
-from driver.logs import stopped_by
+from driver.hooks import stopped_by
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.errors import CheckpointError, ClusterError, TrainingError
@@ -86,7 +86,7 @@ def fit_as_ray_job(
     from driver import tracking
     from driver.cluster import ray_session
     from driver.fit_record import finished_fit
-    from driver.logs import run_logger
+    from driver.hooks import run_logger
     from driver.preflight import check_cluster, resolve_code
 
     logger = run_logger()

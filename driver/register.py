@@ -21,7 +21,7 @@ from driver import builtin_register, pins, tracking
 from driver.builtin_register import SCHEMA_TAG
 from driver.evaluation import scores_as_metrics
 from driver.fit_record import FitResult
-from driver.logs import run_logger, stopped_by
+from driver.hooks import run_logger, stopped_by
 from driver.promotion import (
     CHALLENGER,
     CHAMPION,

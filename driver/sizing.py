@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DATA_TASK_CPUS
@@ -101,6 +104,47 @@ def read_mounts() -> str:
         return ""
 
 
+class FitPlan(BaseModel):
+    """The worker group a fit starts, decided once before any worker starts: the user's settings where they fix
+    it, the cluster's share where `cpus_per_worker` is unset (``sized_for_cluster``). Everything that starts
+    workers reads this; the user's settings are never rewritten (they are the run's MLflow params)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    cpus_per_worker: float = Field(gt=0)
+    min_workers: int = Field(ge=1)
+    max_workers: int = Field(ge=1)
+    use_gpu: bool = False
+    sized: bool = False  # cpus_per_worker was unset and is the cluster's share
+
+    @model_validator(mode="after")
+    def _range(self) -> FitPlan:
+        if self.max_workers < self.min_workers:
+            raise ValueError(f"max_workers {self.max_workers} is below min_workers {self.min_workers}")
+        return self
+
+    @classmethod
+    def of(cls, config: TrainingConfig, sized_share: float = 0.0) -> FitPlan:
+        """The plan of ``config``, with ``sized_share`` as the CPUs of each worker where the setting is unset."""
+        low, high = config.worker_range
+        share = config.cpus_per_worker or sized_share
+        return cls(
+            cpus_per_worker=share,
+            min_workers=low,
+            max_workers=high,
+            use_gpu=config.use_gpu,
+            sized=not config.cpus_per_worker,
+        )
+
+    @property
+    def backend(self) -> Literal["nccl", "gloo"]:
+        return "nccl" if self.use_gpu else "gloo"
+
+    @property
+    def elastic(self) -> bool:
+        return self.max_workers > self.min_workers
+
+
 # The least CPU an automatically sized worker gets; smaller shares must be set by hand.
 MIN_SIZED_CPUS = 0.5
 
@@ -111,11 +155,11 @@ def sized_for_cluster(
     streams: bool,
     earlier: float | None = None,
     data_cpus: float = DATA_TASK_CPUS,
-) -> TrainingConfig:
-    """``config`` with ``cpus_per_worker`` set when it is 0 (unset): the largest share (in hundredths of a CPU)
-    such that the run's most workers fit on the alive nodes, no worker spanning two nodes (nor, with
-    ``use_gpu``, two workers sharing a GPU), and, when a Ray Data pipeline ``streams`` beside the workers,
-    ``data_cpus`` left free for its tasks. ``nodes``: each alive node's resources. Unchanged when set; when
+) -> FitPlan:
+    """The plan of ``config``, with ``cpus_per_worker`` sized when it is 0 (unset): the largest share (in
+    hundredths of a CPU) such that the run's most workers fit on the alive nodes, no worker spanning two nodes
+    (nor, with ``use_gpu``, two workers sharing a GPU), and, when a Ray Data pipeline ``streams`` beside the
+    workers, ``data_cpus`` left free for its tasks. ``nodes``: each alive node's resources. The setting when set; when
     nothing fits in shares of at least ``MIN_SIZED_CPUS``, that much, and ``check_resources`` says what is missing
     (eight workers on two CPUs is a mistake to report, not a run of starved processes).
 
@@ -124,7 +168,7 @@ def sized_for_cluster(
     workers of the same size (what ``max_workers`` is for), not with ``max_workers`` squeezed onto what is left.
     A fixed worker count that no longer fits at it is sized anew."""
     if config.cpus_per_worker:
-        return config
+        return FitPlan.of(config)
     workers = config.worker_range[1]
     largest_first = sorted(nodes, key=lambda node: node.get("CPU", 0.0), reverse=True)
     cpus = [node.get("CPU", 0.0) for node in largest_first]
@@ -139,46 +183,48 @@ def sized_for_cluster(
         return sum(fits)
 
     if earlier is not None and earlier >= MIN_SIZED_CPUS and hosted(earlier) >= config.worker_range[0]:
-        return config.model_copy(update={"cpus_per_worker": earlier})
+        return FitPlan.of(config, earlier)
     candidates = sorted({int(c / k * 100 + 1e-9) / 100 for c in cpus for k in range(1, workers + 1)}, reverse=True)
     share = next((c for c in candidates if c >= MIN_SIZED_CPUS and hosted(c) >= workers), MIN_SIZED_CPUS)
-    return config.model_copy(update={"cpus_per_worker": share})
+    return FitPlan.of(config, share)
 
 
-def requested_resources(config: TrainingConfig) -> ResourceRequest:
+def requested_resources(plan: FitPlan) -> ResourceRequest:
     """What the smallest worker group needs (an elastic group starts with at least `num_workers`)."""
     return ResourceRequest(
-        cpus=config.num_workers * config.cpus_per_worker,
-        gpus=float(config.num_workers) if config.use_gpu else 0.0,
+        cpus=plan.min_workers * plan.cpus_per_worker,
+        gpus=float(plan.min_workers) if plan.use_gpu else 0.0,
     )
 
 
 def check_resources(
     config: TrainingConfig,
+    plan: FitPlan,
     available: dict[str, float],
     streams: bool = False,
     user_datasets: bool = False,
     data_cpus: float = DATA_TASK_CPUS,
 ) -> None:
-    """Fail in seconds when the cluster cannot host the worker group (Ray Train would wait forever); ``config``
-    sized (``sized_for_cluster``), ``streams``: a Ray Data pipeline runs tasks beside the workers (the built-in
-    loader's, or ``user_datasets``: the ``datasets`` of the user's TrainFunc)."""
-    request = requested_resources(config)
+    """Fail in seconds when the cluster cannot host the worker group ``plan`` (``sized_for_cluster``) for
+    ``config`` (Ray Train would wait forever); ``streams``: a Ray Data pipeline runs tasks beside the workers (the
+    built-in loader's, or ``user_datasets``: the ``datasets`` of the user's TrainFunc)."""
+    request = requested_resources(plan)
+    workers, share = plan.min_workers, plan.cpus_per_worker
     cpus, gpus = available.get("CPU", 0.0), available.get("GPU", 0.0)
     if request.gpus and gpus < request.gpus:
         raise ClusterError(
-            f"use_gpu=True needs {request.gpus:g} GPUs ({config.num_workers} workers x 1) but the Ray cluster "
+            f"use_gpu=True needs {request.gpus:g} GPUs ({workers} workers x 1) but the Ray cluster "
             f"has {gpus:g} GPUs; set `use_gpu` to false or lower `num_workers`"
         )
     if cpus < request.cpus:
         raise ClusterError(
-            f"{config.num_workers} workers x {config.cpus_per_worker:g} CPUs need {request.cpus:g} CPUs but the "
+            f"{workers} workers x {share:g} CPUs need {request.cpus:g} CPUs but the "
             f"Ray cluster has {cpus:g} CPUs; lower `num_workers` or `cpus_per_worker`"
         )
     if streams and cpus < request.cpus + data_cpus and user_datasets:
         raise ClusterError(
             f"train_code {config.train_code!r} gives Ray Datasets (TrainFunc datasets=...), whose tasks run on CPUs "
-            f"beside the workers, but {config.num_workers} workers x {config.cpus_per_worker:g} CPUs leave less "
+            f"beside the workers, but {workers} workers x {share:g} CPUs leave less "
             f"than {data_cpus:g} of the Ray cluster's {cpus:g} CPUs free, and the datasets would never be read; "
             f"leave {data_cpus:g} CPU free "
             "(set `cpus_per_worker` to 0 to size it automatically, or lower it or `num_workers`)"
@@ -186,8 +232,8 @@ def check_resources(
     if streams and cpus < request.cpus + data_cpus:
         raise ClusterError(
             f"data_loader='ray_data' streams this dataset (too big to keep in Ray's object store) through read "
-            f"and preprocessing tasks on CPUs beside the workers, but {config.num_workers} workers x "
-            f"{config.cpus_per_worker:g} CPUs take all {cpus:g} CPUs of the Ray cluster; leave {DATA_TASK_CPUS:g} "
+            f"and preprocessing tasks on CPUs beside the workers, but {workers} workers x "
+            f"{share:g} CPUs take all {cpus:g} CPUs of the Ray cluster; leave {DATA_TASK_CPUS:g} "
             "CPU free (set `cpus_per_worker` to 0 to size it automatically, or lower it or `num_workers`), or "
             "use data_loader='torch'"
         )

@@ -19,9 +19,10 @@ from ray.train.v2.api.callback import RayTrainCallback
 from driver import evaluation, pins, tracking
 from driver.cluster import WORKER_GROUP_START_TIMEOUT_S
 from driver.fit_record import FitResult, OpenRun, checkpoint_uri, write_fit_record
+from driver.hooks import run_logger
 from driver.lease import HeldLease
-from driver.logs import run_logger
 from driver.preflight import workers_code_dir
+from driver.sizing import FitPlan
 from driver.storage import StorageLocation
 from raytrain_tasks.checkpoint import STATE_FILE
 from raytrain_tasks.config import TrainingConfig
@@ -118,18 +119,19 @@ def waited_for_resources(exc: BaseException) -> WorkerGroupStartupTimeoutError |
     return cause if isinstance(cause, WorkerGroupStartupTimeoutError) else None
 
 
-def _scaling(config: TrainingConfig) -> ray.train.ScalingConfig:
+def _scaling(plan: FitPlan) -> ray.train.ScalingConfig:
     """The worker group: a fixed count, or a (min, max) pair that makes it elastic (Ray Train V2)."""
-    low, high = config.worker_range
+    low, high = plan.min_workers, plan.max_workers
     return ray.train.ScalingConfig(
-        num_workers=(low, high) if high > low else low,  # type: ignore[arg-type]
-        use_gpu=config.use_gpu,
-        resources_per_worker={"CPU": config.cpus_per_worker, **({"GPU": 1} if config.use_gpu else {})},
+        num_workers=(low, high) if plan.elastic else low,  # type: ignore[arg-type]
+        use_gpu=plan.use_gpu,
+        resources_per_worker={"CPU": plan.cpus_per_worker, **({"GPU": 1} if plan.use_gpu else {})},
     )
 
 
 def build_trainer(
     config: TrainingConfig,
+    plan: FitPlan,
     dataset: DatasetRef | None,
     run_key: str,
     runs: StorageLocation,
@@ -144,9 +146,6 @@ def build_trainer(
     from raytrain_tasks.failures import StopOnRepeatedFailure
     from raytrain_tasks.train_loop import WorkerSpec, train_loop_per_worker
 
-    if not config.cpus_per_worker:
-        raise ValueError("cpus_per_worker is unset: build the trainer from check_cluster's sized config")
-    low, high = config.worker_range
     data: dict[str, Any] = {}
     train_func: Any = train_loop_per_worker
     score_attribute, score_order = config.selection.name, config.selection.order
@@ -157,20 +156,21 @@ def build_trainer(
         score_attribute, score_order = spec.metric.name, spec.metric.order
     else:
         assert dataset is not None
-        loop_config = WorkerSpec(config=config, dataset=dataset, preexisting=pins[0], pinned=pins[1]).model_dump(
-            mode="json"
-        )
+        loop_config = WorkerSpec(
+            config=config, cpus_per_worker=plan.cpus_per_worker, dataset=dataset, preexisting=pins[0], pinned=pins[1]
+        ).model_dump(mode="json")
     if dataset is not None and config.data_loader == "ray_data":
         from raytrain_tasks.ingest import data_config, ray_datasets
 
         datasets = ray_datasets(config, dataset, run_logger())
-        data = {"datasets": datasets, "dataset_config": data_config(datasets["train"], low if low == high else 0)}
+        fixed = 0 if plan.elastic else plan.min_workers  # the workers a split divides among, when it is known
+        data = {"datasets": datasets, "dataset_config": data_config(datasets["train"], fixed)}
     return RunTrainer(
         train_func,
         train_loop_config=loop_config,
-        torch_config=TorchConfig(backend="nccl" if config.use_gpu else "gloo"),
+        torch_config=TorchConfig(backend=plan.backend),
         **data,
-        scaling_config=_scaling(config),
+        scaling_config=_scaling(plan),
         run_config=ray.train.RunConfig(
             name=run_key,
             storage_path=runs.path,

@@ -12,7 +12,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from driver.fit_record import FitResult, OpenRun, ResumePoint, checkpoint_uri
-from driver.logs import run_logger
+from driver.hooks import run_logger
 from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import CheckpointError, TrainingError, UserCodeError

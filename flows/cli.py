@@ -153,7 +153,7 @@ def _exit_at_the_latest_after_a_signal() -> None:
     """A deadline on stopping: after a SIGTERM, SIGINT or SIGHUP, the run normally stops in a few seconds (Prefect
     turns the signal into a cancellation, the fit marks its MLflow run KILLED). If it is still running
     ``STOP_DEADLINE_S`` later (seen once when the signal landed between the fit and register-model), the process
-    exits with 128 + the signal; the services it started end with it (driver.process_groups).
+    exits with 128 + the signal; the services it started end with it (driver.process_groups, flows.temporary_api).
 
     Python writes every signal's number to the wakeup fd, whichever handler (ours, Prefect's) then runs it.
     """
@@ -234,7 +234,7 @@ def local_services(config: TrainingConfig) -> Iterator[None]:
             failure.append(exc)
         finally:
             started.set()
-        # The server dies with the thread that started it (driver.process_groups): this one lives as long as the
+        # The server dies with the thread that started it (flows.temporary_api): this one lives as long as the
         # process, so a killed run (SIGKILL, out of memory) takes its temporary API along.
         threading.Event().wait()
 

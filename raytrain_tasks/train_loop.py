@@ -48,6 +48,7 @@ class WorkerSpec(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     config: TrainingConfig
+    cpus_per_worker: float  # the worker's CPU share (the driver's plan: the setting, or sized to the cluster)
     dataset: DatasetRef
     # Checkpoint folders of this run that existed when the fit started, and the manifest digests MLflow holds
     # for them: one of those folders is resumed from only if its manifest still has that digest.
@@ -130,7 +131,7 @@ def train_loop_per_worker(train_loop_config: dict[str, Any]) -> None:
     rank, world_size = context.get_world_rank(), context.get_world_size()
     device = ray.train.torch.get_device()
     # Ray does not cap intra-op threads the way torchrun does; oversubscribed cores slow every rank.
-    torch.set_num_threads(torch_threads(config.cpus_per_worker))
+    torch.set_num_threads(torch_threads(spec.cpus_per_worker))
     _seed_everything(config.seed)
 
     batches = TrainBatches(config, dataset, rank, world_size)

@@ -6,14 +6,16 @@ which failures Prefect retries.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
+from prefect.settings import PREFECT_HOME
 
 from driver.fit import fit_in_this_process
 from driver.fit_record import FitResult
-from driver.logs import Logger, RunHooks, run_hooks
+from driver.hooks import Logger, RunHooks, run_hooks
 from driver.storage import RUNS_DIR, locate
 from raytrain_tasks.config import TrainingConfig, check_run_key
 from raytrain_tasks.data import DatasetRef
@@ -69,7 +71,7 @@ def _run_page(
 )
 def distributed_fit(config: TrainingConfig, dataset: DatasetRef | None, run_key: str) -> FitResult:
     """Train (or continue training) run ``run_key`` and return its best checkpoint and metrics."""
-    with redacted_errors(), run_hooks(RunHooks(get_run_logger(), progress=_run_page)):
+    with redacted_errors(), run_hooks(RunHooks(get_run_logger(), _run_page, Path(PREFECT_HOME.value()))):
         check_run_key(run_key)  # it names a folder in storage and goes into MLflow filters
         runs = locate(config.storage_path, config.storage_options).child(RUNS_DIR)
         run_dir = runs.child(run_key)

@@ -10,7 +10,7 @@ from prefect.cache_policies import NONE
 from prefect.runtime import flow_run
 
 from driver.fit_record import FitResult
-from driver.logs import RunHooks, run_hooks
+from driver.hooks import RunHooks, run_hooks
 from driver.register import ModelRef, register
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DatasetRef

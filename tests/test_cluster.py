@@ -365,6 +365,7 @@ def test_local_storage_on_a_multi_node_cluster_fails_early() -> None:
 
 
 def test_max_workers_makes_the_worker_group_elastic(tmp_path: Path) -> None:
+    from driver.sizing import FitPlan
     from driver.storage import locate
     from driver.trainer import build_trainer
     from raytrain_tasks.data import DatasetRef
@@ -382,8 +383,10 @@ def test_max_workers_makes_the_worker_group_elastic(tmp_path: Path) -> None:
         feature_std=(1.0,),
     )
     runs = locate(str(tmp_path / "runs"), TrainingConfig().storage_options)
-    elastic = build_trainer(TrainingConfig(num_workers=2, max_workers=4, cpus_per_worker=0.5), dataset, "k", runs)
-    fixed = build_trainer(TrainingConfig(num_workers=2, cpus_per_worker=1), dataset, "k", runs)
+    elastic_config = TrainingConfig(num_workers=2, max_workers=4, cpus_per_worker=0.5)
+    fixed_config = TrainingConfig(num_workers=2, cpus_per_worker=1)
+    elastic = build_trainer(elastic_config, FitPlan.of(elastic_config), dataset, "k", runs)
+    fixed = build_trainer(fixed_config, FitPlan.of(fixed_config), dataset, "k", runs)
     assert elastic.scaling_config.num_workers == (2, 4)
     assert fixed.scaling_config.num_workers == 2
 

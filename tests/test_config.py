@@ -166,15 +166,15 @@ def test_cpus_per_worker_unset_is_sized_to_the_cluster(
     from driver.sizing import check_resources, sized_for_cluster
 
     config = TrainingConfig.model_validate(settings)
-    sized = sized_for_cluster(config, nodes, streams)
-    assert sized.cpus_per_worker == share
-    assert sized.model_copy(update={"cpus_per_worker": config.cpus_per_worker}) == config  # nothing else changes
+    plan = sized_for_cluster(config, nodes, streams)
+    assert plan.cpus_per_worker == share and plan.sized == (not config.cpus_per_worker)
+    assert (plan.min_workers, plan.max_workers) == config.worker_range and plan.use_gpu == config.use_gpu
     total = {"CPU": sum(n["CPU"] for n in nodes), "GPU": sum(n.get("GPU", 0.0) for n in nodes)}
     if share * config.num_workers > total["CPU"]:
         with pytest.raises(ClusterError, match="lower `num_workers` or `cpus_per_worker`"):
-            check_resources(sized, total, streams)
+            check_resources(config, plan, total, streams)
     elif not config.cpus_per_worker:
-        check_resources(sized, total, streams)  # the pre-flight accepts what it sized
+        check_resources(config, plan, total, streams)  # the pre-flight accepts what it sized
 
 
 def test_cpus_per_worker_defaults_to_sized_and_is_never_negative() -> None:
@@ -213,16 +213,18 @@ def test_ray_datasets_of_the_users_code_get_a_whole_cpu_beside_the_workers() -> 
     """A TrainFunc with `datasets=`: Ray Data's read and transform tasks ask 1 CPU each by default, so sizing
     leaves one free (two workers at 0.75 CPU on 2 CPUs left 0.5: the tasks never started and the fit hung), and
     a share set by hand that leaves less is refused naming train_code and the settings."""
-    from driver.sizing import check_resources, sized_for_cluster
+    from driver.sizing import FitPlan, check_resources, sized_for_cluster
     from raytrain_tasks.data import USER_DATASET_CPUS
 
     config = TrainingConfig(train_code="my_model.train:training")
-    sized = sized_for_cluster(config, [{"CPU": 2.0}], True, data_cpus=USER_DATASET_CPUS)
-    assert sized.cpus_per_worker == 0.5
-    check_resources(sized, {"CPU": 2.0}, True, user_datasets=True, data_cpus=USER_DATASET_CPUS)
-    by_hand = config.model_copy(update={"cpus_per_worker": 0.75})
+    plan = sized_for_cluster(config, [{"CPU": 2.0}], True, data_cpus=USER_DATASET_CPUS)
+    assert plan.cpus_per_worker == 0.5
+    check_resources(config, plan, {"CPU": 2.0}, True, user_datasets=True, data_cpus=USER_DATASET_CPUS)
+    by_hand = TrainingConfig(train_code="my_model.train:training", cpus_per_worker=0.75)
     with pytest.raises(ClusterError, match=r"my_model.train:training.*datasets=.*`cpus_per_worker`"):
-        check_resources(by_hand, {"CPU": 2.0}, True, user_datasets=True, data_cpus=USER_DATASET_CPUS)
+        check_resources(
+            by_hand, FitPlan.of(by_hand), {"CPU": 2.0}, True, user_datasets=True, data_cpus=USER_DATASET_CPUS
+        )
 
 
 @pytest.mark.parametrize(("cpus", "threads"), [(0.5, 1), (0.75, 1), (1.0, 1), (1.5, 2), (1.9, 2), (2.0, 2), (3.6, 4)])

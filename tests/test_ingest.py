@@ -115,7 +115,7 @@ def test_torch_and_ray_data_loaders_reach_the_same_accuracy(
 
 
 def test_ray_data_that_streams_needs_cpus_beside_the_workers(tmp_path: Path, ray_cluster: dict[str, float]) -> None:
-    from driver.sizing import check_resources, sized_for_cluster
+    from driver.sizing import FitPlan, check_resources, sized_for_cluster
     from raytrain_tasks.data import streams
     from raytrain_tasks.errors import ClusterError
 
@@ -126,14 +126,15 @@ def test_ray_data_that_streams_needs_cpus_beside_the_workers(tmp_path: Path, ray
     assert not streams("ray_data", small, object_store) and streams("ray_data", big, object_store)
     assert not streams("torch", big, object_store)
     # Kept in the object store: preprocessed before the workers start, so they may take every CPU.
-    check_resources(config, ray_cluster, streams=False)
+    check_resources(config, FitPlan.of(config), ray_cluster, streams=False)
     with pytest.raises(ClusterError, match="data_loader='ray_data' streams.*cpus_per_worker"):
-        check_resources(config, ray_cluster, streams=True)
+        check_resources(config, FitPlan.of(config), ray_cluster, streams=True)
     # Unset, the share leaves the streaming tasks their CPU.
     nodes = [{"CPU": ray_cluster["CPU"]}]
-    sized = sized_for_cluster(config.model_copy(update={"cpus_per_worker": 0.0}), nodes, streams=True)
-    assert sized.cpus_per_worker == 0.75
-    check_resources(sized, ray_cluster, streams=True)
+    unset = config.model_copy(update={"cpus_per_worker": 0.0})
+    plan = sized_for_cluster(unset, nodes, streams=True)
+    assert plan.cpus_per_worker == 0.75 and plan.sized
+    check_resources(unset, plan, ray_cluster, streams=True)
 
 
 DATASET_FIELDS: dict[str, Any] = {
@@ -156,6 +157,7 @@ def test_a_run_without_ray_datasets_starts_no_dataset_manager(
     """Ray Train would start (and make the workers wait for) a Ray Data actor at every worker-group start."""
     from ray.util.state import list_actors
 
+    from driver.sizing import FitPlan
     from driver.storage import locate
     from driver.trainer import build_trainer
 
@@ -173,7 +175,8 @@ def test_a_run_without_ray_datasets_starts_no_dataset_manager(
     dataset = prepare_data(config)
     before = dataset_managers()
     previous_handler = signal.getsignal(signal.SIGINT)
-    result = build_trainer(config, dataset, "no-datasets", locate(config.storage_path).child("runs")).fit()
+    runs = locate(config.storage_path).child("runs")
+    result = build_trainer(config, FitPlan.of(config), dataset, "no-datasets", runs).fit()
     signal.signal(signal.SIGINT, previous_handler)
 
     assert result.checkpoint is not None  # it trained and checkpointed

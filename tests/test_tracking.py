@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -223,6 +224,7 @@ def test_the_pin_journal_keeps_pins_for_the_mlflow_run_they_belong_to_and_fills_
 def test_no_pin_journal_inside_a_local_storage_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The journal vouches for storage, so it never lives in it (e.g. PREFECT_HOME=.pipeline/prefect and
     storage_path=.pipeline)."""
+    from driver.hooks import RunHooks, run_hooks
     from raytrain_tasks.config import TrainingConfig
 
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "state" / "prefect"))
@@ -230,3 +232,8 @@ def test_no_pin_journal_inside_a_local_storage_path(tmp_path: Path, monkeypatch:
     assert pins.pin_journal(inside, "20260101-000000-abcdef") is None
     journal = pins.pin_journal(TrainingConfig(storage_path=str(tmp_path / "storage")), "20260101-000000-abcdef")
     assert journal is not None and Path(journal.path).is_relative_to(tmp_path / "state" / "prefect")
+    # In a Prefect task, the Prefect home the task hands in (its setting, from wherever Prefect read it) wins.
+    with run_hooks(RunHooks(logging.getLogger("test"), state_dir=tmp_path / "task-home")):
+        journal = pins.pin_journal(TrainingConfig(storage_path=str(tmp_path / "storage")), "20260101-000000-abcdef")
+        assert journal is not None and Path(journal.path).is_relative_to(tmp_path / "task-home")
+        assert pins.pin_journal(TrainingConfig(storage_path=str(tmp_path)), "20260101-000000-abcdef") is None

@@ -1,18 +1,20 @@
-"""The driver's logger and run page: the Prefect task run's while a Prefect task runs the driver, plain ones
-elsewhere (the fit's Ray Job on a cluster, a benchmark).
+"""What the orchestrator hands the driver: its logger, its run page, its state folder; the Prefect task run's
+while a Prefect task runs the driver, plain defaults elsewhere (the fit's Ray Job on a cluster, a benchmark).
 
-The driver never imports Prefect: the task entry points (``tasks/``) hand their run logger and run page in
-with ``run_hooks``, for the code they call in the same thread (and in threads started with a copy of its
-context, as ``contextvars.copy_context().run`` does).
+The driver never imports Prefect: the task entry points (``tasks/``) hand these in with ``run_hooks``, for the
+code they call in the same thread (and in threads started with a copy of its context, as
+``contextvars.copy_context().run`` does).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]
@@ -25,6 +27,9 @@ ProgressPage = Callable[[Any, str, int, Logger, bool, tuple[str, ...]], Abstract
 class RunHooks:
     logger: Logger
     progress: ProgressPage | None = None
+    # Where the orchestrator keeps its state on this machine (Prefect's home, PREFECT_HOME): the pin journals
+    # live under it (driver.pins). None: read from the environment as Prefect reads it.
+    state_dir: Path | None = None
 
 
 _HOOKS: ContextVar[RunHooks | None] = ContextVar("prefect_raytrain_run_hooks", default=None)
@@ -51,6 +56,15 @@ def progress_page() -> ProgressPage | None:
     """The run page to follow the fit on; None where there is none (a Ray Job: its submitter shows the progress)."""
     hooks = _HOOKS.get()
     return hooks.progress if hooks is not None else None
+
+
+def state_dir() -> Path:
+    """The orchestrator's state folder on this machine: the one handed in, else ``PREFECT_HOME`` from the
+    environment, else Prefect's default ``~/.prefect`` (a fit's Ray Job on a cluster, where Prefect need not be)."""
+    hooks = _HOOKS.get()
+    if hooks is not None and hooks.state_dir is not None:
+        return hooks.state_dir
+    return Path(os.environ.get("PREFECT_HOME") or "~/.prefect")
 
 
 def stopped_by(exc: BaseException) -> str | None:
