@@ -41,9 +41,8 @@ def main() -> None:
         from ray.util.state import list_actors
 
         from driver.cluster import worker_env
-        from flows.parameters import parameters_of
         from flows.training import training_pipeline
-        from raytrain_tasks.config import TrainingConfig
+        from raytrain_tasks.config import TrainingConfig, parameters_of
 
         def train_actors() -> set[str]:
             address = ray.get_runtime_context().gcs_address

@@ -61,9 +61,8 @@ def measure(workdir: Path) -> dict[str, float] | None:
 
     import driver.trainer
     from driver.cluster import worker_env
-    from flows.parameters import parameters_of
     from flows.training import training_pipeline
-    from raytrain_tasks.config import TrainingConfig
+    from raytrain_tasks.config import TrainingConfig, parameters_of
     from raytrain_tasks.tracking import epoch_number
 
     tracking = f"sqlite:///{workdir / 'mlflow.db'}"

@@ -20,8 +20,7 @@ from typing import Any
 from prefect.exceptions import TerminationSignal
 from pydantic import ValidationError
 
-from flows.parameters import parameters_of
-from raytrain_tasks.config import TrainingConfig, describe_validation_error
+from raytrain_tasks.config import TrainingConfig, describe_validation_error, parameters_of
 from raytrain_tasks.errors import ClusterError
 from raytrain_tasks.redact import redact, redact_uri, strip_credentials
 

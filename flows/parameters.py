@@ -16,8 +16,7 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import Field
 
-from raytrain_tasks.config import PINNED, PINNED_NOTE, TrainingConfig
-from tasks.run_settings import SETTINGS
+from raytrain_tasks.config import PINNED, PINNED_NOTE, SETTINGS, TrainingConfig
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -46,8 +45,3 @@ def with_settings_as_parameters(fn: F) -> F:
     settings = [_setting(name) for name in SETTINGS]
     fn.__signature__ = inspect.signature(fn).replace(parameters=[*settings, *own])  # type: ignore[attr-defined]
     return fn
-
-
-def parameters_of(config: TrainingConfig) -> dict[str, Any]:
-    """The flow parameters that run ``config``: ``training_pipeline(**parameters_of(config))``."""
-    return config.model_dump()

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 from driver.fit_record import FitResult
 from flows.parameters import with_settings_as_parameters
-from raytrain_tasks.config import TrainingConfig, new_run_key
+from raytrain_tasks.config import TrainingConfig, config_from_parameters, new_run_key, non_default_settings
 from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.redact import install_log_redaction, redacted_errors, strip_credentials
 from tasks.continuation import already_continued, continuation_of, log_continuation, prepare_recovery
@@ -21,7 +21,7 @@ from tasks.data import prepare_data
 from tasks.fit import distributed_fit
 from tasks.register import ModelRef, register_model
 from tasks.run_page import publish_run_summary
-from tasks.run_settings import check_deployment_pins, config_from_parameters, non_default_settings
+from tasks.run_settings import check_deployment_pins
 
 
 class PipelineResult(BaseModel):

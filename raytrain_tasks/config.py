@@ -15,10 +15,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from raytrain_tasks.api import Metric
 from raytrain_tasks.datasets import BUILTIN_DATASETS, SUPPORTED_FILE_SUFFIXES
+from raytrain_tasks.errors import SettingsError
 from raytrain_tasks.fs import StorageOptions, is_s3
 from raytrain_tasks.settings import (
     DEFAULT_STATE_DIR,
@@ -274,6 +275,39 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
         for key, value in json.loads(self.train_config).items():
             params[f"train_config.{key}"] = value if isinstance(value, str | int | float | bool) else json.dumps(value)
         return params
+
+
+# Every training setting, in the config's order (the Prefect form's): one flow parameter each (flows/parameters.py).
+# Prefect's server lays a run's parameters over its deployment's, so what a run stores is what it trains with, and
+# a continuation rebuilds the config of the run it continues from that run's parameters alone.
+SETTINGS = tuple(TrainingConfig.model_fields)
+
+
+def parameters_of(config: TrainingConfig) -> dict[str, Any]:
+    """The flow parameters that run ``config``: ``training_pipeline(**parameters_of(config))``."""
+    return config.model_dump()
+
+
+def config_from_parameters(parameters: Mapping[str, Any]) -> TrainingConfig:
+    """The config a flow run's settings make; SettingsError naming each invalid field otherwise."""
+    if isinstance(parameters.get("config"), Mapping):
+        raise SettingsError(
+            "this flow run was created with the settings in one `config` parameter, the form of prefect-raytrain "
+            "before each setting became a parameter of its own: nothing was trained. Give the settings one by one "
+            "(`-p epochs=3`, `--params '{\"epochs\": 3}'`), and deploy again (prefect deploy, or python -m "
+            "deployments.serve) to update a deployment made before"
+        )
+    settings = {name: value for name, value in parameters.items() if name in SETTINGS}
+    try:
+        return TrainingConfig.model_validate(settings)
+    except ValidationError as exc:
+        raise SettingsError(describe_validation_error(exc)) from exc
+
+
+def non_default_settings(config: TrainingConfig) -> str:
+    """``name=value, ...`` for the settings of ``config`` that differ from the defaults, credentials masked."""
+    changed = config.model_dump(exclude_defaults=True)
+    return ", ".join(f"{name}={value}" for name, value in config.public_params().items() if name in changed)
 
 
 def new_run_key(now: datetime | None = None) -> str:

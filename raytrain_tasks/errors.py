@@ -66,3 +66,7 @@ class RepeatedFailureError(TrainingError):
 
 class PromotionError(PipelineError):
     """The champion decision could not be made; no alias moved and the decision is redone by the next attempt."""
+
+
+class SettingsError(PipelineError):
+    """A flow run's parameters do not make a valid training config."""

@@ -23,9 +23,8 @@ from uuid import UUID
 
 from prefect import get_run_logger
 
-from raytrain_tasks.config import TrainingConfig
-from raytrain_tasks.errors import ContinuationError
-from tasks.run_settings import SettingsError, config_from_parameters
+from raytrain_tasks.config import TrainingConfig, config_from_parameters
+from raytrain_tasks.errors import ContinuationError, SettingsError
 
 RUN_KEY_TAG_PREFIX = "run-key:"
 FLOW_RUN_RESOURCE_PREFIX = "prefect.flow-run."

@@ -8,8 +8,7 @@ import pytest
 from prefect.flows import load_flow_from_entrypoint
 
 from deployments.serve import PREFECT_YAML, build_deployments, load_deployment_specs
-from raytrain_tasks.config import TrainingConfig
-from tasks.run_settings import config_from_parameters
+from raytrain_tasks.config import TrainingConfig, config_from_parameters
 from tests.helpers import REPO_ROOT
 
 SPECS = load_deployment_specs()

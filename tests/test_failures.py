@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from mlflow import MlflowClient
 
-from flows.parameters import parameters_of
 from flows.training import training_pipeline
+from raytrain_tasks.config import parameters_of
 from raytrain_tasks.errors import CheckpointError, ClusterError, DatasetError, TrackingError
 from tests.helpers import small_config, this_ray_address
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from flows.parameters import parameters_of
 from flows.training import training_pipeline
+from raytrain_tasks.config import parameters_of
 from tests.helpers import small_config
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -13,9 +13,8 @@ import ray.train
 from ray.data.dataset import MaterializedDataset
 from ray.train.torch import TorchTrainer
 
-from flows.parameters import parameters_of
 from flows.training import training_pipeline
-from raytrain_tasks.config import TrainingConfig
+from raytrain_tasks.config import TrainingConfig, parameters_of
 from raytrain_tasks.data import DatasetRef
 from tasks.data import prepare_data
 from tests.helpers import small_config, this_ray_address

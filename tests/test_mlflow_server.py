@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from mlflow import MlflowClient
 
-from flows.parameters import parameters_of
 from flows.training import PipelineResult, training_pipeline
+from raytrain_tasks.config import parameters_of
 from raytrain_tasks.data import read_split
 from tests.helpers import small_config
 

@@ -16,10 +16,9 @@ from typing import Any
 import pytest
 from mlflow import MlflowClient
 
-from flows.parameters import parameters_of
 from flows.training import training_pipeline
 from raytrain_tasks.api import Metric, TrainFunc
-from raytrain_tasks.config import TrainingConfig
+from raytrain_tasks.config import TrainingConfig, parameters_of
 from raytrain_tasks.errors import TrainingError, UserCodeError
 from raytrain_tasks.user_code import resolve
 from tests.helpers import small_config

@@ -10,9 +10,9 @@ import pandas as pd
 import pytest
 from mlflow import MlflowClient
 
-from flows.parameters import parameters_of
 from flows.training import PipelineResult, training_pipeline
 from raytrain_tasks.checkpoint import verify_checkpoint
+from raytrain_tasks.config import parameters_of
 from raytrain_tasks.data import LABEL_INDEX_COLUMN
 from raytrain_tasks.tracking import EPOCH_METRICS
 from tests.helpers import small_config

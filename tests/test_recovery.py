@@ -24,10 +24,10 @@ from typing import Any
 import pytest
 from mlflow import MlflowClient
 
-from flows.parameters import parameters_of
 from flows.training import PipelineResult, training_pipeline
 from raytrain_tasks.checkpoint import MODEL_FILE
 from raytrain_tasks.config import RUN_KEY_PATTERN as RUN_KEY
+from raytrain_tasks.config import parameters_of
 from raytrain_tasks.resume import checkpoint_dir_name
 from raytrain_tasks.tracking import EPOCH_METRICS, epoch_number
 from tests.helpers import REPO_ROOT, free_port, small_config, start_mlflow_server, stop_process_group, this_ray_address

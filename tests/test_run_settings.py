@@ -17,11 +17,11 @@ from prefect.client.orchestration import get_client
 from prefect.exceptions import PrefectHTTPStatusError, SignatureMismatchError
 from prefect.states import Crashed
 
-from flows.parameters import parameters_of
 from flows.training import training_pipeline
-from raytrain_tasks.config import TrainingConfig
+from raytrain_tasks.config import TrainingConfig, config_from_parameters, non_default_settings, parameters_of
+from raytrain_tasks.errors import SettingsError
 from tasks.continuation import continuation_of
-from tasks.run_settings import SettingsError, check_deployment_pins, config_from_parameters, non_default_settings
+from tasks.run_settings import check_deployment_pins
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 

@@ -14,8 +14,8 @@ from mlflow import MlflowClient
 
 from devtools.s3_server import ADMIN, READER, LocalS3
 from driver.storage import s3_client
-from flows.parameters import parameters_of
 from flows.training import PipelineResult, training_pipeline
+from raytrain_tasks.config import parameters_of
 from raytrain_tasks.errors import StorageError
 from raytrain_tasks.fs import StorageOptions
 from tasks.data import prepare_dataset

@@ -18,7 +18,6 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from flows.parameters import parameters_of
 from raytrain_tasks.checkpoint import (
     MANIFEST_FILE,
     MODEL_FILE,
@@ -32,7 +31,7 @@ from raytrain_tasks.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
-from raytrain_tasks.config import TrainingConfig, check_run_key
+from raytrain_tasks.config import TrainingConfig, check_run_key, parameters_of
 from raytrain_tasks.errors import UnsafeCheckpointError
 from raytrain_tasks.models import build_model
 

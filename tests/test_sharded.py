@@ -19,8 +19,8 @@ import psutil
 import pytest
 from mlflow import MlflowClient
 
-from flows.parameters import parameters_of
 from flows.training import training_pipeline
+from raytrain_tasks.config import parameters_of
 from raytrain_tasks.pin_journal import PinJournal
 from tests.helpers import REPO_ROOT, small_config
 from tests.test_recovery import mlflow_client, only_run, run_killing_a_worker
