@@ -39,7 +39,7 @@ lint: install
 	$(PY) -m devtools.check_sizes
 
 typecheck: install
-	$(VENV)/bin/mypy flows tasks driver raytrain_tasks deployments bench examples
+	$(VENV)/bin/mypy flows tasks raytrain_driver raytrain_tasks deployments bench examples
 
 s3: install  ## a local S3-compatible server on 127.0.0.1:8333 (SeaweedFS), data in .pipeline/s3
 	$(PY) -m devtools.s3_server --dir .pipeline/s3 --port 8333

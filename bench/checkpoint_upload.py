@@ -21,7 +21,7 @@ import torch
 
 from bench.summary import write_figures
 from devtools.s3_server import ADMIN, LocalS3
-from driver.storage import s3_client
+from raytrain_driver.storage import s3_client
 from raytrain_tasks.checkpoint import ModelSpec, TrainingState, capture_rng_state, save_checkpoint
 from raytrain_tasks.fs import StorageOptions, open_filesystem
 from raytrain_tasks.models import build_model

@@ -40,8 +40,8 @@ def main() -> None:
         from prefect.testing.utilities import prefect_test_harness
         from ray.util.state import list_actors
 
-        from driver.cluster import worker_env
         from flows.training import training_pipeline
+        from raytrain_driver.cluster import worker_env
         from raytrain_tasks.config import TrainingConfig, parameters_of
 
         def train_actors() -> set[str]:

@@ -279,13 +279,13 @@ def run_ingest(w: Workload, dataset: Any) -> dict[str, float]:
 
 
 def run_loader_fit(w: Workload, world: int, dataset: Any, loader: str, tmp: Path) -> dict[str, float]:
-    """A ``world``-worker fit of the product's training loop (driver.trainer.build_trainer) fed by ``loader``:
+    """A ``world``-worker fit of the product's training loop (raytrain_driver.trainer.build_trainer) fed by ``loader``:
     in-loop samples/s from its own per-epoch metrics."""
     import signal
 
-    from driver.sizing import alive_node_resources, sized_for_cluster
-    from driver.storage import locate
-    from driver.trainer import build_trainer, read_history
+    from raytrain_driver.sizing import alive_node_resources, sized_for_cluster
+    from raytrain_driver.storage import locate
+    from raytrain_driver.trainer import build_trainer, read_history
     from raytrain_tasks.config import TrainingConfig
 
     config = TrainingConfig(
@@ -383,10 +383,10 @@ def bare_fit(workdir: Path, epochs: int, manifest: Path) -> None:
     """Child process: ray.init + TorchTrainer.fit() of our train loop on the flow's dataset; no Prefect, MLflow."""
     import ray
 
-    from driver.cluster import worker_env
-    from driver.sizing import alive_node_resources, sized_for_cluster
-    from driver.storage import locate
-    from driver.trainer import build_trainer, read_history
+    from raytrain_driver.cluster import worker_env
+    from raytrain_driver.sizing import alive_node_resources, sized_for_cluster
+    from raytrain_driver.storage import locate
+    from raytrain_driver.trainer import build_trainer, read_history
     from raytrain_tasks.config import TrainingConfig
     from raytrain_tasks.data import DatasetRef
 
@@ -559,7 +559,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import ray
 
-    from driver.cluster import worker_env
+    from raytrain_driver.cluster import worker_env
 
     results: dict[str, Any] = {"machine": machine(), "workload": asdict(workload), "repetitions": reps}
     print("machine:", ", ".join(f"{k}={v}" for k, v in results["machine"].items()), flush=True)

@@ -59,9 +59,9 @@ def measure(workdir: Path) -> dict[str, float] | None:
     from prefect import State
     from prefect.testing.utilities import prefect_test_harness
 
-    import driver.trainer
-    from driver.cluster import worker_env
+    import raytrain_driver.trainer
     from flows.training import training_pipeline
+    from raytrain_driver.cluster import worker_env
     from raytrain_tasks.config import TrainingConfig, parameters_of
     from raytrain_tasks.tracking import epoch_number
 
@@ -76,13 +76,13 @@ def measure(workdir: Path) -> dict[str, float] | None:
         register=False,
     )
     fit_called: list[float] = []
-    original = driver.trainer.fit_interruptibly
+    original = raytrain_driver.trainer.fit_interruptibly
 
     def timed_fit(trainer: Any, lease: Any = None) -> Any:
         fit_called.append(time.time())
         return original(trainer, lease)
 
-    driver.trainer.fit_interruptibly = timed_fit  # type: ignore[assignment]  # a clock on the call, nothing else
+    raytrain_driver.trainer.fit_interruptibly = timed_fit  # type: ignore[assignment]  # a clock on the call, nothing else
     ray.init(address="local", num_cpus=2, runtime_env={"env_vars": worker_env()}, logging_level=logging.ERROR)
     try:
         with prefect_test_harness(server_startup_timeout=120), ThreadPoolExecutor(1) as pool:
@@ -108,7 +108,7 @@ def measure(workdir: Path) -> dict[str, float] | None:
             result = future.result(timeout=900)
             assert not isinstance(result, State), result  # only a duplicate continuation returns a state
     finally:
-        driver.trainer.fit_interruptibly = original  # type: ignore[assignment]
+        raytrain_driver.trainer.fit_interruptibly = original  # type: ignore[assignment]
         ray.shutdown()
     history = {epoch_number(e["epoch"]): e for e in result.fit.history}  # by epoch number, as MLflow's step
     times = {m.step: m.timestamp / 1000 for m in client.get_metric_history(result.fit.mlflow_run_id, "val_accuracy")}

@@ -53,7 +53,7 @@ def _seconds(call: Callable[[], Any]) -> tuple[float, str]:
 
 def _s3_preflight(workdir: Path) -> list[dict[str, Any]]:
     from devtools.s3_server import ADMIN, READER, LocalS3
-    from driver.storage import s3_client
+    from raytrain_driver.storage import s3_client
     from raytrain_tasks.config import TrainingConfig
     from raytrain_tasks.fs import StorageOptions
     from tasks.data import prepare_dataset
@@ -110,7 +110,7 @@ def _mlflow_logger(workdir: Path) -> dict[str, Any]:
 
 
 def _ray_address() -> list[dict[str, Any]]:
-    from driver.cluster import check_reachable, ray_session
+    from raytrain_driver.cluster import check_reachable, ray_session
     from raytrain_tasks.config import TrainingConfig
 
     closed, error = _seconds(lambda: check_reachable(f"127.0.0.1:{_closed_port()}"))
@@ -149,8 +149,8 @@ def _ray_address() -> list[dict[str, Any]]:
 def _lease(workdir: Path) -> dict[str, Any]:
     """A 6 s lease on S3 whose storage goes away: when the holder counts it lost, as a fraction of the lease."""
     from devtools.s3_server import ADMIN, LocalS3
-    from driver.lease import run_lease
-    from driver.storage import locate, s3_client
+    from raytrain_driver.lease import run_lease
+    from raytrain_driver.storage import locate, s3_client
     from raytrain_tasks.fs import StorageOptions
 
     os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"] = ADMIN

@@ -23,8 +23,8 @@ from typing import Any
 
 import yaml
 
-from driver.cluster import warm_ray
 from flows.training import training_pipeline
+from raytrain_driver.cluster import warm_ray
 from tasks.continuation import ensure_zombie_automation
 
 PREFECT_YAML = Path(__file__).with_name("prefect.yaml")

@@ -10,7 +10,7 @@ import ast
 import sys
 from pathlib import Path
 
-PACKAGES = ("flows", "tasks", "driver", "raytrain_tasks", "deployments")
+PACKAGES = ("flows", "tasks", "raytrain_driver", "raytrain_tasks", "deployments")
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
 

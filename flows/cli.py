@@ -95,7 +95,7 @@ def quiet_console() -> None:
     Nothing is lost: the output of every Ray process (the controller's worker-group lines, each worker's) stays
     in Ray's session logs (``/tmp/ray/session_latest/logs``) instead of being copied to this console, and the
     run's own log lines go to Prefect as before."""
-    from driver.cluster import LOG_TO_DRIVER_ENV
+    from raytrain_driver.cluster import LOG_TO_DRIVER_ENV
 
     os.environ.setdefault(LOG_TO_DRIVER_ENV, "0")
     for name in QUIET_LOGGERS:
@@ -152,7 +152,8 @@ def _exit_at_the_latest_after_a_signal() -> None:
     """A deadline on stopping: after a SIGTERM, SIGINT or SIGHUP, the run normally stops in a few seconds (Prefect
     turns the signal into a cancellation, the fit marks its MLflow run KILLED). If it is still running
     ``STOP_DEADLINE_S`` later (seen once when the signal landed between the fit and register-model), the process
-    exits with 128 + the signal; the services it started end with it (driver.process_groups, flows.temporary_api).
+    exits with 128 + the signal; the services it started end with it (raytrain_driver.process_groups,
+    flows.temporary_api).
 
     Python writes every signal's number to the wakeup fd, whichever handler (ours, Prefect's) then runs it.
     """
@@ -214,7 +215,7 @@ def local_services(config: TrainingConfig) -> Iterator[None]:
     if PREFECT_API_URL.value() or config.ray_address:
         yield
         return
-    from driver.cluster import ray_session
+    from raytrain_driver.cluster import ray_session
 
     failure: list[BaseException] = []
 

@@ -1,5 +1,5 @@
 """The temporary Prefect API that a CLI run starts for itself runs in a process group of its own (see
-driver/process_groups.py for why, and for Ray's counterpart). tests/test_signals.py fails if Prefect's shape
+raytrain_driver/process_groups.py for why, and for Ray's counterpart). tests/test_signals.py fails if Prefect's shape
 changes."""
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ from prefect.runtime import deployment, flow_run
 from prefect.states import Cancelled
 from pydantic import BaseModel, ConfigDict
 
-from driver.fit_record import FitResult
 from flows.parameters import with_settings_as_parameters
+from raytrain_driver.fit_record import FitResult
 from raytrain_tasks.config import TrainingConfig, config_from_parameters, new_run_key, non_default_settings
 from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.redact import install_log_redaction, redacted_errors, strip_credentials

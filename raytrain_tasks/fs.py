@@ -83,7 +83,7 @@ def _rebuild_s3(max_attempts: int, kwargs: dict[str, object]) -> RetryingS3FileS
 def probe_storage(uri: str, options: StorageOptions) -> str:
     """Write, read back and delete a small object under ``uri`` with this process's credentials; "" when all
     three work, otherwise what failed. Runs on each Ray node before training
-    (``driver.cluster.check_storage_on_nodes``): a node has its own credentials (instance role, its own
+    (``raytrain_driver.cluster.check_storage_on_nodes``): a node has its own credentials (instance role, its own
     environment), and the driver's proving nothing for it."""
     import socket
     import uuid

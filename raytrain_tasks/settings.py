@@ -28,8 +28,8 @@ def _dataset_stem(dataset: str) -> str:
 # their own.
 PINNED_BY_DEPLOYMENT: dict[str, Any] = {"pinned_by_deployment": True}
 # On the settings that steer a run rather than decide what it trains (retries, windows, registration): a resume may
-# give them other values; any other setting changed on resume is refused (driver.tracking), or the checkpoints and
-# metrics of one MLflow run would not add up.
+# give them other values; any other setting changed on resume is refused (raytrain_driver.tracking), or the
+# checkpoints and metrics of one MLflow run would not add up.
 MAY_CHANGE_ON_RESUME: dict[str, Any] = {"may_change_on_resume": True}
 
 

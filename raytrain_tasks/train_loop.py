@@ -199,8 +199,8 @@ def _report(
         spec=model_spec(config, dataset),
         history=history,
     )
-    # The Ray Train run is named after the run key (driver.fit); another name (a TorchTrainer of one's own) gets a
-    # fresh temporary folder.
+    # The Ray Train run is named after the run key (raytrain_driver.fit); another name (a TorchTrainer of one's
+    # own) gets a fresh temporary folder.
     run_name = ray.train.get_context().get_experiment_name()
     with staging_folder(run_name if RUN_KEY_PATTERN.fullmatch(run_name) else None) as tmp:
         save_checkpoint(

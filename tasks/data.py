@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
-from driver.storage import DATASETS_DIR, StorageLocation, check_writable, locate
+from raytrain_driver.storage import DATASETS_DIR, StorageLocation, check_writable, locate
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import (
     LABEL_INDEX_COLUMN,

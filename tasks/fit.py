@@ -1,4 +1,5 @@
-"""distributed-fit: the Prefect task that trains one run key (driver/fit.py), here or as a Ray Job on the cluster.
+"""distributed-fit: the Prefect task that trains one run key (raytrain_driver/fit.py), here or as a Ray Job on
+the cluster.
 
 It hands the driver this task run's logger and run page, and the tags that lead back to the flow run; it decides
 which failures Prefect retries.
@@ -13,10 +14,10 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 from prefect.settings import PREFECT_HOME
 
-from driver.fit import fit_in_this_process
-from driver.fit_record import FitResult
-from driver.hooks import Logger, RunHooks, run_hooks
-from driver.storage import RUNS_DIR, locate
+from raytrain_driver.fit import fit_in_this_process
+from raytrain_driver.fit_record import FitResult
+from raytrain_driver.hooks import Logger, RunHooks, run_hooks
+from raytrain_driver.storage import RUNS_DIR, locate
 from raytrain_tasks.config import TrainingConfig, check_run_key
 from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.errors import (
@@ -77,8 +78,8 @@ def distributed_fit(config: TrainingConfig, dataset: DatasetRef | None, run_key:
         run_dir = runs.child(run_key)
         origin = prefect_origin(run_key)
         if config.launch_mode == "ray_job":
-            from driver.ray_job import fit_as_ray_job
+            from raytrain_driver.ray_job import fit_as_ray_job
 
-            # The job takes the run's lease itself (fit_in_this_process, run by driver/fit_job.py on the cluster).
+            # The job takes the run's lease itself (fit_in_this_process, run by raytrain_driver/fit_job.py there).
             return fit_as_ray_job(config, dataset, run_key, runs, run_dir, origin=origin)
         return fit_in_this_process(config, dataset, run_key, runs, run_dir, origin)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from driver.origin import ENTRY_POINT
+from raytrain_driver.origin import ENTRY_POINT
 
 
 def prefect_origin(run_key: str) -> dict[str, str]:

@@ -1,4 +1,5 @@
-"""register-model: the Prefect task that registers a fit's model behind the promotion gate (driver/register.py).
+"""register-model: the Prefect task that registers a fit's model behind the promotion gate
+(raytrain_driver/register.py).
 
 It hands the driver this task run's logger and tags the version with the flow run it came from.
 """
@@ -9,9 +10,9 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 from prefect.runtime import flow_run
 
-from driver.fit_record import FitResult
-from driver.hooks import RunHooks, run_hooks
-from driver.register import ModelRef, register
+from raytrain_driver.fit_record import FitResult
+from raytrain_driver.hooks import RunHooks, run_hooks
+from raytrain_driver.register import ModelRef, register
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DatasetRef
 

@@ -146,7 +146,7 @@ class EpochProgress:
         return round(100.0 * len(self._seen) / self.epochs, 1)
 
 
-LEARNING_CURVES = "evaluation/learning_curves.png"  # logged by driver.evaluation
+LEARNING_CURVES = "evaluation/learning_curves.png"  # logged by raytrain_driver.evaluation
 
 
 def mlflow_ui_base(tracking_uri: str) -> str | None:

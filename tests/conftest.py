@@ -44,7 +44,7 @@ def ray_cluster() -> Iterator[dict[str, float]]:
     """One local Ray for the whole session (2 CPUs, as on CI); the pipeline uses it and leaves it running."""
     import ray
 
-    from driver.cluster import worker_env
+    from raytrain_driver.cluster import worker_env
 
     ray.init(address="local", num_cpus=2, runtime_env={"env_vars": worker_env()}, logging_level="WARNING")
     try:

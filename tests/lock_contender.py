@@ -14,7 +14,7 @@ from pathlib import Path
 
 from mlflow import MlflowClient
 
-from driver.registry_lock import model_lock
+from raytrain_driver.registry_lock import model_lock
 
 
 def main(url: str, model: str, owner: str, hold_s: str, lease_s: str, markers: str) -> None:

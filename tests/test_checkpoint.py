@@ -151,7 +151,7 @@ def test_scoring_a_split_runs_in_bounded_batches_with_the_same_logits() -> None:
     import numpy as np
     import torch
 
-    from driver.evaluation import PREDICT_BATCH_ROWS, predict_logits
+    from raytrain_driver.evaluation import PREDICT_BATCH_ROWS, predict_logits
 
     seen: list[int] = []
 

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 from mlflow import MlflowClient
 
-from driver.cluster import check_reachable
-from driver.sizing import storage_shared_with_nodes
+from raytrain_driver.cluster import check_reachable
+from raytrain_driver.sizing import storage_shared_with_nodes
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import ClusterError
 from tests.helpers import REPO_ROOT, free_port, stop_process_group, wait_for_http
@@ -282,7 +282,7 @@ def test_connecting_never_shuts_the_cluster_down(external_cluster: ExternalClust
         f"""
         import ray
         from raytrain_tasks.config import TrainingConfig
-        from driver.cluster import ray_session
+        from raytrain_driver.cluster import ray_session
         config = TrainingConfig(ray_address="{external_cluster.address}")
         with ray_session(config):
             first = ray.get_runtime_context().get_job_id()
@@ -301,7 +301,7 @@ def test_a_driver_without_the_cluster_token_is_told_how_to_authenticate(external
     code = textwrap.dedent(
         f"""
         from raytrain_tasks.config import TrainingConfig
-        from driver.cluster import ray_session
+        from raytrain_driver.cluster import ray_session
         with ray_session(TrainingConfig(ray_address="{external_cluster.address}")):
             pass
         """
@@ -332,7 +332,7 @@ def test_a_warm_ray_gone_with_its_serve_process_leaves_the_run_a_local_ray_of_it
         import ray
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
         from raytrain_tasks.config import TrainingConfig
-        from driver.cluster import WARM_RAY_ENV, ray_session
+        from raytrain_driver.cluster import WARM_RAY_ENV, ray_session
         os.environ[WARM_RAY_ENV] = "{dead}"
         with ray_session(TrainingConfig()):
             print("CONNECTED", ray.get_runtime_context().gcs_address)
@@ -365,9 +365,9 @@ def test_local_storage_on_a_multi_node_cluster_fails_early() -> None:
 
 
 def test_max_workers_makes_the_worker_group_elastic(tmp_path: Path) -> None:
-    from driver.sizing import FitPlan
-    from driver.storage import locate
-    from driver.trainer import build_trainer
+    from raytrain_driver.sizing import FitPlan
+    from raytrain_driver.storage import locate
+    from raytrain_driver.trainer import build_trainer
     from raytrain_tasks.data import DatasetRef
 
     dataset = DatasetRef(
@@ -392,7 +392,7 @@ def test_max_workers_makes_the_worker_group_elastic(tmp_path: Path) -> None:
 
 
 def test_credentials_reach_a_cluster_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    from driver.cluster import cluster_runtime_env
+    from raytrain_driver.cluster import cluster_runtime_env
 
     for name, value in DRIVER_SECRETS.items():
         monkeypatch.setenv(name, value)
@@ -436,7 +436,7 @@ def test_a_node_that_cannot_write_the_bucket_is_named_before_any_worker_starts(
     client = MlflowClient(tracking_uri)
     experiment = client.get_experiment_by_name("nodes")
     assert experiment is None or client.search_runs([experiment.experiment_id]) == []
-    from driver.storage import s3_client
+    from raytrain_driver.storage import s3_client
     from raytrain_tasks.fs import StorageOptions
 
     listed = s3_client(StorageOptions(endpoint_url=s3_server.endpoint_url)).list_objects_v2(Bucket="prt-nodes")
@@ -458,7 +458,7 @@ def test_an_address_that_accepts_but_is_not_ray_is_refused_naming_the_connect_ti
         threading.Thread(target=lambda: [held.append(listener.accept()) for _ in iter(int, 1)], daemon=True).start()
         from raytrain_tasks.config import TrainingConfig
         from raytrain_tasks.errors import ClusterError
-        from driver.cluster import ray_session
+        from raytrain_driver.cluster import ray_session
         try:
             with ray_session(TrainingConfig(ray_address=f"127.0.0.1:{port}", ray_connect_timeout_s=5)):
                 print("CONNECTED")

@@ -163,7 +163,7 @@ def test_ray_job_mode_submits_to_the_dashboard_of_the_address_unless_told() -> N
 def test_cpus_per_worker_unset_is_sized_to_the_cluster(
     settings: dict[str, object], nodes: list[dict[str, float]], streams: bool, share: float
 ) -> None:
-    from driver.sizing import check_resources, sized_for_cluster
+    from raytrain_driver.sizing import check_resources, sized_for_cluster
 
     config = TrainingConfig.model_validate(settings)
     plan = sized_for_cluster(config, nodes, streams)
@@ -203,7 +203,7 @@ def test_cpus_per_worker_defaults_to_sized_and_is_never_negative() -> None:
 def test_a_retried_or_resumed_run_keeps_the_cpus_per_worker_it_trained_with(
     settings: dict[str, object], earlier: float, nodes: list[dict[str, float]], share: float
 ) -> None:
-    from driver.sizing import sized_for_cluster
+    from raytrain_driver.sizing import sized_for_cluster
 
     config = TrainingConfig.model_validate(settings)
     assert sized_for_cluster(config, nodes, streams=False, earlier=earlier).cpus_per_worker == share
@@ -213,7 +213,7 @@ def test_ray_datasets_of_the_users_code_get_a_whole_cpu_beside_the_workers() -> 
     """A TrainFunc with `datasets=`: Ray Data's read and transform tasks ask 1 CPU each by default, so sizing
     leaves one free (two workers at 0.75 CPU on 2 CPUs left 0.5: the tasks never started and the fit hung), and
     a share set by hand that leaves less is refused naming train_code and the settings."""
-    from driver.sizing import FitPlan, check_resources, sized_for_cluster
+    from raytrain_driver.sizing import FitPlan, check_resources, sized_for_cluster
     from raytrain_tasks.data import USER_DATASET_CPUS
 
     config = TrainingConfig(train_code="my_model.train:training")
@@ -254,7 +254,7 @@ def test_the_default_model_name_follows_the_users_data_or_code(settings: dict[st
 
 def test_a_resume_may_change_what_steers_the_run_and_nothing_it_trains_with() -> None:
     """Which settings a resume may change is declared on each field (one place); the check reads only that."""
-    from driver.tracking import _check_params_unchanged
+    from raytrain_driver.tracking import _check_params_unchanged
     from raytrain_tasks.errors import TrackingError
 
     started = TrainingConfig()

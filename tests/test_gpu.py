@@ -29,7 +29,7 @@ def gpu_ray() -> object:
     """A local Ray that sees this machine's GPUs (the session's CPU-only fixture does not declare them)."""
     import ray
 
-    from driver.cluster import worker_env
+    from raytrain_driver.cluster import worker_env
 
     if ray.is_initialized():
         ray.shutdown()

@@ -114,7 +114,7 @@ def test_torch_and_ray_data_loaders_reach_the_same_accuracy(
 
 
 def test_ray_data_that_streams_needs_cpus_beside_the_workers(tmp_path: Path, ray_cluster: dict[str, float]) -> None:
-    from driver.sizing import FitPlan, check_resources, sized_for_cluster
+    from raytrain_driver.sizing import FitPlan, check_resources, sized_for_cluster
     from raytrain_tasks.data import streams
     from raytrain_tasks.errors import ClusterError
 
@@ -156,9 +156,9 @@ def test_a_run_without_ray_datasets_starts_no_dataset_manager(
     """Ray Train would start (and make the workers wait for) a Ray Data actor at every worker-group start."""
     from ray.util.state import list_actors
 
-    from driver.sizing import FitPlan
-    from driver.storage import locate
-    from driver.trainer import build_trainer
+    from raytrain_driver.sizing import FitPlan
+    from raytrain_driver.storage import locate
+    from raytrain_driver.trainer import build_trainer
 
     def dataset_managers() -> int:
         return len(
@@ -192,7 +192,7 @@ def test_a_retried_elastic_fit_keeps_the_cpus_per_worker_it_trained_with(
     at 2 CPUs per worker (a bigger cluster) and the retry runs on this 2-CPU Ray: one worker, at 2 CPUs."""
     from prefect import flow
 
-    from driver import tracking
+    from raytrain_driver import tracking
     from raytrain_tasks.config import new_run_key
     from tasks.fit import distributed_fit
 

@@ -26,11 +26,11 @@ def test_worker_code_imports_without_prefect(module: str) -> None:
 
 def test_a_fit_job_runs_where_prefect_is_not_installed() -> None:
     """launch_mode=ray_job ships the driver package and raytrain_tasks to the cluster and runs `python -m
-    driver.fit_job` there: every driver module imports in an interpreter where Prefect cannot be imported (a
+    raytrain_driver.fit_job` there: every driver module imports in an interpreter where Prefect cannot be imported (a
     cluster image without it), and so does the job's code path (the fit, the Ray Job helpers, the registry)."""
-    import driver
+    import raytrain_driver
 
-    modules = sorted(f"driver.{path.stem}" for path in Path(driver.__file__).parent.glob("*.py"))
+    modules = sorted(f"driver.{path.stem}" for path in Path(raytrain_driver.__file__).parent.glob("*.py"))
     code = (
         "import sys, importlib.abc\n"
         "class NoPrefect(importlib.abc.MetaPathFinder):\n"
@@ -39,15 +39,15 @@ def test_a_fit_job_runs_where_prefect_is_not_installed() -> None:
         "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
         "sys.meta_path.insert(0, NoPrefect())\n"
         f"for module in {modules!r}: importlib.import_module(module)\n"
-        "from driver.fit_job import main\n"
-        "from driver.fit import fit_in_this_process\n"
-        "from driver.register import register\n"
+        "from raytrain_driver.fit_job import main\n"
+        "from raytrain_driver.fit import fit_in_this_process\n"
+        "from raytrain_driver.register import register\n"
         "print('prefect' in sys.modules)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "False"
-    assert "driver.fit_job" in modules and "driver.fit" in modules
+    assert "raytrain_driver.fit_job" in modules and "raytrain_driver.fit" in modules
 
 
 @pytest.mark.parametrize("module", ["flows.training", "tasks.fit", "tasks.register", "tasks.data"])

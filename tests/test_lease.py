@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from driver.lease import LEASE_FILE, read_lease, run_lease
-from driver.run_owner import driver_alive, this_driver
-from driver.storage import StorageLocation, locate, s3_client
+from raytrain_driver.lease import LEASE_FILE, read_lease, run_lease
+from raytrain_driver.run_owner import driver_alive, this_driver
+from raytrain_driver.storage import StorageLocation, locate, s3_client
 from raytrain_tasks.errors import RunLeaseError
 from raytrain_tasks.fs import StorageOptions
 
@@ -169,7 +169,7 @@ def test_a_driver_in_another_pid_namespace_with_the_same_hostname_is_not_judged_
     """Two containers with one hostname: a driver in the other one was `hostname:pid:start` like ours, and its
     pid looked up in our process table (gone, or another process) made it "dead": its live run's lease was taken
     over and its MLflow run marked KILLED."""
-    probe = "from driver.run_owner import this_driver; print(this_driver())"
+    probe = "from raytrain_driver.run_owner import this_driver; print(this_driver())"
     try:
         other = subprocess.run(
             ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", probe],
@@ -226,7 +226,10 @@ def test_the_holder_keeps_renewing_through_a_storage_outage(tmp_path: Path, capl
         s3_client(options).create_bucket(Bucket="prt-outage")
         run_dir = locate("s3://prt-outage/runs", options).child(KEY)
         lease_file = run_dir.child(LEASE_FILE)
-        with caplog.at_level(logging.WARNING, logger="driver.lease"), run_lease(run_dir, KEY, "holder-a", 9) as held:
+        with (
+            caplog.at_level(logging.WARNING, logger="raytrain_driver.lease"),
+            run_lease(run_dir, KEY, "holder-a", 9) as held,
+        ):
             before = lease_file.read_text()  # renewed every 3 s
             server.stop()
             deadline = time.monotonic() + 30
@@ -326,9 +329,9 @@ def test_a_fit_whose_lease_is_taken_stops_at_once_and_leaves_the_mlflow_run_alon
     import ray
     from mlflow import MlflowClient
 
-    from driver import run_owner, tracking
-    from driver.fit import fit_in_this_process
-    from driver.storage import RUNS_DIR
+    from raytrain_driver import run_owner, tracking
+    from raytrain_driver.fit import fit_in_this_process
+    from raytrain_driver.storage import RUNS_DIR
     from raytrain_tasks.config import new_run_key
     from raytrain_tasks.errors import RunLeaseLostError
     from tasks.data import prepare_dataset

@@ -252,7 +252,7 @@ def test_a_run_finished_again_from_its_checkpoints_records_nothing_twice(
 ) -> None:
     """A crash between writing fit.json and recording its digest: the resume finishes the run again from its
     checkpoints (Ray Train finds every epoch done) and adds no metric point, LoggedModel or version."""
-    from driver.tracking import FIT_RECORD_TAG
+    from raytrain_driver.tracking import FIT_RECORD_TAG
 
     assert first_run.model is not None
     fit, name = first_run.fit, first_run.model.name

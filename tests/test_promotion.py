@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from driver.promotion import Champion, Promotion, decide_promotion
+from raytrain_driver.promotion import Champion, Promotion, decide_promotion
 
 
 @pytest.mark.parametrize(

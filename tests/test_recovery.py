@@ -112,7 +112,7 @@ def run_killing_a_worker(
     """Run the flow and SIGKILL one Ray Train worker once ``after_epoch`` is committed; (final state, the kill).
 
     The kill cannot be timed to an epoch by polling: an epoch takes about 0.5 s here, Ray Train's controller
-    registers one report per poll of the workers (every 0.1 s, driver.cluster.HEALTH_CHECK_INTERVAL_S), and a
+    registers one report per poll of the workers (every 0.1 s, raytrain_driver.cluster.HEALTH_CHECK_INTERVAL_S), and a
     worker uploads its next checkpoint before it waits for the controller to take the last report; so by the
     time epoch N is registered and seen in MLflow, the checkpoints of N+1 and N+2 may be uploaded already (seen
     in CI: the corrupted epoch was no longer the one resumed from). So every worker is stopped (SIGSTOP) as soon
@@ -448,7 +448,7 @@ def test_a_tampered_checkpoint_stops_the_restarted_workers_and_runs_nothing(tmp_
 def test_worker_killed_on_s3_storage_resumes_from_the_bucket(
     tmp_path: Path, reference: PipelineResult, s3_server: Any
 ) -> None:
-    from driver.storage import s3_client
+    from raytrain_driver.storage import s3_client
 
     config = chaos_config(
         tmp_path,
@@ -522,7 +522,7 @@ def test_a_storage_outage_mid_run_is_ridden_out(tmp_path: Path, reference: Pipel
     get the retrying filesystem, not pyarrow's 3 tries over about 2 s); it ends as an uninterrupted run ends,
     with every checkpoint in the bucket and intact."""
     from devtools.s3_server import LocalS3
-    from driver.storage import download_dir, locate
+    from raytrain_driver.storage import download_dir, locate
     from raytrain_tasks.checkpoint import verify_checkpoint
     from raytrain_tasks.fs import StorageOptions
 

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from mlflow import MlflowClient
 
-from driver.fit_record import FitResult
-from driver.register import APPLIED_TAG
-from driver.registry_lock import QUEUE_SUFFIX
+from raytrain_driver.fit_record import FitResult
+from raytrain_driver.register import APPLIED_TAG
+from raytrain_driver.registry_lock import QUEUE_SUFFIX
 from raytrain_tasks.checkpoint import ModelSpec, TrainingState, manifest_digest, save_checkpoint
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DatasetRef
@@ -208,7 +208,7 @@ def test_a_champion_stored_as_a_pickle_is_never_loaded(registry: dict[str, Any],
     import mlflow
     import torch
 
-    from driver.builtin_register import SCHEMA_TAG, schema_digest
+    from raytrain_driver.builtin_register import SCHEMA_TAG, schema_digest
 
     config, client, workdir = registry["config"], registry["client"], registry["workdir"]
     marker = tmp_path / "pwned"
@@ -299,7 +299,7 @@ def test_two_pipelines_registering_at_once_decide_one_after_the_other(registry: 
 
 def _taken_over_while_looking_up(monkeypatch: pytest.MonkeyPatch) -> None:
     """The holder freezes longer than the lease while it looks up its version: another waiter deletes its ticket."""
-    import driver.register as register
+    import raytrain_driver.register as register
 
     looked_up = register._version_of_run
 
@@ -355,8 +355,8 @@ def test_a_registry_outage_in_the_middle_of_the_decision_moves_nothing_and_a_ret
     """`mlflow server` stops after the candidate's version is registered and before the champion is read: the
     task fails (no alias moves, the version is not marked decided); with the server back, the next attempt of
     the same run key decides on that same version."""
-    import driver.builtin_register as builtin_register
-    import driver.registry_lock as registry_lock
+    import raytrain_driver.builtin_register as builtin_register
+    import raytrain_driver.registry_lock as registry_lock
 
     # A short lock lease, so the retry waits seconds, not a minute, for the failed attempt's ticket to go stale.
     monkeypatch.setattr(registry_lock, "LEASE_S", 5.0)

@@ -13,8 +13,8 @@ import pytest
 from mlflow import MlflowClient
 
 from devtools.s3_server import ADMIN, READER, LocalS3
-from driver.storage import s3_client
 from flows.training import PipelineResult, training_pipeline
+from raytrain_driver.storage import s3_client
 from raytrain_tasks.config import parameters_of
 from raytrain_tasks.errors import StorageError
 from raytrain_tasks.fs import StorageOptions
@@ -200,7 +200,7 @@ def test_the_s3_client_tries_each_request_s3_max_attempts_times(attempts: int) -
 def test_create_bucket_names_the_region_outside_us_east_1(s3_server: LocalS3) -> None:
     """`create_bucket` with `s3_region`: AWS refuses a CreateBucket outside us-east-1 without a LocationConstraint
     (the request is read as it leaves the client; the local server accepts either)."""
-    from driver.storage import create_bucket_in_region
+    from raytrain_driver.storage import create_bucket_in_region
 
     bodies: dict[str, bytes] = {}
     for region in ("eu-west-1", "us-east-1"):

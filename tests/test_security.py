@@ -159,8 +159,8 @@ def test_a_run_key_that_skipped_the_config_never_reaches_a_path_or_filter(tmp_pa
     """The fit and registry entry points check the key themselves: a caller may pass one that is not from a config."""
     from mlflow import MlflowClient
 
-    from driver.register import _version_of_run
-    from driver.tracking import find_run
+    from raytrain_driver.register import _version_of_run
+    from raytrain_driver.tracking import find_run
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     with pytest.raises(ValueError, match="is not a run key"):

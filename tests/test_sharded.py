@@ -54,7 +54,7 @@ def test_a_sharded_run_with_a_killed_worker_ends_as_an_uninterrupted_one_and_reg
     import mlflow
     import numpy as np
 
-    from driver.tracking import using_tracking_uri
+    from raytrain_driver.tracking import using_tracking_uri
 
     state, kill = run_killing_a_worker(tmp_path, fsdp_config(tmp_path, register=True), after_epoch=2)
     assert state.is_completed(), state

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from mlflow import MlflowClient
 
-from driver import pins, run_owner, tracking
+from raytrain_driver import pins, run_owner, tracking
 from raytrain_tasks.tracking import MlflowEpochLogger
 from tests.helpers import free_port, start_mlflow_server, stop_process_group
 
@@ -160,7 +160,7 @@ def test_a_resume_on_data_with_another_content_hash_is_refused_naming_both(tmp_p
 
     from raytrain_tasks.errors import TrackingError
 
-    tag = "prefect_raytrain.dataset_hash"  # what driver.fit tags every run with at its start
+    tag = "prefect_raytrain.dataset_hash"  # what raytrain_driver.fit tags every run with at its start
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment = client.create_experiment("pinned-data")
     key, params = "20261125-030000-cccccc", {"dataset": "data.csv", "epochs": 2}
@@ -224,7 +224,7 @@ def test_the_pin_journal_keeps_pins_for_the_mlflow_run_they_belong_to_and_fills_
 def test_no_pin_journal_inside_a_local_storage_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The journal vouches for storage, so it never lives in it (e.g. PREFECT_HOME=.pipeline/prefect and
     storage_path=.pipeline)."""
-    from driver.hooks import RunHooks, run_hooks
+    from raytrain_driver.hooks import RunHooks, run_hooks
     from raytrain_tasks.config import TrainingConfig
 
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "state" / "prefect"))

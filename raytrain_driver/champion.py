@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from driver.promotion import CHAMPION, Champion
+from raytrain_driver.promotion import CHAMPION, Champion
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -111,7 +111,7 @@ def predict_without_pickles(directory: Path, features: np.ndarray) -> np.ndarray
     """The logits of the model in ``directory`` (checked with ``check_model_layout`` first), loaded with pickles off."""
     import mlflow
 
-    from driver.evaluation import PREDICT_BATCH_ROWS
+    from raytrain_driver.evaluation import PREDICT_BATCH_ROWS
 
     with pickle_deserialization_off():
         model = mlflow.pyfunc.load_model(str(directory))

@@ -1,4 +1,4 @@
-"""register-model for the built-in classifier: what differs from the user's own code (driver/user_register.py).
+"""register-model for the built-in classifier: what differs from the user's own code (raytrain_driver/user_register.py).
 
 Its model takes raw features and standardises them itself (the train split's statistics in the run's
 preprocessing.json); its input example is synthetic; a champion is comparable only when it was trained on the
@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from driver.champion import check_model_layout, download_model, predict_without_pickles, read_champion
-from driver.evaluation import load_checkpoint_model, score
-from driver.fit_record import FitResult
-from driver.promotion import CHAMPION, Champion
+from raytrain_driver.champion import check_model_layout, download_model, predict_without_pickles, read_champion
+from raytrain_driver.evaluation import load_checkpoint_model, score
+from raytrain_driver.fit_record import FitResult
+from raytrain_driver.promotion import CHAMPION, Champion
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DatasetRef, read_split
 from raytrain_tasks.models import with_standardisation
@@ -63,7 +63,8 @@ def assess_champion(
 ) -> Champion:
     """The current champion scored on this run's test split; only a missing alias means there is none.
 
-    It is scored only in this project's exact pt2 layout, from the local copy that was checked (driver.champion).
+    It is scored only in this project's exact pt2 layout, from the local copy that was checked
+    (raytrain_driver.champion).
     """
     found = read_champion(client, name)
     if isinstance(found, Champion):

@@ -2,7 +2,7 @@
 
 The run key names the Ray Train run (``<storage>/runs/<run key>``) and tags the MLflow run. Calling this
 again with the same key (a Prefect retry, or ``resume``) continues from the latest registered checkpoint
-in the same MLflow run. The Prefect task (tasks/fit.py) and a fit's Ray Job (driver/fit_job.py) run it.
+in the same MLflow run. The Prefect task (tasks/fit.py) and a fit's Ray Job (raytrain_driver/fit_job.py) run it.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import ray
 import ray.train
 
-from driver import evaluation, pins, run_owner, tracking
-from driver.cluster import ray_session
-from driver.fit_record import FitResult, OpenRun, finished_fit, write_fit_record
-from driver.hooks import progress_page, run_logger, stopped_by
-from driver.lease import HeldLease, run_lease
-from driver.origin import run_description, run_tags
-from driver.preflight import check_cluster, check_started_without_checkpoint, resolve_code
-from driver.sizing import FitPlan
-from driver.storage import StorageLocation
+from raytrain_driver import evaluation, pins, run_owner, tracking
+from raytrain_driver.cluster import ray_session
+from raytrain_driver.fit_record import FitResult, OpenRun, finished_fit, write_fit_record
+from raytrain_driver.hooks import progress_page, run_logger, stopped_by
+from raytrain_driver.lease import HeldLease, run_lease
+from raytrain_driver.origin import run_description, run_tags
+from raytrain_driver.preflight import check_cluster, check_started_without_checkpoint, resolve_code
+from raytrain_driver.sizing import FitPlan
+from raytrain_driver.storage import StorageLocation
 from raytrain_tasks.config import TrainingConfig, check_run_key
 from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.errors import (
@@ -50,7 +50,7 @@ def fit_in_this_process(
         check_run_key(run_key)  # it names a folder in storage and goes into MLflow filters
         if config.resume and not run_dir.child("checkpoint_manager_snapshot.json").exists():
             check_started_without_checkpoint(config, run_key, run_dir)
-        # One driver per run key, whatever host it runs on (driver/lease.py).
+        # One driver per run key, whatever host it runs on (raytrain_driver/lease.py).
         with run_lease(
             run_dir, run_key, run_owner.this_driver(), config.run_lease_seconds, holder_alive=run_owner.driver_alive
         ) as lease:
@@ -93,7 +93,7 @@ def _distributed_fit(
         if spec is not None or dataset is None:
             assert spec is not None, "the built-in loop trains on a prepared dataset"
             return _record_user_code(config, run_key, run_dir, spec, client, opened, result, lease)
-        from driver.trainer import record_builtin
+        from raytrain_driver.trainer import record_builtin
 
         fit = record_builtin(config, dataset, run_key, run_dir, client, opened, result, lease)
     except BaseException as exc:
@@ -188,7 +188,7 @@ def _prepare_resume(
     pinned = pinned_digests(client.get_run(run_id).data.tags) if reopened else {}
     resume_point = None
     if spec is not None:
-        from driver.user_fit import choose_resume_point
+        from raytrain_driver.user_fit import choose_resume_point
 
         resume_point = choose_resume_point(run_dir, pinned)
         if resume_point.rejected:
@@ -216,7 +216,7 @@ def _train(
     lease: HeldLease | None,
 ) -> ray.train.Result:
     """Ray Train's fit, its reports logged to the MLflow run as they come, the run page following it."""
-    from driver.trainer import build_trainer, fit_interruptibly
+    from raytrain_driver.trainer import build_trainer, fit_interruptibly
 
     uri, run_id = config.mlflow_tracking_uri, opened.run_id
     callbacks: list[Any] = [OpenMlflowEarly(uri, run_id)]
@@ -259,7 +259,7 @@ def _record_user_code(
     result: ray.train.Result,
     lease: HeldLease | None,
 ) -> FitResult:
-    from driver.user_fit import record_user_fit
+    from raytrain_driver.user_fit import record_user_fit
 
     fit = record_user_fit(client, result, spec, config, run_key, run_dir, opened)
     write_fit_record(run_dir, client, opened.run_id, fit, lease)  # what a Ray Job's submitter reads back
@@ -290,7 +290,7 @@ def _end_unfinished_run(
             f"resume={run_key}",
         )
         raise exc
-    from driver.trainer import training_error
+    from raytrain_driver.trainer import training_error
 
     error = training_error(exc, run_key, config)
     tracking.fail_run(client, run_id, error)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from driver import tracking
-from driver.hooks import run_logger
-from driver.sizing import (
+from raytrain_driver import tracking
+from raytrain_driver.hooks import run_logger
+from raytrain_driver.sizing import (
     FitPlan,
     alive_node_resources,
     check_resources,
@@ -16,7 +16,7 @@ from driver.sizing import (
     sized_for_cluster,
     storage_shared_with_nodes,
 )
-from driver.storage import StorageLocation
+from raytrain_driver.storage import StorageLocation
 from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DATA_TASK_CPUS, USER_DATASET_CPUS, DatasetRef, streams
@@ -57,7 +57,8 @@ def check_started_without_checkpoint(config: TrainingConfig, run_key: str, run_d
 
 def workers_code_dir(config: TrainingConfig) -> str:
     """Where a local Ray's workers find the user's code: the folder it was imported from here. On a cluster
-    (``ray_address``) the workers get it through Ray's runtime_env instead (``driver.cluster.cluster_runtime_env``)."""
+    (``ray_address``) the workers get it through Ray's runtime_env instead
+    (``raytrain_driver.cluster.cluster_runtime_env``)."""
     from raytrain_tasks.user_code import code_root
 
     return "" if config.ray_address else str(code_root(config.train_code) or "")
@@ -102,7 +103,7 @@ def check_cluster(
     if config.ray_address:  # a local Ray's node is this process's machine, with this process's credentials
         check_storage_on_nodes(runs.uri, config.storage_options)
     if config.train_code:
-        from driver.user_fit import check_importable_on_cluster
+        from raytrain_driver.user_fit import check_importable_on_cluster
 
         check_importable_on_cluster(config.train_code, workers_code_dir(config))
     if plan.sized:

@@ -1,6 +1,6 @@
 """launch_mode=ray_job: the fit's driver runs on the cluster as a Ray Job, so the orchestrator may die.
 
-The Prefect task submits ``python -m driver.fit_job`` with ``JobSubmissionClient`` (the one adapter for Ray's
+The Prefect task submits ``python -m raytrain_driver.fit_job`` with ``JobSubmissionClient`` (the one adapter for Ray's
 job API is this module), streams the job's log into its own, and maps the job's end to its state. The job is
 named after the run key: ``prt-fit-<run key>``, then ``-1``, ``-2``... for later attempts. A task that finds
 the run key's newest job still PENDING or RUNNING (its flow-run process was killed; this is the continuation)
@@ -8,7 +8,7 @@ re-attaches to it instead of starting another, so no epoch is trained twice. A f
 followed by a new one, which resumes from the run's last checkpoint like any resume.
 
 Cancelling the task (Prefect's SIGTERM) or Ctrl-C stops the job; a SIGKILL of the flow-run process cannot, and
-the job keeps training. The job holds the run's lease (driver/lease.py) while it trains.
+the job keeps training. The job holds the run's lease (raytrain_driver/lease.py) while it trains.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import driver
+import raytrain_driver
 import raytrain_tasks
 import raytrain_tasks.errors
-from driver.hooks import stopped_by
+from raytrain_driver.hooks import stopped_by
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.errors import CheckpointError, ClusterError, TrainingError
@@ -34,8 +34,8 @@ from raytrain_tasks.redact import redact
 if TYPE_CHECKING:
     from ray.job_submission import JobSubmissionClient
 
-    from driver.fit_record import FitResult
-    from driver.storage import StorageLocation
+    from raytrain_driver.fit_record import FitResult
+    from raytrain_driver.storage import StorageLocation
 
 ACTIVE = ("PENDING", "RUNNING")
 # The last line the job prints when the fit raises: ERROR_MARKER {"type": ..., "message": ...}. The task raises
@@ -83,11 +83,11 @@ def fit_as_ray_job(
     origin: dict[str, str],
 ) -> FitResult:
     """Run (or re-attach to) the run key's fit as a Ray Job and return what it recorded."""
-    from driver import tracking
-    from driver.cluster import ray_session
-    from driver.fit_record import finished_fit
-    from driver.hooks import run_logger
-    from driver.preflight import check_cluster, resolve_code
+    from raytrain_driver import tracking
+    from raytrain_driver.cluster import ray_session
+    from raytrain_driver.fit_record import finished_fit
+    from raytrain_driver.hooks import run_logger
+    from raytrain_driver.preflight import check_cluster, resolve_code
 
     logger = run_logger()
     # The same pre-flight as a driver run, from here: a wrong setting fails before any job is submitted.
@@ -159,19 +159,19 @@ def _attach_or_submit(
 
 
 def _submit(client: JobSubmissionClient, config: TrainingConfig, submission_id: str, payload: dict[str, Any]) -> None:
-    from driver.cluster import cluster_runtime_env
+    from raytrain_driver.cluster import cluster_runtime_env
     from raytrain_tasks.user_code import shipped_module
 
     # This checkout's code, as the driver's workers get raytrain_tasks, and the user's own package (train_code):
     # the job's driver imports it from there and its workers inherit it. Third-party packages come from the
-    # cluster's image. Credentials only with `forward_credentials_to_cluster` (driver/cluster.py).
-    modules = [str(Path(driver.__file__).parent), str(Path(raytrain_tasks.__file__).parent)]
+    # cluster's image. Credentials only with `forward_credentials_to_cluster` (raytrain_driver/cluster.py).
+    modules = [str(Path(raytrain_driver.__file__).parent), str(Path(raytrain_tasks.__file__).parent)]
     user_module = shipped_module(config.train_code) if config.train_code else None
     runtime_env = {
         "py_modules": modules + ([user_module] if user_module else []),
         "env_vars": cluster_runtime_env(config)["env_vars"],
     }
-    entrypoint = f"python -m driver.fit_job {shlex.quote(json.dumps(payload, separators=(',', ':')))}"
+    entrypoint = f"python -m raytrain_driver.fit_job {shlex.quote(json.dumps(payload, separators=(',', ':')))}"
     try:
         client.submit_job(
             entrypoint=entrypoint,

@@ -1,11 +1,11 @@
-"""The entrypoint of a fit's Ray Job (launch_mode=ray_job; see driver/ray_job.py), run by Ray on the cluster.
+"""The entrypoint of a fit's Ray Job (launch_mode=ray_job; see raytrain_driver/ray_job.py), run by Ray on the cluster.
 
-    python -m driver.fit_job '<json: config, dataset, run_key, origin>'
+    python -m raytrain_driver.fit_job '<json: config, dataset, run_key, origin>'
 
 It is the same fit as a driver run, with this process as the driver: it takes the run's lease, trains with
 Ray Train, logs to MLflow and writes the run's fit record, which the submitting task reads. A SIGTERM (Ray's
 ``stop_job``) marks the MLflow run KILLED and keeps the checkpoints. On failure its last line names the error
-(driver.ray_job.ERROR_MARKER) so that the task raises the same kind.
+(raytrain_driver.ray_job.ERROR_MARKER) so that the task raises the same kind.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 import traceback
 from typing import Any
 
-from driver.ray_job import ERROR_MARKER
+from raytrain_driver.ray_job import ERROR_MARKER
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.redact import install_log_redaction, redact
@@ -31,16 +31,16 @@ def _interrupt(signum: int, frame: Any) -> None:
 def main(argv: list[str]) -> int:
     import ray
 
-    from driver.cluster import init_within
-    from driver.fit import fit_in_this_process
-    from driver.storage import RUNS_DIR, locate
+    from raytrain_driver.cluster import init_within
+    from raytrain_driver.fit import fit_in_this_process
+    from raytrain_driver.storage import RUNS_DIR, locate
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
     install_log_redaction("prefect_raytrain", "ray", "mlflow")
     payload = json.loads(argv[0])
     config = TrainingConfig.model_validate(payload["config"])
     # A job's driver joins its own cluster (Ray sets RAY_ADDRESS), and its tasks and actors get the job's
-    # runtime_env: the code and environment the submitter chose (driver/ray_job.py). ray_session then finds Ray
+    # runtime_env: the code and environment the submitter chose (raytrain_driver/ray_job.py). ray_session then finds Ray
     # connected and leaves it so.
     address = os.environ.get("RAY_ADDRESS", "auto")
     init_within(config.ray_connect_timeout_s, address=address, logging_level=logging.WARNING)

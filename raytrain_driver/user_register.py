@@ -13,9 +13,9 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from driver.champion import read_champion
-from driver.promotion import Champion
-from driver.storage import download_dir, locate
+from raytrain_driver.champion import read_champion
+from raytrain_driver.promotion import Champion
+from raytrain_driver.storage import download_dir, locate
 from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import UnsafeCheckpointError, UserCodeError
@@ -23,7 +23,7 @@ from raytrain_tasks.errors import UnsafeCheckpointError, UserCodeError
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
-    from driver.fit_record import FitResult
+    from raytrain_driver.fit_record import FitResult
 
 TRAIN_CODE_TAG = "train_code"
 GATE_METRIC_TAG = "gate.metric"

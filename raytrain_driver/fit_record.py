@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
 
-from driver import tracking
-from driver.hooks import run_logger
-from driver.lease import HeldLease
-from driver.storage import StorageLocation
+from raytrain_driver import tracking
+from raytrain_driver.hooks import run_logger
+from raytrain_driver.lease import HeldLease
+from raytrain_driver.storage import StorageLocation
 from raytrain_tasks.errors import UnsafeCheckpointError
 from raytrain_tasks.tracking import checkpoint_name
 

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from driver.hooks import state_dir
+from raytrain_driver.hooks import state_dir
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import CheckpointError
 from raytrain_tasks.pin_journal import PinJournal
@@ -53,7 +53,7 @@ def pin_checkpoints(client: MlflowClient, run_id: str, reported: list[tuple[str,
 def pin_journal_dir() -> Path:
     """Where this machine keeps its pin journals (raytrain_tasks.pin_journal): under the state folder of the
     process that drives the run (Prefect's home of a CLI run, a deployment's worker or serve; see
-    ``driver.hooks.state_dir``), never in the run's storage."""
+    ``raytrain_driver.hooks.state_dir``), never in the run's storage."""
     return state_dir().expanduser().resolve() / "prefect-raytrain" / "pin-journal"
 
 

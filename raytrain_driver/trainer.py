@@ -16,14 +16,14 @@ from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
 from ray.train.v2.api.callback import RayTrainCallback
 
-from driver import evaluation, pins, tracking
-from driver.cluster import WORKER_GROUP_START_TIMEOUT_S
-from driver.fit_record import FitResult, OpenRun, checkpoint_uri, write_fit_record
-from driver.hooks import run_logger
-from driver.lease import HeldLease
-from driver.preflight import workers_code_dir
-from driver.sizing import FitPlan
-from driver.storage import StorageLocation
+from raytrain_driver import evaluation, pins, tracking
+from raytrain_driver.cluster import WORKER_GROUP_START_TIMEOUT_S
+from raytrain_driver.fit_record import FitResult, OpenRun, checkpoint_uri, write_fit_record
+from raytrain_driver.hooks import run_logger
+from raytrain_driver.lease import HeldLease
+from raytrain_driver.preflight import workers_code_dir
+from raytrain_driver.sizing import FitPlan
+from raytrain_driver.storage import StorageLocation
 from raytrain_tasks.checkpoint import STATE_FILE
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DatasetRef
@@ -150,7 +150,7 @@ def build_trainer(
     train_func: Any = train_loop_per_worker
     score_attribute, score_order = config.selection.name, config.selection.order
     if spec is not None:
-        from driver.user_fit import trainer_function
+        from raytrain_driver.user_fit import trainer_function
 
         train_func, loop_config, data = trainer_function(config, spec, workers_code_dir(config), resume_point)
         score_attribute, score_order = spec.metric.name, spec.metric.order

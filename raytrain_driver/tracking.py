@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from driver.run_owner import DRIVER_TAG, KILLED_TAG, driver_alive, this_driver
+from raytrain_driver.run_owner import DRIVER_TAG, KILLED_TAG, driver_alive, this_driver
 from raytrain_tasks.config import RESUME_MAY_CHANGE, check_run_key
 from raytrain_tasks.errors import TrackingError
 from raytrain_tasks.redact import redact, redact_exception, redact_uri
@@ -154,7 +154,8 @@ def check_resumable(
         _check_dataset_unchanged(existing.data.tags, dataset_hash, run_key)
 
 
-DATASET_HASH_TAG = "prefect_raytrain.dataset_hash"  # set by driver.fit at the run's start; a resume must match it
+# Set by raytrain_driver.fit at the run's start; a resume must match it.
+DATASET_HASH_TAG = "prefect_raytrain.dataset_hash"
 
 
 FIT_RECORD_TAG = "prefect_raytrain.fit_record_sha256"

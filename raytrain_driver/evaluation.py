@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from driver.reports import dataset_summary, evaluation_report, write_report_files
-from driver.storage import download_dir, locate
+from raytrain_driver.reports import dataset_summary, evaluation_report, write_report_files
+from raytrain_driver.storage import download_dir, locate
 from raytrain_tasks.data import DatasetRef, read_split
 from raytrain_tasks.fs import StorageOptions
 
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from mlflow import MlflowClient
     from mlflow.entities import Metric
 
-    from driver.fit_record import FitResult
+    from raytrain_driver.fit_record import FitResult
 
 EVALUATION_ARTIFACT_DIR = "evaluation"
 
@@ -39,7 +39,7 @@ def load_checkpoint_model(checkpoint_uri: str, options: StorageOptions, expected
     """Rebuild the network stored in a checkpoint (local or remote storage), in eval mode, on CPU.
 
     ``expected_digest``: the manifest digest the run recorded in MLflow when the checkpoint was committed
-    (``driver.pins.recorded_digest``); a checkpoint that no longer has it is refused before anything is loaded.
+    (``raytrain_driver.pins.recorded_digest``); a checkpoint that no longer has it is refused before anything is loaded.
     """
     from raytrain_tasks.checkpoint import load_weights, manifest_digest
     from raytrain_tasks.errors import UnsafeCheckpointError

@@ -11,7 +11,8 @@ Expiry is judged without any other host's clock: a lease counts as expired when 
 written more than its length ago (S3's ``LastModified`` against the same reply's ``Date``). The holder, on its
 own monotonic clock, counts itself as having lost the lease when it has had no successful renewal for
 ``LOST_AFTER`` of the length, before anyone else can see it expired, or as soon as a renewal finds it taken; the
-block under the lease must then stop at once (``HeldLease.check``; ``driver.fit`` kills the Ray Train controller).
+block under the lease must then stop at once (``HeldLease.check``; ``raytrain_driver.fit`` kills the Ray Train
+controller).
 
 Taking, renewing and releasing the lease are compare-and-swap operations (``StorageLocation.write_if`` and
 ``delete_if``: conditional requests on S3, a folder lock locally): of two drivers that start in the same moment
@@ -30,10 +31,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from driver.storage import StorageLocation, make_dirs, remove_empty_dirs
+from raytrain_driver.storage import StorageLocation, make_dirs, remove_empty_dirs
 from raytrain_tasks.errors import RunLeaseError, RunLeaseLostError
 
-LEASE_FILE = "driver.lease"
+LEASE_FILE = "raytrain_driver.lease"
 # The holder gives the lease up after this share of its length without a successful renewal: the rest is the
 # time it has to stop its fit before any other driver can see the lease expired.
 LOST_AFTER = 0.75
@@ -153,7 +154,7 @@ def run_lease(
     The block must call ``check()`` on what it gets often (or watch ``lost_event``): a lease lost mid-block is
     not taken back, and the block must stop driving the run.
 
-    ``holder_alive``: what this host can tell about a holder (``driver.run_owner.driver_alive``): False (a
+    ``holder_alive``: what this host can tell about a holder (``raytrain_driver.run_owner.driver_alive``): False (a
     process of this host that is gone) lets its lease be taken over before it runs out; None: cannot tell.
     """
     location = run_dir.child(LEASE_FILE)

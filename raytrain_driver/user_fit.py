@@ -1,8 +1,8 @@
 """distributed-fit for the user's own ``train_func`` (``train_code``): what differs from the built-in loop.
 
-The fit itself is the same (``driver.fit``: one run key, its lease, its MLflow run, Ray Train's checkpoints in the
-run's storage, resume through ``ray.train.get_checkpoint()``). Here: the import check on the cluster, the
-trainer's function and config, and the record of what the user's reports said.
+The fit itself is the same (``raytrain_driver.fit``: one run key, its lease, its MLflow run, Ray Train's
+checkpoints in the run's storage, resume through ``ray.train.get_checkpoint()``). Here: the import check on the
+cluster, the trainer's function and config, and the record of what the user's reports said.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import logging
 import re
 from typing import TYPE_CHECKING, Any
 
-from driver.fit_record import FitResult, OpenRun, ResumePoint, checkpoint_uri
-from driver.hooks import run_logger
+from raytrain_driver.fit_record import FitResult, OpenRun, ResumePoint, checkpoint_uri
+from raytrain_driver.hooks import run_logger
 from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import CheckpointError, TrainingError, UserCodeError
@@ -21,7 +21,7 @@ from raytrain_tasks.tracking import checkpoint_name, epoch_number, numeric_metri
 if TYPE_CHECKING:
     import ray.train
 
-    from driver.storage import StorageLocation
+    from raytrain_driver.storage import StorageLocation
 
 # Ray Train names a reported checkpoint folder checkpoint_<timestamp> when the code passes no checkpoint_dir_name
 # (and keeps checkpoint_manager_snapshot.json beside them, which is not one).

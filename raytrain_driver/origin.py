@@ -3,8 +3,8 @@ are taken by the task, tasks/origin.py, and handed in as ``origin``)."""
 
 from __future__ import annotations
 
-from driver import run_owner, tracking
-from driver.storage import StorageLocation
+from raytrain_driver import run_owner, tracking
+from raytrain_driver.storage import StorageLocation
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DatasetRef
 

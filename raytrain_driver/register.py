@@ -4,8 +4,8 @@ MLflow, register one version per run key, decide its alias.
 Order matters, and every step can be repeated (a Prefect retry, a resume of the same run key, a kill in
 between) without a second model or version:
 1. The model is logged once per MLflow run: a READY logged model of the run is reused.
-2. Under the model's registry lock (``driver.registry_lock``), the run key's version is looked up and registered
-   only if missing, so two attempts never both register.
+2. Under the model's registry lock (``raytrain_driver.registry_lock``), the run key's version is looked up and
+   registered only if missing, so two attempts never both register.
 3. Still under the lock, the decision is recorded as version tags, then the aliases move, then
    ``promotion.applied`` marks it done. A final decision is never redone; an undecided one (the champion could
    not be assessed) keeps every alias where it was and fails the task, and the next attempt decides again.
@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
 
-from driver import builtin_register, pins, tracking
-from driver.builtin_register import SCHEMA_TAG
-from driver.evaluation import scores_as_metrics
-from driver.fit_record import FitResult
-from driver.hooks import run_logger, stopped_by
-from driver.promotion import (
+from raytrain_driver import builtin_register, pins, tracking
+from raytrain_driver.builtin_register import SCHEMA_TAG
+from raytrain_driver.evaluation import scores_as_metrics
+from raytrain_driver.fit_record import FitResult
+from raytrain_driver.hooks import run_logger, stopped_by
+from raytrain_driver.promotion import (
     CHALLENGER,
     CHAMPION,
     PREVIOUS_CHAMPION,
@@ -31,9 +31,9 @@ from driver.promotion import (
     PromotionDecision,
     decide_promotion,
 )
-from driver.registry_lock import LockHandle, model_lock
-from driver.user_register import assess_recorded_champion, user_model
-from driver.user_register import version_tags as user_version_tags
+from raytrain_driver.registry_lock import LockHandle, model_lock
+from raytrain_driver.user_register import assess_recorded_champion, user_model
+from raytrain_driver.user_register import version_tags as user_version_tags
 from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig, check_run_key
 from raytrain_tasks.data import DatasetRef, read_split
@@ -44,7 +44,7 @@ from raytrain_tasks.user_code import resolve
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
-# On a model version (the MLflow run carries driver.tracking.RUN_KEY_TAG): which run key registered it, so a
+# On a model version (the MLflow run carries raytrain_driver.tracking.RUN_KEY_TAG): which run key registered it, so a
 # resumed registration finds the version instead of making a second one.
 VERSION_RUN_KEY_TAG = "run_key"
 APPLIED_TAG = "promotion.applied"

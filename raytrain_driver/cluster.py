@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from driver.process_groups import ray_processes_in_their_own_group
+from raytrain_driver.process_groups import ray_processes_in_their_own_group
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import ClusterError
 
@@ -135,7 +135,7 @@ def ray_session(config: TrainingConfig) -> Iterator[None]:
             f"cannot start or reach Ray {where}: {exc}; check `ray_address` (empty starts a local Ray)"
         ) from exc
     if warm:
-        from driver.hooks import run_logger
+        from raytrain_driver.hooks import run_logger
 
         run_logger().info("training on the warm local Ray at %s (kept by deployments.serve)", warm)
     if config.ray_address or warm:
@@ -178,7 +178,7 @@ def _warm_ray_address() -> str:
     A warm Ray that no longer answers (its serve process died, leaving this run behind) is not a reason to fail
     a run that asked for a local Ray: it gets its own, as without serve, and says so.
     """
-    from driver.hooks import run_logger
+    from raytrain_driver.hooks import run_logger
 
     address = os.environ.get(WARM_RAY_ENV, "")
     if not address:
