@@ -272,7 +272,7 @@ def test_user_code_outside_the_project_reaches_the_clusters_workers_through_runt
         str(p.relative_to(resources)) for p in resources.rglob("*")
     )[:50]
     if launch_mode == "ray_job":  # the job ran the driver package, on a node without Prefect, and nothing above it
-        assert list(resources.glob("py_modules_files/*/driver/fit_job.py"))
+        assert list(resources.glob("py_modules_files/*/raytrain_driver/fit_job.py"))
         assert not list(resources.glob("py_modules_files/*/tasks/*.py"))
 
 
