@@ -30,7 +30,7 @@ def test_a_fit_job_runs_where_prefect_is_not_installed() -> None:
     cluster image without it), and so does the job's code path (the fit, the Ray Job helpers, the registry)."""
     import raytrain_driver
 
-    modules = sorted(f"driver.{path.stem}" for path in Path(raytrain_driver.__file__).parent.glob("*.py"))
+    modules = sorted(f"raytrain_driver.{path.stem}" for path in Path(raytrain_driver.__file__).parent.glob("*.py"))
     code = (
         "import sys, importlib.abc\n"
         "class NoPrefect(importlib.abc.MetaPathFinder):\n"
