@@ -18,7 +18,7 @@ from typing import Any
 import annotated_types
 from pydantic.fields import FieldInfo
 
-from raytrain_tasks.config import PINNED, PINNED_NOTE, RESUME_MAY_CHANGE, TrainingConfig
+from raytrain_tasks.config import BUILTIN_CLASSIFIER_ONLY, PINNED, PINNED_NOTE, RESUME_MAY_CHANGE, TrainingConfig
 
 TARGET = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
@@ -100,6 +100,8 @@ def render() -> str:
             meaning += f" {PINNED_NOTE} ([security](security.md))."
         if name in RESUME_MAY_CHANGE:
             meaning += " A resume may give it another value (it steers the run, not what it trains)."
+        if name in BUILTIN_CLASSIFIER_ONLY:
+            meaning += " The built-in classifier's alone: with `train_code` it does nothing (a run warns)."
         kind += f" ({bounds})" if bounds else ""
         rows.append(f"| `{name}` (`{flag}`) | {kind} | {_default(field.default)} | {meaning} |")
     return HEAD + "\n".join(rows) + "\n"

@@ -13,7 +13,13 @@ from pydantic import BaseModel, ConfigDict
 
 from flows.parameters import with_settings_as_parameters
 from raytrain_driver.fit_record import FitResult
-from raytrain_tasks.config import TrainingConfig, config_from_parameters, new_run_key, non_default_settings
+from raytrain_tasks.config import (
+    TrainingConfig,
+    config_from_parameters,
+    ignored_with_train_code,
+    new_run_key,
+    non_default_settings,
+)
 from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.redact import install_log_redaction, redacted_errors, strip_credentials
 from tasks.continuation import already_continued, continuation_of, log_continuation, prepare_recovery
@@ -69,6 +75,13 @@ def _pipeline(config: TrainingConfig) -> PipelineResult:
             "mlflow_tracking_uri carries a password: it is masked in everything this run writes, but Prefect keeps "
             "flow-run parameters as given. Put credentials in MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD "
             "(or MLFLOW_TRACKING_TOKEN) in the worker's environment instead"
+        )
+    if ignored := ignored_with_train_code(config):
+        get_run_logger().warning(
+            "%s set for the built-in classifier, which train_code %r replaces: they do nothing for your code (its "
+            "data, model and metric are its own; its hyperparameters go in train_config)",
+            ", ".join(ignored),
+            config.train_code,
         )
     config = config.resolved(Path.cwd(), os.environ)
     run_key = config.resume or new_run_key()

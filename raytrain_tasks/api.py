@@ -42,9 +42,29 @@ from typing import Any
 
 __all__ = ["Metric", "Splits", "TrainFunc", "TrainSpec", "TRAIN_CONFIG_KEYS"]
 
-# The keys the pipeline puts into the ``config`` your ``train_func`` receives, from its own settings; the keys of
-# ``train_config`` are added beside them (and win). A resume hands the same values again.
+
+def pipeline_keys_refused(keys: Any, where: str) -> str:
+    """ "" when ``keys`` set none of ``TRAIN_CONFIG_KEYS``; else why ``where`` may not set them."""
+    taken = [key for key in TRAIN_CONFIG_KEYS if key in keys]
+    if not taken:
+        return ""
+
+    def setting(key: str) -> str:
+        name = PIPELINE_SETTING.get(key, key)
+        return f"{key} from the setting `{name}` (--{name.replace('_', '-')})"
+
+    return (
+        f"{where} may not set {', '.join(taken)}: your code gets the pipeline's own value ("
+        f"{'; '.join(setting(key) for key in taken)}), so that the run's MLflow params, its progress and a resume "
+        "agree with what trained; set the setting instead"
+    )
+
+
+# The keys the pipeline puts into the ``config`` your ``train_func`` receives, from its own settings (the setting
+# each comes from beside it); the keys of ``train_config`` are added beside them. A resume hands the same values
+# again. Neither ``train_config`` nor ``defaults`` may set them: set the pipeline's setting instead.
 TRAIN_CONFIG_KEYS = ("epochs", "batch_size", "lr", "seed", "num_workers", "use_gpu")
+PIPELINE_SETTING = {"lr": "learning_rate"}  # where a key's name differs from its setting's
 
 
 @dataclass(frozen=True)
@@ -110,6 +130,8 @@ class TrainFunc:
             )
         if (self.load_model is None) != (self.input_example is None):
             raise TypeError("TrainFunc needs load_model and input_example together (both, or neither)")
+        if refused := pipeline_keys_refused(self.defaults, "TrainFunc(defaults=...)"):
+            raise TypeError(refused)
         for name in ("load_model", "input_example", "datasets"):
             value = getattr(self, name)
             if value is not None and not callable(value):
@@ -129,7 +151,8 @@ class TrainFunc:
 class Splits:
     """The data of a ``TrainSpec``: map-style datasets (``torch.utils.data.Dataset``) whose items are
     ``(inputs, target)`` tensors. ``test`` is held out: never trained on, never used to pick a checkpoint; the
-    promotion gate compares its scores."""
+    promotion gate compares its scores, so the pipeline needs it (Splits without it are refused when the workers
+    start, naming the split)."""
 
     train: Any
     val: Any
@@ -177,3 +200,5 @@ class TrainSpec:
             raise TypeError(f"TrainSpec(metric=...) must be a raytrain_tasks.api.Metric, got {self.metric!r}")
         if self.metric.name != "loss" and self.metrics is None:
             raise TypeError(f"TrainSpec(metric={self.metric.name!r}) needs metrics=... that computes it (or 'loss')")
+        if refused := pipeline_keys_refused(self.defaults, "TrainSpec(defaults=...)"):
+            raise TypeError(refused)

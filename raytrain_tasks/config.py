@@ -17,11 +17,12 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from raytrain_tasks.api import Metric
+from raytrain_tasks.api import Metric, pipeline_keys_refused
 from raytrain_tasks.datasets import BUILTIN_DATASETS, SUPPORTED_FILE_SUFFIXES
 from raytrain_tasks.errors import SettingsError
 from raytrain_tasks.fs import StorageOptions, is_s3
 from raytrain_tasks.settings import (
+    BUILTIN_ONLY,
     DEFAULT_STATE_DIR,
     MAY_CHANGE_ON_RESUME,
     PINNED_BY_DEPLOYMENT,
@@ -62,7 +63,7 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
         description="Move 'champion' when the new version is better.",
     )
     input_example: Literal["synthetic", "validation_rows"] = Field(
-        json_schema_extra=MAY_CHANGE_ON_RESUME,
+        json_schema_extra={**MAY_CHANGE_ON_RESUME, **BUILTIN_ONLY},
         default="synthetic",
         title="Model input example",
         description=(
@@ -71,6 +72,7 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
         ),
     )
     promotion_metric: Literal["val_accuracy", "val_loss"] = Field(
+        json_schema_extra=BUILTIN_ONLY,
         default="val_accuracy",
         title="Promotion metric",
         description=(
@@ -115,6 +117,8 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
             ) from None
         if not isinstance(parsed, dict):
             raise ValueError(f'train_config must be a JSON object like {{"hidden": 64}}, got a {type(parsed).__name__}')
+        if refused := pipeline_keys_refused(parsed, "train_config"):
+            raise ValueError(refused)
         # One canonical text: the same settings are the same MLflow param, whatever the spacing.
         return json.dumps(parsed, sort_keys=True, separators=(",", ":"))
 
@@ -357,4 +361,19 @@ def _marked(marker: dict[str, Any]) -> tuple[str, ...]:
 
 PINNED = _marked(PINNED_BY_DEPLOYMENT)
 RESUME_MAY_CHANGE = frozenset(_marked(MAY_CHANGE_ON_RESUME))
+BUILTIN_CLASSIFIER_ONLY = _marked(BUILTIN_ONLY)
+
+
+def ignored_with_train_code(config: TrainingConfig) -> list[str]:
+    """The built-in classifier's settings that ``config`` sets away from their defaults although it runs the user's
+    own code (``train_code``), which brings its own data, model and gate: they do nothing there."""
+    if not config.train_code:
+        return []
+    return [
+        name
+        for name in BUILTIN_CLASSIFIER_ONLY
+        if getattr(config, name) != TrainingConfig.model_fields[name].get_default(call_default_factory=True)
+    ]
+
+
 PINNED_NOTE = "Pinned by a deployment: a run of a deployment that sets another value than the deployment's is refused."

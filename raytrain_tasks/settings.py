@@ -31,6 +31,9 @@ PINNED_BY_DEPLOYMENT: dict[str, Any] = {"pinned_by_deployment": True}
 # give them other values; any other setting changed on resume is refused (raytrain_driver.tracking), or the
 # checkpoints and metrics of one MLflow run would not add up.
 MAY_CHANGE_ON_RESUME: dict[str, Any] = {"may_change_on_resume": True}
+# On the settings of the built-in classifier alone (its data, model and gate): your own code (`train_code`) brings
+# its own, and a run with `train_code` warns that they are ignored when they differ from their defaults.
+BUILTIN_ONLY: dict[str, Any] = {"builtin_classifier_only": True}
 
 
 class _Section(BaseModel):
@@ -43,6 +46,7 @@ class DataSettings(_Section):
     """What the run trains on, and how it is split."""
 
     dataset: str = Field(
+        json_schema_extra=BUILTIN_ONLY,
         default="digits",
         title="Dataset",
         description=(
@@ -51,18 +55,30 @@ class DataSettings(_Section):
         ),
     )
     label_column: str = Field(
+        json_schema_extra=BUILTIN_ONLY,
         default="label",
         min_length=1,
         title="Label column",
         description="Name of the class-label column in a CSV/Parquet dataset.",
     )
     synthetic_samples: int = Field(
-        default=4000, ge=100, le=10_000_000, title="Synthetic samples", description="Rows of 'synthetic'."
+        json_schema_extra=BUILTIN_ONLY,
+        default=4000,
+        ge=100,
+        le=10_000_000,
+        title="Synthetic samples",
+        description="Rows of 'synthetic'.",
     )
     synthetic_features: int = Field(
-        default=20, ge=2, le=10_000, title="Synthetic features", description="Feature columns of 'synthetic'."
+        json_schema_extra=BUILTIN_ONLY,
+        default=20,
+        ge=2,
+        le=10_000,
+        title="Synthetic features",
+        description="Feature columns of 'synthetic'.",
     )
     val_fraction: float = Field(
+        json_schema_extra=BUILTIN_ONLY,
         default=0.2,
         gt=0.0,
         lt=0.9,
@@ -70,6 +86,7 @@ class DataSettings(_Section):
         description="Share of rows held out to pick the best checkpoint.",
     )
     test_fraction: float = Field(
+        json_schema_extra=BUILTIN_ONLY,
         default=0.1,
         gt=0.0,
         lt=0.9,
@@ -80,6 +97,7 @@ class DataSettings(_Section):
         ),
     )
     split_key_column: str = Field(
+        json_schema_extra=BUILTIN_ONLY,
         default="",
         title="Split key column",
         description=(
@@ -125,6 +143,7 @@ class ComputeSettings(_Section):
     )
 
     data_loader: Literal["torch", "ray_data"] = Field(
+        json_schema_extra=BUILTIN_ONLY,
         default="torch",
         title="Data loader",
         description=(
@@ -159,10 +178,14 @@ class TrainingSettings(_Section):
             "and kept by a resume."
         ),
     )
-    model: Literal[tuple(MODELS)] = Field(  # type: ignore[valid-type]
-        default="mlp", title="Model", description="Model architecture from raytrain_tasks/models.py."
+    model: Literal[tuple(MODELS)] = Field(
+        json_schema_extra=BUILTIN_ONLY,  # type: ignore[valid-type]
+        default="mlp",
+        title="Model",
+        description="Model architecture from raytrain_tasks/models.py.",
     )
     hidden_sizes: list[int] = Field(
+        json_schema_extra=BUILTIN_ONLY,
         default=[128, 64],
         min_length=1,
         max_length=16,

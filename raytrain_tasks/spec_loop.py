@@ -131,6 +131,14 @@ def _splits(spec: TrainSpec, config: dict[str, Any]) -> Splits:
     for name in ("train", "val"):
         if getattr(splits, name) is None or len(getattr(splits, name)) == 0:
             raise DatasetError(f"TrainSpec.data returned an empty {name} split")
+    if splits.test is None or len(splits.test) == 0:
+        # Found when the workers start, not after the last epoch: the gate metric would never be reported.
+        raise UserCodeError(
+            f"TrainSpec.data returned Splits without a test split: the best checkpoint is picked by "
+            f"val_{spec.metric.name} and the promotion gate compares test_{spec.metric.name}, scored on rows the run "
+            "never trains on nor picks a checkpoint by; return Splits(train, val, test) (e.g. 10-20% of the rows "
+            "held out)"
+        )
     return splits
 
 

@@ -78,6 +78,9 @@ def test_a_train_func_spec_is_checked_when_it_is_made() -> None:
     with pytest.raises(TypeError, match="together"):
         TrainFunc(lambda config: None, metric=Metric("val_loss", False), load_model=lambda path, config: None)
     assert not TrainFunc(lambda config: None, metric=Metric("loss", False)).can_register
+    # A default for a key the pipeline always sets would never apply (defaults={"lr": 0.1} trained at 0.003).
+    with pytest.raises(TypeError, match=r"TrainFunc\(defaults=...\) may not set lr: .*`learning_rate`"):
+        TrainFunc(lambda config: None, metric=Metric("loss", False), defaults={"lr": 0.1, "hidden": 8})
 
 
 @pytest.mark.parametrize(
@@ -86,6 +89,10 @@ def test_a_train_func_spec_is_checked_when_it_is_made() -> None:
         ({"train_code": "examples seed"}, "package.module:attribute"),
         ({"train_config": "{not json"}, "not valid JSON"),
         ({"train_config": "[1, 2]"}, "JSON object"),
+        # The pipeline's own settings reach the code as config["epochs"] and so on: set there, they would train
+        # other epochs than the run's MLflow param, its progress and its resume say.
+        ({"train_config": '{"epochs": 20, "hidden": 8}'}, r"may not set epochs: .*`epochs` \(--epochs\)"),
+        ({"train_config": '{"lr": 0.1}'}, r"may not set lr: .*`learning_rate` \(--learning-rate\)"),
     ],
 )
 def test_bad_training_code_settings_are_refused_naming_the_setting(settings: dict[str, str], says: str) -> None:
@@ -269,3 +276,43 @@ def test_a_type_error_in_the_users_code_is_not_retried_and_shows_their_frames(
     assert starts.read_text().count("start") == 2  # once per worker: no restart, no Prefect retry
     run = only_run(tmp_path)
     assert run is not None and run.info.status == "FAILED"
+
+
+def test_a_train_spec_without_a_held_out_test_split_is_refused_before_training() -> None:
+    """The gate compares test_<metric>: without a test split it would never be reported, and the run used to fail
+    only after its last epoch, with advice for a TrainFunc. The spec's loop refuses it as the data is loaded."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    from raytrain_tasks.api import Splits, TrainSpec
+    from raytrain_tasks.spec_loop import _splits
+
+    rows = TensorDataset(torch.zeros(4, 2), torch.zeros(4))
+    spec = TrainSpec(
+        data=lambda config: Splits(train=rows, val=rows),
+        model=lambda config, example: torch.nn.Linear(2, 1),
+        loss=torch.nn.functional.mse_loss,
+        metric=Metric("loss", higher_is_better=False),
+    )
+    with pytest.raises(UserCodeError, match=r"without a test split: .* test_loss, .* Splits\(train, val, test\)"):
+        _splits(spec, {})
+    with_test = TrainSpec(
+        data=lambda config: Splits(train=rows, val=rows, test=rows),
+        model=spec.model,
+        loss=spec.loss,
+        metric=spec.metric,
+    )
+    assert _splits(with_test, {}).test is rows
+
+
+def test_settings_of_the_built_in_classifier_set_beside_train_code_are_named_as_ignored() -> None:
+    """--dataset, --hidden-sizes, --promotion-metric and the like do nothing for the user's own code: a run that
+    sets them away from their defaults says so (the flow warns with this list), and a run that does not is quiet."""
+    from raytrain_tasks.config import ignored_with_train_code
+
+    mixed = TrainingConfig(
+        train_code="my_model.train:training", hidden_sizes=[8], promotion_metric="val_loss", epochs=2
+    )
+    assert ignored_with_train_code(mixed) == ["hidden_sizes", "promotion_metric"]  # epochs is the code's too
+    assert ignored_with_train_code(TrainingConfig(train_code="my_model.train:training")) == []
+    assert ignored_with_train_code(TrainingConfig(hidden_sizes=[8])) == []  # the built-in classifier uses it
