@@ -164,8 +164,9 @@ class TrainingSettings(_Section):
         title="Training code",
         description=(
             "Your own training code, 'package.module:attribute' naming a raytrain_tasks.api.TrainFunc (Ray Train's "
-            "train_func with its metric and model loader), imported from the directory the command runs in or "
-            "from the installed packages. Empty: the built-in table classifier (`model`, `dataset`, ...)."
+            "train_func with its metric and model loader) or TrainSpec (model, data, loss, metrics), imported from "
+            "the directory the command runs in or from the installed packages (docs/own-model.md). Empty: the "
+            "built-in table classifier (`model`, `dataset`, ...)."
         ),
     )
     train_config: str = Field(
@@ -174,12 +175,12 @@ class TrainingSettings(_Section):
         title="Training code config (JSON)",
         description=(
             'A JSON object of hyperparameters for `train_code`, e.g. {"hidden": 64}: added to the config its '
-            "train_func receives (beside epochs, batch_size, lr, seed), logged as MLflow params train_config.<key>, "
-            "and kept by a resume."
+            "train_func receives (beside the pipeline's epochs, batch_size, lr, seed, num_workers and use_gpu, "
+            "which it may not set), logged as MLflow params train_config.<key>, and kept by a resume."
         ),
     )
-    model: Literal[tuple(MODELS)] = Field(
-        json_schema_extra=BUILTIN_ONLY,  # type: ignore[valid-type]
+    model: Literal[tuple(MODELS)] = Field(  # type: ignore[valid-type]
+        json_schema_extra=BUILTIN_ONLY,
         default="mlp",
         title="Model",
         description="Model architecture from raytrain_tasks/models.py.",
