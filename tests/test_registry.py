@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from mlflow import MlflowClient
 
+from raytrain_driver import tracking
 from raytrain_driver.fit_record import FitResult
 from raytrain_driver.register import APPLIED_TAG
 from raytrain_driver.registry_lock import QUEUE_SUFFIX
@@ -71,8 +72,11 @@ def _fit(
     client: MlflowClient, workdir: Path, config: TrainingConfig, dataset: DatasetRef, key: str, test_accuracy: float
 ) -> FitResult:
     """A finished fit: an MLflow run and a best checkpoint (untrained weights; scores carried as given)."""
-    experiment = client.get_experiment_by_name(config.experiment_name)
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment(config.experiment_name)
+    # As the fit makes it: a SQLite store keeps its artifacts beside its database, never in the working directory
+    # (a bare create_experiment put them under ./mlruns: the checkout, when the suite runs there).
+    experiment_id = tracking.ensure_experiment(
+        client, config.experiment_name, config.mlflow_tracking_uri, config.storage_path
+    )
     run_id = client.create_run(experiment_id, run_name=key, tags={"prefect_raytrain.run_key": key}).info.run_id
     spec = ModelSpec("mlp", dataset.num_features, dataset.num_classes, tuple(config.hidden_sizes))
     net = build_model("mlp", dataset.num_features, dataset.num_classes, config.hidden_sizes)

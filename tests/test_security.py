@@ -578,6 +578,8 @@ def test_a_pickle_placed_beside_the_champions_pt2_never_runs_and_nothing_moves(t
     """Whoever can write the registry's artifact store adds a pickled ``data/model.pth`` (and the
     ``pickle_module_info.txt`` MLflow reads with it) beside a real champion's ``model.pt2``. Scoring that champion
     must not unpickle it: the champion is refused with the reason, no alias moves, the code never runs."""
+    from urllib.parse import urlparse
+
     from mlflow import MlflowClient
 
     from raytrain_tasks.errors import PromotionError
@@ -590,7 +592,8 @@ def test_a_pickle_placed_beside_the_champions_pt2_never_runs_and_nothing_moves(t
     client = MlflowClient(config.mlflow_tracking_uri)
     champion = _register(config, dataset, _fit(client, tmp_path, config, dataset, "20261125-010000-aaaaaa", 0.5))
     assert champion.decision == "promote"
-    model_dir = Path(client.get_model_version_download_uri("planted", champion.version))
+    # The version's artifacts, in the store beside the SQLite database (a file: URI).
+    model_dir = Path(urlparse(client.get_model_version_download_uri("planted", champion.version)).path)
     assert sorted(p.name for p in (model_dir / "data").iterdir()) == ["model.pt2"]  # what MLflow's pt2 writes
     marker = tmp_path / "pwned"
     (model_dir / "data" / "model.pth").write_bytes(pickle.dumps(CreatesAFile(marker)))
