@@ -20,6 +20,7 @@ from typing import Any
 from prefect.exceptions import TerminationSignal
 from pydantic import ValidationError
 
+from raytrain_driver.process_groups import end_ray_groups
 from raytrain_tasks.config import TrainingConfig, describe_validation_error, parameters_of
 from raytrain_tasks.errors import ClusterError
 from raytrain_tasks.redact import redact, redact_uri, strip_credentials
@@ -176,6 +177,7 @@ def _exit_at_the_latest_after_a_signal() -> None:
             file=sys.stderr,
             flush=True,
         )
+        end_ray_groups()
         os._exit(128 + received[0])
 
     threading.Thread(target=watch, name="stop-deadline", daemon=True).start()

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from raytrain_driver.process_groups import ray_processes_in_their_own_group
+from raytrain_driver.process_groups import ray_groups_stopped, ray_processes_in_their_own_group
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import ClusterError
 
@@ -145,6 +145,7 @@ def ray_session(config: TrainingConfig) -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+        ray_groups_stopped()
 
 
 def _init(config: TrainingConfig, warm: str = "") -> None:

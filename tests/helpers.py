@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -136,3 +137,74 @@ class MlflowServer(str):
         server = super().__new__(cls, url)
         server.artifacts = artifacts
         return server
+
+
+class Outage:
+    """A TCP door in front of a server that a test shuts and opens at once: shut, every connection to it is
+    refused and the open ones are cut (as a client sees a server that is down); opened, it forwards again on the
+    same port. A real server's restart takes seconds that vary with the machine's load; a test that times a
+    window around the outage needs the outage to end when it says so."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port, self.port = target_port, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._listener: socket.socket | None = None
+        self._open: list[socket.socket] = []
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> Outage:
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shut()
+
+    def open(self) -> None:
+        listener = socket.create_server(("127.0.0.1", self.port))
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def shut(self) -> None:
+        with self._lock:
+            listener, self._listener = self._listener, None
+            cut, self._open = self._open, []
+        for sock in ([listener] if listener else []) + cut:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:  # shut
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                if self._listener is not listener:
+                    client.close()
+                    upstream.close()
+                    return
+                self._open += [client, upstream]
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=_pump, args=(source, sink), daemon=True).start()
+
+
+def _pump(source: socket.socket, sink: socket.socket) -> None:
+    try:
+        while data := source.recv(65536):
+            sink.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for sock in (source, sink):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass

@@ -21,6 +21,7 @@ from raytrain_driver.run_owner import driver_alive, this_driver
 from raytrain_driver.storage import StorageLocation, locate, s3_client
 from raytrain_tasks.errors import RunLeaseError
 from raytrain_tasks.fs import StorageOptions
+from tests.helpers import Outage
 
 KEY = "20261123-070000-abcdef"
 
@@ -189,41 +190,48 @@ def test_a_driver_in_another_pid_namespace_with_the_same_hostname_is_not_judged_
             pytest.fail("took over the lease of a driver this host cannot see")
 
 
+def _outage_bucket(s3_server: Any, name: str) -> tuple[Outage, StorageOptions]:
+    """A bucket of the session's S3 server, reached through a door the test shuts and opens at once."""
+    door = Outage(int(s3_server.endpoint_url.rsplit(":", 1)[1]))
+    door.open()
+    options = StorageOptions(endpoint_url=door.url)
+    client = s3_client(options)
+    if name not in [b["Name"] for b in client.list_buckets().get("Buckets", [])]:
+        client.create_bucket(Bucket=name)
+    return door, options
+
+
 @pytest.mark.slow
-def test_a_holder_that_cannot_renew_in_time_must_stop(tmp_path: Path) -> None:
+def test_a_holder_that_cannot_renew_in_time_must_stop(s3_server: Any) -> None:
     """S3 down for longer than the lease: the holder counts its lease lost before anyone could take it over
     (LOST_AFTER of its length, on its own clock), instead of training on while a continuation takes the run.
     When, in seconds, is a figure of `python -m bench.waits`; here, the order of events."""
-    from devtools.s3_server import LocalS3
     from raytrain_tasks.errors import RunLeaseLostError
 
-    server = LocalS3(tmp_path / "s3").start()
+    door, options = _outage_bucket(s3_server, "prt-lost")
     try:
-        options = StorageOptions(endpoint_url=server.endpoint_url)
-        s3_client(options).create_bucket(Bucket="prt-lost")
         run_dir = locate("s3://prt-lost/runs", options).child(KEY)
         with run_lease(run_dir, KEY, "holder-a", 6) as lease:
-            server.stop()
+            door.shut()
             assert lease.lost_event.wait(timeout=12), "the holder kept its lease through a 12 s outage"
             # Lost before the lease could have expired on any clock: nobody else can have taken the run yet.
             assert time.monotonic() - lease.renewed_at < lease.duration_s
             with pytest.raises(RunLeaseLostError, match="could not be renewed"):
                 lease.check()
     finally:
-        server.stop()
+        door.shut()
 
 
 @pytest.mark.slow
-def test_the_holder_keeps_renewing_through_a_storage_outage(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_the_holder_keeps_renewing_through_a_storage_outage(s3_server: Any, caplog: pytest.LogCaptureFixture) -> None:
     """S3 stops answering for longer than a renewal period, then comes back: the driver renews again (a renewer
     that died on the first connection error would leave the lease to expire under a live run), and a storage
-    still down when the run ends leaves the lease to expire instead of failing the run."""
-    from devtools.s3_server import LocalS3
+    still down when the run ends leaves the lease to expire instead of failing the run.
 
-    server = LocalS3(tmp_path / "s3").start()
+    The outage is a door in front of the server (tests.helpers.Outage): a restarted server answered again only
+    after a few seconds that grew with the machine's load, and once after the lease already counted as lost."""
+    door, options = _outage_bucket(s3_server, "prt-outage")
     try:
-        options = StorageOptions(endpoint_url=server.endpoint_url)
-        s3_client(options).create_bucket(Bucket="prt-outage")
         run_dir = locate("s3://prt-outage/runs", options).child(KEY)
         lease_file = run_dir.child(LEASE_FILE)
         with (
@@ -231,12 +239,12 @@ def test_the_holder_keeps_renewing_through_a_storage_outage(tmp_path: Path, capl
             run_lease(run_dir, KEY, "holder-a", 9) as held,
         ):
             before = lease_file.read_text()  # renewed every 3 s
-            server.stop()
+            door.shut()
             deadline = time.monotonic() + 30
             while not any("could not renew" in record.getMessage() for record in caplog.records):
                 assert time.monotonic() < deadline, "no renewal was tried while storage was down"
                 time.sleep(0.05)
-            server.start()  # storage is back after a failed renewal
+            door.open()  # storage is back after a failed renewal
             while lease_file.read_text() == before:
                 assert time.monotonic() < deadline, "the lease was never renewed after storage came back"
                 time.sleep(0.1)
@@ -245,11 +253,11 @@ def test_the_holder_keeps_renewing_through_a_storage_outage(tmp_path: Path, capl
             assert held.lost() is None  # renewed before it counted as lost: the run goes on
             # A failed renewal is retried every 1/12 of the lease (0.75 s), not at the next third (3 s).
             assert any("retrying in 0.8 s" in record.getMessage() for record in caplog.records)
-            server.stop()  # the run ends while storage is down: the block's outcome stands
-        server.start()
+            door.shut()  # the run ends while storage is down: the block's outcome stands
+        door.open()
         assert read_lease(lease_file) is not None  # left to expire, not deleted
     finally:
-        server.stop()
+        door.shut()
 
 
 def test_a_run_that_never_started_leaves_no_folder(tmp_path: Path) -> None:

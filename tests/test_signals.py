@@ -231,3 +231,44 @@ def _resume_to_the_end(workdir: Path, output: str, run: Any) -> str:
     history = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}").get_metric_history(after.info.run_id, "val_accuracy")
     assert sorted(m.step for m in history) == [1, 2, 3, 4]
     return resumed.output()
+
+
+STUCK_AFTER_A_SIGNAL = """
+import signal, sys, time
+import ray
+import flows.cli as cli
+from raytrain_driver.cluster import ray_session
+from raytrain_tasks.config import TrainingConfig
+
+cli.STOP_DEADLINE_S = 1.0
+signal.signal(signal.SIGTERM, lambda *_: None)  # a stop that never ends (seen between the fit and register-model)
+cli._exit_at_the_latest_after_a_signal()
+with ray_session(TrainingConfig()):
+    ray.get([ray.remote(lambda: 1).remote() for _ in range(2)])  # workers of the raylet, as a fit has
+    print("ready", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_stop_that_overruns_its_deadline_still_ends_every_ray_process_it_started(tmp_path: Path) -> None:
+    """Issue 29, seen in CI: a SIGTERM that landed between the fit and register-model was still being handled
+    10 s later, so the CLI exited at its deadline without ``ray.shutdown()``; the raylet's dashboard and
+    runtime-env agents outlived it by more than 10 s. At the deadline the CLI now ends the process groups of
+    the Ray it started (raytrain_driver.process_groups)."""
+    log = tmp_path / "stuck.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-c", STUCK_AFTER_A_SIGNAL],
+            cwd=Path(__file__).resolve().parents[1],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    command = Command.__new__(Command)  # watch and left_behind on a process started here
+    command.process, command.log, command.seen = process, log, {}
+    command.wait_until(lambda: "ready" in command.output(), "Ray started", timeout=120)
+    assert any("raylet" in line for line in command.watch()), command.watch()
+    code, _ = command.signal_group(signal.SIGTERM)
+    assert code == 128 + signal.SIGTERM, command.output()[-3000:]
+    assert "still stopping after 1 s" in command.output()
+    assert command.left_behind(grace=3.0) == [], command.output()[-3000:]
