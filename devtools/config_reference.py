@@ -55,6 +55,8 @@ def _type(field: FieldInfo) -> str:
     if typing.get_origin(annotation) is list:
         (item,) = typing.get_args(annotation)
         return f"list of {item.__name__}"
+    if typing.get_origin(annotation) is dict:
+        return "JSON object"
     return getattr(annotation, "__name__", str(annotation))
 
 

@@ -43,6 +43,9 @@ def build_parser(prog: str = "python -m flows.training") -> argparse.ArgumentPar
         elif origin is list:
             options["type"] = _int_list
             options["metavar"] = "N,N,..."
+        elif origin is dict:  # a JSON object, given as its text
+            options["type"] = str
+            options["metavar"] = "JSON"
         elif origin is typing.Literal:
             options["choices"] = typing.get_args(annotation)
         elif isinstance(annotation, type) and annotation in (int, float, str):

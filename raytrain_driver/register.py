@@ -382,8 +382,8 @@ def _description(config: TrainingConfig, dataset: DatasetRef | None, fit: FitRes
     scores = ", ".join(f"{key} {value:.4f}" for key, value in sorted(fit.scores.items()))
     if dataset is None:
         return (
-            f"{config.train_code} trained by run {fit.run_key} (train_config {config.train_config}); best checkpoint: "
-            f"step {fit.best_epoch} by {metric}; {scores}."
+            f"{config.train_code} trained by run {fit.run_key} (train_config {config.train_config_text()}); "
+            f"best checkpoint: step {fit.best_epoch} by {metric}; {scores}."
         )
     return (
         f"{config.model} {config.hidden_sizes} trained on dataset {dataset.content_hash} ({dataset.source}) by "

@@ -34,6 +34,9 @@ from raytrain_tasks.settings import (
     _dataset_stem,
 )
 
+# train_config's JSON text at most (it is an MLflow param and a registry tag).
+TRAIN_CONFIG_MAX_CHARS = 20_000
+
 # `register` is the public flag name (--register/--no-register); it only shadows ABCMeta.register.
 warnings.filterwarnings("ignore", message='Field name "register"', category=UserWarning)
 
@@ -106,21 +109,34 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
             )
         return value
 
-    @field_validator("train_config")
+    @field_validator("train_config", mode="before")
     @classmethod
-    def _json_object(cls, value: str) -> str:
+    def _json_object(cls, value: Any) -> dict[str, Any]:
+        """An object, or its JSON text (the command line's ``--train-config``, a run stored before it was an
+        object); its keys sorted, so that the same settings are the same MLflow param whatever their order."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value or "{}")
+            except json.JSONDecodeError as exc:
+                raise ValueError(
+                    f"train_config is not valid JSON ({exc.msg} at character {exc.pos}): give an object"
+                ) from None
+        if not isinstance(value, dict):
+            raise ValueError(f'train_config must be a JSON object like {{"hidden": 64}}, got a {type(value).__name__}')
         try:
-            parsed = json.loads(value or "{}")
-        except json.JSONDecodeError as exc:
-            raise ValueError(
-                f"train_config is not valid JSON ({exc.msg} at character {exc.pos}): give an object"
-            ) from None
-        if not isinstance(parsed, dict):
-            raise ValueError(f'train_config must be a JSON object like {{"hidden": 64}}, got a {type(parsed).__name__}')
-        if refused := pipeline_keys_refused(parsed, "train_config"):
+            text = json.dumps(value, sort_keys=True, separators=(",", ":"))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"train_config must hold JSON values only (numbers, text, lists, dicts): {exc}") from exc
+        if len(text) > TRAIN_CONFIG_MAX_CHARS:
+            raise ValueError(f"train_config is {len(text)} characters as JSON, more than {TRAIN_CONFIG_MAX_CHARS}")
+        if refused := pipeline_keys_refused(value, "train_config"):
             raise ValueError(refused)
-        # One canonical text: the same settings are the same MLflow param, whatever the spacing.
-        return json.dumps(parsed, sort_keys=True, separators=(",", ":"))
+        parsed: dict[str, Any] = json.loads(text)
+        return parsed
+
+    def train_config_text(self) -> str:
+        """``train_config`` as one canonical JSON text (keys sorted, no spaces): its MLflow param and tag."""
+        return json.dumps(self.train_config, sort_keys=True, separators=(",", ":"))
 
     @field_validator("dataset")
     @classmethod
@@ -273,10 +289,12 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
         for key, value in self.model_dump().items():
             if isinstance(value, list):
                 value = ",".join(map(str, value))
+            if key == "train_config":
+                value = self.train_config_text()
             if isinstance(value, str):  # a URI may carry user:password@ or ?token=
                 value = redact_uri(value) if "://" in value else redact(value)
             params[key] = value
-        for key, value in json.loads(self.train_config).items():
+        for key, value in self.train_config.items():
             params[f"train_config.{key}"] = value if isinstance(value, str | int | float | bool) else json.dumps(value)
         return params
 

@@ -169,14 +169,14 @@ class TrainingSettings(_Section):
             "built-in table classifier (`model`, `dataset`, ...)."
         ),
     )
-    train_config: str = Field(
-        default="{}",
-        max_length=20_000,
+    train_config: dict[str, Any] = Field(
+        default={},
         title="Training code config (JSON)",
         description=(
-            'A JSON object of hyperparameters for `train_code`, e.g. {"hidden": 64}: added to the config its '
-            "train_func receives (beside the pipeline's epochs, batch_size, lr, seed, num_workers and use_gpu, "
-            "which it may not set), logged as MLflow params train_config.<key>, and kept by a resume."
+            'A JSON object of hyperparameters for `train_code`, e.g. {"hidden": 64} (on the command line, its text): '
+            "added to the config its train_func receives (beside the pipeline's epochs, batch_size, lr, seed, "
+            "num_workers and use_gpu, which it may not set), logged as MLflow params train_config.<key>, and kept "
+            "by a resume."
         ),
     )
     model: Literal[tuple(MODELS)] = Field(  # type: ignore[valid-type]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import json
 import os
 import pkgutil
 import sys
@@ -99,7 +98,7 @@ def user_config(config: Any, spec: TrainFunc) -> dict[str, Any]:
         "use_gpu": config.use_gpu,
     }
     assert tuple(own) == TRAIN_CONFIG_KEYS
-    return {**dict(spec.defaults), **own, **json.loads(config.train_config)}
+    return {**dict(spec.defaults), **own, **config.train_config}
 
 
 def run_train_func(loop_config: dict[str, Any]) -> None:

@@ -93,6 +93,8 @@ def test_a_train_func_spec_is_checked_when_it_is_made() -> None:
         # other epochs than the run's MLflow param, its progress and its resume say.
         ({"train_config": '{"epochs": 20, "hidden": 8}'}, r"may not set epochs: .*`epochs` \(--epochs\)"),
         ({"train_config": '{"lr": 0.1}'}, r"may not set lr: .*`learning_rate` \(--learning-rate\)"),
+        ({"train_config": {"seed": 1}}, r"may not set seed: .*`seed` \(--seed\)"),
+        ({"train_config": {"hidden": "x" * 20_001}}, "more than 20000"),
     ],
 )
 def test_bad_training_code_settings_are_refused_naming_the_setting(settings: dict[str, str], says: str) -> None:
@@ -104,7 +106,10 @@ def test_train_config_is_logged_as_params_one_per_key() -> None:
     config = TrainingConfig(train_code=SEED_DDP, train_config='{"hidden": 64, "layers": [2, 3]}')
     params = config.public_params()
     assert params["train_config.hidden"] == 64 and params["train_config.layers"] == "[2, 3]"
-    assert params["train_config"] == TrainingConfig(train_config='{"layers":[2,3],"hidden":64}').train_config
+    # One canonical text whatever the order, spacing or form (text or object): a resume compares it.
+    assert params["train_config"] == '{"hidden":64,"layers":[2,3]}'
+    for same in ('{"layers":[2,3],"hidden":64}', {"layers": [2, 3], "hidden": 64}):
+        assert TrainingConfig(train_config=same).public_params()["train_config"] == params["train_config"]
 
 
 # --- end to end, on a real local Ray, the Prefect test harness and MLflow on SQLite ----------------------------

@@ -532,7 +532,7 @@ def test_every_example_trains_and_registers_through_a_served_deployment(
     for example in EXAMPLES:
         parameters = {
             "train_code": f"examples.{example}.train:training",
-            "train_config": '{"seed_note": "served"}',
+            "train_config": {"seed_note": "served"},  # a JSON object, as `-p` and the UI's form send it
             "epochs": 2,
             "experiment_name": "own-code",
             "model_name": f"served-{example}",

@@ -71,6 +71,18 @@ def test_a_run_that_sets_nothing_trains_with_the_deployments_settings_and_the_wh
     assert config.min_improvement == 0.0 and config.epochs == 10
 
 
+def test_train_config_is_a_json_object_as_prefects_p_and_the_form_send_it() -> None:
+    """`prefect deployment run ... -p 'train_config={"hidden": 64}'` (Prefect's -p reads a value as JSON) and the
+    UI's JSON editor send an object. The parameter was a string: the server refused the object (422), and the
+    guide had users quote the JSON twice."""
+    deployment = _deployment({**NIGHTLY, "train_code": "examples.seed_ddp.train:training"})
+    config = _trained_with(_trigger(deployment, {"train_config": {"hidden": 64, "layers": [2, 3]}}))
+    assert config.train_config == {"hidden": 64, "layers": [2, 3]}
+    assert config.public_params()["train_config.hidden"] == 64
+    # A run stored with the text form (before train_config was an object, or a continuation of one) still trains.
+    assert config_from_parameters({"train_config": '{"hidden": 64}'}).train_config == {"hidden": 64}
+
+
 def test_the_server_refuses_an_invalid_value_before_a_run_exists() -> None:
     deployment = _deployment(NIGHTLY)
     with get_client(sync_client=True) as client:
