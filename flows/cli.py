@@ -125,6 +125,7 @@ def main(
         print(f"\npipeline failed: {redact(str(exc))}", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, TerminationSignal) as exc:
+        end_ray_groups()  # stopped while Ray was starting, before ray_session could stop it: none of it outlives us
         signum = exc.signal if isinstance(exc, TerminationSignal) else signal.SIGINT
         print(f"\npipeline stopped by {signal.Signals(signum).name}{_how_to_continue(config)}", file=sys.stderr)
         return 128 + signum
@@ -174,14 +175,16 @@ def _exit_at_the_latest_after_a_signal() -> None:
             if received and received[0] in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 break
         time.sleep(STOP_DEADLINE_S)
-        print(
-            f"\npipeline stopped by {signal.Signals(received[0]).name}: still stopping after {STOP_DEADLINE_S:g} s, "
-            "exiting; continue it with `prefect-raytrain resume <run key>`",
-            file=sys.stderr,
-            flush=True,
-        )
-        end_ray_groups()
-        os._exit(128 + received[0])
+        try:
+            print(
+                f"\npipeline stopped by {signal.Signals(received[0]).name}: still stopping after "
+                f"{STOP_DEADLINE_S:g} s, exiting; continue it with `prefect-raytrain resume <run key>`",
+                file=sys.stderr,
+                flush=True,
+            )
+            end_ray_groups()
+        finally:  # a terminal gone after SIGHUP fails the print (EIO): the process still exits
+            os._exit(128 + received[0])
 
     threading.Thread(target=watch, name="stop-deadline", daemon=True).start()
 

@@ -144,8 +144,10 @@ def ray_session(config: TrainingConfig) -> Iterator[None]:
     try:
         yield
     finally:
-        ray.shutdown()
-        ray_groups_stopped()
+        try:
+            ray.shutdown()
+        finally:
+            ray_groups_stopped()
 
 
 def _init(config: TrainingConfig, warm: str = "") -> None:
@@ -217,7 +219,10 @@ def warm_ray() -> Iterator[str]:
         yield address
     finally:
         os.environ.pop(WARM_RAY_ENV, None)
-        ray.shutdown()
+        try:
+            ray.shutdown()
+        finally:
+            ray_groups_stopped()
 
 
 def _log_to_driver() -> bool:

@@ -168,6 +168,8 @@ def run_lease(
             logger.warning("taking over the lease of run %s from %s: that process is gone", run_key, current.holder)
         sent = time.monotonic()
         mine = location.write_if(_encode(holder, duration_s, 0), version, REQUEST_ATTEMPTS)
+        if mine is None and (landed := _own_write(location, holder, 0)) is not None:
+            mine, sent = landed  # our own write, whose reply was lost
         if mine is None:  # another driver wrote the lease between our read and our write: it drives
             winner = read_lease(location)
             raise RunLeaseError(_refusal(run_key, winner or Lease("another driver", duration_s)))
@@ -206,19 +208,37 @@ def _renew(held: HeldLease, stop: threading.Event) -> None:
             )
             continue
         if renewed is None:
-            try:
-                taker = read_lease(held.location)
-            except OSError:
-                taker = None
-            held.taken_by = taker.holder if taker else "another driver"
-            held.lost()
-            logger.error("run %s: the lease was taken by %s; this driver stops", held.run_key, held.taken_by)
-            return
+            landed = _own_write(held.location, held.holder, held.renewals + 1)
+            if landed is None:
+                try:
+                    taker = read_lease(held.location)
+                except OSError:
+                    taker = None
+                held.taken_by = taker.holder if taker else "another driver"
+                held.lost()
+                logger.error("run %s: the lease was taken by %s; this driver stops", held.run_key, held.taken_by)
+                return
+            renewed, sent = landed
         if held.lost() is not None:  # renewed too late: the block is stopping already, and stays stopped
             held.version = renewed  # still ours to release
             return
         held.version, held.renewed_at, held.renewals = renewed, sent, held.renewals + 1
         delay = held.duration_s / 3
+
+
+def _own_write(location: StorageLocation, holder: str, renewals: int) -> tuple[str, float] | None:
+    """After a compare-and-swap refused: (version, monotonic time it was written) when the lease there is this
+    holder's write number ``renewals`` all the same, else None. An earlier try of the same write landed and its
+    reply was lost (a cut connection; botocore then retries, or the next renewal runs): the version moved under
+    us, by our own hand. Its time is the storage's age of it, less a second for S3's whole-second clock."""
+    try:
+        found = _read(location, 0.0)
+    except OSError:
+        return None
+    lease, version = found if found else (None, "")
+    if lease is None or lease.holder != holder or lease.renewals != renewals:
+        return None
+    return version, time.monotonic() - lease.age_s - 1.0
 
 
 def _release(held: HeldLease, created: list[StorageLocation]) -> None:

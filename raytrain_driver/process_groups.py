@@ -20,12 +20,13 @@ import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 _lock = threading.Lock()
-# The process groups of the Ray services this process started and has not stopped yet (a group's id is its
-# leader's pid).
-_groups: list[int] = []
+# The process groups of the Ray services this process started and has not stopped yet: (the group's id, which is
+# its leader's pid; the leader's start time, which tells it from a later process given the same pid).
+_groups: list[tuple[int, str]] = []
 
 
 @contextmanager
@@ -44,7 +45,7 @@ def ray_processes_in_their_own_group() -> Iterator[None]:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             kwargs["start_new_session"] = True
             super().__init__(*args, **kwargs)
-            _groups.append(self.pid)
+            _groups.append((self.pid, _started(self.pid)))
 
     with _lock:
         services.ConsolePopen = OwnSessionPopen  # type: ignore[misc]
@@ -61,14 +62,28 @@ def ray_groups_stopped() -> None:
 
 def end_ray_groups() -> None:
     """SIGKILL every process group of the Ray services this process started and has not stopped: for an exit
-    that cannot wait for ``ray.shutdown()`` (the CLI's stop deadline, flows/cli.py).
+    that cannot wait for ``ray.shutdown()`` (the CLI's stop deadline and its stop by a signal, flows/cli.py).
 
     Ray's fate-sharing ends the services it started directly when this process dies; their own children (the
     raylet's dashboard and runtime-env agents, its workers) are in the service's group, and were seen to outlive
-    it by more than 10 s on a loaded machine (issue 29's test, in CI).
+    it by more than 10 s on a loaded machine (issue 29's test, in CI). A group whose leader is not the process
+    this one started (gone, its pid since given to another) is left alone: when in doubt, nothing is killed.
     """
-    for group in _groups:
+    for group, started in tuple(_groups):
+        if not started or _started(group) != started:
+            continue
         try:
             os.killpg(group, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):  # already gone (or the id reused by another user's group)
+        except (ProcessLookupError, PermissionError):  # gone meanwhile
             continue
+
+
+def _started(pid: int) -> str:
+    """The start time of process ``pid`` in clock ticks since boot (Linux's /proc); "" where it cannot be read."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return ""
+    # The second field (the command's name, in parentheses) may hold spaces: count from its closing parenthesis.
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return fields[19] if len(fields) > 19 else ""

@@ -20,7 +20,7 @@ model is better (and in which direction), and how a checkpoint folder becomes a 
         input_example=lambda config: torch.zeros(2, 10),
     )
 
-and run it with ``prefect-raytrain train --train-code my_package.train:training --train-config '{"lr": 0.01}'``
+and run it with ``prefect-raytrain train --train-code my_package.train:training --train-config '{"hidden": 64}'``
 (or the flow parameters ``train_code`` and ``train_config``). The pipeline then schedules, retries and resumes it,
 logs every reported metric to MLflow at its step, keeps every checkpoint in the run's storage, and registers the
 best checkpoint's model behind a promotion gate on your metric.

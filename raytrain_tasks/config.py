@@ -7,6 +7,7 @@ as ``train_loop_config`` where each worker validates it again before doing anyth
 from __future__ import annotations
 
 import json
+import posixpath
 import re
 import secrets
 import warnings
@@ -34,8 +35,8 @@ from raytrain_tasks.settings import (
     _dataset_stem,
 )
 
-# train_config's JSON text at most (it is an MLflow param and a registry tag).
-TRAIN_CONFIG_MAX_CHARS = 20_000
+# train_config's JSON text at most: it is an MLflow param (mlflow.utils.validation.MAX_PARAM_VAL_LENGTH).
+TRAIN_CONFIG_MAX_CHARS = 6000
 
 # `register` is the public flag name (--register/--no-register); it only shadows ABCMeta.register.
 warnings.filterwarnings("ignore", message='Field name "register"', category=UserWarning)
@@ -109,26 +110,26 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
             )
         return value
 
-    @field_validator("train_config", mode="before")
+    @field_validator("train_config")
     @classmethod
-    def _json_object(cls, value: Any) -> dict[str, Any]:
-        """An object, or its JSON text (the command line's ``--train-config``, a run stored before it was an
-        object); its keys sorted, so that the same settings are the same MLflow param whatever their order."""
-        if isinstance(value, str):
-            try:
-                value = json.loads(value or "{}")
-            except json.JSONDecodeError as exc:
-                raise ValueError(
-                    f"train_config is not valid JSON ({exc.msg} at character {exc.pos}): give an object"
-                ) from None
-        if not isinstance(value, dict):
-            raise ValueError(f'train_config must be a JSON object like {{"hidden": 64}}, got a {type(value).__name__}')
+    def _json_object(cls, value: dict[str, Any]) -> dict[str, Any]:
+        """JSON values only, within MLflow's limits for params (its text is one, each key another); its keys
+        sorted, so that the same settings are the same MLflow param whatever their order."""
         try:
             text = json.dumps(value, sort_keys=True, separators=(",", ":"))
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"train_config must hold JSON values only (numbers, text, lists, dicts): {exc}") from exc
+            raise ValueError(f"must hold JSON values only (numbers, text, lists, dicts): {exc}") from exc
         if len(text) > TRAIN_CONFIG_MAX_CHARS:
-            raise ValueError(f"train_config is {len(text)} characters as JSON, more than {TRAIN_CONFIG_MAX_CHARS}")
+            raise ValueError(
+                f"is {len(text)} characters as JSON, more than the {TRAIN_CONFIG_MAX_CHARS} of an MLflow param"
+            )
+        for key in value:
+            param = f"train_config.{key}"
+            if not re.fullmatch(r"[\w\-. /]{1,200}", key) or posixpath.normpath(param) != param:
+                raise ValueError(
+                    f"key {key!r} cannot be the MLflow param {param!r}: use up to 200 letters, digits, _ - . / or "
+                    "spaces"
+                )
         if refused := pipeline_keys_refused(value, "train_config"):
             raise ValueError(refused)
         parsed: dict[str, Any] = json.loads(text)

@@ -5,11 +5,12 @@ and docs/configuration.md follow from these declarations, in this order.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import PurePosixPath
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from raytrain_tasks.models import MODELS
 
@@ -20,6 +21,26 @@ def _dataset_stem(dataset: str) -> str:
     """A registered-model name part from ``dataset``: 'synthetic', or its file's name without the extension."""
     stem = PurePosixPath(dataset.rstrip("/").split("://", 1)[-1]).name.split(".")[0]
     return re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("-._") or "dataset"
+
+
+def _object_from_text(value: Any) -> Any:
+    """A JSON object, or its text (the command line's ``--train-config``; a Prefect run stored while
+    ``train_config`` was text); None (a cleared form field) is {}."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value or "{}")
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not valid JSON ({exc.msg} at character {exc.pos}): give an object") from None
+    if not isinstance(value, dict):
+        raise ValueError(f'must be a JSON object like {{"hidden": 64}}, got a {type(value).__name__}')
+    return value
+
+
+# In the type, not in a validator of the config: the flow's signature (flows/parameters.py) carries it, so Prefect's
+# own check of a run's parameters takes the text form too.
+JsonObject = Annotated[dict[str, Any], BeforeValidator(_object_from_text)]
 
 
 # On the settings that decide where this process's credentials are sent (MLflow's, the AWS keys, Ray's token): a
@@ -169,7 +190,7 @@ class TrainingSettings(_Section):
             "built-in table classifier (`model`, `dataset`, ...)."
         ),
     )
-    train_config: dict[str, Any] = Field(
+    train_config: JsonObject = Field(
         default={},
         title="Training code config (JSON)",
         description=(

@@ -7,6 +7,7 @@ object) and where it was tried (this driver, or a worker of the cluster).
 
 from __future__ import annotations
 
+import copy
 import difflib
 import importlib
 import os
@@ -98,7 +99,7 @@ def user_config(config: Any, spec: TrainFunc) -> dict[str, Any]:
         "use_gpu": config.use_gpu,
     }
     assert tuple(own) == TRAIN_CONFIG_KEYS
-    return {**dict(spec.defaults), **own, **config.train_config}
+    return {**dict(spec.defaults), **own, **copy.deepcopy(config.train_config)}  # the code may change it
 
 
 def run_train_func(loop_config: dict[str, Any]) -> None:

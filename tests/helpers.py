@@ -143,7 +143,11 @@ class Outage:
     """A TCP door in front of a server that a test shuts and opens at once: shut, every connection to it is
     refused and the open ones are cut (as a client sees a server that is down); opened, it forwards again on the
     same port. A real server's restart takes seconds that vary with the machine's load; a test that times a
-    window around the outage needs the outage to end when it says so."""
+    window around the outage needs the outage to end when it says so.
+
+    ``lose_replies(True)``: requests still reach the server, its replies never reach the client (the connection is
+    cut when one comes), as when a network fails after the server acted.
+    """
 
     def __init__(self, target_port: int) -> None:
         self.target_port, self.port = target_port, free_port()
@@ -151,6 +155,17 @@ class Outage:
         self._listener: socket.socket | None = None
         self._open: list[socket.socket] = []
         self._lock = threading.Lock()
+        self._replies_lost = False
+
+    def lose_replies(self, lost: bool) -> None:
+        """From now on, lose (or again forward) the server's replies; connections already open are cut."""
+        with self._lock:
+            self._replies_lost, cut, self._open = lost, self._open, []
+        for sock in cut:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def __enter__(self) -> Outage:
         self.open()
@@ -192,19 +207,27 @@ class Outage:
                     upstream.close()
                     return
                 self._open += [client, upstream]
+                replies_lost = self._replies_lost
             for source, sink in ((client, upstream), (upstream, client)):
-                threading.Thread(target=_pump, args=(source, sink), daemon=True).start()
+                lose = replies_lost and source is upstream
+                threading.Thread(target=self._pump, args=(source, sink, lose), daemon=True).start()
 
-
-def _pump(source: socket.socket, sink: socket.socket) -> None:
-    try:
-        while data := source.recv(65536):
-            sink.sendall(data)
-    except OSError:
-        pass
-    finally:
+    def _pump(self, source: socket.socket, sink: socket.socket, lose: bool = False) -> None:
+        """Forward one direction until either side ends (``lose``: until a reply other than an interim ``100
+        Continue``, which is dropped); then end both, and close the side read from."""
+        try:
+            while data := source.recv(65536):
+                if lose and not data.startswith(b"HTTP/1.1 100 "):  # an interim 100 Continue still goes through
+                    break
+                sink.sendall(data)
+        except OSError:
+            pass
         for sock in (source, sink):
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        with self._lock:
+            if source in self._open:
+                self._open.remove(source)
+        source.close()

@@ -193,11 +193,11 @@ def test_a_driver_in_another_pid_namespace_with_the_same_hostname_is_not_judged_
 def _outage_bucket(s3_server: Any, name: str) -> tuple[Outage, StorageOptions]:
     """A bucket of the session's S3 server, reached through a door the test shuts and opens at once."""
     door = Outage(int(s3_server.endpoint_url.rsplit(":", 1)[1]))
-    door.open()
     options = StorageOptions(endpoint_url=door.url)
-    client = s3_client(options)
+    client = s3_client(StorageOptions(endpoint_url=s3_server.endpoint_url))
     if name not in [b["Name"] for b in client.list_buckets().get("Buckets", [])]:
         client.create_bucket(Bucket=name)
+    door.open()
     return door, options
 
 
@@ -256,6 +256,34 @@ def test_the_holder_keeps_renewing_through_a_storage_outage(s3_server: Any, capl
             door.shut()  # the run ends while storage is down: the block's outcome stands
         door.open()
         assert read_lease(lease_file) is not None  # left to expire, not deleted
+    finally:
+        door.shut()
+
+
+@pytest.mark.slow
+def test_a_renewal_whose_reply_was_lost_is_still_the_holders(s3_server: Any) -> None:
+    """The renewal reaches S3 and is applied, its reply is lost (a cut connection): the retry, conditional on the
+    old version, is refused (412). The holder used to read that as its lease taken by another driver (itself)
+    and stop a healthy run; it now finds its own write there and goes on renewing."""
+    door, options = _outage_bucket(s3_server, "prt-lost-reply")
+    direct = locate("s3://prt-lost-reply/runs", StorageOptions(endpoint_url=s3_server.endpoint_url))
+    try:
+        run_dir = locate("s3://prt-lost-reply/runs", options).child(KEY)
+        with run_lease(run_dir, KEY, "holder-a", 15) as held:
+            door.lose_replies(True)  # the first renewal (after 5 s) lands; the driver never hears so
+            lease_file = direct.child(KEY, LEASE_FILE)
+            deadline = time.monotonic() + 40
+            while (lease := read_lease(lease_file)) is None or lease.renewals < 1:
+                assert time.monotonic() < deadline, "the renewal never reached the server"
+                time.sleep(0.05)
+            door.lose_replies(False)
+            while (lease := read_lease(lease_file)) is None or lease.renewals < 2:  # renewed again, from its write
+                assert held.lost() is None, held.lost()
+                assert time.monotonic() < deadline, "no renewal after the lost reply"
+                time.sleep(0.05)
+            assert held.lost() is None and held.taken_by is None
+            assert lease.holder == "holder-a"
+        assert read_lease(lease_file) is None  # released at the end: still the holder's to delete
     finally:
         door.shut()
 

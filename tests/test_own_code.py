@@ -94,7 +94,9 @@ def test_a_train_func_spec_is_checked_when_it_is_made() -> None:
         ({"train_config": '{"epochs": 20, "hidden": 8}'}, r"may not set epochs: .*`epochs` \(--epochs\)"),
         ({"train_config": '{"lr": 0.1}'}, r"may not set lr: .*`learning_rate` \(--learning-rate\)"),
         ({"train_config": {"seed": 1}}, r"may not set seed: .*`seed` \(--seed\)"),
-        ({"train_config": {"hidden": "x" * 20_001}}, "more than 20000"),
+        # MLflow's limits on a param: its value (6000 characters), its name.
+        ({"train_config": {"hidden": "x" * 6000}}, "more than the 6000 of an MLflow param"),
+        ({"train_config": {"hidden@2": 1}}, "cannot be the MLflow param 'train_config.hidden@2'"),
     ],
 )
 def test_bad_training_code_settings_are_refused_naming_the_setting(settings: dict[str, str], says: str) -> None:

@@ -79,8 +79,11 @@ def test_train_config_is_a_json_object_as_prefects_p_and_the_form_send_it() -> N
     config = _trained_with(_trigger(deployment, {"train_config": {"hidden": 64, "layers": [2, 3]}}))
     assert config.train_config == {"hidden": 64, "layers": [2, 3]}
     assert config.public_params()["train_config.hidden"] == 64
-    # A run stored with the text form (before train_config was an object, or a continuation of one) still trains.
-    assert config_from_parameters({"train_config": '{"hidden": 64}'}).train_config == {"hidden": 64}
+    # A run stored with the text form (before train_config was an object) passes Prefect's own check of its
+    # parameters and trains with the object; a cleared form field is an empty one.
+    stored = training_pipeline.validate_parameters({"train_config": '{"hidden": 64}'})
+    assert config_from_parameters(stored).train_config == {"hidden": 64}
+    assert config_from_parameters(training_pipeline.validate_parameters({"train_config": None})).train_config == {}
 
 
 def test_the_server_refuses_an_invalid_value_before_a_run_exists() -> None:

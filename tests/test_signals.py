@@ -266,9 +266,16 @@ def test_a_stop_that_overruns_its_deadline_still_ends_every_ray_process_it_start
         )
     command = Command.__new__(Command)  # watch and left_behind on a process started here
     command.process, command.log, command.seen = process, log, {}
-    command.wait_until(lambda: "ready" in command.output(), "Ray started", timeout=120)
-    assert any("raylet" in line for line in command.watch()), command.watch()
-    code, _ = command.signal_group(signal.SIGTERM)
-    assert code == 128 + signal.SIGTERM, command.output()[-3000:]
-    assert "still stopping after 1 s" in command.output()
-    assert command.left_behind(grace=3.0) == [], command.output()[-3000:]
+    try:
+        command.wait_until(lambda: "ready" in command.output(), "Ray started", timeout=180)
+        assert any("raylet" in line for line in command.watch()), command.watch()
+        code, _ = command.signal_group(signal.SIGTERM)
+        assert code == 128 + signal.SIGTERM, command.output()[-3000:]
+        assert "still stopping after 1 s" in command.output()
+        assert command.left_behind(grace=3.0) == [], command.output()[-3000:]
+    finally:  # whatever failed: nothing of it outlives the test (Ray's services are in sessions of their own)
+        command.watch()
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+        command.left_behind(grace=0)
