@@ -533,7 +533,7 @@ def test_every_example_trains_and_registers_through_a_served_deployment(
         parameters = {
             "train_code": f"examples.{example}.train:training",
             "train_config": {"seed_note": "served"},  # a JSON object, as `-p` and the UI's form send it
-            "epochs": 2,
+            "epochs": 1,  # the serving is the question here; their training: test_own_code, test_sharded, the guide
             "experiment_name": "own-code",
             "model_name": f"served-{example}",
         }
