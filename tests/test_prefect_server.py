@@ -519,10 +519,13 @@ def test_served_runs_share_one_warm_ray(prefect_server: PrefectServer, served: S
             collector.accept()
 
 
-EXAMPLES = ("seed_ddp", "seed_ray_data", "diabetes_regression", "image_classifier", "fsdp_sharded")
+# Issue 32's three: a seed-shaped train_func, a lower-is-better regression, an image classifier (a TrainSpec). What
+# serving adds does not depend on the example; seed_ray_data and fsdp_sharded train through the flow in
+# test_own_code and test_sharded.
+EXAMPLES = ("seed_ddp", "diabetes_regression", "image_classifier")
 
 
-def test_every_example_trains_and_registers_through_a_served_deployment(
+def test_the_examples_train_and_register_through_a_served_deployment(
     prefect_server: PrefectServer, served: Served
 ) -> None:
     """The user's own code as a deployment parameter: `train_code` (and `train_config`) set on a run of the ad-hoc
