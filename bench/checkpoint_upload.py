@@ -21,10 +21,10 @@ import torch
 
 from bench.summary import write_figures
 from devtools.s3_server import ADMIN, LocalS3
-from raytrain_driver.storage import s3_client
 from raytrain_tasks.checkpoint import ModelSpec, TrainingState, capture_rng_state, save_checkpoint
-from raytrain_tasks.fs import StorageOptions, open_filesystem
 from raytrain_tasks.models import build_model
+from raytrain_tasks.storage.filesystem import StorageOptions, open_filesystem
+from raytrain_tasks.storage.locations import s3_client
 
 BUCKET = "bench"
 

@@ -21,7 +21,6 @@ from typing import Any
 from bench.summary import write_figures
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
 def _closed_port() -> int:

@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 RESULTS = Path(__file__).with_name("results")
 
@@ -284,9 +283,9 @@ def run_loader_fit(w: Workload, world: int, dataset: Any, loader: str, tmp: Path
     import signal
 
     from raytrain_driver.sizing import alive_node_resources, sized_for_cluster
-    from raytrain_driver.storage import locate
     from raytrain_driver.trainer import build_trainer, read_history
     from raytrain_tasks.config import TrainingConfig
+    from raytrain_tasks.storage.locations import locate
 
     config = TrainingConfig(
         data_loader=loader,  # type: ignore[arg-type]  # one of the Literal's values
@@ -385,10 +384,10 @@ def bare_fit(workdir: Path, epochs: int, manifest: Path) -> None:
 
     from raytrain_driver.cluster import worker_env
     from raytrain_driver.sizing import alive_node_resources, sized_for_cluster
-    from raytrain_driver.storage import locate
     from raytrain_driver.trainer import build_trainer, read_history
     from raytrain_tasks.config import TrainingConfig
     from raytrain_tasks.data import DatasetRef
+    from raytrain_tasks.storage.locations import locate
 
     config = TrainingConfig(epochs=epochs, batch_size=FLOW_BATCH_SIZE, storage_path=str(workdir / "storage"))
     dataset = DatasetRef.model_validate_json(manifest.read_text())

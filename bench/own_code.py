@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 RESULTS = Path(__file__).with_name("results")
 REPO = Path(__file__).resolve().parents[1]

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 ATTEMPTS = 3
 TARGET = 1.2  # recovery <= 1.2x a fresh worker group start
@@ -63,7 +62,7 @@ def measure(workdir: Path) -> dict[str, float] | None:
     from flows.training import training_pipeline
     from raytrain_driver.cluster import worker_env
     from raytrain_tasks.config import TrainingConfig, parameters_of
-    from raytrain_tasks.tracking import epoch_number
+    from raytrain_tasks.tracking.controller import epoch_number
 
     tracking = f"sqlite:///{workdir / 'mlflow.db'}"
     config = TrainingConfig(

@@ -39,7 +39,6 @@ from bench.overhead import FLOW_BATCH_SIZE, _free_port, machine, run_bare
 from bench.summary import write_figures
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -23,7 +23,6 @@ from typing import Any
 
 from bench.summary import write_figures
 
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 # Each figure and the most a user should wait for it (seconds); bench/summary.py reads both.
@@ -53,10 +52,10 @@ def _seconds(call: Callable[[], Any]) -> tuple[float, str]:
 
 def _s3_preflight(workdir: Path) -> list[dict[str, Any]]:
     from devtools.s3_server import ADMIN, READER, LocalS3
-    from raytrain_driver.storage import s3_client
+    from raytrain_driver.dataset import prepare_dataset
     from raytrain_tasks.config import TrainingConfig
-    from raytrain_tasks.fs import StorageOptions
-    from tasks.data import prepare_dataset
+    from raytrain_tasks.storage.filesystem import StorageOptions
+    from raytrain_tasks.storage.locations import s3_client
 
     server = LocalS3(workdir / "s3").start()
     saved = {name: os.environ.get(name) for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
@@ -95,7 +94,7 @@ def _s3_preflight(workdir: Path) -> list[dict[str, Any]]:
 def _mlflow_logger(workdir: Path) -> dict[str, Any]:
     from mlflow import MlflowClient
 
-    from raytrain_tasks.tracking import MlflowEpochLogger
+    from raytrain_tasks.tracking.controller import MlflowEpochLogger
 
     class Checkpoint:
         path = str(workdir / "runs" / "key" / "epoch-0000")
@@ -150,8 +149,8 @@ def _lease(workdir: Path) -> dict[str, Any]:
     """A 6 s lease on S3 whose storage goes away: when the holder counts it lost, as a fraction of the lease."""
     from devtools.s3_server import ADMIN, LocalS3
     from raytrain_driver.lease import run_lease
-    from raytrain_driver.storage import locate, s3_client
-    from raytrain_tasks.fs import StorageOptions
+    from raytrain_tasks.storage.filesystem import StorageOptions
+    from raytrain_tasks.storage.locations import locate, s3_client
 
     os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"] = ADMIN
     server = LocalS3(workdir / "lease-s3").start()

@@ -70,7 +70,7 @@ def _locations(args: argparse.Namespace) -> TrainingConfig:
 
 def _experiment(config: TrainingConfig) -> tuple[Any, Any]:
     """(a connected MLflow client, the experiment the locations name, or None when it does not exist yet)."""
-    from raytrain_driver import tracking
+    from raytrain_tasks.tracking import runs as tracking
 
     client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
     return client, client.get_experiment_by_name(config.experiment_name)
@@ -78,7 +78,7 @@ def _experiment(config: TrainingConfig) -> tuple[Any, Any]:
 
 def _experiment_runs(config: TrainingConfig, limit: int) -> tuple[Any, list[Any]]:
     """(a connected MLflow client, the experiment's runs of this pipeline, newest first)."""
-    from raytrain_driver import tracking
+    from raytrain_tasks.tracking import runs as tracking
 
     client, experiment = _experiment(config)
     if experiment is None:
@@ -98,7 +98,8 @@ def committed_epochs(client: Any, run: Any) -> int:
 
 def describe_run(client: Any, run: Any) -> dict[str, str]:
     """What `runs` shows of one MLflow run of the pipeline."""
-    from raytrain_driver import run_owner, tracking
+    from raytrain_tasks.tracking import run_owner
+    from raytrain_tasks.tracking import runs as tracking
 
     status = run.info.status
     state = {"FINISHED": "finished", "FAILED": "failed", "KILLED": "stopped"}.get(status, status.lower())
@@ -172,7 +173,7 @@ def resume(argv: Sequence[str]) -> int:
     parser.add_argument("run_key", help="The run key `runs` lists (also printed when the run started).")
     args, extra = parser.parse_known_args(argv)
     config = _locations(args)
-    from raytrain_driver import tracking
+    from raytrain_tasks.tracking import runs as tracking
 
     client, experiment = _experiment(config)
     run = None if experiment is None else tracking.find_run(client, experiment.experiment_id, args.run_key)

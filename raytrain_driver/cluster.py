@@ -111,7 +111,6 @@ def ray_session(config: TrainingConfig) -> Iterator[None]:
         _check_same_cluster(config)
         yield
         return
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     warm = "" if config.ray_address else _warm_ray_address()
     if config.ray_address:
         check_reachable(config.ray_address)

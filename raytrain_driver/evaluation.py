@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from raytrain_driver.reports import dataset_summary, evaluation_report, write_report_files
-from raytrain_driver.storage import download_dir, locate
 from raytrain_tasks.data import DatasetRef, read_split
-from raytrain_tasks.fs import StorageOptions
+from raytrain_tasks.storage.filesystem import StorageOptions
+from raytrain_tasks.storage.locations import download_dir, locate
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -39,7 +39,8 @@ def load_checkpoint_model(checkpoint_uri: str, options: StorageOptions, expected
     """Rebuild the network stored in a checkpoint (local or remote storage), in eval mode, on CPU.
 
     ``expected_digest``: the manifest digest the run recorded in MLflow when the checkpoint was committed
-    (``raytrain_driver.pins.recorded_digest``); a checkpoint that no longer has it is refused before anything is loaded.
+    (``raytrain_tasks.tracking.pins.recorded_digest``); a checkpoint that no longer has it is refused before
+    anything is loaded.
     """
     from raytrain_tasks.checkpoint import load_weights, manifest_digest
     from raytrain_tasks.errors import UnsafeCheckpointError

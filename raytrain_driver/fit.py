@@ -14,23 +14,24 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import ray
 import ray.train
 
-from raytrain_driver import evaluation, pins, run_owner, tracking
+from raytrain_driver import evaluation
 from raytrain_driver.cluster import ray_session
 from raytrain_driver.fit_record import FitResult, OpenRun, finished_fit, write_fit_record
-from raytrain_driver.hooks import progress_page, run_logger, stopped_by
+from raytrain_driver.hooks import progress_page, run_logger, state_dir, stopped_by
 from raytrain_driver.lease import HeldLease, run_lease
 from raytrain_driver.origin import run_description, run_tags
 from raytrain_driver.preflight import check_cluster, check_started_without_checkpoint, resolve_code
 from raytrain_driver.sizing import FitPlan
-from raytrain_driver.storage import StorageLocation
 from raytrain_tasks.config import TrainingConfig, check_run_key
 from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.errors import (
     RunLeaseLostError,
 )
 from raytrain_tasks.redact import redacted_errors
-from raytrain_tasks.resume import checkpoint_epoch
-from raytrain_tasks.tracking import MlflowEpochLogger, OpenMlflowEarly, pinned_digests
+from raytrain_tasks.storage.locations import StorageLocation
+from raytrain_tasks.tracking import pins, run_owner
+from raytrain_tasks.tracking import runs as tracking
+from raytrain_tasks.tracking.controller import MlflowEpochLogger, OpenMlflowEarly, checkpoint_epoch, pinned_digests
 
 if TYPE_CHECKING:
     from raytrain_tasks.api import TrainFunc
@@ -178,7 +179,7 @@ def _prepare_resume(
     Train's checkpoint snapshot at a folder of another name."""
     logger = run_logger()
     preexisting = frozenset(run_dir.list_names())
-    journal = pins.pin_journal(config, run_key)
+    journal = pins.pin_journal(config, run_key, state_dir())
     if reopened and (recovered := pins.pins_from_journal(client, run_id, journal)):
         logger.info(
             "recorded in MLflow the pins of %s from this machine's pin journal (MLflow was down when they "

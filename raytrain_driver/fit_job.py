@@ -21,6 +21,7 @@ from typing import Any
 from raytrain_driver.ray_job import ERROR_MARKER
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DatasetRef
+from raytrain_tasks.environment import apply_process_defaults
 from raytrain_tasks.redact import install_log_redaction, redact
 
 
@@ -29,11 +30,12 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 
 def main(argv: list[str]) -> int:
+    apply_process_defaults()  # before Ray and MLflow read theirs
     import ray
 
     from raytrain_driver.cluster import init_within
     from raytrain_driver.fit import fit_in_this_process
-    from raytrain_driver.storage import RUNS_DIR, locate
+    from raytrain_tasks.storage.locations import RUNS_DIR, locate
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
     install_log_redaction("prefect_raytrain", "ray", "mlflow")

@@ -9,17 +9,17 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
 
-from raytrain_driver import tracking
 from raytrain_driver.hooks import run_logger
 from raytrain_driver.lease import HeldLease
-from raytrain_driver.storage import StorageLocation
 from raytrain_tasks.errors import UnsafeCheckpointError
-from raytrain_tasks.tracking import checkpoint_name
+from raytrain_tasks.storage.locations import StorageLocation
+from raytrain_tasks.tracking import runs as tracking
+from raytrain_tasks.tracking.controller import checkpoint_name
 
 if TYPE_CHECKING:
     import ray.train
 
-    from raytrain_tasks.pin_journal import PinJournal
+    from raytrain_tasks.tracking.pin_journal import PinJournal
 
 
 class FitResult(BaseModel):

@@ -28,7 +28,7 @@ class RunHooks:
     logger: Logger
     progress: ProgressPage | None = None
     # Where the orchestrator keeps its state on this machine (Prefect's home, PREFECT_HOME): the pin journals
-    # live under it (raytrain_driver.pins). None: read from the environment as Prefect reads it.
+    # live under it (raytrain_tasks.tracking.pins). None: read from the environment as Prefect reads it.
     state_dir: Path | None = None
 
 

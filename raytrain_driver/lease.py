@@ -31,8 +31,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from raytrain_driver.storage import StorageLocation, make_dirs, remove_empty_dirs
 from raytrain_tasks.errors import RunLeaseError, RunLeaseLostError
+from raytrain_tasks.storage.locations import StorageLocation, make_dirs, remove_empty_dirs
 
 LEASE_FILE = "raytrain_driver.lease"
 # The holder gives the lease up after this share of its length without a successful renewal: the rest is the
@@ -154,7 +154,8 @@ def run_lease(
     The block must call ``check()`` on what it gets often (or watch ``lost_event``): a lease lost mid-block is
     not taken back, and the block must stop driving the run.
 
-    ``holder_alive``: what this host can tell about a holder (``raytrain_driver.run_owner.driver_alive``): False (a
+    ``holder_alive``: what this host can tell about a holder
+    (``raytrain_tasks.tracking.run_owner.driver_alive``): False (a
     process of this host that is gone) lets its lease be taken over before it runs out; None: cannot tell.
     """
     location = run_dir.child(LEASE_FILE)

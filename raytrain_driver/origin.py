@@ -3,10 +3,11 @@ are taken by the task, tasks/origin.py, and handed in as ``origin``)."""
 
 from __future__ import annotations
 
-from raytrain_driver import run_owner, tracking
-from raytrain_driver.storage import StorageLocation
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DatasetRef
+from raytrain_tasks.storage.locations import StorageLocation
+from raytrain_tasks.tracking import run_owner
+from raytrain_tasks.tracking import runs as tracking
 
 ENTRY_POINT = "flows/training.py:training_pipeline"  # as deployments/prefect.yaml names it
 

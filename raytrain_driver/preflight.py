@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from raytrain_driver import tracking
 from raytrain_driver.hooks import run_logger
 from raytrain_driver.sizing import (
     FitPlan,
@@ -16,11 +15,12 @@ from raytrain_driver.sizing import (
     sized_for_cluster,
     storage_shared_with_nodes,
 )
-from raytrain_driver.storage import StorageLocation
 from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DATA_TASK_CPUS, USER_DATASET_CPUS, DatasetRef, streams
 from raytrain_tasks.errors import CheckpointError, DatasetError, UserCodeError
+from raytrain_tasks.storage.locations import StorageLocation
+from raytrain_tasks.tracking import runs as tracking
 from raytrain_tasks.user_code import resolve
 
 

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from ray.job_submission import JobSubmissionClient
 
     from raytrain_driver.fit_record import FitResult
-    from raytrain_driver.storage import StorageLocation
+    from raytrain_tasks.storage.locations import StorageLocation
 
 ACTIVE = ("PENDING", "RUNNING")
 # The last line the job prints when the fit raises: ERROR_MARKER {"type": ..., "message": ...}. The task raises
@@ -83,11 +83,11 @@ def fit_as_ray_job(
     origin: dict[str, str],
 ) -> FitResult:
     """Run (or re-attach to) the run key's fit as a Ray Job and return what it recorded."""
-    from raytrain_driver import tracking
     from raytrain_driver.cluster import ray_session
     from raytrain_driver.fit_record import finished_fit
     from raytrain_driver.hooks import run_logger
     from raytrain_driver.preflight import check_cluster, resolve_code
+    from raytrain_tasks.tracking import runs as tracking
 
     logger = run_logger()
     # The same pre-flight as a driver run, from here: a wrong setting fails before any job is submitted.

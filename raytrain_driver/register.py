@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
 
-from raytrain_driver import builtin_register, pins, tracking
+from raytrain_driver import builtin_register
 from raytrain_driver.builtin_register import SCHEMA_TAG
 from raytrain_driver.evaluation import scores_as_metrics
 from raytrain_driver.fit_record import FitResult
@@ -39,12 +39,15 @@ from raytrain_tasks.config import TrainingConfig, check_run_key
 from raytrain_tasks.data import DatasetRef, read_split
 from raytrain_tasks.errors import PromotionError, TrackingError
 from raytrain_tasks.redact import redacted_errors
+from raytrain_tasks.tracking import pins
+from raytrain_tasks.tracking import runs as tracking
 from raytrain_tasks.user_code import resolve
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
-# On a model version (the MLflow run carries raytrain_driver.tracking.RUN_KEY_TAG): which run key registered it, so a
+# On a model version (the MLflow run carries raytrain_tasks.tracking.runs.RUN_KEY_TAG): which run key registered
+# it, so a
 # resumed registration finds the version instead of making a second one.
 VERSION_RUN_KEY_TAG = "run_key"
 APPLIED_TAG = "promotion.applied"

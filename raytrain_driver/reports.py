@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from raytrain_tasks.data import DatasetRef
-from raytrain_tasks.tracking import epoch_number
+from raytrain_tasks.tracking.controller import epoch_number
 
 
 def evaluation_report(logits: np.ndarray, labels: np.ndarray, class_labels: tuple[str, ...]) -> dict[str, Any]:

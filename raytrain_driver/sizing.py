@@ -12,8 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DATA_TASK_CPUS
 from raytrain_tasks.errors import ClusterError, NodeStorageError
-from raytrain_tasks.fs import StorageOptions, is_s3
 from raytrain_tasks.redact import redact
+from raytrain_tasks.storage.filesystem import StorageOptions, is_s3
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def check_storage_on_nodes(storage_uri: str, options: StorageOptions, timeout_s:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from raytrain_tasks.fs import probe_storage
+    from raytrain_tasks.storage.filesystem import probe_storage
 
     probe = ray.remote(num_cpus=0, max_retries=0)(probe_storage)
     nodes = [node for node in ray.nodes() if node.get("Alive")]

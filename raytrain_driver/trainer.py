@@ -16,14 +16,13 @@ from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
 from ray.train.v2.api.callback import RayTrainCallback
 
-from raytrain_driver import evaluation, pins, tracking
+from raytrain_driver import evaluation
 from raytrain_driver.cluster import WORKER_GROUP_START_TIMEOUT_S
 from raytrain_driver.fit_record import FitResult, OpenRun, checkpoint_uri, write_fit_record
 from raytrain_driver.hooks import run_logger
 from raytrain_driver.lease import HeldLease
 from raytrain_driver.preflight import workers_code_dir
 from raytrain_driver.sizing import FitPlan
-from raytrain_driver.storage import StorageLocation
 from raytrain_tasks.checkpoint import STATE_FILE
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DatasetRef
@@ -34,8 +33,10 @@ from raytrain_tasks.errors import (
     UnsafeCheckpointError,
     UserCodeError,
 )
-from raytrain_tasks.resume import CHECKPOINT_PREFIX
-from raytrain_tasks.tracking import checkpoint_name, epoch_number, pinned_digests
+from raytrain_tasks.storage.locations import StorageLocation
+from raytrain_tasks.tracking import pins
+from raytrain_tasks.tracking import runs as tracking
+from raytrain_tasks.tracking.controller import CHECKPOINT_PREFIX, checkpoint_name, epoch_number, pinned_digests
 
 START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 ABORT_TIMEOUT_S = 10.0

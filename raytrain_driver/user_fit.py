@@ -16,12 +16,12 @@ from raytrain_driver.hooks import run_logger
 from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import CheckpointError, TrainingError, UserCodeError
-from raytrain_tasks.tracking import checkpoint_name, epoch_number, numeric_metrics, report_step
+from raytrain_tasks.tracking.controller import checkpoint_name, epoch_number, numeric_metrics, report_step
 
 if TYPE_CHECKING:
     import ray.train
 
-    from raytrain_driver.storage import StorageLocation
+    from raytrain_tasks.storage.locations import StorageLocation
 
 # Ray Train names a reported checkpoint folder checkpoint_<timestamp> when the code passes no checkpoint_dir_name
 # (and keeps checkpoint_manager_snapshot.json beside them, which is not one).

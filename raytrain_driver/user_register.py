@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from raytrain_driver.champion import read_champion
 from raytrain_driver.promotion import Champion
-from raytrain_driver.storage import download_dir, locate
 from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import UnsafeCheckpointError, UserCodeError
+from raytrain_tasks.storage.locations import download_dir, locate
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient

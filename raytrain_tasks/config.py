@@ -21,7 +21,6 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator, model_
 from raytrain_tasks.api import Metric, pipeline_keys_refused
 from raytrain_tasks.datasets import BUILTIN_DATASETS, SUPPORTED_FILE_SUFFIXES
 from raytrain_tasks.errors import SettingsError
-from raytrain_tasks.fs import StorageOptions, is_s3
 from raytrain_tasks.settings import (
     BUILTIN_ONLY,
     DEFAULT_STATE_DIR,
@@ -34,6 +33,7 @@ from raytrain_tasks.settings import (
     TrainingSettings,
     _dataset_stem,
 )
+from raytrain_tasks.storage.filesystem import StorageOptions, is_s3
 
 # train_config's JSON text at most: it is an MLflow param (mlflow.utils.validation.MAX_PARAM_VAL_LENGTH).
 TRAIN_CONFIG_MAX_CHARS = 6000

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
 from raytrain_tasks.errors import DatasetError
-from raytrain_tasks.fs import StorageOptions, open_filesystem
+from raytrain_tasks.storage.filesystem import StorageOptions, open_filesystem
 
 LABEL_INDEX_COLUMN = "__label_index__"
 ROW_INDEX_COLUMN = "__row__"  # position within its split: lets a reader tell which rows it saw

@@ -36,7 +36,7 @@ from raytrain_tasks.data import (
     standardise_batch,
     streams,
 )
-from raytrain_tasks.fs import open_filesystem
+from raytrain_tasks.storage.filesystem import open_filesystem
 
 logger = logging.getLogger(__name__)
 

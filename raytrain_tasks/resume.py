@@ -21,11 +21,9 @@ from ray.train import Checkpoint
 
 from raytrain_tasks.checkpoint import LoadedCheckpoint, load_checkpoint, manifest_digest
 from raytrain_tasks.errors import CheckpointError, UnsafeCheckpointError
-from raytrain_tasks.tracking import epoch_number
+from raytrain_tasks.tracking.controller import CHECKPOINT_PREFIX, epoch_number
 
 logger = logging.getLogger(__name__)
-
-CHECKPOINT_PREFIX = "epoch-"
 
 
 def checkpoint_dir_name(epoch: int, taken: frozenset[str] = frozenset()) -> str:
@@ -42,11 +40,6 @@ def checkpoint_dir_name(epoch: int, taken: frozenset[str] = frozenset()) -> str:
     while f"{base}-r{attempt}" in taken:
         attempt += 1
     return f"{base}-r{attempt}"
-
-
-def checkpoint_epoch(name: str) -> int:
-    """The epoch number in a checkpoint folder's name (``epoch-0003-r1`` -> 3)."""
-    return int(name.removeprefix(CHECKPOINT_PREFIX).split("-", 1)[0])
 
 
 def existing_checkpoint_names(latest: Checkpoint) -> frozenset[str]:

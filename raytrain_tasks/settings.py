@@ -49,7 +49,7 @@ JsonObject = Annotated[dict[str, Any], BeforeValidator(_object_from_text)]
 # their own.
 PINNED_BY_DEPLOYMENT: dict[str, Any] = {"pinned_by_deployment": True}
 # On the settings that steer a run rather than decide what it trains (retries, windows, registration): a resume may
-# give them other values; any other setting changed on resume is refused (raytrain_driver.tracking), or the
+# give them other values; any other setting changed on resume is refused (raytrain_tasks.tracking.runs), or the
 # checkpoints and metrics of one MLflow run would not add up.
 MAY_CHANGE_ON_RESUME: dict[str, Any] = {"may_change_on_resume": True}
 # On the settings of the built-in classifier alone (its data, model and gate): your own code (`train_code`) brings

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from raytrain_tasks.api import Metric, Splits, TrainFunc, TrainSpec
 from raytrain_tasks.errors import DatasetError, UserCodeError
-from raytrain_tasks.tracking import DATASET_DIGEST_KEY
+from raytrain_tasks.tracking.controller import DATASET_DIGEST_KEY
 
 STATE_FILE = "spec_state.pt"
 EXAMPLE_ROWS = 2

@@ -37,7 +37,7 @@ from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.ingest import TrainBatches, validation_slice
 from raytrain_tasks.models import build_model
 from raytrain_tasks.resume import CheckpointPins, checkpoint_dir_name, existing_checkpoint_names, load_newest_intact
-from raytrain_tasks.tracking import MANIFEST_METRIC, epoch_number
+from raytrain_tasks.tracking.controller import MANIFEST_METRIC, epoch_number
 
 logger = logging.getLogger(__name__)
 

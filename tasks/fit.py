@@ -17,7 +17,6 @@ from prefect.settings import PREFECT_HOME
 from raytrain_driver.fit import fit_in_this_process
 from raytrain_driver.fit_record import FitResult
 from raytrain_driver.hooks import Logger, RunHooks, run_hooks
-from raytrain_driver.storage import RUNS_DIR, locate
 from raytrain_tasks.config import TrainingConfig, check_run_key
 from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.errors import (
@@ -31,6 +30,7 @@ from raytrain_tasks.errors import (
     UserCodeError,
 )
 from raytrain_tasks.redact import redacted_errors
+from raytrain_tasks.storage.locations import RUNS_DIR, locate
 from tasks.origin import prefect_origin
 from tasks.run_page import EpochProgress
 

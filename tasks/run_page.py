@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from raytrain_tasks.redact import redact, redact_uri
-from raytrain_tasks.tracking import STEP_KEY
+from raytrain_tasks.tracking.controller import STEP_KEY
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient

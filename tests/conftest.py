@@ -15,9 +15,9 @@ import pytest
 _PREFECT_HOME = os.environ.get("PRT_TESTS_PREFECT_HOME") or tempfile.mkdtemp(prefix="prt-prefect-home-")
 os.environ["PRT_TESTS_PREFECT_HOME"] = _PREFECT_HOME
 os.environ["PREFECT_HOME"] = _PREFECT_HOME
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+from raytrain_tasks.environment import apply_process_defaults  # noqa: E402
+
+apply_process_defaults()  # the suite is an entry point too: it calls the driver without the flow package
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 # Test-only credentials of the local S3 server, set before Ray starts so its workers inherit them.
 from devtools.s3_server import ADMIN, LocalS3  # noqa: E402

@@ -366,9 +366,9 @@ def test_local_storage_on_a_multi_node_cluster_fails_early() -> None:
 
 def test_max_workers_makes_the_worker_group_elastic(tmp_path: Path) -> None:
     from raytrain_driver.sizing import FitPlan
-    from raytrain_driver.storage import locate
     from raytrain_driver.trainer import build_trainer
     from raytrain_tasks.data import DatasetRef
+    from raytrain_tasks.storage.locations import locate
 
     dataset = DatasetRef(
         uri=str(tmp_path),
@@ -436,8 +436,8 @@ def test_a_node_that_cannot_write_the_bucket_is_named_before_any_worker_starts(
     client = MlflowClient(tracking_uri)
     experiment = client.get_experiment_by_name("nodes")
     assert experiment is None or client.search_runs([experiment.experiment_id]) == []
-    from raytrain_driver.storage import s3_client
-    from raytrain_tasks.fs import StorageOptions
+    from raytrain_tasks.storage.filesystem import StorageOptions
+    from raytrain_tasks.storage.locations import s3_client
 
     listed = s3_client(StorageOptions(endpoint_url=s3_server.endpoint_url)).list_objects_v2(Bucket="prt-nodes")
     assert [o["Key"] for o in listed.get("Contents", []) if "/runs/" in o["Key"]] == []

@@ -254,8 +254,8 @@ def test_the_default_model_name_follows_the_users_data_or_code(settings: dict[st
 
 def test_a_resume_may_change_what_steers_the_run_and_nothing_it_trains_with() -> None:
     """Which settings a resume may change is declared on each field (one place); the check reads only that."""
-    from raytrain_driver.tracking import _check_params_unchanged
     from raytrain_tasks.errors import TrackingError
+    from raytrain_tasks.tracking.runs import _check_params_unchanged
 
     started = TrainingConfig()
     logged = {key: str(value) for key, value in started.public_params().items()}

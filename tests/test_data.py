@@ -9,9 +9,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from raytrain_driver.dataset import prepare_dataset
 from raytrain_tasks.data import MANIFEST_NAME, read_split
 from raytrain_tasks.errors import DatasetError
-from tasks.data import prepare_dataset
 from tests.helpers import small_config
 
 

@@ -115,8 +115,8 @@ def test_a_failure_after_the_mlflow_run_started_marks_it_failed(tmp_path: Path) 
 
     from prefect import flow
 
+    from raytrain_driver.dataset import prepare_dataset
     from raytrain_tasks.config import new_run_key
-    from tasks.data import prepare_dataset
     from tasks.fit import distributed_fit
 
     config = small_config(tmp_path, data_loader="ray_data", cpus_per_worker=0.5)

@@ -157,8 +157,8 @@ def test_a_run_without_ray_datasets_starts_no_dataset_manager(
     from ray.util.state import list_actors
 
     from raytrain_driver.sizing import FitPlan
-    from raytrain_driver.storage import locate
     from raytrain_driver.trainer import build_trainer
+    from raytrain_tasks.storage.locations import locate
 
     def dataset_managers() -> int:
         return len(
@@ -192,8 +192,8 @@ def test_a_retried_elastic_fit_keeps_the_cpus_per_worker_it_trained_with(
     at 2 CPUs per worker (a bigger cluster) and the retry runs on this 2-CPU Ray: one worker, at 2 CPUs."""
     from prefect import flow
 
-    from raytrain_driver import tracking
     from raytrain_tasks.config import new_run_key
+    from raytrain_tasks.tracking import runs as tracking
     from tasks.fit import distributed_fit
 
     config = small_config(tmp_path, num_workers=1, max_workers=2, epochs=1, register=False).resolved(tmp_path, {})

@@ -18,7 +18,7 @@ def _loaded_after_import(module: str, probe: str) -> bool:
 
 
 @pytest.mark.parametrize(
-    "module", ["raytrain_tasks.train_loop", "raytrain_tasks.tracking", "raytrain_tasks.checkpoint"]
+    "module", ["raytrain_tasks.train_loop", "raytrain_tasks.tracking.controller", "raytrain_tasks.checkpoint"]
 )
 def test_worker_code_imports_without_prefect(module: str) -> None:
     assert not _loaded_after_import(module, "prefect")

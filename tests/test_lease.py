@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 
 from raytrain_driver.lease import LEASE_FILE, read_lease, run_lease
-from raytrain_driver.run_owner import driver_alive, this_driver
-from raytrain_driver.storage import StorageLocation, locate, s3_client
 from raytrain_tasks.errors import RunLeaseError
-from raytrain_tasks.fs import StorageOptions
+from raytrain_tasks.storage.filesystem import StorageOptions
+from raytrain_tasks.storage.locations import StorageLocation, locate, s3_client
+from raytrain_tasks.tracking.run_owner import driver_alive, this_driver
 from tests.helpers import Outage
 
 KEY = "20261123-070000-abcdef"
@@ -170,7 +170,7 @@ def test_a_driver_in_another_pid_namespace_with_the_same_hostname_is_not_judged_
     """Two containers with one hostname: a driver in the other one was `hostname:pid:start` like ours, and its
     pid looked up in our process table (gone, or another process) made it "dead": its live run's lease was taken
     over and its MLflow run marked KILLED."""
-    probe = "from raytrain_driver.run_owner import this_driver; print(this_driver())"
+    probe = "from raytrain_tasks.tracking.run_owner import this_driver; print(this_driver())"
     try:
         other = subprocess.run(
             ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", probe],
@@ -365,12 +365,13 @@ def test_a_fit_whose_lease_is_taken_stops_at_once_and_leaves_the_mlflow_run_alon
     import ray
     from mlflow import MlflowClient
 
-    from raytrain_driver import run_owner, tracking
+    from raytrain_driver.dataset import prepare_dataset
     from raytrain_driver.fit import fit_in_this_process
-    from raytrain_driver.storage import RUNS_DIR
     from raytrain_tasks.config import new_run_key
     from raytrain_tasks.errors import RunLeaseLostError
-    from tasks.data import prepare_dataset
+    from raytrain_tasks.storage.locations import RUNS_DIR
+    from raytrain_tasks.tracking import run_owner
+    from raytrain_tasks.tracking import runs as tracking
     from tests.helpers import small_config, this_ray_address
 
     config = small_config(

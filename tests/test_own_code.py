@@ -202,7 +202,7 @@ def test_the_gate_moves_champion_only_to_a_lower_rmse(tmp_path: Path) -> None:
 
 
 def _tracking(workdir: Path) -> Any:
-    from raytrain_driver.tracking import using_tracking_uri
+    from raytrain_tasks.tracking.runs import using_tracking_uri
 
     return using_tracking_uri(f"sqlite:///{workdir / 'mlflow.db'}")
 

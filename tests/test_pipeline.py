@@ -14,7 +14,7 @@ from flows.training import PipelineResult, training_pipeline
 from raytrain_tasks.checkpoint import verify_checkpoint
 from raytrain_tasks.config import parameters_of
 from raytrain_tasks.data import LABEL_INDEX_COLUMN
-from raytrain_tasks.tracking import EPOCH_METRICS
+from raytrain_tasks.tracking.controller import EPOCH_METRICS
 from tests.helpers import small_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster", "prefect_api")]
@@ -252,7 +252,7 @@ def test_a_run_finished_again_from_its_checkpoints_records_nothing_twice(
 ) -> None:
     """A crash between writing fit.json and recording its digest: the resume finishes the run again from its
     checkpoints (Ray Train finds every epoch done) and adds no metric point, LoggedModel or version."""
-    from raytrain_driver.tracking import FIT_RECORD_TAG
+    from raytrain_tasks.tracking.runs import FIT_RECORD_TAG
 
     assert first_run.model is not None
     fit, name = first_run.fit, first_run.model.name

@@ -29,7 +29,7 @@ from raytrain_tasks.checkpoint import MODEL_FILE
 from raytrain_tasks.config import RUN_KEY_PATTERN as RUN_KEY
 from raytrain_tasks.config import parameters_of
 from raytrain_tasks.resume import checkpoint_dir_name
-from raytrain_tasks.tracking import EPOCH_METRICS, epoch_number
+from raytrain_tasks.tracking.controller import EPOCH_METRICS, epoch_number
 from tests.helpers import (
     REPO_ROOT,
     Outage,
@@ -456,7 +456,7 @@ def test_a_tampered_checkpoint_stops_the_restarted_workers_and_runs_nothing(tmp_
 def test_worker_killed_on_s3_storage_resumes_from_the_bucket(
     tmp_path: Path, reference: PipelineResult, s3_server: Any
 ) -> None:
-    from raytrain_driver.storage import s3_client
+    from raytrain_tasks.storage.locations import s3_client
 
     config = chaos_config(
         tmp_path,
@@ -530,9 +530,9 @@ def test_a_storage_outage_mid_run_is_ridden_out(tmp_path: Path, reference: Pipel
     restart and no Prefect retry allowed, the run can only finish if the checkpoint uploads wait the outage out
     (workers get the retrying filesystem, not pyarrow's 3 tries over about 2 s); it ends as an uninterrupted run
     ends, with every checkpoint in the bucket and intact."""
-    from raytrain_driver.storage import download_dir, locate
     from raytrain_tasks.checkpoint import verify_checkpoint
-    from raytrain_tasks.fs import StorageOptions
+    from raytrain_tasks.storage.filesystem import StorageOptions
+    from raytrain_tasks.storage.locations import download_dir, locate
 
     door = Outage(int(s3_server.endpoint_url.rsplit(":", 1)[1]))
     door.open()

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from mlflow import MlflowClient
 
-from raytrain_driver import tracking
+from raytrain_driver.dataset import prepare_dataset
 from raytrain_driver.fit_record import FitResult
 from raytrain_driver.register import APPLIED_TAG
 from raytrain_driver.registry_lock import QUEUE_SUFFIX
@@ -23,8 +23,8 @@ from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.errors import PromotionError
 from raytrain_tasks.models import build_model
-from raytrain_tasks.tracking import pin_tag
-from tasks.data import prepare_dataset
+from raytrain_tasks.tracking import runs as tracking
+from raytrain_tasks.tracking.controller import pin_tag
 from tests.helpers import REPO_ROOT, MlflowServer, free_port, small_config, start_mlflow_server, stop_process_group
 
 LEASE_S = 4.0

@@ -14,11 +14,11 @@ from mlflow import MlflowClient
 
 from devtools.s3_server import ADMIN, READER, LocalS3
 from flows.training import PipelineResult, training_pipeline
-from raytrain_driver.storage import s3_client
+from raytrain_driver.dataset import prepare_dataset
 from raytrain_tasks.config import parameters_of
 from raytrain_tasks.errors import StorageError
-from raytrain_tasks.fs import StorageOptions
-from tasks.data import prepare_dataset
+from raytrain_tasks.storage.filesystem import StorageOptions
+from raytrain_tasks.storage.locations import s3_client
 from tests.helpers import small_config
 
 BUCKET = "prt-tests"
@@ -153,7 +153,7 @@ def test_the_s3_filesystem_keeps_its_retries_when_ray_pickles_it() -> None:
     import pickle
     import threading
 
-    from raytrain_tasks.fs import RetryingS3FileSystem, open_filesystem
+    from raytrain_tasks.storage.filesystem import RetryingS3FileSystem, open_filesystem
 
     # Counting connections, not seconds: AWS's backoff has full jitter, so 5 tries can take less time than 3.
     endpoint = socket.create_server(("127.0.0.1", 0))
@@ -200,7 +200,7 @@ def test_the_s3_client_tries_each_request_s3_max_attempts_times(attempts: int) -
 def test_create_bucket_names_the_region_outside_us_east_1(s3_server: LocalS3) -> None:
     """`create_bucket` with `s3_region`: AWS refuses a CreateBucket outside us-east-1 without a LocationConstraint
     (the request is read as it leaves the client; the local server accepts either)."""
-    from raytrain_driver.storage import create_bucket_in_region
+    from raytrain_tasks.storage.locations import create_bucket_in_region
 
     bodies: dict[str, bytes] = {}
     for region in ("eu-west-1", "us-east-1"):

@@ -160,7 +160,7 @@ def test_a_run_key_that_skipped_the_config_never_reaches_a_path_or_filter(tmp_pa
     from mlflow import MlflowClient
 
     from raytrain_driver.register import _version_of_run
-    from raytrain_driver.tracking import find_run
+    from raytrain_tasks.tracking.runs import find_run
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     with pytest.raises(ValueError, match="is not a run key"):
@@ -186,7 +186,7 @@ def test_registration_refuses_a_tampered_best_checkpoint_and_registers_nothing(t
 
     from flows.training import training_pipeline
     from raytrain_tasks.checkpoint import manifest_digest
-    from raytrain_tasks.tracking import pin_tag
+    from raytrain_tasks.tracking.controller import pin_tag
     from tests.helpers import small_config
 
     config = small_config(tmp_path, epochs=2, register=False)
@@ -508,7 +508,7 @@ def test_storage_cannot_vouch_for_itself_a_replaced_record_or_checkpoint_is_refu
 
     from flows.training import training_pipeline
     from raytrain_tasks.checkpoint import manifest_digest
-    from raytrain_tasks.tracking import pinned_digests
+    from raytrain_tasks.tracking.controller import pinned_digests
     from tests.helpers import small_config
 
     config = small_config(tmp_path, epochs=2, register=False)
@@ -582,8 +582,8 @@ def test_a_pickle_placed_beside_the_champions_pt2_never_runs_and_nothing_moves(t
 
     from mlflow import MlflowClient
 
+    from raytrain_driver.dataset import prepare_dataset
     from raytrain_tasks.errors import PromotionError
-    from tasks.data import prepare_dataset
     from tests.helpers import small_config
     from tests.test_registry import _fit, _register
 

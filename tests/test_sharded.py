@@ -21,7 +21,7 @@ from mlflow import MlflowClient
 
 from flows.training import training_pipeline
 from raytrain_tasks.config import parameters_of
-from raytrain_tasks.pin_journal import PinJournal
+from raytrain_tasks.tracking.pin_journal import PinJournal
 from tests.helpers import REPO_ROOT, small_config
 from tests.test_recovery import mlflow_client, only_run, run_killing_a_worker
 
@@ -54,7 +54,7 @@ def test_a_sharded_run_with_a_killed_worker_ends_as_an_uninterrupted_one_and_reg
     import mlflow
     import numpy as np
 
-    from raytrain_driver.tracking import using_tracking_uri
+    from raytrain_tasks.tracking.runs import using_tracking_uri
 
     state, kill = run_killing_a_worker(tmp_path, fsdp_config(tmp_path, register=True), after_epoch=2)
     assert state.is_completed(), state
@@ -136,7 +136,7 @@ def test_a_checkpoint_missing_a_ranks_shard_is_passed_over_and_the_run_says_why(
         if name.startswith("prefect_raytrain.checkpoint_sha256.")
     }
     # A pin the controller had journaled but not yet written to MLflow when it died counts too: the resume
-    # copies it into MLflow first (raytrain_tasks.pin_journal).
+    # copies it into MLflow first (raytrain_tasks.tracking.pin_journal).
     journal = PinJournal.for_run(tmp_path / "prefect-home" / "prefect-raytrain" / "pin-journal", key[1])
     pinned |= {entry.checkpoint for entry in journal.entries(run_before.info.run_id)}
     committed = sorted(p.name for p in run_dir.iterdir() if p.name in pinned)

@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 from mlflow import MlflowClient
 
-from raytrain_driver import pins, run_owner, tracking
-from raytrain_tasks.tracking import MlflowEpochLogger
+from raytrain_tasks.tracking import pins, run_owner
+from raytrain_tasks.tracking import runs as tracking
+from raytrain_tasks.tracking.controller import MlflowEpochLogger
 from tests.helpers import free_port, start_mlflow_server, stop_process_group
 
 
@@ -49,7 +50,7 @@ def _epoch(step: int) -> list[dict[str, Any]]:
 
 
 @pytest.mark.slow
-def test_live_epoch_logging_survives_an_mlflow_outage(tmp_path: Path) -> None:
+def test_live_epoch_logging_survives_an_mlflow_outage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The controller's logger: a dead server costs seconds per report, and logging resumes when it is back."""
     db = f"sqlite:///{tmp_path / 'mlflow.db'}"
     run_id = MlflowClient(db).create_run(MlflowClient(db).create_experiment("outage")).info.run_id
@@ -57,7 +58,7 @@ def test_live_epoch_logging_survives_an_mlflow_outage(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{port}"
     logger = MlflowEpochLogger(url, run_id)
     for name in ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES"):
-        os.environ.pop(name, None)  # the controller's defaults, not the test process's
+        monkeypatch.delenv(name, raising=False)  # the controller's defaults, not the test process's
 
     # The server is down: logged as an error, not raised (how long it takes: `python -m bench.waits`).
     logger.after_report(None, _epoch(0), _Checkpoint())
@@ -75,7 +76,7 @@ def test_live_epoch_logging_survives_an_mlflow_outage(tmp_path: Path) -> None:
 def test_the_pin_the_controller_records_is_found_for_every_spelling_of_the_checkpoint_uri(tmp_path: Path) -> None:
     """The controller pins a checkpoint under the path Ray reports (a bucket key on S3, maybe with a trailing
     slash); evaluation and registration look it up by the URI the fit returns: both must reach the same pin."""
-    from raytrain_tasks.tracking import MANIFEST_METRIC, log_epoch
+    from raytrain_tasks.tracking.controller import MANIFEST_METRIC, log_epoch
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     run_id = client.create_run(client.create_experiment("pins")).info.run_id
@@ -187,8 +188,8 @@ def test_the_pin_journal_keeps_pins_for_the_mlflow_run_they_belong_to_and_fills_
     controller on another machine than the driver writes none there."""
     import dataclasses
 
-    from raytrain_tasks.pin_journal import JournalEntry, PinJournal
-    from raytrain_tasks.tracking import pin_tag, pinned_digests
+    from raytrain_tasks.tracking.controller import pin_tag, pinned_digests
+    from raytrain_tasks.tracking.pin_journal import JournalEntry, PinJournal
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment = client.create_experiment("journal")
@@ -224,16 +225,22 @@ def test_the_pin_journal_keeps_pins_for_the_mlflow_run_they_belong_to_and_fills_
 def test_no_pin_journal_inside_a_local_storage_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The journal vouches for storage, so it never lives in it (e.g. PREFECT_HOME=.pipeline/prefect and
     storage_path=.pipeline)."""
-    from raytrain_driver.hooks import RunHooks, run_hooks
+    from raytrain_driver.hooks import RunHooks, run_hooks, state_dir
     from raytrain_tasks.config import TrainingConfig
 
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "state" / "prefect"))
     inside = TrainingConfig(storage_path=str(tmp_path / "state"))
-    assert pins.pin_journal(inside, "20260101-000000-abcdef") is None
-    journal = pins.pin_journal(TrainingConfig(storage_path=str(tmp_path / "storage")), "20260101-000000-abcdef")
+    assert pins.pin_journal(inside, "20260101-000000-abcdef", state_dir()) is None
+    journal = pins.pin_journal(
+        TrainingConfig(storage_path=str(tmp_path / "storage")), "20260101-000000-abcdef", state_dir()
+    )
     assert journal is not None and Path(journal.path).is_relative_to(tmp_path / "state" / "prefect")
     # In a Prefect task, the Prefect home the task hands in (its setting, from wherever Prefect read it) wins.
     with run_hooks(RunHooks(logging.getLogger("test"), state_dir=tmp_path / "task-home")):
-        journal = pins.pin_journal(TrainingConfig(storage_path=str(tmp_path / "storage")), "20260101-000000-abcdef")
+        journal = pins.pin_journal(
+            TrainingConfig(storage_path=str(tmp_path / "storage")), "20260101-000000-abcdef", state_dir()
+        )
         assert journal is not None and Path(journal.path).is_relative_to(tmp_path / "task-home")
-        assert pins.pin_journal(TrainingConfig(storage_path=str(tmp_path)), "20260101-000000-abcdef") is None
+        assert (
+            pins.pin_journal(TrainingConfig(storage_path=str(tmp_path)), "20260101-000000-abcdef", state_dir()) is None
+        )

@@ -168,8 +168,8 @@ def wait_until(predicate: Any, timeout: float, what: str, cli: subprocess.Popen[
 
 
 def checkpoints_in_bucket(s3: LocalS3, workdir: Path) -> list[str]:
-    from raytrain_driver.storage import s3_client
-    from raytrain_tasks.fs import StorageOptions
+    from raytrain_tasks.storage.filesystem import StorageOptions
+    from raytrain_tasks.storage.locations import s3_client
 
     client = s3_client(StorageOptions(endpoint_url=s3.endpoint_url))
     keys: list[str] = []

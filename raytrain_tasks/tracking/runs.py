@@ -11,11 +11,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from raytrain_driver.run_owner import DRIVER_TAG, KILLED_TAG, driver_alive, this_driver
 from raytrain_tasks.config import RESUME_MAY_CHANGE, check_run_key
 from raytrain_tasks.errors import TrackingError
 from raytrain_tasks.redact import redact, redact_exception, redact_uri
-from raytrain_tasks.tracking import EPOCH_METRICS, epoch_number, log_epoch
+from raytrain_tasks.tracking.controller import EPOCH_METRICS, checkpoint_epoch, epoch_number, log_epoch
+from raytrain_tasks.tracking.run_owner import DRIVER_TAG, KILLED_TAG, driver_alive, this_driver
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -33,9 +33,6 @@ def connect(tracking_uri: str, s3_endpoint_url: str = "") -> MlflowClient:
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    # Fail in seconds, not after MLflow's default minutes of retries against a dead server.
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
     if s3_endpoint_url:
         # MLflow's S3 artifact store reads its endpoint from here; artifacts share the pipeline's S3 store.
         os.environ.setdefault("MLFLOW_S3_ENDPOINT_URL", s3_endpoint_url)
@@ -163,7 +160,7 @@ FIT_RECORD_TAG = "prefect_raytrain.fit_record_sha256"
 
 def reconcile_epochs(client: MlflowClient, run_id: str, history: list[dict[str, float]]) -> int:
     """Log epochs the committed checkpoint holds but the run lacks; returns how many were added."""
-    from raytrain_tasks.tracking import logged_steps
+    from raytrain_tasks.tracking.controller import logged_steps
 
     present = logged_steps(client, run_id)
     missing = [entry for entry in history if epoch_number(entry["epoch"]) not in present]
@@ -228,8 +225,6 @@ def log_checkpoint_models(
     ``epochs`` or ``checkpoints_to_keep``), so every one of them points to a checkpoint in storage.
     """
     from mlflow.entities import LoggedModelStatus, Metric
-
-    from raytrain_tasks.resume import checkpoint_epoch
 
     existing = {
         model.name: model

@@ -22,7 +22,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from raytrain_tasks.errors import StorageError
-from raytrain_tasks.fs import StorageOptions, is_s3, open_filesystem, split_s3
+from raytrain_tasks.storage.filesystem import StorageOptions, is_s3, open_filesystem, split_s3
 
 DATASETS_DIR = "datasets"
 RUNS_DIR = "runs"

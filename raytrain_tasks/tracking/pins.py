@@ -8,10 +8,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from raytrain_driver.hooks import state_dir
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import CheckpointError
-from raytrain_tasks.pin_journal import PinJournal
+from raytrain_tasks.tracking.pin_journal import PinJournal
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -21,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 def recorded_digest(client: MlflowClient, run_id: str, checkpoint_uri: str) -> str:
     """The manifest digest run ``run_id`` recorded for the checkpoint at ``checkpoint_uri``; CheckpointError if none."""
-    from raytrain_tasks.tracking import checkpoint_name, pinned_digests
+    from raytrain_tasks.tracking.controller import checkpoint_name, pinned_digests
 
     name = checkpoint_name(checkpoint_uri)
     digest = pinned_digests(client.get_run(run_id).data.tags).get(name)
@@ -37,7 +36,7 @@ def pin_checkpoints(client: MlflowClient, run_id: str, reported: list[tuple[str,
     """Record the manifest digests this fit's workers reported (folder name, metrics) that MLflow lacks."""
     from mlflow.entities import RunTag
 
-    from raytrain_tasks.tracking import MANIFEST_METRIC, pin_tag, pinned_digests
+    from raytrain_tasks.tracking.controller import MANIFEST_METRIC, pin_tag, pinned_digests
 
     known = pinned_digests(client.get_run(run_id).data.tags)
     missing = [
@@ -50,19 +49,19 @@ def pin_checkpoints(client: MlflowClient, run_id: str, reported: list[tuple[str,
     return len(missing)
 
 
-def pin_journal_dir() -> Path:
-    """Where this machine keeps its pin journals (raytrain_tasks.pin_journal): under the state folder of the
-    process that drives the run (Prefect's home of a CLI run, a deployment's worker or serve; see
+def pin_journal_dir(state_dir: Path) -> Path:
+    """Where this machine keeps its pin journals (raytrain_tasks.tracking.pin_journal): under ``state_dir``, the
+    state folder of the process that drives the run (Prefect's home of a CLI run, a deployment's worker or serve;
     ``raytrain_driver.hooks.state_dir``), never in the run's storage."""
-    return state_dir().expanduser().resolve() / "prefect-raytrain" / "pin-journal"
+    return state_dir.expanduser().resolve() / "prefect-raytrain" / "pin-journal"
 
 
-def pin_journal(config: TrainingConfig, run_key: str) -> PinJournal | None:
-    """The run's pin journal; None (warned) where it would lie inside a local `storage_path`, which cannot vouch
-    for itself."""
-    from raytrain_tasks.fs import is_s3
+def pin_journal(config: TrainingConfig, run_key: str, state_dir: Path) -> PinJournal | None:
+    """The run's pin journal under ``state_dir``; None (warned) where it would lie inside a local `storage_path`,
+    which cannot vouch for itself."""
+    from raytrain_tasks.storage.filesystem import is_s3
 
-    directory = pin_journal_dir()
+    directory = pin_journal_dir(state_dir)
     if not is_s3(config.storage_path) and directory.is_relative_to(Path(config.storage_path).resolve()):
         logger.warning(
             "no pin journal for run %s: %s lies inside storage_path; checkpoints are pinned in MLflow alone",
@@ -79,7 +78,7 @@ def pins_from_journal(client: MlflowClient, run_id: str, journal: PinJournal | N
     already has is never replaced. The folder names whose pins were added."""
     from mlflow.entities import Metric, RunTag
 
-    from raytrain_tasks.tracking import pin_tag, pinned_digests
+    from raytrain_tasks.tracking.controller import pin_tag, pinned_digests
 
     if journal is None:
         return []

@@ -18,8 +18,8 @@ from typing import Any
 from ray.train import Checkpoint, UserCallback
 from ray.train.v2._internal.execution.callback import ControllerCallback
 
-from raytrain_tasks.pin_journal import JournalEntry, PinJournal
 from raytrain_tasks.redact import redact
+from raytrain_tasks.tracking.pin_journal import JournalEntry, PinJournal
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,14 @@ def epoch_number(index: int | float) -> int:
     MLflow's ``step`` and tags, and the checkpoint folders (``epoch-0001`` holds the first epoch).
     """
     return int(index) + 1
+
+
+CHECKPOINT_PREFIX = "epoch-"  # the built-in loop's checkpoint folders: epoch-0001, epoch-0002, ...
+
+
+def checkpoint_epoch(name: str) -> int:
+    """The epoch number in a checkpoint folder's name (``epoch-0003-r1`` -> 3)."""
+    return int(name.removeprefix(CHECKPOINT_PREFIX).split("-", 1)[0])
 
 
 def checkpoint_name(path: str) -> str:

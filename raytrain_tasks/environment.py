@@ -1,0 +1,33 @@
+"""The process environment defaults of the pipeline, declared once and applied at each entry point (the flow
+package, imported by the command, a deployment and a Prefect worker alike; a fit's Ray Job; the test suite).
+
+Each applies only where the user has not set the variable: a value in the environment always wins.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PROCESS_DEFAULTS: dict[str, str] = {
+    # The temporary API server a flow starts without PREFECT_API_URL needs ~10 s for its first migrations on small
+    # machines; Prefect's 20 s default start timeout is too tight there.
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+    # Offline machines otherwise log failed telemetry calls.
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    # A dead MLflow server costs seconds, not MLflow's default minutes of retries per request. (The Ray Train
+    # controller's own, shorter values: raytrain_tasks.tracking.controller.CONTROLLER_HTTP_ENV.)
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "20",
+}
+
+
+def apply_process_defaults() -> None:
+    """Set each of ``PROCESS_DEFAULTS`` the environment does not set, and create a missing ``PREFECT_HOME`` (Prefect
+    does not create missing parents of it, e.g. ``.pipeline/prefect`` on a fresh checkout, and then fails to open its
+    database). Call it before Prefect, Ray or MLflow read their settings."""
+    for name, value in PROCESS_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    if os.environ.get("PREFECT_HOME"):
+        Path(os.environ["PREFECT_HOME"]).expanduser().mkdir(parents=True, exist_ok=True)

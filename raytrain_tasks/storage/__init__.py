@@ -1,0 +1,3 @@
+"""Storage, in one home: ``filesystem`` opens a storage URI (a local path or ``s3://bucket/prefix``) as the pyarrow
+filesystem every process writes through (the workers, Ray Train, the driver); ``locations`` is what the driver does
+with it (pre-flight checks, the datasets/ and runs/ folders, listing, deletion, locks)."""
