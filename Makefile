@@ -65,7 +65,7 @@ bench: install  ## benchmarks that print figures (not tests); results in bench/r
 bench-smoke: install  ## the overhead benchmark at tiny sizes, one repetition (run it before changing bench/)
 	$(PY) -m bench.overhead --smoke
 
-docs: install  ## regenerate docs/configuration.md from the config model (tests/test_docs.py checks it)
+docs: install  ## regenerate docs/configuration.md from the config model (tests/docs/test_docs.py checks it)
 	$(PY) -m devtools.config_reference
 
 clean:

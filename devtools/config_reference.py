@@ -1,7 +1,7 @@
 """Writes docs/configuration.md from the config model, so the reference cannot drift from it.
 
     python -m devtools.config_reference           # rewrite docs/configuration.md
-    python -m devtools.config_reference --check   # exit 1 when it is out of date (tests/test_docs.py does this)
+    python -m devtools.config_reference --check   # exit 1 when it is out of date (tests/docs/test_docs.py does this)
 
 Everything in the table comes from ``raytrain_tasks.config.TrainingConfig``: the field, its flag, its type and
 bounds, its default, its title and description. Edit those there; the prose around the table is below.

@@ -1,6 +1,6 @@
 """The temporary Prefect API that a CLI run starts for itself runs in a process group of its own (see
-raytrain_driver/process_groups.py for why, and for Ray's counterpart). tests/test_signals.py fails if Prefect's shape
-changes."""
+raytrain_driver/process_groups.py for why, and for Ray's counterpart). tests/flows/test_signals.py fails if
+Prefect's shape changes."""
 
 from __future__ import annotations
 

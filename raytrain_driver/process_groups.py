@@ -10,7 +10,7 @@ processes with this one), the temporary API by Prefect's exit handler. This modu
 temporary Prefect API's is in flows/temporary_api.py (the driver does not import Prefect).
 
 Neither library has a public switch for this; the door below names the private call it wraps (read from
-ray 2.60.0). tests/test_signals.py fails if its shape changes.
+ray 2.60.0). tests/flows/test_signals.py fails if its shape changes.
 """
 
 from __future__ import annotations

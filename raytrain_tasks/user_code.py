@@ -121,7 +121,7 @@ def _skip_rejected_checkpoint(rejected: frozenset[str], fallback: str | None) ->
 
     Ray Train 2.60 resumes from the newest committed checkpoint it knows, verified or not; the worker's
     ``TrainContext.checkpoint`` (ray/train/v2/_internal/execution/context.py) is what ``get_checkpoint()``
-    returns, and the one private attribute this sets. tests/test_own_code.py fails if its shape changes.
+    returns, and the one private attribute this sets. tests/examples/test_own_code.py fails if its shape changes.
     """
     if not rejected:
         return

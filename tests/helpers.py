@@ -7,6 +7,9 @@ is imported.
 
 from __future__ import annotations
 
+import contextvars
+import hashlib
+import json
 import os
 import shutil
 import signal
@@ -14,13 +17,24 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raytrain_tasks.config import TrainingConfig
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
+    from raytrain_driver.fit_record import FitResult
+    from raytrain_tasks.data import DatasetRef
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -231,3 +245,297 @@ class Outage:
             if source in self._open:
                 self._open.remove(source)
         source.close()
+
+
+# A flow run in a thread, and a Ray Train worker killed mid-run (test_recovery, test_own_code, test_sharded).
+def start_flow(pool: ThreadPoolExecutor, config: Any) -> Any:
+    """Run the flow in a thread that sees this thread's Prefect settings (they live in context variables)."""
+    from flows.training import training_pipeline
+    from raytrain_tasks.config import parameters_of
+
+    return pool.submit(contextvars.copy_context().run, training_pipeline, **parameters_of(config), return_state=True)
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def mlflow_client(workdir: Path) -> MlflowClient:
+    from mlflow import MlflowClient
+
+    return MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+
+
+def only_run(workdir: Path) -> Any:
+    client = mlflow_client(workdir)
+    experiment = client.get_experiment_by_name("tests")
+    runs = [] if experiment is None else client.search_runs([experiment.experiment_id])
+    assert len(runs) <= 1, "one logical run must be one MLflow run"
+    return runs[0] if runs else None
+
+
+def committed_epochs(workdir: Path, metric: str = "val_accuracy") -> set[int]:
+    """The 0-based indices of the epochs whose checkpoint Ray Train registered (the controller logs them to MLflow
+    only then, at ``step`` = the epoch number, index + 1), read from ``metric``, one the code reports each epoch."""
+    run = only_run(workdir)
+    if run is None:
+        return set()
+    return {int(m.step) - 1 for m in mlflow_client(workdir).get_metric_history(run.info.run_id, metric)}
+
+
+def train_worker_pids(workers: int) -> list[int]:
+    """The PIDs of the run's Ray Train workers once all ``workers`` are up (empty before)."""
+    from ray.util.state import list_actors
+
+    alive = [("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")]
+    pids = [int(actor.pid) for actor in list_actors(address=this_ray_address(), filters=alive)]
+    return pids if len(pids) == workers else []
+
+
+@dataclass(frozen=True)
+class Kill:
+    at: float  # time.time() of the SIGKILL
+    resume_epoch: int  # the newest epoch Ray Train had registered: the restarted group resumes from it
+
+
+def run_killing_a_worker(
+    workdir: Path,
+    config: Any,
+    after_epoch: int = 1,
+    before_kill: Callable[[int], None] | None = None,
+    metric: str = "val_accuracy",
+) -> tuple[Any, Kill]:
+    """Run the flow and SIGKILL one Ray Train worker once ``after_epoch`` is committed; (final state, the kill).
+
+    The kill cannot be timed to an epoch by polling: an epoch takes about 0.5 s here, Ray Train's controller
+    registers one report per poll of the workers (every 0.1 s, raytrain_driver.cluster.HEALTH_CHECK_INTERVAL_S), and a
+    worker uploads its next checkpoint before it waits for the controller to take the last report; so by the
+    time epoch N is registered and seen in MLflow, the checkpoints of N+1 and N+2 may be uploaded already (seen
+    in CI: the corrupted epoch was no longer the one resumed from). So every worker is stopped (SIGSTOP) as soon
+    as ``after_epoch`` is committed: nothing is trained, uploaded or reported after that. The epoch the restarted
+    group resumes from is read then, ``before_kill(resume_epoch)`` runs, one worker is killed and the others
+    continue.
+    """
+    with ThreadPoolExecutor(1) as pool:
+        future = start_flow(pool, config)
+        pids = wait_for(lambda: train_worker_pids(config.num_workers), 300, "the worker group to start")
+        committed = f"epoch {after_epoch} to be committed"
+        wait_for(lambda: after_epoch in committed_epochs(workdir, metric), 300, committed, 0.02)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(0.5)  # a registration already under way in the controller lands in MLflow
+            resume_epoch = max(committed_epochs(workdir, metric))
+            if before_kill is not None:
+                before_kill(resume_epoch)
+            killed_at = time.time()
+            os.kill(pids[-1], signal.SIGKILL)
+        finally:
+            for pid in pids[:-1]:
+                os.kill(pid, signal.SIGCONT)
+        return future.result(timeout=600), Kill(killed_at, resume_epoch)
+
+
+# Tampering (test_security, test_recovery).
+class CreatesAFile:
+    """Unpickling this creates ``path``: the proof that code ran."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (open, (str(self.path), "w"))
+
+
+def rewrite_manifest(directory: Path, format_version: int | None = None) -> None:
+    """What an attacker with write access does: make the manifest match the replaced files."""
+    from raytrain_tasks.checkpoint import MANIFEST_FILE
+
+    manifest = json.loads((directory / MANIFEST_FILE).read_text())
+    for name in manifest["files"]:
+        data = (directory / name).read_bytes()
+        manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    if format_version is not None:
+        manifest["format_version"] = format_version
+    (directory / MANIFEST_FILE).write_text(json.dumps(manifest))
+
+
+# A finished fit to register (test_registry, test_security).
+def fit_for_registry(
+    client: MlflowClient, workdir: Path, config: TrainingConfig, dataset: DatasetRef, key: str, test_accuracy: float
+) -> FitResult:
+    """A finished fit: an MLflow run and a best checkpoint (untrained weights; scores carried as given)."""
+    from raytrain_driver.fit_record import FitResult
+    from raytrain_tasks.checkpoint import ModelSpec, TrainingState, manifest_digest, save_checkpoint
+    from raytrain_tasks.models import build_model
+    from raytrain_tasks.tracking import runs as tracking
+    from raytrain_tasks.tracking.controller import pin_tag
+
+    # As the fit makes it: a SQLite store keeps its artifacts beside its database, never in the working directory
+    # (a bare create_experiment put them under ./mlruns: the checkout, when the suite runs there).
+    experiment_id = tracking.ensure_experiment(
+        client, config.experiment_name, config.mlflow_tracking_uri, config.storage_path
+    )
+    run_id = client.create_run(experiment_id, run_name=key, tags={"prefect_raytrain.run_key": key}).info.run_id
+    spec = ModelSpec("mlp", dataset.num_features, dataset.num_classes, tuple(config.hidden_sizes))
+    net = build_model("mlp", dataset.num_features, dataset.num_classes, config.hidden_sizes)
+    checkpoint = save_checkpoint(
+        workdir / key / "epoch-0000",
+        state=TrainingState(epoch=0, metrics={}, spec=spec),
+        model_state={k: v.detach() for k, v in net.state_dict().items()},
+    )
+    # What distributed-fit leaves in MLflow: the digest of each checkpoint it committed.
+    client.set_tag(run_id, pin_tag("epoch-0000"), manifest_digest(checkpoint))
+    client.set_terminated(run_id)
+    scores = {"val_accuracy": test_accuracy, "val_loss": 1.0, "test_accuracy": test_accuracy, "test_loss": 1.0}
+    return FitResult(
+        run_key=key,
+        run_uri=str(workdir / key),
+        mlflow_run_id=run_id,
+        mlflow_experiment_id=str(experiment_id),
+        backend="gloo",
+        epochs_completed=1,
+        best_epoch=0,
+        best_checkpoint_uri=str(checkpoint),
+        best_metrics={},
+        final_metrics={},
+        history=[],
+        reopened_mlflow_run=False,
+        scores=scores,
+    )
+
+
+def register_for_test(config: TrainingConfig, dataset: DatasetRef, fit: FitResult) -> Any:
+    """Run register-model in a flow, as the pipeline does: its ModelRef, or the exception it failed with."""
+    from prefect import flow
+
+    from tasks.register import register_model
+
+    @flow(name="register-only")
+    def register_only() -> Any:
+        state = register_model(config, dataset, fit, return_state=True)
+        return {"failed": state.is_failed(), "result": state.result(raise_on_failure=False)}
+
+    outcome = register_only()
+    assert outcome["failed"] == isinstance(outcome["result"], BaseException)
+    return outcome["result"]
+
+
+# Clusters of their own (`ray start`), from test_cluster; test_two_nodes uses them too.
+# Ray rewrites 127.0.0.1 in an address to the machine's own IP unless told to stay on loopback, where this
+# test's cluster listens. Clusters use token auth by default: a client must say so (the token is the
+# machine's ~/.ray/auth_token, shared by the head here).
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+# A node's image has its Python first on PATH: a Ray Job's `python` entrypoint is that one.
+NODE_PATH = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
+NO_PREFECT = textwrap.dedent(
+    """
+    import importlib.abc
+    import sys
+
+
+    class _NoPrefect(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "prefect" or name.startswith("prefect."):
+                raise ModuleNotFoundError(f"No module named {name!r} (this test's Ray node has no Prefect)", name=name)
+
+
+    sys.meta_path.insert(0, _NoPrefect())
+    """
+)
+
+
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+CLIENT_ENV = {**LOOPBACK_ENV, "RAY_AUTH_MODE": "token"}
+
+
+# `ray start --block` does not exit within 20 s of a SIGTERM (measured: every head's teardown took 20 s, the
+# wait, then a SIGKILL of its process group). The cluster is thrown away with its temp dir either way.
+HEAD_STOP_GRACE_S = 3.0
+
+
+@dataclass(frozen=True)
+class ExternalCluster:
+    address: str
+    dashboard_url: str
+    temp_dir: Path
+
+
+def run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh interpreter in the checkout, with what a cluster client needs in its environment."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        env={**os.environ, **CLIENT_ENV},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@contextmanager
+def head_node(env: dict[str, str] | None = None, num_cpus: int = 2) -> Iterator[ExternalCluster]:
+    """`ray start --head --block` on free 127.0.0.1 ports with its own temp dir; only its processes are stopped.
+
+    ``env``: what differs in the node's environment from this process's (a node has its own credentials)."""
+    # The cluster and its clients share the machine's token (~/.ray/auth_token). `ray start` does not create it,
+    # a first `ray.init()` does: without this, a fresh machine's first cluster test depends on a local-Ray test
+    # having run before it (seen with `-m "not slow"`: AuthenticationError, no token found).
+    subprocess.run([RAY, "get-auth-token", "--generate"], check=True, capture_output=True, timeout=60)
+    ports = [free_port() for _ in range(9)]
+    # Short: Ray's socket paths live under the temp dir and must stay under the OS's 107-byte limit.
+    temp_dir = Path(tempfile.mkdtemp(prefix="ray-prt-"))
+    command = [RAY, "start", "--head", "--block", "--disable-usage-stats", "--num-cpus", str(num_cpus)]
+    command += ["--node-ip-address", "127.0.0.1", "--dashboard-host", "127.0.0.1", "--temp-dir", str(temp_dir)]
+    for flag, port in zip(
+        [
+            "--port",
+            "--dashboard-port",
+            "--ray-client-server-port",
+            "--dashboard-agent-listen-port",
+            "--dashboard-agent-grpc-port",
+            "--metrics-export-port",
+            "--runtime-env-agent-port",
+            "--node-manager-port",
+            "--object-manager-port",
+        ],
+        ports,
+        strict=True,
+    ):
+        command += [flag, str(port)]
+    # The node's image has no Prefect (the project asks for none on a cluster: a fit's Ray Job runs the driver
+    # package, which does not import it): every Python process of the node fails to import it.
+    without_prefect = temp_dir / "without-prefect"
+    without_prefect.mkdir()
+    (without_prefect / "sitecustomize.py").write_text(NO_PREFECT)
+    node_path = os.pathsep.join(filter(None, [str(without_prefect), os.environ.get("PYTHONPATH", "")]))
+    log_path = temp_dir / "ray-start.log"
+    with log_path.open("w") as log:
+        head = subprocess.Popen(
+            command,
+            env={**os.environ, **LOOPBACK_ENV, **NODE_PATH, "PYTHONPATH": node_path, **(env or {})},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    dashboard_url = f"http://127.0.0.1:{ports[1]}"
+    try:
+        wait_for_http(dashboard_url, head, log_path, timeout=180)
+        yield ExternalCluster(f"127.0.0.1:{ports[0]}", dashboard_url, temp_dir)
+    finally:
+        # The head's process group holds this cluster's processes (not the session's local Ray): `ray stop`
+        # would stop every Ray on the machine.
+        stop_process_group(head, signal.SIGTERM, timeout=HEAD_STOP_GRACE_S)
+        shutil.rmtree(temp_dir, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""One pipeline process deciding a champion under the registry lock (run by tests/test_registry.py).
+"""One pipeline process deciding a champion under the registry lock (run by tests/raytrain_driver/test_registry.py).
 
     python -m tests.lock_contender URL MODEL OWNER HOLD_S LEASE_S MARKERS
 

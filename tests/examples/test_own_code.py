@@ -21,8 +21,7 @@ from raytrain_tasks.api import Metric, TrainFunc
 from raytrain_tasks.config import TrainingConfig, parameters_of
 from raytrain_tasks.errors import TrainingError, UserCodeError
 from raytrain_tasks.user_code import resolve
-from tests.helpers import small_config
-from tests.test_recovery import mlflow_client, only_run, run_killing_a_worker, start_flow
+from tests.helpers import mlflow_client, only_run, run_killing_a_worker, small_config, start_flow
 
 SEED_DDP = "examples.seed_ddp.train:training"
 DIABETES = "examples.diabetes_regression.train:training"

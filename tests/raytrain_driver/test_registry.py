@@ -18,14 +18,17 @@ from raytrain_driver.dataset import prepare_dataset
 from raytrain_driver.fit_record import FitResult
 from raytrain_driver.register import APPLIED_TAG
 from raytrain_driver.registry_lock import QUEUE_SUFFIX
-from raytrain_tasks.checkpoint import ModelSpec, TrainingState, manifest_digest, save_checkpoint
-from raytrain_tasks.config import TrainingConfig
-from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.errors import PromotionError
-from raytrain_tasks.models import build_model
-from raytrain_tasks.tracking import runs as tracking
-from raytrain_tasks.tracking.controller import pin_tag
-from tests.helpers import REPO_ROOT, MlflowServer, free_port, small_config, start_mlflow_server, stop_process_group
+from tests.helpers import (
+    REPO_ROOT,
+    MlflowServer,
+    fit_for_registry,
+    free_port,
+    register_for_test,
+    small_config,
+    start_mlflow_server,
+    stop_process_group,
+)
 
 LEASE_S = 4.0
 
@@ -68,60 +71,6 @@ def test_lock_serialises_pipelines_and_outlives_a_killed_holder(mlflow_server: s
 # --- register-model, fed a fit as distributed-fit leaves it ---------------------------------------------------
 
 
-def _fit(
-    client: MlflowClient, workdir: Path, config: TrainingConfig, dataset: DatasetRef, key: str, test_accuracy: float
-) -> FitResult:
-    """A finished fit: an MLflow run and a best checkpoint (untrained weights; scores carried as given)."""
-    # As the fit makes it: a SQLite store keeps its artifacts beside its database, never in the working directory
-    # (a bare create_experiment put them under ./mlruns: the checkout, when the suite runs there).
-    experiment_id = tracking.ensure_experiment(
-        client, config.experiment_name, config.mlflow_tracking_uri, config.storage_path
-    )
-    run_id = client.create_run(experiment_id, run_name=key, tags={"prefect_raytrain.run_key": key}).info.run_id
-    spec = ModelSpec("mlp", dataset.num_features, dataset.num_classes, tuple(config.hidden_sizes))
-    net = build_model("mlp", dataset.num_features, dataset.num_classes, config.hidden_sizes)
-    checkpoint = save_checkpoint(
-        workdir / key / "epoch-0000",
-        state=TrainingState(epoch=0, metrics={}, spec=spec),
-        model_state={k: v.detach() for k, v in net.state_dict().items()},
-    )
-    # What distributed-fit leaves in MLflow: the digest of each checkpoint it committed.
-    client.set_tag(run_id, pin_tag("epoch-0000"), manifest_digest(checkpoint))
-    client.set_terminated(run_id)
-    scores = {"val_accuracy": test_accuracy, "val_loss": 1.0, "test_accuracy": test_accuracy, "test_loss": 1.0}
-    return FitResult(
-        run_key=key,
-        run_uri=str(workdir / key),
-        mlflow_run_id=run_id,
-        mlflow_experiment_id=str(experiment_id),
-        backend="gloo",
-        epochs_completed=1,
-        best_epoch=0,
-        best_checkpoint_uri=str(checkpoint),
-        best_metrics={},
-        final_metrics={},
-        history=[],
-        reopened_mlflow_run=False,
-        scores=scores,
-    )
-
-
-def _register(config: TrainingConfig, dataset: DatasetRef, fit: FitResult) -> Any:
-    """Run register-model in a flow, as the pipeline does: its ModelRef, or the exception it failed with."""
-    from prefect import flow
-
-    from tasks.register import register_model
-
-    @flow(name="register-only")
-    def register_only() -> Any:
-        state = register_model(config, dataset, fit, return_state=True)
-        return {"failed": state.is_failed(), "result": state.result(raise_on_failure=False)}
-
-    outcome = register_only()
-    assert outcome["failed"] == isinstance(outcome["result"], BaseException)
-    return outcome["result"]
-
-
 @pytest.fixture(scope="module")
 def registry(
     mlflow_server: MlflowServer, tmp_path_factory: pytest.TempPathFactory, prefect_api: None
@@ -147,10 +96,10 @@ def _champion(client: MlflowClient, name: str) -> str | None:
 
 def test_one_version_per_run_key_however_often_register_runs(registry: dict[str, Any]) -> None:
     config, dataset, client = registry["config"], registry["dataset"], registry["client"]
-    fit = _fit(client, registry["workdir"], config, dataset, "20261123-010000-aaaaaa", 0.5)
-    ref = _register(config, dataset, fit)
+    fit = fit_for_registry(client, registry["workdir"], config, dataset, "20261123-010000-aaaaaa", 0.5)
+    ref = register_for_test(config, dataset, fit)
     assert ref.aliases == ("champion",) and ref.decision == "promote"
-    again = _register(config, dataset, fit)  # a Prefect retry, or a resume of the finished run
+    again = register_for_test(config, dataset, fit)  # a Prefect retry, or a resume of the finished run
     assert (again.version, again.decision, again.aliases) == (ref.version, "promote", ("champion",))
     assert _versions(client, "gate") == [ref.version]
     logged = client.search_logged_models(experiment_ids=[fit.mlflow_experiment_id])
@@ -170,8 +119,8 @@ def test_a_champion_that_cannot_be_scored_keeps_its_alias_and_fails_the_task(
     aside = model_dir.with_name(model_id + ".aside")
     model_dir.rename(aside)
     try:
-        fit = _fit(client, registry["workdir"], config, dataset, "20261123-020000-bbbbbb", 0.99)
-        error = _register(config, dataset, fit)
+        fit = fit_for_registry(client, registry["workdir"], config, dataset, "20261123-020000-bbbbbb", 0.99)
+        error = register_for_test(config, dataset, fit)
         assert isinstance(error, PromotionError) and "No alias moved" in str(error)
         assert _champion(client, "gate") == champion  # not replaced by a model it could not be compared with
         (candidate,) = [v for v in _versions(client, "gate") if v != champion]
@@ -182,7 +131,7 @@ def test_a_champion_that_cannot_be_scored_keeps_its_alias_and_fails_the_task(
     finally:
         aside.rename(model_dir)
     # The next attempt of the same run key redoes only the decision: same version, now promoted.
-    retried = _register(config, dataset, fit)
+    retried = register_for_test(config, dataset, fit)
     assert retried.version == candidate and retried.decision == "promote"
     assert _champion(client, "gate") == candidate
     assert str(client.get_registered_model("gate").aliases["previous_champion"]) == champion
@@ -194,15 +143,15 @@ def test_a_champion_with_another_input_schema_is_kept_unless_asked(registry: dic
     other = config.model_copy(update={"dataset": "synthetic", "synthetic_features": 8})
     dataset = prepare_dataset(other)
     champion = _champion(client, "gate")
-    fit = _fit(client, workdir, other, dataset, "20261123-030000-cccccc", 0.99)
-    kept = _register(other, dataset, fit)
+    fit = fit_for_registry(client, workdir, other, dataset, "20261123-030000-cccccc", 0.99)
+    kept = register_for_test(other, dataset, fit)
     assert kept.decision == "keep_incomparable_champion" and kept.aliases == ("challenger",)
     assert "schema" in kept.reason and "replace_incomparable_champion" in kept.reason
     assert _champion(client, "gate") == champion
 
     replacing = other.model_copy(update={"replace_incomparable_champion": True})
-    fit = _fit(client, workdir, replacing, dataset, "20261123-040000-dddddd", 0.2)
-    replaced = _register(replacing, dataset, fit)
+    fit = fit_for_registry(client, workdir, replacing, dataset, "20261123-040000-dddddd", 0.2)
+    replaced = register_for_test(replacing, dataset, fit)
     assert replaced.decision == "replace_incomparable_champion" and _champion(client, "gate") == replaced.version
 
 
@@ -230,8 +179,8 @@ def test_a_champion_stored_as_a_pickle_is_never_loaded(registry: dict[str, Any],
     client.set_registered_model_alias("pickled", "champion", str(version))
     assert not marker.exists()
 
-    fit = _fit(client, workdir, pickled, dataset, "20261123-050000-eeeeee", 0.99)
-    kept = _register(pickled, dataset, fit)
+    fit = fit_for_registry(client, workdir, pickled, dataset, "20261123-050000-eeeeee", 0.99)
+    kept = register_for_test(pickled, dataset, fit)
     assert kept.decision == "keep_incomparable_champion" and "pickled torch model" in kept.reason, kept
     assert _champion(client, "pickled") == str(version)
     assert not marker.exists()
@@ -247,7 +196,7 @@ def test_the_run_page_says_no_alias_moved_when_the_decision_failed(registry: dic
     from tasks.run_page import publish_run_summary
 
     config, client, dataset = registry["config"], registry["client"], registry["dataset"]
-    fit = _fit(client, registry["workdir"], config, dataset, "20261123-060000-ffffff", 0.7)
+    fit = fit_for_registry(client, registry["workdir"], config, dataset, "20261123-060000-ffffff", 0.7)
     result = PipelineResult(run_key=fit.run_key, config=config, dataset=dataset, fit=fit, model=None)
     error = PromotionError("cannot read gate@champion: http://admin:pw-on-page-1@127.0.0.1:1/api failed")
 
@@ -273,7 +222,7 @@ def test_two_pipelines_registering_at_once_decide_one_after_the_other(registry: 
     config = registry["config"].model_copy(update={"model_name": "duo"})
     dataset, client, workdir = registry["dataset"], registry["client"], registry["workdir"]
     fits = [
-        _fit(client, workdir, config, dataset, key, score)
+        fit_for_registry(client, workdir, config, dataset, key, score)
         for key, score in (("20261123-070000-aaaaaa", 0.6), ("20261123-080000-bbbbbb", 0.9))
     ]
     results: dict[str, Any] = {}
@@ -281,7 +230,7 @@ def test_two_pipelines_registering_at_once_decide_one_after_the_other(registry: 
 
     def register(fit: FitResult) -> None:
         barrier.wait()
-        results[fit.run_key] = _register(config, dataset, fit)
+        results[fit.run_key] = register_for_test(config, dataset, fit)
 
     threads = [threading.Thread(target=register, args=(fit,)) for fit in fits]
     for thread in threads:
@@ -324,7 +273,9 @@ def test_a_holder_whose_lock_was_taken_over_registers_nothing(
     config = registry["config"].model_copy(update={"model_name": "takeover"})
     dataset, client, workdir = registry["dataset"], registry["client"], registry["workdir"]
     _taken_over_while_looking_up(monkeypatch)
-    error = _register(config, dataset, _fit(client, workdir, config, dataset, "20261123-083000-cccccc", 0.7))
+    error = register_for_test(
+        config, dataset, fit_for_registry(client, workdir, config, dataset, "20261123-083000-cccccc", 0.7)
+    )
     assert isinstance(error, Exception) and "lost the promotion lock" in str(error), error
     assert _versions(client, "takeover") == []  # nothing registered under a lock that was not held
 
@@ -337,16 +288,18 @@ def test_a_holder_whose_lock_was_taken_over_does_not_finish_an_interrupted_promo
 
     config = registry["config"].model_copy(update={"model_name": "repair"})
     dataset, client, workdir = registry["dataset"], registry["client"], registry["workdir"]
-    first = _register(config, dataset, _fit(client, workdir, config, dataset, "20261123-084000-aaaaaa", 0.5))
-    fit = _fit(client, workdir, config, dataset, "20261123-085000-bbbbbb", 0.9)
-    second = _register(config, dataset, fit)
+    first = register_for_test(
+        config, dataset, fit_for_registry(client, workdir, config, dataset, "20261123-084000-aaaaaa", 0.5)
+    )
+    fit = fit_for_registry(client, workdir, config, dataset, "20261123-085000-bbbbbb", 0.9)
+    second = register_for_test(config, dataset, fit)
     assert (first.decision, second.decision, _champion(client, "repair")) == ("promote", "promote", second.version)
     # As a kill right after `champion` moved leaves it: neither previous_champion nor the applied mark.
     client.delete_registered_model_alias("repair", "previous_champion")
     client.delete_model_version_tag("repair", second.version, APPLIED_TAG)
 
     _taken_over_while_looking_up(monkeypatch)
-    error = _register(config, dataset, fit)
+    error = register_for_test(config, dataset, fit)
     assert isinstance(error, Exception) and "lost the promotion lock" in str(error), error
     assert "previous_champion" not in client.get_registered_model("repair").aliases  # nothing moved
     assert APPLIED_TAG not in client.get_model_version("repair", second.version).tags
@@ -373,7 +326,9 @@ def test_a_registry_outage_in_the_middle_of_the_decision_moves_nothing_and_a_ret
         config = small_config(workdir, mlflow_tracking_uri=url, model_name="outage", experiment_name="outage")
         dataset = prepare_dataset(config)
         client = MlflowClient(url)
-        champion = _register(config, dataset, _fit(client, workdir, config, dataset, "20261123-090000-aaaaaa", 0.5))
+        champion = register_for_test(
+            config, dataset, fit_for_registry(client, workdir, config, dataset, "20261123-090000-aaaaaa", 0.5)
+        )
         assert champion.decision == "promote"
 
         assess = builtin_register.assess_champion
@@ -385,8 +340,8 @@ def test_a_registry_outage_in_the_middle_of_the_decision_moves_nothing_and_a_ret
             return assess(*args, **kwargs)
 
         monkeypatch.setattr(builtin_register, "assess_champion", outage)
-        fit = _fit(client, workdir, config, dataset, "20261123-100000-bbbbbb", 0.99)
-        error = _register(config, dataset, fit)
+        fit = fit_for_registry(client, workdir, config, dataset, "20261123-100000-bbbbbb", 0.99)
+        error = register_for_test(config, dataset, fit)
         assert stopped and isinstance(error, Exception), error  # the task ended Failed
         assert "outage version 2" in str(error), error
 
@@ -397,7 +352,7 @@ def test_a_registry_outage_in_the_middle_of_the_decision_moves_nothing_and_a_ret
         assert APPLIED_TAG not in client.get_model_version("outage", "2").tags
         assert "challenger" not in client.get_registered_model("outage").aliases
 
-        retried = _register(config, dataset, fit)  # waits out the failed attempt's lock ticket, then decides
+        retried = register_for_test(config, dataset, fit)  # waits out the failed attempt's lock ticket, then decides
         assert (retried.version, retried.decision, retried.champion_version) == ("2", "promote", champion.version)
         assert _champion(client, "outage") == "2"
         assert str(client.get_registered_model("outage").aliases["previous_champion"]) == champion.version

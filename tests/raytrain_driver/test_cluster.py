@@ -9,12 +9,9 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,117 +22,21 @@ from raytrain_driver.cluster import check_reachable
 from raytrain_driver.sizing import storage_shared_with_nodes
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import ClusterError
-from tests.helpers import REPO_ROOT, free_port, stop_process_group, wait_for_http
-
-RAY = str(Path(sys.executable).with_name("ray"))
-# Ray rewrites 127.0.0.1 in an address to the machine's own IP unless told to stay on loopback, where this
-# test's cluster listens. Clusters use token auth by default: a client must say so (the token is the
-# machine's ~/.ray/auth_token, shared by the head here).
-LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-CLIENT_ENV = {**LOOPBACK_ENV, "RAY_AUTH_MODE": "token"}
-# `ray start --block` does not exit within 20 s of a SIGTERM (measured: every head's teardown took 20 s, the
-# wait, then a SIGKILL of its process group). The cluster is thrown away with its temp dir either way.
-HEAD_STOP_GRACE_S = 3.0
-# A node's image has its Python first on PATH: a Ray Job's `python` entrypoint is that one.
-NODE_PATH = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-
-
-NO_PREFECT = textwrap.dedent(
-    """
-    import importlib.abc
-    import sys
-
-
-    class _NoPrefect(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name == "prefect" or name.startswith("prefect."):
-                raise ModuleNotFoundError(f"No module named {name!r} (this test's Ray node has no Prefect)", name=name)
-
-
-    sys.meta_path.insert(0, _NoPrefect())
-    """
+from tests.helpers import (
+    CLIENT_ENV,
+    LOOPBACK_ENV,
+    REPO_ROOT,
+    ExternalCluster,
+    free_port,
+    head_node,
+    run_python,
 )
-
-
-@dataclass(frozen=True)
-class ExternalCluster:
-    address: str
-    dashboard_url: str
-    temp_dir: Path
 
 
 @pytest.fixture(scope="module")
 def external_cluster() -> Iterator[ExternalCluster]:
     with head_node() as cluster:
         yield cluster
-
-
-def run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """``code`` in a fresh interpreter in the checkout, with what a cluster client needs in its environment."""
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO_ROOT,
-        env={**os.environ, **CLIENT_ENV},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-@contextmanager
-def head_node(env: dict[str, str] | None = None, num_cpus: int = 2) -> Iterator[ExternalCluster]:
-    """`ray start --head --block` on free 127.0.0.1 ports with its own temp dir; only its processes are stopped.
-
-    ``env``: what differs in the node's environment from this process's (a node has its own credentials)."""
-    # The cluster and its clients share the machine's token (~/.ray/auth_token). `ray start` does not create it,
-    # a first `ray.init()` does: without this, a fresh machine's first cluster test depends on a local-Ray test
-    # having run before it (seen with `-m "not slow"`: AuthenticationError, no token found).
-    subprocess.run([RAY, "get-auth-token", "--generate"], check=True, capture_output=True, timeout=60)
-    ports = [free_port() for _ in range(9)]
-    # Short: Ray's socket paths live under the temp dir and must stay under the OS's 107-byte limit.
-    temp_dir = Path(tempfile.mkdtemp(prefix="ray-prt-"))
-    command = [RAY, "start", "--head", "--block", "--disable-usage-stats", "--num-cpus", str(num_cpus)]
-    command += ["--node-ip-address", "127.0.0.1", "--dashboard-host", "127.0.0.1", "--temp-dir", str(temp_dir)]
-    for flag, port in zip(
-        [
-            "--port",
-            "--dashboard-port",
-            "--ray-client-server-port",
-            "--dashboard-agent-listen-port",
-            "--dashboard-agent-grpc-port",
-            "--metrics-export-port",
-            "--runtime-env-agent-port",
-            "--node-manager-port",
-            "--object-manager-port",
-        ],
-        ports,
-        strict=True,
-    ):
-        command += [flag, str(port)]
-    # The node's image has no Prefect (the project asks for none on a cluster: a fit's Ray Job runs the driver
-    # package, which does not import it): every Python process of the node fails to import it.
-    without_prefect = temp_dir / "without-prefect"
-    without_prefect.mkdir()
-    (without_prefect / "sitecustomize.py").write_text(NO_PREFECT)
-    node_path = os.pathsep.join(filter(None, [str(without_prefect), os.environ.get("PYTHONPATH", "")]))
-    log_path = temp_dir / "ray-start.log"
-    with log_path.open("w") as log:
-        head = subprocess.Popen(
-            command,
-            env={**os.environ, **LOOPBACK_ENV, **NODE_PATH, "PYTHONPATH": node_path, **(env or {})},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    dashboard_url = f"http://127.0.0.1:{ports[1]}"
-    try:
-        wait_for_http(dashboard_url, head, log_path, timeout=180)
-        yield ExternalCluster(f"127.0.0.1:{ports[0]}", dashboard_url, temp_dir)
-    finally:
-        # The head's process group holds this cluster's processes (not the session's local Ray): `ray stop`
-        # would stop every Ray on the machine.
-        stop_process_group(head, signal.SIGTERM, timeout=HEAD_STOP_GRACE_S)
-        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 # In the driver's environment only; the run's storage is a directory and MLflow a SQLite file, so nothing needs them.

@@ -24,8 +24,16 @@ import pytest
 from mlflow import MlflowClient
 
 from devtools.s3_server import LocalS3
-from tests.helpers import free_port, stop_process_group
-from tests.test_cluster import CLIENT_ENV, HEAD_STOP_GRACE_S, RAY, ExternalCluster, head_node, run_python
+from tests.helpers import (
+    CLIENT_ENV,
+    HEAD_STOP_GRACE_S,
+    RAY,
+    ExternalCluster,
+    free_port,
+    head_node,
+    run_python,
+    stop_process_group,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
@@ -75,8 +83,8 @@ def second_node(head: ExternalCluster) -> Iterator[tuple[subprocess.Popen[bytes]
         "--dashboard-agent-grpc-port",
     ):
         command += [flag, str(free_port())]
-    # The head stays on loopback with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (tests.test_cluster); a node that joins
-    # it must say it is part of a multi-node cluster, and stays on loopback through --node-ip-address.
+    # The head stays on loopback with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (tests.helpers.LOOPBACK_ENV); a node that
+    # joins it must say it is part of a multi-node cluster, and stays on loopback through --node-ip-address.
     with (temp_dir / "ray-start.log").open("w") as log:
         node = subprocess.Popen(
             command,

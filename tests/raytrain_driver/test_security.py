@@ -6,7 +6,6 @@ creates a file when unpickled, and rewrites the manifest so that the checkpoint 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import pickle
 import random
@@ -19,7 +18,6 @@ import torch
 from pydantic import ValidationError
 
 from raytrain_tasks.checkpoint import (
-    MANIFEST_FILE,
     MODEL_FILE,
     OPTIMIZER_FILE,
     RNG_FILE,
@@ -34,18 +32,9 @@ from raytrain_tasks.checkpoint import (
 from raytrain_tasks.config import TrainingConfig, check_run_key, parameters_of
 from raytrain_tasks.errors import UnsafeCheckpointError
 from raytrain_tasks.models import build_model
+from tests.helpers import CreatesAFile, rewrite_manifest
 
 SPEC = ModelSpec(model="mlp", in_features=8, num_classes=3, hidden_sizes=(16,))
-
-
-class CreatesAFile:
-    """Unpickling this creates ``path``: the proof that code ran."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __reduce__(self) -> tuple[object, tuple[str, str]]:
-        return (open, (str(self.path), "w"))
 
 
 def write_checkpoint(directory: Path) -> Path:
@@ -60,17 +49,6 @@ def write_checkpoint(directory: Path) -> Path:
         optimizer_state=optimizer.state_dict(),
         rng_state=capture_rng_state(),
     )
-
-
-def rewrite_manifest(directory: Path, format_version: int | None = None) -> None:
-    """What an attacker with write access does: make the manifest match the replaced files."""
-    manifest = json.loads((directory / MANIFEST_FILE).read_text())
-    for name in manifest["files"]:
-        data = (directory / name).read_bytes()
-        manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    if format_version is not None:
-        manifest["format_version"] = format_version
-    (directory / MANIFEST_FILE).write_text(json.dumps(manifest))
 
 
 @pytest.mark.parametrize("name", [MODEL_FILE, OPTIMIZER_FILE, RNG_FILE])
@@ -584,13 +562,14 @@ def test_a_pickle_placed_beside_the_champions_pt2_never_runs_and_nothing_moves(t
 
     from raytrain_driver.dataset import prepare_dataset
     from raytrain_tasks.errors import PromotionError
-    from tests.helpers import small_config
-    from tests.test_registry import _fit, _register
+    from tests.helpers import fit_for_registry, register_for_test, small_config
 
     config = small_config(tmp_path, model_name="planted", experiment_name="planted")
     dataset = prepare_dataset(config)
     client = MlflowClient(config.mlflow_tracking_uri)
-    champion = _register(config, dataset, _fit(client, tmp_path, config, dataset, "20261125-010000-aaaaaa", 0.5))
+    champion = register_for_test(
+        config, dataset, fit_for_registry(client, tmp_path, config, dataset, "20261125-010000-aaaaaa", 0.5)
+    )
     assert champion.decision == "promote"
     # The version's artifacts, in the store beside the SQLite database (a file: URI).
     model_dir = Path(urlparse(client.get_model_version_download_uri("planted", champion.version)).path)
@@ -599,8 +578,8 @@ def test_a_pickle_placed_beside_the_champions_pt2_never_runs_and_nothing_moves(t
     (model_dir / "data" / "model.pth").write_bytes(pickle.dumps(CreatesAFile(marker)))
     (model_dir / "data" / "pickle_module_info.txt").write_text("pickle")
 
-    fit = _fit(client, tmp_path, config, dataset, "20261125-020000-bbbbbb", 0.99)
-    error = _register(config, dataset, fit)
+    fit = fit_for_registry(client, tmp_path, config, dataset, "20261125-020000-bbbbbb", 0.99)
+    error = register_for_test(config, dataset, fit)
     assert not marker.exists()
     assert isinstance(error, PromotionError) and "No alias moved" in str(error), error
     assert "data/model.pth" in str(error) and f"version {champion.version}" in str(error), error

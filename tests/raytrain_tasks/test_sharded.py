@@ -22,8 +22,7 @@ from mlflow import MlflowClient
 from flows.training import training_pipeline
 from raytrain_tasks.config import parameters_of
 from raytrain_tasks.tracking.pin_journal import PinJournal
-from tests.helpers import REPO_ROOT, small_config
-from tests.test_recovery import mlflow_client, only_run, run_killing_a_worker
+from tests.helpers import REPO_ROOT, mlflow_client, only_run, run_killing_a_worker, small_config
 
 pytestmark = [pytest.mark.slow]
 

@@ -23,6 +23,8 @@ import psutil
 import pytest
 from mlflow import MlflowClient
 
+from tests.helpers import REPO_ROOT
+
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
 PREFECT_RAYTRAIN = str(Path(sys.executable).with_name("prefect-raytrain"))
@@ -259,7 +261,7 @@ def test_a_stop_that_overruns_its_deadline_still_ends_every_ray_process_it_start
     with log.open("w") as out:
         process = subprocess.Popen(
             [sys.executable, "-c", STUCK_AFTER_A_SIGNAL],
-            cwd=Path(__file__).resolve().parents[1],
+            cwd=REPO_ROOT,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,

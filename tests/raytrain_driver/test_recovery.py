@@ -7,7 +7,6 @@ code: worker PIDs come from Ray's State API, the CLI is killed by its PID.
 
 from __future__ import annotations
 
-import contextvars
 import json
 import os
 import re
@@ -15,14 +14,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from mlflow import MlflowClient
 
 from flows.training import PipelineResult, training_pipeline
 from raytrain_tasks.checkpoint import MODEL_FILE
@@ -32,12 +28,19 @@ from raytrain_tasks.resume import checkpoint_dir_name
 from raytrain_tasks.tracking.controller import EPOCH_METRICS, epoch_number
 from tests.helpers import (
     REPO_ROOT,
+    Kill,
     Outage,
+    committed_epochs,
     free_port,
+    mlflow_client,
+    only_run,
+    run_killing_a_worker,
     small_config,
+    start_flow,
     start_mlflow_server,
     stop_process_group,
     this_ray_address,
+    wait_for,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.usefixtures("ray_cluster", "prefect_api")]
@@ -57,95 +60,6 @@ CHAOS = {
 
 def chaos_config(workdir: Path, **overrides: Any) -> Any:
     return small_config(workdir, **{**CHAOS, **overrides})
-
-
-def start_flow(pool: ThreadPoolExecutor, config: Any) -> Any:
-    """Run the flow in a thread that sees this thread's Prefect settings (they live in context variables)."""
-    return pool.submit(contextvars.copy_context().run, training_pipeline, **parameters_of(config), return_state=True)
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
-def mlflow_client(workdir: Path) -> MlflowClient:
-    return MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
-
-
-def only_run(workdir: Path) -> Any:
-    client = mlflow_client(workdir)
-    experiment = client.get_experiment_by_name("tests")
-    runs = [] if experiment is None else client.search_runs([experiment.experiment_id])
-    assert len(runs) <= 1, "one logical run must be one MLflow run"
-    return runs[0] if runs else None
-
-
-def committed_epochs(workdir: Path, metric: str = "val_accuracy") -> set[int]:
-    """The 0-based indices of the epochs whose checkpoint Ray Train registered (the controller logs them to MLflow
-    only then, at ``step`` = the epoch number, index + 1), read from ``metric``, one the code reports each epoch."""
-    run = only_run(workdir)
-    if run is None:
-        return set()
-    return {int(m.step) - 1 for m in mlflow_client(workdir).get_metric_history(run.info.run_id, metric)}
-
-
-def train_worker_pids(workers: int) -> list[int]:
-    """The PIDs of the run's Ray Train workers once all ``workers`` are up (empty before)."""
-    from ray.util.state import list_actors
-
-    alive = [("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")]
-    pids = [int(actor.pid) for actor in list_actors(address=this_ray_address(), filters=alive)]
-    return pids if len(pids) == workers else []
-
-
-@dataclass(frozen=True)
-class Kill:
-    at: float  # time.time() of the SIGKILL
-    resume_epoch: int  # the newest epoch Ray Train had registered: the restarted group resumes from it
-
-
-def run_killing_a_worker(
-    workdir: Path,
-    config: Any,
-    after_epoch: int = 1,
-    before_kill: Callable[[int], None] | None = None,
-    metric: str = "val_accuracy",
-) -> tuple[Any, Kill]:
-    """Run the flow and SIGKILL one Ray Train worker once ``after_epoch`` is committed; (final state, the kill).
-
-    The kill cannot be timed to an epoch by polling: an epoch takes about 0.5 s here, Ray Train's controller
-    registers one report per poll of the workers (every 0.1 s, raytrain_driver.cluster.HEALTH_CHECK_INTERVAL_S), and a
-    worker uploads its next checkpoint before it waits for the controller to take the last report; so by the
-    time epoch N is registered and seen in MLflow, the checkpoints of N+1 and N+2 may be uploaded already (seen
-    in CI: the corrupted epoch was no longer the one resumed from). So every worker is stopped (SIGSTOP) as soon
-    as ``after_epoch`` is committed: nothing is trained, uploaded or reported after that. The epoch the restarted
-    group resumes from is read then, ``before_kill(resume_epoch)`` runs, one worker is killed and the others
-    continue.
-    """
-    with ThreadPoolExecutor(1) as pool:
-        future = start_flow(pool, config)
-        pids = wait_for(lambda: train_worker_pids(config.num_workers), 300, "the worker group to start")
-        committed = f"epoch {after_epoch} to be committed"
-        wait_for(lambda: after_epoch in committed_epochs(workdir, metric), 300, committed, 0.02)
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
-        try:
-            time.sleep(0.5)  # a registration already under way in the controller lands in MLflow
-            resume_epoch = max(committed_epochs(workdir, metric))
-            if before_kill is not None:
-                before_kill(resume_epoch)
-            killed_at = time.time()
-            os.kill(pids[-1], signal.SIGKILL)
-        finally:
-            for pid in pids[:-1]:
-                os.kill(pid, signal.SIGCONT)
-        return future.result(timeout=600), Kill(killed_at, resume_epoch)
 
 
 def assert_same_as_uninterrupted(workdir: Path, reference: PipelineResult) -> None:
@@ -427,7 +341,7 @@ def test_a_tampered_checkpoint_stops_the_restarted_workers_and_runs_nothing(tmp_
     fit is not retried, and the code in the pickle never runs."""
     from raytrain_tasks.checkpoint import RNG_FILE
     from raytrain_tasks.errors import CheckpointError
-    from tests.test_security import CreatesAFile, rewrite_manifest
+    from tests.helpers import CreatesAFile, rewrite_manifest
 
     marker = tmp_path / "pwned"
 
