@@ -23,9 +23,9 @@ from typing import Any
 
 import yaml
 
+from flows.continuation import ensure_zombie_automation
 from flows.training import training_pipeline
 from raytrain_driver.cluster import warm_ray
-from tasks.continuation import ensure_zombie_automation
 
 PREFECT_YAML = Path(__file__).with_name("prefect.yaml")
 # How often serving asks the server for runs to start, unless PREFECT_RUNNER_POLL_FREQUENCY says (Prefect's

@@ -11,7 +11,9 @@ from prefect.runtime import deployment, flow_run
 from prefect.states import Cancelled
 from pydantic import BaseModel, ConfigDict
 
+from flows.continuation import already_continued, continuation_of, log_continuation, prepare_recovery
 from flows.parameters import with_settings_as_parameters
+from flows.run_settings import check_deployment_pins
 from raytrain_driver.fit_record import FitResult
 from raytrain_tasks.config import (
     TrainingConfig,
@@ -22,12 +24,10 @@ from raytrain_tasks.config import (
 )
 from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.redact import install_log_redaction, redacted_errors, strip_credentials
-from tasks.continuation import already_continued, continuation_of, log_continuation, prepare_recovery
 from tasks.data import prepare_data
 from tasks.fit import distributed_fit
 from tasks.register import ModelRef, register_model
 from tasks.run_page import publish_run_summary
-from tasks.run_settings import check_deployment_pins
 
 
 class PipelineResult(BaseModel):

@@ -46,7 +46,7 @@ def fit_in_this_process(
     origin: dict[str, str],
 ) -> FitResult:
     """The fit with this process as Ray Train's driver, under the run's lease. ``origin``: the MLflow run's name
-    and the tags that lead back to the Prefect flow run (tasks/origin.py), taken in the Prefect run."""
+    and the tags that lead back to the Prefect flow run (tasks/fit.py), taken in the Prefect run."""
     with redacted_errors():
         check_run_key(run_key)  # it names a folder in storage and goes into MLflow filters
         if config.resume and not run_dir.child("checkpoint_manager_snapshot.json").exists():

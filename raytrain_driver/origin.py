@@ -1,5 +1,5 @@
 """Where an MLflow run comes from: its tags and its description (the tags that lead back to the Prefect flow run
-are taken by the task, tasks/origin.py, and handed in as ``origin``)."""
+are taken by the task, tasks/fit.py, and handed in as ``origin``)."""
 
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ JsonObject = Annotated[dict[str, Any], BeforeValidator(_object_from_text)]
 
 # On the settings that decide where this process's credentials are sent (MLflow's, the AWS keys, Ray's token): a
 # run of a deployment that sets another value than its deployment's is refused
-# (tasks.run_settings.check_deployment_pins), so whoever may only trigger runs cannot point them at a server of
+# (flows.run_settings.check_deployment_pins), so whoever may only trigger runs cannot point them at a server of
 # their own.
 PINNED_BY_DEPLOYMENT: dict[str, Any] = {"pinned_by_deployment": True}
 # On the settings that steer a run rather than decide what it trains (retries, windows, registration): a resume may

@@ -17,6 +17,7 @@ from prefect.settings import PREFECT_HOME
 from raytrain_driver.fit import fit_in_this_process
 from raytrain_driver.fit_record import FitResult
 from raytrain_driver.hooks import Logger, RunHooks, run_hooks
+from raytrain_driver.origin import ENTRY_POINT
 from raytrain_tasks.config import TrainingConfig, check_run_key
 from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.errors import (
@@ -31,7 +32,6 @@ from raytrain_tasks.errors import (
 )
 from raytrain_tasks.redact import redacted_errors
 from raytrain_tasks.storage.locations import RUNS_DIR, locate
-from tasks.origin import prefect_origin
 from tasks.run_page import EpochProgress
 
 # Failures that another attempt cannot fix: the config or the environment must change first.
@@ -62,6 +62,27 @@ def _run_page(
 ) -> EpochProgress:
     """The task run's progress artifact, following the fit's committed epochs."""
     return EpochProgress(client, run_id, epochs, logger, builtin=builtin, expects=expects)
+
+
+def prefect_origin(run_key: str) -> dict[str, str]:
+    """The MLflow run's name and the tags that lead back to the Prefect flow run, taken here, in the Prefect run
+    (a Ray Job that trains for it has no Prefect context)."""
+    from prefect.runtime import deployment, flow_run
+    from prefect.utilities.urls import url_for
+
+    name = flow_run.get_name()
+    origin = {"run_name": f"{name}-{run_key}" if name else run_key}
+    # MLflow's own source tags: the UI's "Source" column and run page show the entry point, not "—".
+    origin["mlflow.source.type"] = "JOB"
+    origin["mlflow.source.name"] = ENTRY_POINT
+    if flow_run.get_id():
+        origin["prefect.flow_run_id"] = str(flow_run.get_id())
+        ui_url = url_for("flow-run", obj_id=str(flow_run.get_id()))  # the UI's route, as Prefect's "View at" log
+        if ui_url and ui_url.startswith(("http://", "https://")):  # the temporary server has no UI URL
+            origin["prefect.flow_run_url"] = ui_url
+    if deployment.get_name():
+        origin["prefect.deployment_name"] = str(deployment.get_name())
+    return origin
 
 
 @task(

@@ -88,7 +88,7 @@ def test_each_deployment_continues_its_own_crashed_runs(spec: dict[str, Any]) ->
 @pytest.mark.parametrize("spec", SPECS, ids=[s["name"] for s in SPECS])
 def test_runs_under_the_zombie_watch_send_heartbeats_often_enough(spec: dict[str, Any]) -> None:
     """The tag puts a deployment's runs under the 120 s no-heartbeat watch; its runs must then beat every 30 s."""
-    from tasks.continuation import HEARTBEAT_SECONDS, HEARTBEAT_TAG, SILENCE_SECONDS
+    from flows.continuation import HEARTBEAT_SECONDS, HEARTBEAT_TAG, SILENCE_SECONDS
 
     assert HEARTBEAT_TAG in spec["tags"]
     env = spec["work_pool"]["job_variables"]["env"]

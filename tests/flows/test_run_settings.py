@@ -17,11 +17,11 @@ from prefect.client.orchestration import get_client
 from prefect.exceptions import PrefectHTTPStatusError, SignatureMismatchError
 from prefect.states import Crashed
 
+from flows.continuation import continuation_of
+from flows.run_settings import check_deployment_pins
 from flows.training import training_pipeline
 from raytrain_tasks.config import TrainingConfig, config_from_parameters, non_default_settings, parameters_of
 from raytrain_tasks.errors import SettingsError
-from tasks.continuation import continuation_of
-from tasks.run_settings import check_deployment_pins
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 

@@ -18,8 +18,7 @@ from prefect.client.schemas.objects import StateType
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 from prefect.states import Completed, Crashed, Failed, Running
 
-from raytrain_tasks.errors import ContinuationError
-from tasks.continuation import (
+from flows.continuation import (
     HEARTBEAT_SECONDS,
     HEARTBEAT_TAG,
     SILENCE_ENV,
@@ -29,6 +28,7 @@ from tasks.continuation import (
     ensure_zombie_automation,
     prepare_recovery,
 )
+from raytrain_tasks.errors import ContinuationError
 from tests.helpers import small_config
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
@@ -167,8 +167,8 @@ def test_a_crash_the_trigger_fired_for_twice_is_continued_by_one_run_and_the_oth
     """Prefect's crash trigger can start two continuations of one crash (seen on `prefect server`: two runs 0.4 s
     apart for one Crashed event). The first continues it; a later one ends Cancelled at once, without training and
     without the Failed state the run lease would otherwise give it."""
+    from flows.continuation import earlier_continuation
     from flows.training import training_pipeline
-    from tasks.continuation import earlier_continuation
 
     crashed = _run(small_config(tmp_path).model_dump(mode="json"), [f"run-key:{KEY}"])
     first = _run({"continue_flow_run": crashed}, [], state=Running())
