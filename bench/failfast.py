@@ -20,8 +20,6 @@ from typing import Any
 
 from bench.summary import write_figures
 
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-
 
 def _closed_port() -> int:
     with socket.socket() as sock:

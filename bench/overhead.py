@@ -37,8 +37,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-
 RESULTS = Path(__file__).with_name("results")
 
 

@@ -26,8 +26,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-
 RESULTS = Path(__file__).with_name("results")
 REPO = Path(__file__).resolve().parents[1]
 CODE = "bench.own_code_func:training"

@@ -31,8 +31,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-
 ATTEMPTS = 3
 TARGET = 1.2  # recovery <= 1.2x a fresh worker group start
 

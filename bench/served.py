@@ -38,8 +38,6 @@ from typing import Any
 from bench.overhead import FLOW_BATCH_SIZE, _free_port, machine, run_bare
 from bench.summary import write_figures
 
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 EPOCHS = 3  # bench.overhead's flow_epochs: the same job as its whole-flow and bare-fit contenders

@@ -23,8 +23,6 @@ from typing import Any
 
 from bench.summary import write_figures
 
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-
 # Each figure and the most a user should wait for it (seconds); bench/summary.py reads both.
 TARGETS_S = {
     "s3 preflight": 15.0,

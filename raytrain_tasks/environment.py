@@ -1,5 +1,6 @@
-"""The process environment defaults of the pipeline, declared once and applied at each entry point (the flow
-package, imported by the command, a deployment and a Prefect worker alike; a fit's Ray Job; the test suite).
+"""The process environment defaults of the pipeline, declared once: ``PROCESS_DEFAULTS`` applied at each entry point
+(the flow package, imported by the command, a deployment and a Prefect worker alike; a fit's Ray Job; the
+benchmarks; the test suite), ``MLFLOW_CLIENT_DEFAULTS`` where the driver opens its MLflow client.
 
 Each applies only where the user has not set the variable: a value in the environment always wins.
 """
@@ -16,8 +17,13 @@ PROCESS_DEFAULTS: dict[str, str] = {
     # Offline machines otherwise log failed telemetry calls.
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "RAY_USAGE_STATS_ENABLED": "0",
-    # A dead MLflow server costs seconds, not MLflow's default minutes of retries per request. (The Ray Train
-    # controller's own, shorter values: raytrain_tasks.tracking.controller.CONTROLLER_HTTP_ENV.)
+}
+
+# The driver's MLflow client: a dead server costs seconds, not MLflow's default minutes of retries per request.
+# Applied when the driver opens its client (raytrain_tasks.tracking.runs.connect), not at an entry point: a Ray
+# started before that (a served deployment's warm Ray, the suite's) must not inherit them, so that the Ray Train
+# controller keeps its own, shorter ones (raytrain_tasks.tracking.controller.CONTROLLER_HTTP_ENV).
+MLFLOW_CLIENT_DEFAULTS: dict[str, str] = {
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "20",
 }
@@ -31,3 +37,9 @@ def apply_process_defaults() -> None:
         os.environ.setdefault(name, value)
     if os.environ.get("PREFECT_HOME"):
         Path(os.environ["PREFECT_HOME"]).expanduser().mkdir(parents=True, exist_ok=True)
+
+
+def apply_mlflow_client_defaults() -> None:
+    """Set each of ``MLFLOW_CLIENT_DEFAULTS`` the environment does not set."""
+    for name, value in MLFLOW_CLIENT_DEFAULTS.items():
+        os.environ.setdefault(name, value)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from raytrain_tasks.config import RESUME_MAY_CHANGE, check_run_key
+from raytrain_tasks.environment import apply_mlflow_client_defaults
 from raytrain_tasks.errors import TrackingError
 from raytrain_tasks.redact import redact, redact_exception, redact_uri
 from raytrain_tasks.tracking.controller import EPOCH_METRICS, checkpoint_epoch, epoch_number, log_epoch
@@ -33,6 +34,7 @@ def connect(tracking_uri: str, s3_endpoint_url: str = "") -> MlflowClient:
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
+    apply_mlflow_client_defaults()  # fail in seconds, not after MLflow's default minutes of retries
     if s3_endpoint_url:
         # MLflow's S3 artifact store reads its endpoint from here; artifacts share the pipeline's S3 store.
         os.environ.setdefault("MLFLOW_S3_ENDPOINT_URL", s3_endpoint_url)

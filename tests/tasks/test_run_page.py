@@ -1,0 +1,76 @@
+"""The fit task's run page (tasks/run_page.py): its progress display is best effort, and never replaces the fit's
+own outcome."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlflow import MlflowClient
+
+from tests.helpers import free_port, stop_process_group
+
+
+def test_an_mlflow_outage_at_the_start_of_the_progress_display_leaves_the_fit_its_own_error(
+    monkeypatch: Any, caplog: Any
+) -> None:
+    """MLflow unreachable when the display starts: the fit's error is the one that propagates, and a warning says
+    the display is off (before, the display's MlflowException replaced it: a retryable failure)."""
+    import logging
+
+    from raytrain_tasks.errors import CheckpointError
+    from tasks.run_page import EpochProgress
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    client = MlflowClient(f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    logger = logging.getLogger("prt-progress-test")
+    with caplog.at_level(logging.WARNING, logger=logger.name):
+        try:
+            with EpochProgress(client, "0" * 32, 3, logger):
+                raise CheckpointError("the fit's own error")
+        except CheckpointError as exc:
+            assert "the fit's own error" in str(exc)
+        else:
+            raise AssertionError("the fit's error did not propagate")
+    assert any("progress" in record.getMessage() for record in caplog.records), caplog.text
+
+
+@pytest.mark.slow
+def test_an_mlflow_outage_at_the_end_of_the_progress_display_masks_neither_an_error_nor_a_success(
+    tmp_path: Path, prefect_api: None, monkeypatch: Any, caplog: Any
+) -> None:
+    """A real `mlflow server` answers when the display starts and is gone when the fit ends: a propagating
+    error stays the fit's own; a fit that succeeded still succeeds (the display's last poll only warns)."""
+    import logging
+
+    from raytrain_tasks.errors import CheckpointError
+    from tasks.run_page import EpochProgress
+    from tests.helpers import start_mlflow_server
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    logger = logging.getLogger("prt-progress-test")
+    for outcome in ("error", "success"):
+        root = tmp_path / outcome
+        root.mkdir()
+        port = free_port()
+        server = start_mlflow_server(root, port)
+        try:
+            client = MlflowClient(f"http://127.0.0.1:{port}")
+            run_id = client.create_run(client.create_experiment("progress")).info.run_id
+            with caplog.at_level(logging.WARNING, logger=logger.name):
+                try:
+                    with EpochProgress(client, run_id, 3, logger):
+                        stop_process_group(server)  # MLflow goes away during the fit
+                        if outcome == "error":
+                            raise CheckpointError("the fit's own error")
+                except CheckpointError as exc:
+                    assert outcome == "error" and "the fit's own error" in str(exc)
+                else:
+                    assert outcome == "success"
+        finally:
+            stop_process_group(server)
+        assert any("progress" in record.getMessage() for record in caplog.records), caplog.text
+        caplog.clear()
