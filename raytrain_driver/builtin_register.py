@@ -58,6 +58,12 @@ def schema_digest(dataset: DatasetRef) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
+def assess_champion_on_test_split(client: MlflowClient, config: TrainingConfig, dataset: DatasetRef) -> Champion:
+    """The current champion scored on this run's test split, by the config's gate metric."""
+    x_test, y_test = read_split(dataset, "test", config.storage_options, standardised=False)
+    return assess_champion(client, config.model_name, schema_digest(dataset), x_test, y_test, config.gate.name)
+
+
 def assess_champion(
     client: MlflowClient, name: str, digest: str, x_test: np.ndarray, y_test: np.ndarray, metric: str
 ) -> Champion:

@@ -32,11 +32,11 @@ from raytrain_driver.promotion import (
     decide_promotion,
 )
 from raytrain_driver.registry_lock import LockHandle, model_lock
-from raytrain_driver.user_register import assess_recorded_champion, user_model
+from raytrain_driver.user_register import assess_user_champion, user_model
 from raytrain_driver.user_register import version_tags as user_version_tags
 from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig, check_run_key
-from raytrain_tasks.data import DatasetRef, read_split
+from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.errors import PromotionError, TrackingError
 from raytrain_tasks.redact import redacted_errors
 from raytrain_tasks.tracking import pins
@@ -47,8 +47,7 @@ if TYPE_CHECKING:
     from mlflow import MlflowClient
 
 # On a model version (the MLflow run carries raytrain_tasks.tracking.runs.RUN_KEY_TAG): which run key registered
-# it, so a
-# resumed registration finds the version instead of making a second one.
+# it, so a resumed registration finds the version instead of making a second one.
 VERSION_RUN_KEY_TAG = "run_key"
 APPLIED_TAG = "promotion.applied"
 LOGGED_MODEL_NAME = "model"
@@ -124,7 +123,7 @@ def _register_model(
                 logger.info("run %s already registered %s version %s", fit.run_key, config.model_name, version)
             ref = _decided(client, config, version, candidate_score, metric, lock)
             if ref is None:
-                champion = _current_champion(client, config, dataset, spec, metric)
+                champion, candidate_score = _current_champion(client, config, dataset, spec, model_uri, fit)
                 decision = decide_promotion(
                     candidate_score,
                     champion,
@@ -153,18 +152,22 @@ def _register_model(
 
 
 def _current_champion(
-    client: MlflowClient, config: TrainingConfig, dataset: DatasetRef | None, spec: TrainFunc | None, metric: str
-) -> Champion:
-    """The champion the candidate is compared with, assessed the way its kind of code allows (fail closed: a
-    champion that cannot be assessed comes back with an error, and nothing moves)."""
+    client: MlflowClient,
+    config: TrainingConfig,
+    dataset: DatasetRef | None,
+    spec: TrainFunc | None,
+    model_uri: str,
+    fit: FitResult,
+) -> tuple[Champion, float]:
+    """(the champion, the candidate's score) as the gate compares them, assessed the way its kind of code allows
+    (fail closed: a champion that cannot be assessed comes back with an error, and nothing moves)."""
+    recorded = fit.scores[spec.gate.name if spec is not None else config.gate.name]
     if not config.promote:
-        return Champion.absent()
+        return Champion.absent(), recorded
     if spec is not None:
-        return assess_recorded_champion(client, config.model_name, config, spec)
+        return assess_user_champion(client, config.model_name, config, spec, model_uri, recorded)
     assert dataset is not None
-    x_test, y_test = read_split(dataset, "test", config.storage_options, standardised=False)
-    digest = builtin_register.schema_digest(dataset)
-    return builtin_register.assess_champion(client, config.model_name, digest, x_test, y_test, metric)
+    return builtin_register.assess_champion_on_test_split(client, config, dataset), recorded
 
 
 def apply_decision(
@@ -372,13 +375,12 @@ def _version_tags(
         if dataset is not None
         else user_version_tags(config, spec, fit.scores[spec.gate.name] if spec is not None else 0.0)
     )
-    tags = {
+    return {
         VERSION_RUN_KEY_TAG: fit.run_key,
         **lineage,
         "best_epoch": str(fit.best_epoch),
         **{key: f"{value:.6f}" for key, value in sorted(fit.scores.items())},
     }
-    return tags
 
 
 def _description(config: TrainingConfig, dataset: DatasetRef | None, fit: FitResult, metric: str) -> str:

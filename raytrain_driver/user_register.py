@@ -1,9 +1,11 @@
 """register-model for the user's own training code (``train_code``): what differs from the built-in classifier.
 
 The model is made by the user's ``load_model`` from a verified local copy of the best checkpoint and logged in
-MLflow's ``pt2`` format with the user's input example. The gate compares the user's metric, in its direction,
-as the best checkpoint reported it; a champion is comparable only when the same ``train_code`` registered it on
-the same metric. The champion's model is never loaded for this (nothing of it runs here).
+MLflow's ``pt2`` format with the user's input example. A champion is comparable only when the same ``train_code``
+registered it on the same metric. The gate compares the user's metric, in its direction: with the code's
+``evaluate`` (a TrainSpec's test split), the champion and this run's model each loaded back from the registry (only
+this project's exact pt2 layout, with pickles off: raytrain_driver.champion) and scored on this run's data; without
+it, as each version's best checkpoint reported it (the champion's model is then never loaded).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from raytrain_driver.champion import read_champion
+from raytrain_driver.champion import check_model_layout, download_model, pickle_deserialization_off, read_champion
 from raytrain_driver.promotion import Champion
 from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig
@@ -103,8 +105,72 @@ def assess_recorded_champion(client: MlflowClient, name: str, config: TrainingCo
             incomparable=f"its gate metric was {tags.get(GATE_METRIC_TAG)!r} (higher is better: "
             f"{tags.get(GATE_DIRECTION_TAG)}), this run's is {spec.gate.name!r} ({spec.gate.higher_is_better})",
         )
+    if spec.evaluate is not None:
+        return _evaluated_champion(name, version, config, spec)
     recorded = tags.get(GATE_SCORE_TAG, tags.get(spec.gate.name))
     try:
         return Champion(version, score=float(json.loads(recorded or "null")))
     except (TypeError, ValueError):
         return Champion(version, error=f"{name} version {version} records no {spec.gate.name} score ({recorded!r})")
+
+
+def assess_user_champion(
+    client: MlflowClient, name: str, config: TrainingConfig, spec: TrainFunc, candidate_uri: str, recorded: float
+) -> tuple[Champion, float]:
+    """(the champion, the candidate's score) as the gate compares them: both scored by the code's ``evaluate`` on
+    this run's data when it has one and the champion is comparable; else the scores recorded at training time."""
+    champion = assess_recorded_champion(client, name, config, spec)
+    if spec.evaluate is None or champion.score is None:
+        return champion, recorded
+    try:
+        return champion, _evaluate_registered(candidate_uri, config, spec)
+    except Exception as exc:  # noqa: BLE001 - a candidate that cannot be scored like the champion moves nothing (tested)
+        failed = f"scoring this run's model with evaluate failed: {_named(exc)}"
+        return Champion(champion.version, error=failed), recorded
+
+
+def _evaluated_champion(name: str, version: str, config: TrainingConfig, spec: TrainFunc) -> Champion:
+    """The champion scored by the code's ``evaluate`` on this run's data; any failure leaves it in place."""
+    try:
+        return Champion(version, score=_evaluate_registered(f"models:/{name}/{version}", config, spec))
+    except ForeignModelError as exc:
+        return Champion(version, incomparable=str(exc))
+    except Exception as exc:  # noqa: BLE001 - any failure to load or score the champion leaves it in place (tested)
+        return Champion(version, error=f"loading or scoring {name} version {version} failed: {_named(exc)}")
+
+
+class ForeignModelError(Exception):
+    """A registered model in another format than this project logs: its scores are not comparable."""
+
+
+def _evaluate_registered(model_uri: str, config: TrainingConfig, spec: TrainFunc) -> float:
+    """The gate's metric of the registered model at ``model_uri``, as the code's ``evaluate`` scores it. Only this
+    project's exact pt2 layout is loaded, with pickles off (raytrain_driver.champion); anything else is refused."""
+    import mlflow
+
+    from raytrain_tasks.user_code import user_config
+
+    assert spec.evaluate is not None
+    with tempfile.TemporaryDirectory(prefix="prt-evaluate-") as scratch:
+        directory = download_model(model_uri, Path(scratch))
+        layout = check_model_layout(directory)
+        if layout.foreign:
+            raise ForeignModelError(layout.foreign)
+        if layout.tampered:
+            raise UnsafeCheckpointError(
+                f"{model_uri} was refused: {layout.tampered}. Look at who wrote there, then remove those files or "
+                "point 'champion' at a version you trust"
+            )
+        with pickle_deserialization_off():
+            model = mlflow.pytorch.load_model(str(directory))
+    scores = dict(spec.evaluate(model, user_config(config, spec)))
+    if spec.gate.name not in scores:
+        raise UserCodeError(
+            f"train_code {config.train_code!r}: evaluate returned {sorted(scores)}, not the gate's metric "
+            f"{spec.gate.name!r}"
+        )
+    return float(scores[spec.gate.name])
+
+
+def _named(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"

@@ -110,6 +110,12 @@ class TrainFunc:
         defaults: values for ``config`` that apply when neither ``train_config`` nor the pipeline sets them.
         gate_metric: the reported metric the promotion gate compares, when it is not ``metric`` (e.g. select the
             best checkpoint by ``val_loss``, compare ``test_loss`` with the champion's); same direction.
+        evaluate: ``evaluate(model, config) -> {metric: value}``: scores a servable model on the data your code
+            holds out today, returning at least the gate's metric. It gets this run's model and the current
+            champion, each loaded back from the registry as a torch module, so the gate compares the two on the
+            same data (a champion trained on last month's data is judged on today's). None: the gate compares the
+            scores recorded when each was trained, which is like with like only while the data does not change. A
+            ``TrainSpec`` has one: its test split, loss and metrics.
     """
 
     train_func: Callable[[dict[str, Any]], None]
@@ -119,6 +125,7 @@ class TrainFunc:
     datasets: Callable[[dict[str, Any]], Mapping[str, Any]] | None = None
     defaults: Mapping[str, Any] = field(default_factory=dict)
     gate_metric: str = ""
+    evaluate: Callable[[Any, dict[str, Any]], Mapping[str, float]] | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.train_func):
@@ -132,7 +139,9 @@ class TrainFunc:
             raise TypeError("TrainFunc needs load_model and input_example together (both, or neither)")
         if refused := pipeline_keys_refused(self.defaults, "TrainFunc(defaults=...)"):
             raise TypeError(refused)
-        for name in ("load_model", "input_example", "datasets"):
+        if self.evaluate is not None and self.load_model is None:
+            raise TypeError("TrainFunc(evaluate=...) scores registered models: it needs load_model and input_example")
+        for name in ("load_model", "input_example", "datasets", "evaluate"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise TypeError(f"TrainFunc({name}=...) must be a function, got {value!r}")
@@ -176,7 +185,8 @@ class TrainSpec:
         metrics: ``metrics(outputs, targets) -> {name: mean over the batch}``; reported as ``val_<name>`` and
             ``test_<name>``, averaged over each whole split.
         metric: which of them decides (``Metric("accuracy", higher_is_better=True)`` or ``Metric("loss", False)``):
-            ``val_<name>`` picks the best checkpoint, ``test_<name>`` is what the gate compares.
+            ``val_<name>`` picks the best checkpoint, ``test_<name>`` is what the gate compares: the champion's and
+            this run's model each scored on this run's test split (as ``TrainFunc.evaluate`` does).
         optimizer: ``optimizer(parameters, config)``; default Adam with ``config["lr"]``.
         input_example: ``input_example(config)`` -> what the registered model is exported with; default: two inputs
             of the train split.

@@ -42,6 +42,7 @@ def as_train_func(spec: TrainSpec) -> TrainFunc:
         input_example=spec_input_example(spec),
         defaults=spec.defaults,
         gate_metric=f"test_{spec.metric.name}",
+        evaluate=spec_evaluate(spec),
     )
 
 
@@ -104,6 +105,26 @@ def spec_input_example(spec: TrainSpec) -> Callable[[dict[str, Any]], Any]:
         return example_inputs(_splits(spec, config))
 
     return input_example
+
+
+def spec_evaluate(spec: TrainSpec) -> Callable[[Any, dict[str, Any]], dict[str, float]]:
+    def evaluate(model: Any, config: dict[str, Any]) -> dict[str, float]:
+        """``test_loss`` and ``test_<metric>`` of ``model`` over the whole test split, here (no Ray Train)."""
+        splits = _splits(spec, config)
+        sums: dict[str, float] = {}
+        count = 0
+        with torch.no_grad():
+            for inputs, targets in DataLoader(splits.test, batch_size=int(config["batch_size"])):
+                outputs = model(inputs)
+                batch = {"loss": spec.loss(outputs, targets)}
+                if spec.metrics is not None:
+                    batch |= dict(spec.metrics(outputs, targets))
+                for key, value in batch.items():
+                    sums[key] = sums.get(key, 0.0) + float(value) * len(targets)
+                count += len(targets)
+        return _mean({f"test_{key}": (total, count) for key, total in sums.items()})
+
+    return evaluate
 
 
 def example_inputs(splits: Splits) -> Any:

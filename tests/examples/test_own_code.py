@@ -200,6 +200,55 @@ def test_the_gate_moves_champion_only_to_a_lower_rmse(tmp_path: Path) -> None:
     assert np.asarray(predicted).shape == (3, 1)
 
 
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster", "prefect_api")
+def test_a_train_spec_champion_is_scored_again_on_the_data_of_today(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two runs of one TrainSpec whose data changed in between (y = -2x, then y = 2x, chosen by train_config): the
+    second run's gate scores the champion on today's test split (what loading it from the registry and scoring
+    those rows gives), not by the test_loss it recorded on its own data."""
+    import mlflow
+    import torch
+
+    source = """
+        import torch
+        from torch.utils.data import TensorDataset
+        from raytrain_tasks.api import Metric, Splits, TrainSpec
+
+        def data(config):
+            x = torch.linspace(-1, 1, 60).unsqueeze(1)
+            rows = TensorDataset(x, float(config["slope"]) * x)
+            return Splits(*(torch.utils.data.Subset(rows, range(start, 60, 3)) for start in range(3)))
+
+        training = TrainSpec(data=data, model=lambda config, example: torch.nn.Linear(1, 1),
+                             loss=torch.nn.functional.mse_loss, metric=Metric("loss", higher_is_better=False),
+                             optimizer=lambda parameters, config: torch.optim.SGD(parameters, lr=1.0))
+    """
+    (tmp_path / "code").mkdir()
+    name = _module(tmp_path / "code", monkeypatch, source, name="changing_data")
+    code = f"{name}:training"
+    first = training_pipeline(
+        **parameters_of(own_config(tmp_path, code, epochs=5, register=True, train_config='{"slope": -2}'))
+    )
+    assert first.model is not None and first.model.aliases == ("champion",), first.model
+    second = training_pipeline(
+        **parameters_of(own_config(tmp_path, code, epochs=5, register=True, train_config='{"slope": 2}'))
+    )
+    assert second.model is not None
+    x = torch.linspace(-1, 1, 60).unsqueeze(1)[2::3]
+    with _tracking(tmp_path):
+        champion = mlflow.pytorch.load_model(f"models:/digits-test/{first.model.version}")
+    with torch.no_grad():
+        today = float(torch.nn.functional.mse_loss(champion(x), 2 * x))
+    tags = (
+        MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_model_version("digits-test", second.model.version).tags
+    )
+    assert float(tags["promotion.champion_score"]) == pytest.approx(today, rel=1e-4), tags
+    recorded = first.fit.scores["test_loss"]
+    assert abs(today - recorded) > 0.1, (today, recorded)  # scored again, on other rows than it was trained for
+
+
 def _tracking(workdir: Path) -> Any:
     from raytrain_tasks.tracking.runs import using_tracking_uri
 

@@ -1,0 +1,151 @@
+"""The promotion gate for your own code: with ``evaluate`` (every TrainSpec has one), the champion and this run's
+model are each loaded back from a real MLflow registry and scored on this run's data; without it, the scores
+recorded at training time are compared. Real SQLite registry, real pt2 models; no Ray."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from mlflow import MlflowClient
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from raytrain_driver.promotion import Promotion, decide_promotion
+from raytrain_driver.user_register import assess_user_champion, version_tags
+from raytrain_tasks.api import Metric, Splits, TrainFunc, TrainSpec
+from raytrain_tasks.config import TrainingConfig
+from raytrain_tasks.spec_loop import as_train_func
+from raytrain_tasks.tracking import runs as tracking
+
+TRAIN_CODE = "someones_project.train:training"
+NAME = "gate-test"
+# Today's held-out data: y = 2x. The champion was trained when it was y = -2x, and recorded an excellent score then.
+X = torch.linspace(-1, 1, 16).unsqueeze(1)
+TODAY = TensorDataset(X, 2 * X)
+
+
+def linear(weight: float) -> nn.Module:
+    model = nn.Linear(1, 1)
+    with torch.no_grad():
+        model.weight.fill_(weight)
+        model.bias.zero_()
+    return model
+
+
+def mse_today(model: Any, config: dict[str, Any]) -> dict[str, float]:
+    inputs, targets = TODAY.tensors
+    with torch.no_grad():
+        return {"test_mse": float(((model(inputs) - targets) ** 2).mean())}
+
+
+def spec(evaluate: Any = mse_today) -> TrainFunc:
+    return TrainFunc(
+        lambda config: None,
+        metric=Metric("val_mse", higher_is_better=False),
+        gate_metric="test_mse",
+        load_model=lambda path, config: linear(0.0),
+        input_example=lambda config: torch.zeros(2, 1),
+        evaluate=evaluate,
+    )
+
+
+def log_pt2(uri: str, weight: float) -> str:
+    import mlflow
+
+    experiment = MlflowClient(uri).get_experiment_by_name("gate")
+    assert experiment is not None
+    with tracking.using_tracking_uri(uri), mlflow.start_run(experiment_id=experiment.experiment_id):
+        info = mlflow.pytorch.log_model(
+            linear(weight), name="model", input_example=torch.zeros(2, 1).numpy(), serialization_format="pt2"
+        )
+    return str(info.model_uri)
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> tuple[MlflowClient, TrainingConfig, str]:
+    """A champion (y = -2x: wrong today) registered with a recorded test_mse of 0.001 (right on its own data), and
+    this run's model (y = 2x), logged. The tests only read them (exporting a pt2 model takes seconds)."""
+    tmp_path = tmp_path_factory.mktemp("gate")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    config = TrainingConfig(
+        storage_path=str(tmp_path / "storage"),
+        mlflow_tracking_uri=uri,
+        train_code=TRAIN_CODE,
+        model_name=NAME,
+    )
+    client = MlflowClient(uri)
+    client.create_experiment("gate", artifact_location=str(tmp_path / "artifacts"))  # never the working directory
+    champion_uri = log_pt2(uri, -2.0)
+    client.create_registered_model(NAME)
+    tags = version_tags(config, spec(), 0.001)
+    with tracking.using_tracking_uri(uri):  # the registry finds the logged model through the process's URI
+        version = client.create_model_version(NAME, champion_uri, tags=tags, model_id=champion_uri.split("/")[-1])
+    client.set_registered_model_alias(NAME, "champion", version.version)
+    return client, config, log_pt2(uri, 2.0)
+
+
+def test_with_evaluate_the_champion_and_the_candidate_are_scored_on_todays_data(
+    registry: tuple[MlflowClient, TrainingConfig, str],
+) -> None:
+    """A nightly run on data that changed: the champion's recorded 0.001 was on other data; scored today (y = 2x)
+    it is far off (16 x mean(x^2)), and the candidate (y = 2x) is exact, so it takes the alias. Compared by the
+    recorded scores, the champion would be kept for ever."""
+    client, config, candidate_uri = registry
+    with tracking.using_tracking_uri(config.mlflow_tracking_uri):
+        champion, candidate = assess_user_champion(client, NAME, config, spec(), candidate_uri, recorded=0.5)
+    expected = float((16 * X**2).mean())
+    assert champion.version == "1" and champion.score == pytest.approx(expected, rel=1e-5), champion
+    assert candidate == pytest.approx(0.0, abs=1e-9)
+    decision = decide_promotion(candidate, champion, min_improvement=0.0, higher_is_better=False)
+    assert decision.action is Promotion.PROMOTE, decision
+
+
+def test_without_evaluate_the_recorded_scores_are_compared(registry: tuple[MlflowClient, TrainingConfig, str]) -> None:
+    client, config, candidate_uri = registry
+    with tracking.using_tracking_uri(config.mlflow_tracking_uri):
+        champion, candidate = assess_user_champion(client, NAME, config, spec(None), candidate_uri, recorded=0.5)
+    assert champion.score == pytest.approx(0.001) and candidate == 0.5
+    assert decide_promotion(candidate, champion, higher_is_better=False).action is Promotion.KEEP_CHAMPION
+
+
+@pytest.mark.parametrize("fails_on", ["champion", "candidate", "metric"])
+def test_an_evaluate_that_fails_moves_nothing_and_says_why(
+    registry: tuple[MlflowClient, TrainingConfig, str], fails_on: str
+) -> None:
+    """The user's evaluate raises on either model, or returns no gate metric: the decision cannot be made, so it is
+    UNDECIDED (no alias moves, register-model fails and a resume decides again), naming the error."""
+    client, config, candidate_uri = registry
+    champion_weight = -2.0
+
+    def evaluate(model: Any, config: dict[str, Any]) -> dict[str, float]:
+        weight = float(model(torch.ones(2, 1))[0, 0])
+        if fails_on == "metric":
+            return {"test_rmse": 1.0}
+        if (fails_on == "champion") == (weight == champion_weight):
+            raise RuntimeError(f"cannot score the {fails_on}")
+        return mse_today(model, config)
+
+    with tracking.using_tracking_uri(config.mlflow_tracking_uri):
+        champion, candidate = assess_user_champion(client, NAME, config, spec(evaluate), candidate_uri, recorded=0.5)
+    said = "test_rmse" if fails_on == "metric" else f"cannot score the {fails_on}"
+    assert champion.version == "1" and said in champion.error, champion
+    assert decide_promotion(candidate, champion, higher_is_better=False).action is Promotion.UNDECIDED
+
+
+def test_a_train_spec_evaluates_on_its_test_split_with_its_loss_and_metrics() -> None:
+    """What a TrainSpec's evaluate computes: the mean loss and metrics over the whole test split (batched)."""
+    spec = TrainSpec(
+        data=lambda config: Splits(TODAY, TODAY, TensorDataset(X[:10], 2 * X[:10])),
+        model=lambda config, example: linear(0.0),
+        loss=lambda outputs, targets: ((outputs - targets) ** 2).mean(),
+        metrics=lambda outputs, targets: {"mae": (outputs - targets).abs().mean()},
+        metric=Metric("mae", higher_is_better=False),
+    )
+    evaluate = as_train_func(spec).evaluate
+    assert evaluate is not None
+    scores = evaluate(linear(1.0), {"batch_size": 3})
+    errors = X[:10] - 2 * X[:10]
+    assert scores["test_loss"] == pytest.approx(float((errors**2).mean()), rel=1e-6)
+    assert scores["test_mae"] == pytest.approx(float(errors.abs().mean()), rel=1e-6)
