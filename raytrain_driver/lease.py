@@ -38,6 +38,7 @@ LEASE_FILE = "raytrain_driver.lease"
 # The holder gives the lease up after this share of its length without a successful renewal: the rest is the
 # time it has to stop its fit before any other driver can see the lease expired.
 LOST_AFTER = 0.75
+WATCH_INTERVAL_S = 0.2  # how often the lease's clock is read while a block runs
 RETRIES_PER_LEASE = 12  # a failed renewal is tried again after 1/12 of the lease
 # Tries per lease request: the renewer retries on its own schedule and must notice a lost lease in time, so one
 # request never waits through s3_max_attempts' minute of backoff.
@@ -181,12 +182,21 @@ def run_lease(
     held = HeldLease(location, run_key, holder, duration_s, mine, sent)
     renewer = threading.Thread(target=_renew, args=(held, stop), name="run-lease", daemon=True)
     renewer.start()
+    # The renewer can sit in one storage call for seconds (retries against a dead endpoint); the watch sets
+    # lost_event at LOST_AFTER on the clock alone, whatever that call is doing.
+    watch = threading.Thread(target=_watch, args=(held, stop), name="run-lease-watch", daemon=True)
+    watch.start()
     try:
         yield held
     finally:
         stop.set()
         renewer.join(timeout=10)
         _release(held, created)
+
+
+def _watch(held: HeldLease, stop: threading.Event) -> None:
+    while not stop.wait(WATCH_INTERVAL_S) and held.lost() is None:
+        pass
 
 
 def _renew(held: HeldLease, stop: threading.Event) -> None:
