@@ -311,12 +311,14 @@ def _import_ahead(modules: Sequence[str]) -> None:
 
 
 def format_summary(result: Any) -> str:
+    from raytrain_tasks.prepared import is_builtin_dataset
+
     fit, model = result.fit, result.model
     final = fit.final_metrics
     metrics = (
         f"val_accuracy={final.get('val_accuracy', float('nan')):.4f} "
         f"val_loss={final.get('val_loss', float('nan')):.4f} train_loss={final.get('train_loss', float('nan')):.4f}"
-        if result.dataset is not None
+        if is_builtin_dataset(result.dataset)
         else " ".join(f"{key}={value:.4g}" for key, value in sorted(final.items()))
     )
     lines = [

@@ -22,7 +22,7 @@ from raytrain_tasks.config import (
     new_run_key,
     non_default_settings,
 )
-from raytrain_tasks.data import DatasetRef
+from raytrain_tasks.prepared import RunData
 from raytrain_tasks.redact import install_log_redaction, redacted_errors, strip_credentials
 from tasks.data import prepare_data
 from tasks.fit import distributed_fit
@@ -35,7 +35,8 @@ class PipelineResult(BaseModel):
 
     run_key: str
     config: TrainingConfig
-    dataset: DatasetRef | None  # None for the user's own training code (train_code): its data is its own
+    # The built-in classifier's table, what your code's prepare wrote, or None: your code reads its own data.
+    dataset: RunData | None
     fit: FitResult
     model: ModelRef | None
 
@@ -87,8 +88,7 @@ def _pipeline(config: TrainingConfig) -> PipelineResult:
     run_key = config.resume or new_run_key()
     prepare_recovery(run_key)
     get_run_logger().info("run key %s (after a crash, continue it with resume=%s)", run_key, run_key)
-    # The user's own train_func loads its own data; the built-in classifier trains on a prepared, versioned one.
-    dataset = None if config.train_code else prepare_data(config)
+    dataset = prepare_data(config)
     fit = distributed_fit.with_options(retries=config.fit_retries, retry_delay_seconds=config.retry_delay_seconds)(
         config, dataset, run_key
     )

@@ -23,10 +23,10 @@ from raytrain_driver.origin import run_description, run_tags
 from raytrain_driver.preflight import check_cluster, check_started_without_checkpoint, resolve_code
 from raytrain_driver.sizing import FitPlan
 from raytrain_tasks.config import TrainingConfig, check_run_key
-from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.errors import (
     RunLeaseLostError,
 )
+from raytrain_tasks.prepared import RunData, is_builtin_dataset
 from raytrain_tasks.redact import redacted_errors
 from raytrain_tasks.storage.locations import StorageLocation
 from raytrain_tasks.tracking import pins, run_owner
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 def fit_in_this_process(
     config: TrainingConfig,
-    dataset: DatasetRef | None,
+    dataset: RunData | None,
     run_key: str,
     runs: StorageLocation,
     run_dir: StorageLocation,
@@ -60,7 +60,7 @@ def fit_in_this_process(
 
 def _distributed_fit(
     config: TrainingConfig,
-    dataset: DatasetRef | None,
+    dataset: RunData | None,
     run_key: str,
     runs: StorageLocation,
     run_dir: StorageLocation,
@@ -91,8 +91,8 @@ def _distributed_fit(
             result = _train(config, dataset, run_key, runs, plan, spec, client, opened, lease)
         # Pins the controller could not write to MLflow during an outage (kept in the journal meanwhile).
         pins.pins_from_journal(client, run_id, opened.journal)
-        if spec is not None or dataset is None:
-            assert spec is not None, "the built-in loop trains on a prepared dataset"
+        if spec is not None or not is_builtin_dataset(dataset):
+            assert spec is not None, "the built-in loop trains on its prepared table"
             return _record_user_code(config, run_key, run_dir, spec, client, opened, result, lease)
         from raytrain_driver.trainer import record_builtin
 
@@ -115,7 +115,7 @@ def _distributed_fit(
 
 def _confirm_finished(
     config: TrainingConfig,
-    dataset: DatasetRef | None,
+    dataset: RunData | None,
     run_key: str,
     client: Any,
     experiment_id: str,
@@ -131,7 +131,7 @@ def _confirm_finished(
 
 def _start_run(
     config: TrainingConfig,
-    dataset: DatasetRef | None,
+    dataset: RunData | None,
     run_key: str,
     run_dir: StorageLocation,
     origin: dict[str, str],
@@ -151,7 +151,7 @@ def _start_run(
         | {tracking.NOTE_TAG: run_description(config, run_key, run_dir, origin)},
         params=config.public_params(),
     )
-    if not reopened and dataset is not None:
+    if not reopened and is_builtin_dataset(dataset):
         evaluation.log_dataset_input(client, run_id, dataset)
     run_logger().info(
         "run key %s: %s MLflow run %s; checkpoints in %s",
@@ -207,7 +207,7 @@ def _prepare_resume(
 
 def _train(
     config: TrainingConfig,
-    dataset: DatasetRef | None,
+    dataset: RunData | None,
     run_key: str,
     runs: StorageLocation,
     plan: FitPlan,

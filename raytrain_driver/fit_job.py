@@ -18,10 +18,12 @@ import sys
 import traceback
 from typing import Any
 
+from pydantic import TypeAdapter
+
 from raytrain_driver.ray_job import ERROR_MARKER
 from raytrain_tasks.config import TrainingConfig
-from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.environment import apply_process_defaults
+from raytrain_tasks.prepared import RunData
 from raytrain_tasks.redact import install_log_redaction, redact
 
 
@@ -48,7 +50,7 @@ def main(argv: list[str]) -> int:
     init_within(config.ray_connect_timeout_s, address=address, logging_level=logging.WARNING)
     config = config.model_copy(update={"ray_address": ray.get_runtime_context().gcs_address})
     signal.signal(signal.SIGTERM, _interrupt)  # stop_job: end like a cancelled driver (MLflow KILLED)
-    dataset = DatasetRef.model_validate(payload["dataset"]) if payload["dataset"] is not None else None
+    dataset = TypeAdapter(RunData | None).validate_python(payload["dataset"])
     run_key = str(payload["run_key"])
     runs = locate(config.storage_path, config.storage_options).child(RUNS_DIR)
     try:

@@ -1,13 +1,18 @@
-"""Where an MLflow run comes from: its tags and its description (the tags that lead back to the Prefect flow run
-are taken by the task, tasks/fit.py, and handed in as ``origin``)."""
+"""Where an MLflow run and a registered version come from: their tags and descriptions (the tags that lead back to
+the Prefect flow run are taken by the task, tasks/fit.py, and handed in as ``origin``)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from raytrain_tasks.config import TrainingConfig
-from raytrain_tasks.data import DatasetRef
+from raytrain_tasks.prepared import RunData, is_builtin_dataset
 from raytrain_tasks.storage.locations import StorageLocation
 from raytrain_tasks.tracking import run_owner
 from raytrain_tasks.tracking import runs as tracking
+
+if TYPE_CHECKING:
+    from raytrain_driver.fit_record import FitResult
 
 ENTRY_POINT = "flows/training.py:training_pipeline"  # as deployments/prefect.yaml names it
 
@@ -32,13 +37,11 @@ def run_description(config: TrainingConfig, run_key: str, run_dir: StorageLocati
 
 
 def run_tags(
-    config: TrainingConfig, dataset: DatasetRef | None, run_key: str, run_dir: StorageLocation, backend: str
+    config: TrainingConfig, dataset: RunData | None, run_key: str, run_dir: StorageLocation, backend: str
 ) -> dict[str, str]:
-    lineage = (
-        {"prefect_raytrain.dataset_hash": dataset.content_hash, "prefect_raytrain.dataset_uri": dataset.uri}
-        if dataset is not None
-        else {"prefect_raytrain.train_code": config.train_code}
-    )
+    lineage = {"prefect_raytrain.train_code": config.train_code} if config.train_code else {}
+    if dataset is not None:  # the built-in classifier's table, or what the code's prepare wrote
+        lineage |= {"prefect_raytrain.dataset_hash": dataset.content_hash, "prefect_raytrain.dataset_uri": dataset.uri}
     import ray
 
     tags = {
@@ -54,3 +57,20 @@ def run_tags(
         "mlflow.source.git.commit": tracking.code_version(),
     }
     return tags
+
+
+def version_description(config: TrainingConfig, dataset: RunData | None, fit: FitResult, metric: str) -> str:
+    """The registered version's description: what trained it, on which data, and its scores."""
+    scores = ", ".join(f"{key} {value:.4f}" for key, value in sorted(fit.scores.items()))
+    if not is_builtin_dataset(dataset):
+        data = f" on prepared data {dataset.content_hash}" if dataset is not None else ""
+        return (
+            f"{config.train_code} trained{data} by run {fit.run_key} (train_config {config.train_config_text()}); "
+            f"best checkpoint: step {fit.best_epoch} by {metric}; {scores}."
+        )
+    return (
+        f"{config.model} {config.hidden_sizes} trained on dataset {dataset.content_hash} ({dataset.source}) by "
+        f"run {fit.run_key}; best checkpoint: epoch {fit.best_epoch} by {config.promotion_metric}; {scores}. "
+        "Input: raw float32 features in feature_names order (the model standardises them with the train "
+        "statistics in the run's preprocessing.json); output: logits over class_labels."
+    )

@@ -17,8 +17,9 @@ from raytrain_driver.sizing import (
 )
 from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig
-from raytrain_tasks.data import DATA_TASK_CPUS, USER_DATASET_CPUS, DatasetRef, streams
+from raytrain_tasks.data import DATA_TASK_CPUS, USER_DATASET_CPUS, streams
 from raytrain_tasks.errors import CheckpointError, DatasetError, UserCodeError
+from raytrain_tasks.prepared import RunData, is_builtin_dataset
 from raytrain_tasks.storage.locations import StorageLocation
 from raytrain_tasks.tracking import runs as tracking
 from raytrain_tasks.user_code import resolve
@@ -64,10 +65,10 @@ def workers_code_dir(config: TrainingConfig) -> str:
     return "" if config.ray_address else str(code_root(config.train_code) or "")
 
 
-def check_rows_per_worker(config: TrainingConfig, dataset: DatasetRef | None) -> None:
+def check_rows_per_worker(config: TrainingConfig, dataset: RunData | None) -> None:
     """Every worker needs at least one training row of its own (each takes an equal share of the train split)."""
     workers = config.worker_range[1]
-    if dataset is not None and dataset.train_rows < workers:
+    if is_builtin_dataset(dataset) and dataset.train_rows < workers:
         raise DatasetError(
             f"the train split of dataset {dataset.content_hash[:16]} has {dataset.train_rows} rows, fewer than the "
             f"{workers} workers that would each train on a share of it; lower `num_workers` (and `max_workers`) "
@@ -77,7 +78,7 @@ def check_rows_per_worker(config: TrainingConfig, dataset: DatasetRef | None) ->
 
 def check_cluster(
     config: TrainingConfig,
-    dataset: DatasetRef | None,
+    dataset: RunData | None,
     runs: StorageLocation,
     client: Any,
     run_key: str,
@@ -93,7 +94,7 @@ def check_cluster(
     check_rows_per_worker(config, dataset)
     available = ray.cluster_resources()
     object_store = available.get("object_store_memory", 0.0)
-    streamed = user_datasets or (dataset is not None and streams(config.data_loader, dataset, object_store))
+    streamed = user_datasets or (is_builtin_dataset(dataset) and streams(config.data_loader, dataset, object_store))
     nodes = alive_node_resources()
     earlier = None if config.cpus_per_worker else tracking.earlier_share(client, config.experiment_name, run_key)
     data_cpus = USER_DATASET_CPUS if user_datasets else DATA_TASK_CPUS

@@ -27,8 +27,8 @@ import raytrain_tasks
 import raytrain_tasks.errors
 from raytrain_driver.hooks import stopped_by
 from raytrain_tasks.config import TrainingConfig
-from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.errors import CheckpointError, ClusterError, TrainingError
+from raytrain_tasks.prepared import RunData
 from raytrain_tasks.redact import redact
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ def jobs_of(client: JobSubmissionClient, run_key: str) -> dict[str, str]:
 
 def fit_as_ray_job(
     config: TrainingConfig,
-    dataset: DatasetRef | None,
+    dataset: RunData | None,
     run_key: str,
     runs: StorageLocation,
     run_dir: StorageLocation,
@@ -114,7 +114,7 @@ def fit_as_ray_job(
 def _attach_or_submit(
     client: JobSubmissionClient,
     config: TrainingConfig,
-    dataset: DatasetRef | None,
+    dataset: RunData | None,
     run_key: str,
     run_dir: StorageLocation,
     origin: dict[str, str],
@@ -143,7 +143,8 @@ def _attach_or_submit(
         payload = {
             # The job runs the fit as a driver on the cluster, where RAY_ADDRESS (set by Ray) reaches it.
             "config": config.model_copy(update={"launch_mode": "driver"}).model_dump(mode="json"),
-            "dataset": dataset.model_dump(mode="json") if dataset is not None else None,  # None: train_code's own
+            # None: train_code without prepare reads its own data
+            "dataset": dataset.model_dump(mode="json") if dataset is not None else None,
             "run_key": run_key,
             "origin": origin | {"prefect_raytrain.ray_job": submission_id},
         }

@@ -22,6 +22,7 @@ from raytrain_driver.builtin_register import SCHEMA_TAG
 from raytrain_driver.evaluation import scores_as_metrics
 from raytrain_driver.fit_record import FitResult
 from raytrain_driver.hooks import run_logger, stopped_by
+from raytrain_driver.origin import version_description
 from raytrain_driver.promotion import (
     CHALLENGER,
     CHAMPION,
@@ -36,8 +37,8 @@ from raytrain_driver.user_register import assess_user_champion, user_model
 from raytrain_driver.user_register import version_tags as user_version_tags
 from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig, check_run_key
-from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.errors import PromotionError, TrackingError
+from raytrain_tasks.prepared import RunData, data_dir_of, is_builtin_dataset
 from raytrain_tasks.redact import redacted_errors
 from raytrain_tasks.tracking import pins
 from raytrain_tasks.tracking import runs as tracking
@@ -71,7 +72,7 @@ class ModelRef(BaseModel):
 
 
 def register(
-    config: TrainingConfig, dataset: DatasetRef | None, fit: FitResult, tags: dict[str, str] | None = None
+    config: TrainingConfig, dataset: RunData | None, fit: FitResult, tags: dict[str, str] | None = None
 ) -> ModelRef:
     """Log the best checkpoint as an MLflow model in the fit's run and register (at most) one version of it,
     with ``tags`` beside the version's own (the Prefect flow run it came from). A stop from outside (a Prefect
@@ -92,7 +93,7 @@ def register(
 
 
 def _register_model(
-    config: TrainingConfig, dataset: DatasetRef | None, fit: FitResult, origin_tags: dict[str, str]
+    config: TrainingConfig, dataset: RunData | None, fit: FitResult, origin_tags: dict[str, str]
 ) -> ModelRef:
     logger = run_logger()
     client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
@@ -117,7 +118,7 @@ def _register_model(
                     model_uri,
                     fit,
                     tags=_version_tags(config, dataset, fit, spec) | origin_tags,
-                    description=_description(config, dataset, fit, metric),
+                    description=version_description(config, dataset, fit, metric),
                 )
             else:
                 logger.info("run %s already registered %s version %s", fit.run_key, config.model_name, version)
@@ -154,7 +155,7 @@ def _register_model(
 def _current_champion(
     client: MlflowClient,
     config: TrainingConfig,
-    dataset: DatasetRef | None,
+    dataset: RunData | None,
     spec: TrainFunc | None,
     model_uri: str,
     fit: FitResult,
@@ -165,8 +166,9 @@ def _current_champion(
     if not config.promote:
         return Champion.absent(), recorded
     if spec is not None:
-        return assess_user_champion(client, config.model_name, config, spec, model_uri, recorded)
-    assert dataset is not None
+        data_dir = data_dir_of(dataset, config.storage_options)
+        return assess_user_champion(client, config.model_name, config, spec, model_uri, recorded, data_dir)
+    assert is_builtin_dataset(dataset), "the built-in classifier trains on its prepared table"
     return builtin_register.assess_champion_on_test_split(client, config, dataset), recorded
 
 
@@ -289,14 +291,14 @@ def _logged_model_uri(fit: FitResult) -> str | None:
 
 
 def _log_model(
-    client: MlflowClient, config: TrainingConfig, dataset: DatasetRef | None, fit: FitResult, spec: TrainFunc | None
+    client: MlflowClient, config: TrainingConfig, dataset: RunData | None, fit: FitResult, spec: TrainFunc | None
 ) -> str:
     if spec is not None:  # the user's own code: its load_model, on a verified copy of the best checkpoint
-        model, example = user_model(
-            config, fit, spec, pins.recorded_digest(client, fit.mlflow_run_id, fit.best_checkpoint_uri)
-        )
-        return _log_pt2(fit, model, example, {"run_key": fit.run_key, "train_code": config.train_code})
-    assert dataset is not None
+        digest = pins.recorded_digest(client, fit.mlflow_run_id, fit.best_checkpoint_uri)
+        model, example = user_model(config, fit, spec, digest, data_dir_of(dataset, config.storage_options))
+        lineage = {"dataset_hash": dataset.content_hash} if dataset is not None else {}
+        return _log_pt2(fit, model, example, {"run_key": fit.run_key, "train_code": config.train_code} | lineage)
+    assert is_builtin_dataset(dataset), "the built-in classifier trains on its prepared table"
     model, example, metadata, texts = builtin_register.builtin_model(
         config, dataset, fit, pins.recorded_digest(client, fit.mlflow_run_id, fit.best_checkpoint_uri)
     )
@@ -368,12 +370,13 @@ def _link_logged_model(client: MlflowClient, fit: FitResult, model_id: str) -> N
 
 
 def _version_tags(
-    config: TrainingConfig, dataset: DatasetRef | None, fit: FitResult, spec: TrainFunc | None
+    config: TrainingConfig, dataset: RunData | None, fit: FitResult, spec: TrainFunc | None
 ) -> dict[str, str]:
     lineage = (
         {SCHEMA_TAG: builtin_register.schema_digest(dataset), "dataset_hash": dataset.content_hash}
-        if dataset is not None
+        if is_builtin_dataset(dataset)
         else user_version_tags(config, spec, fit.scores[spec.gate.name] if spec is not None else 0.0)
+        | ({"dataset_hash": dataset.content_hash} if dataset is not None else {})
     )
     return {
         VERSION_RUN_KEY_TAG: fit.run_key,
@@ -381,18 +384,3 @@ def _version_tags(
         "best_epoch": str(fit.best_epoch),
         **{key: f"{value:.6f}" for key, value in sorted(fit.scores.items())},
     }
-
-
-def _description(config: TrainingConfig, dataset: DatasetRef | None, fit: FitResult, metric: str) -> str:
-    scores = ", ".join(f"{key} {value:.4f}" for key, value in sorted(fit.scores.items()))
-    if dataset is None:
-        return (
-            f"{config.train_code} trained by run {fit.run_key} (train_config {config.train_config_text()}); "
-            f"best checkpoint: step {fit.best_epoch} by {metric}; {scores}."
-        )
-    return (
-        f"{config.model} {config.hidden_sizes} trained on dataset {dataset.content_hash} ({dataset.source}) by "
-        f"run {fit.run_key}; best checkpoint: epoch {fit.best_epoch} by {config.promotion_metric}; {scores}. "
-        "Input: raw float32 features in feature_names order (the model standardises them with the train "
-        "statistics in the run's preprocessing.json); output: logits over class_labels."
-    )

@@ -33,6 +33,7 @@ from raytrain_tasks.errors import (
     UnsafeCheckpointError,
     UserCodeError,
 )
+from raytrain_tasks.prepared import PreparedData, RunData, is_builtin_dataset
 from raytrain_tasks.storage.locations import StorageLocation
 from raytrain_tasks.tracking import pins
 from raytrain_tasks.tracking import runs as tracking
@@ -133,7 +134,7 @@ def _scaling(plan: FitPlan) -> ray.train.ScalingConfig:
 def build_trainer(
     config: TrainingConfig,
     plan: FitPlan,
-    dataset: DatasetRef | None,
+    dataset: RunData | None,
     run_key: str,
     runs: StorageLocation,
     *callbacks: RayTrainCallback,  # UserCallbacks and ControllerCallbacks; they run on the controller
@@ -153,14 +154,15 @@ def build_trainer(
     if spec is not None:
         from raytrain_driver.user_fit import trainer_function
 
-        train_func, loop_config, data = trainer_function(config, spec, workers_code_dir(config), resume_point)
+        prepared = dataset if isinstance(dataset, PreparedData) else None
+        train_func, loop_config, data = trainer_function(config, spec, workers_code_dir(config), resume_point, prepared)
         score_attribute, score_order = spec.metric.name, spec.metric.order
     else:
-        assert dataset is not None
+        assert is_builtin_dataset(dataset), "the built-in loop trains on its prepared table"
         loop_config = WorkerSpec(
             config=config, cpus_per_worker=plan.cpus_per_worker, dataset=dataset, preexisting=pins[0], pinned=pins[1]
         ).model_dump(mode="json")
-    if dataset is not None and config.data_loader == "ray_data":
+    if is_builtin_dataset(dataset) and config.data_loader == "ray_data":
         from raytrain_tasks.ingest import data_config, ray_datasets
 
         datasets = ray_datasets(config, dataset, run_logger())

@@ -21,6 +21,7 @@ from raytrain_tasks.tracking.controller import checkpoint_name, epoch_number, nu
 if TYPE_CHECKING:
     import ray.train
 
+    from raytrain_tasks.prepared import PreparedData
     from raytrain_tasks.storage.locations import StorageLocation
 
 # Ray Train names a reported checkpoint folder checkpoint_<timestamp> when the code passes no checkpoint_dir_name
@@ -51,15 +52,21 @@ def check_importable_on_cluster(train_code: str, working_dir: str) -> None:
 
 
 def trainer_function(
-    config: TrainingConfig, spec: TrainFunc, code_dir: str, resume: ResumePoint | None = None
+    config: TrainingConfig,
+    spec: TrainFunc,
+    code_dir: str,
+    resume: ResumePoint | None = None,
+    prepared: PreparedData | None = None,
 ) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-    """(the function each worker runs, its ``train_loop_config``, ``TorchTrainer`` data kwargs)."""
+    """(the function each worker runs, its ``train_loop_config``, ``TorchTrainer`` data kwargs). With ``prepared``
+    data, each worker finds its node's local copy (``config["data_dir"]``); the driver its own, for ``datasets``."""
+    from raytrain_tasks.prepared import data_dir_of
     from raytrain_tasks.user_code import run_train_func, user_config
 
     loop_config = user_config(config, spec)
     data: dict[str, Any] = {}
     if spec.datasets is not None:
-        data["datasets"] = dict(spec.datasets(loop_config))
+        data["datasets"] = dict(spec.datasets(user_config(config, spec, data_dir_of(prepared, config.storage_options))))
     resume = resume or ResumePoint()
     return (
         run_train_func,
@@ -69,6 +76,8 @@ def trainer_function(
             "config": loop_config,
             "rejected": sorted(resume.rejected),
             "fallback": resume.fallback,
+            "data": prepared.model_dump(mode="json") if prepared is not None else None,
+            "storage": config.storage_options.model_dump(mode="json"),
         },
         data,
     )

@@ -33,7 +33,9 @@ GATE_DIRECTION_TAG = "gate.higher_is_better"
 GATE_SCORE_TAG = "gate.score"
 
 
-def user_model(config: TrainingConfig, fit: FitResult, spec: TrainFunc, expected_digest: str | None) -> tuple[Any, Any]:
+def user_model(
+    config: TrainingConfig, fit: FitResult, spec: TrainFunc, expected_digest: str | None, data_dir: Path | None = None
+) -> tuple[Any, Any]:
     """(the user's model in eval mode, its input example as a numpy array) from the best checkpoint.
 
     The local copy must hash to the digest the controller recorded when the checkpoint was committed; the user's
@@ -44,7 +46,7 @@ def user_model(config: TrainingConfig, fit: FitResult, spec: TrainFunc, expected
     from raytrain_tasks.user_code import user_config
 
     assert spec.load_model is not None and spec.input_example is not None
-    loop_config = user_config(config, spec)
+    loop_config = user_config(config, spec, data_dir)
     with tempfile.TemporaryDirectory(prefix="prt-user-model-") as tmp:
         directory = download_dir(locate(fit.best_checkpoint_uri, config.storage_options), Path(tmp) / "checkpoint")
         actual = local_folder_digest(directory)
@@ -83,7 +85,9 @@ def version_tags(config: TrainingConfig, spec: TrainFunc | None, score: float) -
     }
 
 
-def assess_recorded_champion(client: MlflowClient, name: str, config: TrainingConfig, spec: TrainFunc) -> Champion:
+def assess_recorded_champion(
+    client: MlflowClient, name: str, config: TrainingConfig, spec: TrainFunc, data_dir: Path | None = None
+) -> Champion:
     """The champion's score as recorded when it was registered; incomparable unless the same training code
     registered it on the same metric. Only a missing alias means there is none; a registry error leaves it open."""
     found = read_champion(client, name)
@@ -106,7 +110,7 @@ def assess_recorded_champion(client: MlflowClient, name: str, config: TrainingCo
             f"{tags.get(GATE_DIRECTION_TAG)}), this run's is {spec.gate.name!r} ({spec.gate.higher_is_better})",
         )
     if spec.evaluate is not None:
-        return _evaluated_champion(name, version, config, spec)
+        return _evaluated_champion(name, version, config, spec, data_dir)
     recorded = tags.get(GATE_SCORE_TAG, tags.get(spec.gate.name))
     try:
         return Champion(version, score=float(json.loads(recorded or "null")))
@@ -115,24 +119,32 @@ def assess_recorded_champion(client: MlflowClient, name: str, config: TrainingCo
 
 
 def assess_user_champion(
-    client: MlflowClient, name: str, config: TrainingConfig, spec: TrainFunc, candidate_uri: str, recorded: float
+    client: MlflowClient,
+    name: str,
+    config: TrainingConfig,
+    spec: TrainFunc,
+    candidate_uri: str,
+    recorded: float,
+    data_dir: Path | None = None,
 ) -> tuple[Champion, float]:
     """(the champion, the candidate's score) as the gate compares them: both scored by the code's ``evaluate`` on
     this run's data when it has one and the champion is comparable; else the scores recorded at training time."""
-    champion = assess_recorded_champion(client, name, config, spec)
+    champion = assess_recorded_champion(client, name, config, spec, data_dir)
     if spec.evaluate is None or champion.score is None:
         return champion, recorded
     try:
-        return champion, _evaluate_registered(candidate_uri, config, spec)
+        return champion, _evaluate_registered(candidate_uri, config, spec, data_dir)
     except Exception as exc:  # noqa: BLE001 - a candidate that cannot be scored like the champion moves nothing (tested)
         failed = f"scoring this run's model with evaluate failed: {_named(exc)}"
         return Champion(champion.version, error=failed), recorded
 
 
-def _evaluated_champion(name: str, version: str, config: TrainingConfig, spec: TrainFunc) -> Champion:
+def _evaluated_champion(
+    name: str, version: str, config: TrainingConfig, spec: TrainFunc, data_dir: Path | None
+) -> Champion:
     """The champion scored by the code's ``evaluate`` on this run's data; any failure leaves it in place."""
     try:
-        return Champion(version, score=_evaluate_registered(f"models:/{name}/{version}", config, spec))
+        return Champion(version, score=_evaluate_registered(f"models:/{name}/{version}", config, spec, data_dir))
     except ForeignModelError as exc:
         return Champion(version, incomparable=str(exc))
     except Exception as exc:  # noqa: BLE001 - any failure to load or score the champion leaves it in place (tested)
@@ -143,7 +155,7 @@ class ForeignModelError(Exception):
     """A registered model in another format than this project logs: its scores are not comparable."""
 
 
-def _evaluate_registered(model_uri: str, config: TrainingConfig, spec: TrainFunc) -> float:
+def _evaluate_registered(model_uri: str, config: TrainingConfig, spec: TrainFunc, data_dir: Path | None) -> float:
     """The gate's metric of the registered model at ``model_uri``, as the code's ``evaluate`` scores it. Only this
     project's exact pt2 layout is loaded, with pickles off (raytrain_driver.champion); anything else is refused."""
     import mlflow
@@ -163,7 +175,7 @@ def _evaluate_registered(model_uri: str, config: TrainingConfig, spec: TrainFunc
             )
         with pickle_deserialization_off():
             model = mlflow.pytorch.load_model(str(directory))
-    scores = dict(spec.evaluate(model, user_config(config, spec)))
+    scores = dict(spec.evaluate(model, user_config(config, spec, data_dir)))
     if spec.gate.name not in scores:
         raise UserCodeError(
             f"train_code {config.train_code!r}: evaluate returned {sorted(scores)}, not the gate's metric "

@@ -40,16 +40,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Metric", "Splits", "TrainFunc", "TrainSpec", "TRAIN_CONFIG_KEYS"]
+__all__ = ["DATA_DIR_KEY", "Metric", "Splits", "TrainFunc", "TrainSpec", "TRAIN_CONFIG_KEYS"]
 
 
 def pipeline_keys_refused(keys: Any, where: str) -> str:
-    """ "" when ``keys`` set none of ``TRAIN_CONFIG_KEYS``; else why ``where`` may not set them."""
-    taken = [key for key in TRAIN_CONFIG_KEYS if key in keys]
+    """ "" when ``keys`` set none of the pipeline's keys (``TRAIN_CONFIG_KEYS``, ``DATA_DIR_KEY``); else why
+    ``where`` may not set them."""
+    taken = [key for key in (*TRAIN_CONFIG_KEYS, DATA_DIR_KEY) if key in keys]
     if not taken:
         return ""
 
     def setting(key: str) -> str:
+        if key == DATA_DIR_KEY:
+            return f"{key}, the local copy of what your prepare(config, folder) wrote"
         name = PIPELINE_SETTING.get(key, key)
         return f"{key} from the setting `{name}` (--{name.replace('_', '-')})"
 
@@ -65,6 +68,11 @@ def pipeline_keys_refused(keys: Any, where: str) -> str:
 # again. Neither ``train_config`` nor ``defaults`` may set them: set the pipeline's setting instead.
 TRAIN_CONFIG_KEYS = ("epochs", "batch_size", "lr", "seed", "num_workers", "use_gpu")
 PIPELINE_SETTING = {"lr": "learning_rate"}  # where a key's name differs from its setting's
+# The key of ``config`` that holds the local folder of the run's prepared data (``prepare=...``): a ``str`` path,
+# on the driver and on every worker; None when the code has no ``prepare``.
+DATA_DIR_KEY = "data_dir"
+
+Prepare = Callable[[dict[str, Any], Path], None]
 
 
 @dataclass(frozen=True)
@@ -116,6 +124,16 @@ class TrainFunc:
             same data (a champion trained on last month's data is judged on today's). None: the gate compares the
             scores recorded when each was trained, which is like with like only while the data does not change. A
             ``TrainSpec`` has one: its test split, loss and metrics.
+        prepare: ``prepare(config, folder)``: the run's prepare-data step. Load or download your data, split and
+            preprocess it, and write the result, in any files and format, into ``folder`` (an empty local
+            directory). It runs once per run, where the flow runs, before any worker is asked for. The pipeline
+            keeps the folder in ``<storage_path>/datasets/<content hash>/`` (the same data is stored once, however
+            many runs use it), records the hash in the MLflow run (``prefect_raytrain.dataset_hash``), and hands
+            your code ``config["data_dir"]``: a local folder holding those exact files, on every worker and on the
+            driver (for ``datasets``, ``load_model``, ``input_example`` and ``evaluate``), on any node of a cluster.
+            Files that no longer hash to the recorded content are refused. A resume runs ``prepare`` again and is
+            refused if the data changed: a run continues on the data it started with. None: your code reads its
+            data where it is, and ``config["data_dir"]`` is None.
     """
 
     train_func: Callable[[dict[str, Any]], None]
@@ -126,6 +144,7 @@ class TrainFunc:
     defaults: Mapping[str, Any] = field(default_factory=dict)
     gate_metric: str = ""
     evaluate: Callable[[Any, dict[str, Any]], Mapping[str, float]] | None = None
+    prepare: Prepare | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.train_func):
@@ -141,7 +160,7 @@ class TrainFunc:
             raise TypeError(refused)
         if self.evaluate is not None and self.load_model is None:
             raise TypeError("TrainFunc(evaluate=...) scores registered models: it needs load_model and input_example")
-        for name in ("load_model", "input_example", "datasets", "evaluate"):
+        for name in ("load_model", "input_example", "datasets", "evaluate", "prepare"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise TypeError(f"TrainFunc({name}=...) must be a function, got {value!r}")
@@ -191,6 +210,8 @@ class TrainSpec:
         input_example: ``input_example(config)`` -> what the registered model is exported with; default: two inputs
             of the train split.
         defaults: values for ``config`` that apply when neither ``train_config`` nor the pipeline sets them.
+        prepare: ``prepare(config, folder)``, as for ``TrainFunc``: ``data(config)`` then reads the files from
+            ``config["data_dir"]``, the same on the driver and every worker, wherever they run.
     """
 
     data: Callable[[dict[str, Any]], Splits]
@@ -201,6 +222,7 @@ class TrainSpec:
     optimizer: Callable[[Any, dict[str, Any]], Any] | None = None
     input_example: Callable[[dict[str, Any]], Any] | None = None
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    prepare: Prepare | None = None
 
     def __post_init__(self) -> None:
         for name in ("data", "model", "loss"):
@@ -212,3 +234,5 @@ class TrainSpec:
             raise TypeError(f"TrainSpec(metric={self.metric.name!r}) needs metrics=... that computes it (or 'loss')")
         if refused := pipeline_keys_refused(self.defaults, "TrainSpec(defaults=...)"):
             raise TypeError(refused)
+        if self.prepare is not None and not callable(self.prepare):
+            raise TypeError(f"TrainSpec(prepare=...) must be a function, got {self.prepare!r}")

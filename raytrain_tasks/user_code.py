@@ -17,7 +17,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from raytrain_tasks.api import TRAIN_CONFIG_KEYS, TrainFunc, TrainSpec
+from raytrain_tasks.api import DATA_DIR_KEY, TRAIN_CONFIG_KEYS, TrainFunc, TrainSpec
 from raytrain_tasks.errors import UserCodeError
 
 TRAIN_CODE_PATTERN = r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$"
@@ -37,11 +37,11 @@ def resolve(train_code: str, where: str = "on this driver") -> TrainFunc:
         if exc.name and module_name.startswith(exc.name):
             raise UserCodeError(f"train_code {train_code!r}: {_not_found(exc.name, where)}") from exc
         raise UserCodeError(
-            f"train_code {train_code!r}: importing {module_name!r} {where} failed: {_user_frames(exc)}"
+            f"train_code {train_code!r}: importing {module_name!r} {where} failed: {user_frames(exc)}"
         ) from exc
     except Exception as exc:
         raise UserCodeError(
-            f"train_code {train_code!r}: importing {module_name!r} {where} failed: {_user_frames(exc)}"
+            f"train_code {train_code!r}: importing {module_name!r} {where} failed: {user_frames(exc)}"
         ) from exc
     target: Any = module
     for part in attribute.split("."):
@@ -87,9 +87,10 @@ def shipped_module(train_code: str) -> str | None:
     return str(Path(paths[0]).resolve()) if paths else str(Path(str(top.__file__)).resolve())
 
 
-def user_config(config: Any, spec: TrainFunc) -> dict[str, Any]:
-    """The ``config`` the user's ``train_func`` receives: the spec's defaults, the pipeline's own settings
-    (``TRAIN_CONFIG_KEYS``), then ``train_config`` (which wins)."""
+def user_config(config: Any, spec: TrainFunc, data_dir: Path | None = None) -> dict[str, Any]:
+    """The ``config`` the user's code receives: the spec's defaults, the pipeline's own settings
+    (``TRAIN_CONFIG_KEYS``), then ``train_config`` (which wins), and ``DATA_DIR_KEY``: ``data_dir``, the local
+    folder of the run's prepared data (None without ``prepare``)."""
     own = {
         "epochs": config.epochs,
         "batch_size": config.batch_size,
@@ -99,7 +100,8 @@ def user_config(config: Any, spec: TrainFunc) -> dict[str, Any]:
         "use_gpu": config.use_gpu,
     }
     assert tuple(own) == TRAIN_CONFIG_KEYS
-    return {**dict(spec.defaults), **own, **copy.deepcopy(config.train_config)}  # the code may change it
+    merged = {**dict(spec.defaults), **own, **copy.deepcopy(config.train_config)}  # the code may change it
+    return merged | {DATA_DIR_KEY: None if data_dir is None else str(data_dir)}
 
 
 def run_train_func(loop_config: dict[str, Any]) -> None:
@@ -107,12 +109,19 @@ def run_train_func(loop_config: dict[str, Any]) -> None:
     _on_import_path(loop_config.get("code_dir", ""))
     spec = resolve(loop_config["train_code"], where="on a Ray Train worker")
     _skip_rejected_checkpoint(frozenset(loop_config.get("rejected", ())), loop_config.get("fallback"))
+    config = dict(loop_config["config"])
+    if loop_config.get("data") is not None:
+        from raytrain_tasks.prepared import PreparedData, local_data_dir
+        from raytrain_tasks.storage.filesystem import StorageOptions
+
+        data = PreparedData.model_validate(loop_config["data"])
+        config[DATA_DIR_KEY] = str(local_data_dir(data, StorageOptions.model_validate(loop_config["storage"])))
     try:
-        spec.train_func(dict(loop_config["config"]))
+        spec.train_func(config)
     except (TypeError, ImportError) as exc:
         # Ray Train hands the controller the exception alone (its traceback stays in the worker's log): the
         # user's own frames go into the message, and code_error_stopper ends the fit on it.
-        raise UserCodeError(_user_frames(exc)) from exc
+        raise UserCodeError(user_frames(exc)) from exc
 
 
 def _skip_rejected_checkpoint(rejected: frozenset[str], fallback: str | None) -> None:
@@ -194,7 +203,7 @@ def _not_found(missing: str, where: str) -> str:
     )
 
 
-def _user_frames(exc: BaseException) -> str:
+def user_frames(exc: BaseException) -> str:
     """The exception with the user's own frames (not this module's or importlib's)."""
     frames = [
         frame

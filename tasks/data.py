@@ -1,5 +1,6 @@
-"""prepare-data: the Prefect task that writes (or reuses) the run's content-addressed dataset version
-(raytrain_driver/dataset.py)."""
+"""prepare-data: the Prefect task that writes (or reuses) the run's content-addressed dataset version: the built-in
+classifier's table (raytrain_driver/dataset.py), or what your code's ``prepare`` writes
+(raytrain_driver/user_data.py)."""
 
 from __future__ import annotations
 
@@ -7,16 +8,34 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from raytrain_driver.dataset import prepare_dataset
+from raytrain_driver.preflight import resolve_code
+from raytrain_driver.user_data import prepare_user_data
 from raytrain_tasks.config import TrainingConfig
-from raytrain_tasks.data import DatasetRef
+from raytrain_tasks.prepared import RunData
 from raytrain_tasks.redact import redacted_errors
 
 
 @task(name="prepare-data", cache_policy=NONE)
-def prepare_data(config: TrainingConfig) -> DatasetRef:
-    """Write (or reuse) the prepared dataset version for this config and return where it is."""
+def prepare_data(config: TrainingConfig) -> RunData | None:
+    """Write (or reuse) the prepared dataset version for this config and return where it is; None for your own
+    code without ``prepare`` (it reads its data where it is)."""
     logger = get_run_logger()
     with redacted_errors():
+        spec = resolve_code(config)
+        if spec is not None:
+            prepared = prepare_user_data(config, spec)
+            if prepared is None:
+                logger.info("train_code %s has no prepare: it reads its own data", config.train_code)
+            else:
+                logger.info(
+                    "prepared data %s: %d files, %d bytes, from %s at %s",
+                    prepared.content_hash,
+                    prepared.files,
+                    prepared.bytes,
+                    prepared.source,
+                    prepared.uri,
+                )
+            return prepared
         dataset = prepare_dataset(config)
     logger.info(
         "dataset %s: %d train / %d val / %d test rows, %d features, %d classes at %s",

@@ -19,7 +19,6 @@ from raytrain_driver.fit_record import FitResult
 from raytrain_driver.hooks import Logger, RunHooks, run_hooks
 from raytrain_driver.origin import ENTRY_POINT
 from raytrain_tasks.config import TrainingConfig, check_run_key
-from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.errors import (
     CheckpointError,
     ClusterError,
@@ -30,6 +29,7 @@ from raytrain_tasks.errors import (
     TrackingError,
     UserCodeError,
 )
+from raytrain_tasks.prepared import RunData
 from raytrain_tasks.redact import redacted_errors
 from raytrain_tasks.storage.locations import RUNS_DIR, locate
 from tasks.run_page import EpochProgress
@@ -91,7 +91,7 @@ def prefect_origin(run_key: str) -> dict[str, str]:
     cache_policy=NONE,
     retry_condition_fn=is_retryable,
 )
-def distributed_fit(config: TrainingConfig, dataset: DatasetRef | None, run_key: str) -> FitResult:
+def distributed_fit(config: TrainingConfig, dataset: RunData | None, run_key: str) -> FitResult:
     """Train (or continue training) run ``run_key`` and return its best checkpoint and metrics."""
     with redacted_errors(), run_hooks(RunHooks(get_run_logger(), _run_page, Path(PREFECT_HOME.value()))):
         check_run_key(run_key)  # it names a folder in storage and goes into MLflow filters

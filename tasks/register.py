@@ -14,13 +14,13 @@ from raytrain_driver.fit_record import FitResult
 from raytrain_driver.hooks import RunHooks, run_hooks
 from raytrain_driver.register import ModelRef, register
 from raytrain_tasks.config import TrainingConfig
-from raytrain_tasks.data import DatasetRef
+from raytrain_tasks.prepared import RunData
 
 __all__ = ["ModelRef", "register_model"]
 
 
 @task(name="register-model", task_run_name="register-{fit.run_key}", cache_policy=NONE)
-def register_model(config: TrainingConfig, dataset: DatasetRef | None, fit: FitResult) -> ModelRef:
+def register_model(config: TrainingConfig, dataset: RunData | None, fit: FitResult) -> ModelRef:
     """Log the best checkpoint as an MLflow model in the fit's run and register (at most) one version of it."""
     with run_hooks(RunHooks(get_run_logger())):
         tags = {"prefect.flow_run_id": str(flow_run.get_id())} if flow_run.get_id() else {}

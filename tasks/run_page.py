@@ -182,9 +182,12 @@ def publish_run_summary(result: Any, registry_error: str = "") -> None:
     version, where things are, what the registry decided) and, with an MLflow server, the learning curves."""
     from prefect.artifacts import create_image_artifact, create_markdown_artifact
 
+    from raytrain_tasks.prepared import is_builtin_dataset
+
     fit, model, config = result.fit, result.model, result.config
     data = result.dataset
-    shown = ("train_loss", "val_loss", "val_accuracy") if data is not None else tuple(sorted(fit.final_metrics))
+    builtin = is_builtin_dataset(data)
+    shown = ("train_loss", "val_loss", "val_accuracy") if builtin else tuple(sorted(fit.final_metrics))
     rows = "\n".join(
         f"| {key} | {fit.final_metrics[key]:.4f} | {fit.best_metrics.get(key, float('nan')):.4f} |"
         for key in shown
@@ -197,9 +200,13 @@ def publish_run_summary(result: Any, registry_error: str = "") -> None:
     else:
         version = mlflow_version_link(config.mlflow_tracking_uri, model.name, str(model.version))
         registry = f"{version} -> {', '.join(model.aliases)} ({model.decision}: {model.reason})"
-    if data is None:  # the user's own training code: its data is its own, its gate metric is what it reported
+    if not builtin:  # the user's own training code: its gate metric is what it reported
         gate = ", ".join(f"{k} {v:.4f}" for k, v in fit.scores.items())
         lines = f"- **Gate metric** (the best checkpoint's report): {gate}\n- **Training code**: `{config.train_code}`"
+        if data is not None:
+            lines += (
+                f"\n- **Prepared data**: `{data.content_hash}` ({data.files} files, {data.bytes} bytes) at {data.uri}"
+            )
     else:
         split_sizes = f"{data.train_rows} train / {data.val_rows} val / {data.test_rows} test rows"
         scores = ", ".join(f"{k} {v:.4f}" for k, v in fit.scores.items() if k.startswith("test_")) or "not scored"

@@ -1,21 +1,22 @@
 """A small CNN on image files, as a ``TrainSpec``: you give the data, the model, the loss and the metric; the
 pipeline's loop trains it (DDP, a checkpoint every epoch, resume, the held-out test split, the gate).
 
-The images are scikit-learn's bundled 8x8 digits, written once as PNG files under ``image_dir`` (one folder per
-class, as most image datasets come) and read back through a torch Dataset: no download.
+``prepare`` is the run's prepare-data step: it writes the images as PNG files, one folder per class (as most image
+datasets come), into the folder it is given. The pipeline stores that folder in ``<storage_path>/datasets/`` under
+its content hash and hands ``data`` a local copy as ``config["data_dir"]``, on every worker of any node. The
+images here are scikit-learn's bundled 8x8 digits: no download.
 
     prefect-raytrain train --train-code examples.image_classifier.train:training --epochs 5
 
-To bring your own images: point ``image_dir`` at them (``--train-config '{"image_dir": "/data/my-images"}'``,
-one sub-folder per class, the same on every node) and drop ``write_example_images``; change ``build_model`` for
-your image size.
+To bring your own images: point ``image_dir`` at them (``--train-config '{"image_dir": "/data/my-images"}'``, one
+sub-folder per class, readable where the flow runs: ``prepare`` copies them), and change ``build_model`` for your
+image size and classes.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +28,6 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from raytrain_tasks.api import Metric, Splits, TrainSpec
-
-DEFAULT_IMAGE_DIR = str(Path(tempfile.gettempdir()) / "prefect-raytrain-example-digits-png")
 
 
 class ImageFolder(Dataset):
@@ -47,19 +46,18 @@ class ImageFolder(Dataset):
         return torch.from_numpy(pixels).unsqueeze(0), torch.tensor(self.index[path.parent.name])
 
 
-def write_example_images(root: Path) -> None:
-    """The bundled digits as PNG files; safe when several workers write the same folder at once."""
+def prepare(config: dict[str, Any], folder: Path) -> None:
+    """prepare-data: ``<folder>/<class>/<name>.png``, copied from ``image_dir``, or the bundled digits."""
+    if config["image_dir"]:
+        shutil.copytree(config["image_dir"], folder, dirs_exist_ok=True)
+        return
     from sklearn.datasets import load_digits
 
     digits = load_digits()
     for number, (image, label) in enumerate(zip(digits.images, digits.target, strict=True)):
-        path = root / str(label) / f"{number:05d}.png"
-        if path.exists():
-            continue
+        path = folder / str(label) / f"{number:05d}.png"
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        Image.fromarray((image * 255.0 / 16.0).astype(np.uint8)).save(partial, format="PNG")
-        os.replace(partial, path)  # a reader never sees half a file
+        Image.fromarray((image * 255.0 / 16.0).astype(np.uint8)).save(path, format="PNG")
 
 
 def split_of(path: Path) -> str:
@@ -69,9 +67,7 @@ def split_of(path: Path) -> str:
 
 
 def data(config: dict[str, Any]) -> Splits:
-    root = Path(config["image_dir"])
-    if config["image_dir"] == DEFAULT_IMAGE_DIR:
-        write_example_images(root)
+    root = Path(config["data_dir"])  # the local copy of what prepare wrote
     classes = sorted(p.name for p in root.iterdir() if p.is_dir())
     files = sorted(root.glob("*/*.png"))
     by_split: dict[str, list[Path]] = {"train": [], "val": [], "test": []}
@@ -103,5 +99,6 @@ training = TrainSpec(
     loss=F.cross_entropy,
     metrics=accuracy,
     metric=Metric("accuracy", higher_is_better=True),
-    defaults={"image_dir": DEFAULT_IMAGE_DIR, "channels": 16},
+    prepare=prepare,
+    defaults={"image_dir": "", "channels": 16},
 )

@@ -361,13 +361,15 @@ def _check_params_unchanged(logged: dict[str, str], params: dict[str, Any], run_
 
 
 def _check_dataset_unchanged(tags: dict[str, str], dataset_hash: str | None, run_key: str) -> None:
-    # `dataset` is a path: the same path may hold other rows now. Old weights on new data (and new standardisation)
-    # would train on, and a finished fit would register its old scores wrapped in the new mean and std.
+    # `dataset` (or what prepare reads) is a path: the same path may hold other rows now. Old weights on new data
+    # (and new standardisation) would train on, and a finished fit would register its old scores wrapped in the new
+    # mean and std.
     recorded = tags.get(DATASET_HASH_TAG)
     if recorded is not None and dataset_hash is not None and recorded != dataset_hash:
         raise TrackingError(
-            f"run {run_key} was trained on dataset {recorded}, but `dataset` now prepares dataset {dataset_hash} "
-            "(its content changed); resume with the data it started with, or start a new run without `resume`"
+            f"run {run_key} was trained on dataset {recorded}, but prepare-data now gives dataset {dataset_hash} (the "
+            "content of `dataset`, or what train_code's prepare writes, changed); resume with the data it started "
+            "with, or start a new run without `resume`"
         )
 
 

@@ -69,3 +69,6 @@ def test_every_command_of_the_guide_runs_from_a_fresh_folder(tmp_path: Path, pre
     assert all(run.info.status == "FINISHED" for run in runs)
     (my_model,) = [run for run in runs if run.data.params["train_code"] == "my_model.train:training"]
     assert my_model.data.params["train_config.hidden"] == "64"  # --train-config reached the run's params
+    (my_images,) = [run for run in runs if run.data.params["train_code"] == "my_images.train:training"]
+    prepared = tmp_path / ".pipeline" / "storage" / "datasets" / my_images.data.tags["prefect_raytrain.dataset_hash"]
+    assert len(list((prepared / "files").glob("*/*.png"))) == 1797  # its prepare's PNG files, stored by content

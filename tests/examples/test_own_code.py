@@ -7,6 +7,7 @@ The examples under examples/ are the acceptance tests: each runs here as a user 
 
 from __future__ import annotations
 
+import json
 import re
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,7 @@ from flows.training import training_pipeline
 from raytrain_tasks.api import Metric, TrainFunc
 from raytrain_tasks.config import TrainingConfig, parameters_of
 from raytrain_tasks.errors import TrainingError, UserCodeError
+from raytrain_tasks.prepared import PreparedData
 from raytrain_tasks.user_code import resolve
 from tests.helpers import mlflow_client, only_run, run_killing_a_worker, small_config, start_flow
 
@@ -247,6 +249,55 @@ def test_a_train_spec_champion_is_scored_again_on_the_data_of_today(
     assert float(tags["promotion.champion_score"]) == pytest.approx(today, rel=1e-4), tags
     recorded = first.fit.scores["test_loss"]
     assert abs(today - recorded) > 0.1, (today, recorded)  # scored again, on other rows than it was trained for
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster", "prefect_api")
+def test_prepared_data_is_versioned_read_by_every_worker_and_pinned_to_its_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A TrainSpec with prepare: prepare-data stores what it writes under its content hash, the workers and the
+    driver's registration read it from config["data_dir"], the MLflow run and the registered version name that
+    hash, and a resume after the source changed is refused (the run continues only on the data it started on)."""
+    source = """
+        from pathlib import Path
+        import torch
+        from torch.utils.data import TensorDataset
+        from raytrain_tasks.api import Metric, Splits, TrainSpec
+
+        def prepare(config, folder):
+            (folder / "rows.csv").write_text(Path(config["source"]).read_text())
+
+        def data(config):
+            values = [float(v) for v in (Path(config["data_dir"]) / "rows.csv").read_text().split()]
+            x = torch.tensor(values).unsqueeze(1)
+            rows = TensorDataset(x, 3 * x)
+            return Splits(*(torch.utils.data.Subset(rows, range(start, len(rows), 3)) for start in range(3)))
+
+        training = TrainSpec(data=data, prepare=prepare, model=lambda config, example: torch.nn.Linear(1, 1),
+                             loss=torch.nn.functional.mse_loss, metric=Metric("loss", higher_is_better=False))
+    """
+    (tmp_path / "code").mkdir()
+    name = _module(tmp_path / "code", monkeypatch, source, name="prepared_rows")
+    rows = tmp_path / "rows.txt"
+    rows.write_text("\n".join(str(i / 10) for i in range(-15, 15)))
+    settings = {"epochs": 2, "register": True, "train_config": json.dumps({"source": str(rows)})}
+    first = training_pipeline(**parameters_of(own_config(tmp_path, f"{name}:training", **settings)))
+    assert isinstance(first.dataset, PreparedData) and first.model is not None
+    stored = tmp_path / "storage" / "datasets" / first.dataset.content_hash / "files" / "rows.csv"
+    assert stored.read_text() == rows.read_text()
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.get_run(first.fit.mlflow_run_id)
+    assert run.data.tags["prefect_raytrain.dataset_hash"] == first.dataset.content_hash
+    assert client.get_model_version("digits-test", first.model.version).tags["dataset_hash"] == (
+        first.dataset.content_hash
+    )
+
+    rows.write_text("\n".join(str(i / 10) for i in range(-15, 16)))  # the source grew
+    with pytest.raises(Exception, match=r"was trained on dataset .*prepare-data now gives dataset") as refused:
+        training_pipeline(**parameters_of(own_config(tmp_path, f"{name}:training", resume=first.run_key, **settings)))
+    assert first.dataset.content_hash in str(refused.value)
+    assert client.get_run(first.fit.mlflow_run_id).info.status == "FINISHED"  # the run it refused is untouched
 
 
 def _tracking(workdir: Path) -> Any:

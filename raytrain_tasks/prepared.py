@@ -1,0 +1,115 @@
+"""The data your code's ``prepare(config, folder)`` wrote (raytrain_tasks.api), as a stored version and as the
+local folder every process of the run reads it from (``config["data_dir"]``).
+
+A version lives in ``<storage_path>/datasets/<content hash>/``: the files under ``files/``, then ``prepared.json``
+written last (a folder without it is incomplete and is written again). The content hash is
+``raytrain_tasks.integrity``'s digest of the files: their relative paths, sizes and SHA-256s.
+
+On local storage the stored folder is read in place; on S3 each node copies it once into its temporary directory
+(``prefect-raytrain-data/<hash>``), shared by the node's processes. Either way the files are hashed before your code
+sees them, and a folder whose files no longer hash to the version's content is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import TypeGuard
+
+from pydantic import BaseModel, ConfigDict
+
+from raytrain_tasks.data import DatasetRef
+from raytrain_tasks.errors import DatasetError
+from raytrain_tasks.storage.filesystem import StorageOptions, is_s3, open_filesystem
+
+FILES_DIR = "files"
+MARKER_NAME = "prepared.json"
+CACHE_DIR = "prefect-raytrain-data"
+
+
+class PreparedData(BaseModel):
+    """A stored version of what ``prepare`` wrote."""
+
+    model_config = ConfigDict(frozen=True)
+
+    uri: str  # the version's folder: <storage_path>/datasets/<content_hash>
+    content_hash: str
+    source: str  # the train_code whose prepare wrote it
+    files: int
+    bytes: int
+
+    @property
+    def files_uri(self) -> str:
+        return f"{self.uri.rstrip('/')}/{FILES_DIR}"
+
+
+def local_data_dir(data: PreparedData, options: StorageOptions) -> Path:
+    """A local folder holding exactly the version's files: the stored one itself on local storage, this node's
+    copy of it on S3 (made once per node). DatasetError when the files do not hash to the version's content."""
+    from raytrain_tasks.integrity import local_folder_digest
+
+    if not is_s3(data.uri):
+        _, path = open_filesystem(data.files_uri, options)
+        folder = Path(path)
+        _check(folder, local_folder_digest(folder), data, "its stored folder")
+        return folder
+    folder = Path(tempfile.gettempdir()) / CACHE_DIR / data.content_hash
+    if folder.is_dir():
+        _check(folder, local_folder_digest(folder), data, "this node's copy")
+        return folder
+    partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        _download(data, options, partial)
+        _check(partial, local_folder_digest(partial), data, "the copy downloaded from storage")
+        try:
+            partial.rename(folder)
+        except OSError:  # another process of this node renamed its copy first: use that one
+            if not folder.is_dir():
+                raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return folder
+
+
+def _download(data: PreparedData, options: StorageOptions, destination: Path) -> None:
+    import pyarrow.fs as pafs
+
+    filesystem, path = open_filesystem(data.files_uri, options)
+    destination.mkdir(parents=True)
+    try:
+        pafs.copy_files(
+            path, str(destination), source_filesystem=filesystem, destination_filesystem=pafs.LocalFileSystem()
+        )
+    except OSError as exc:
+        raise DatasetError(
+            f"cannot copy the run's prepared data from {data.files_uri}: {exc}; check `storage_path` and that this "
+            "node can read it"
+        ) from exc
+
+
+def _check(folder: Path, actual: str, data: PreparedData, what: str) -> None:
+    if actual != data.content_hash:
+        raise DatasetError(
+            f"the prepared data of this run ({data.uri}) was refused: the files of {what} ({folder}) hash to "
+            f"{actual[:12]}..., not to the content {data.content_hash[:12]}... that prepare wrote. Someone changed "
+            "them after they were stored; delete that folder and run the flow again (prepare writes them anew)"
+        )
+
+
+def is_builtin_dataset(data: object) -> TypeGuard[DatasetRef]:
+    """Whether a run's data is the built-in classifier's prepared table (not what your code's prepare wrote)."""
+    return isinstance(data, DatasetRef)
+
+
+# What prepare-data hands the fit and register-model: the built-in classifier's table, what your code's prepare
+# wrote, or None (your code reads its own data).
+RunData = DatasetRef | PreparedData
+
+
+def data_dir_of(data: RunData | None, options: StorageOptions) -> Path | None:
+    """The local folder of what your code's prepare wrote (``config["data_dir"]`` here); None for the built-in
+    classifier's table or no prepared data."""
+    return local_data_dir(data, options) if isinstance(data, PreparedData) else None

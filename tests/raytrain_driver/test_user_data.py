@@ -1,0 +1,118 @@
+"""prepare-data for your own code (``TrainFunc``/``TrainSpec`` ``prepare=``): what it writes is stored once per
+content in the run's storage, and every process reads exactly those files (``config["data_dir"]``). Real local
+folders and the session's real S3 server; no Ray."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from devtools.s3_server import LocalS3
+from raytrain_driver.user_data import prepare_user_data
+from raytrain_tasks.api import DATA_DIR_KEY, Metric, TrainFunc
+from raytrain_tasks.errors import DatasetError, UserCodeError
+from raytrain_tasks.prepared import MARKER_NAME, local_data_dir
+from raytrain_tasks.user_code import user_config
+from tests.helpers import small_config
+
+CODE = "someones_project.train:training"
+
+
+def code(prepare: Any) -> TrainFunc:
+    return TrainFunc(lambda config: None, metric=Metric("val_loss", higher_is_better=False), prepare=prepare)
+
+
+def write_rows(rows: int) -> Any:
+    def prepare(config: dict[str, Any], folder: Path) -> None:
+        assert config[DATA_DIR_KEY] is None and config["epochs"] == 1  # the run's config, before there is data
+        (folder / "tables").mkdir()
+        (folder / "tables" / "rows.csv").write_text("".join(f"{i},{2 * i}\n" for i in range(rows)))
+        (folder / "labels.txt").write_text("x\ny\n")
+
+    return prepare
+
+
+def test_what_prepare_writes_is_stored_once_per_content_and_read_back_exactly(tmp_path: Path) -> None:
+    config = small_config(tmp_path, train_code=CODE, epochs=1)
+    first = prepare_user_data(config, code(write_rows(10)))
+    assert first is not None and first.files == 2
+    stored = Path(config.storage_path) / "datasets" / first.content_hash
+    assert first.uri.endswith(f"/datasets/{first.content_hash}") and (stored / MARKER_NAME).is_file()
+    marker_written = (stored / MARKER_NAME).stat().st_mtime_ns
+
+    again = prepare_user_data(config, code(write_rows(10)))
+    assert again == first  # the same content is the same version: found, not written again
+    assert (stored / MARKER_NAME).stat().st_mtime_ns == marker_written
+    other = prepare_user_data(config, code(write_rows(11)))
+    assert other is not None and other.content_hash != first.content_hash  # other rows, another version
+
+    folder = local_data_dir(first, config.storage_options)
+    assert (folder / "tables" / "rows.csv").read_text().startswith("0,0\n1,2\n")
+    assert user_config(config, code(None), folder)[DATA_DIR_KEY] == str(folder)
+
+
+def test_an_interrupted_write_of_a_version_is_written_again_whole(tmp_path: Path) -> None:
+    config = small_config(tmp_path, train_code=CODE, epochs=1)
+    version = prepare_user_data(config, code(write_rows(5)))
+    assert version is not None
+    stored = Path(config.storage_path) / "datasets" / version.content_hash
+    (stored / MARKER_NAME).unlink()  # as a driver killed before the marker leaves it
+    (stored / "files" / "labels.txt").unlink()
+    (stored / "files" / "stray.bin").write_bytes(b"half an upload")
+    assert prepare_user_data(config, code(write_rows(5))) == version
+    assert local_data_dir(version, config.storage_options) == stored / "files"  # its files hash right again
+
+
+def test_a_stored_version_changed_afterwards_is_refused_where_it_is_read(tmp_path: Path) -> None:
+    config = small_config(tmp_path, train_code=CODE, epochs=1)
+    version = prepare_user_data(config, code(write_rows(5)))
+    assert version is not None
+    stored = Path(config.storage_path) / "datasets" / version.content_hash / "files"
+    (stored / "tables" / "rows.csv").write_text("0,999\n")
+    with pytest.raises(DatasetError, match=r"hash to .*not to the content") as refused:
+        local_data_dir(version, config.storage_options)
+    assert str(stored) in str(refused.value)
+
+
+def test_a_prepare_that_fails_or_writes_nothing_is_named_before_anything_is_stored(tmp_path: Path) -> None:
+    config = small_config(tmp_path, train_code=CODE, epochs=1)
+
+    def broken_prepare(config: dict[str, Any], folder: Path) -> None:
+        raise FileNotFoundError("/data/missing.csv")
+
+    with pytest.raises(UserCodeError, match=r"prepare failed: FileNotFoundError: /data/missing.csv") as failed:
+        prepare_user_data(config, code(broken_prepare))
+    assert "broken_prepare" in str(failed.value)  # the user's own frame
+    with pytest.raises(DatasetError, match="wrote no file"):
+        prepare_user_data(config, code(lambda config, folder: None))
+    assert not (Path(config.storage_path) / "datasets").exists() or not any(
+        (Path(config.storage_path) / "datasets").iterdir()
+    )
+    assert prepare_user_data(config, code(None)) is None  # no prepare: the code reads its own data
+
+
+def test_on_s3_each_node_reads_a_verified_copy(
+    s3_server: LocalS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "node-tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "node-tmp"))  # this "node's" temporary directory
+    config = small_config(
+        tmp_path,
+        train_code=CODE,
+        epochs=1,
+        storage_path="s3://prt-tests/prepared",
+        s3_endpoint_url=s3_server.endpoint_url,
+        create_bucket=True,
+    )
+    version = prepare_user_data(config, code(write_rows(7)))
+    assert version is not None and version.uri == f"s3://prt-tests/prepared/datasets/{version.content_hash}"
+    copy = local_data_dir(version, config.storage_options)
+    assert copy == tmp_path / "node-tmp" / "prefect-raytrain-data" / version.content_hash
+    assert (copy / "tables" / "rows.csv").read_text().count("\n") == 7
+    assert local_data_dir(version, config.storage_options) == copy  # once per node
+    (copy / "labels.txt").write_text("changed on this node\n")
+    with pytest.raises(DatasetError, match="this node's copy"):
+        local_data_dir(version, config.storage_options)
