@@ -114,6 +114,9 @@ def main(
     """Run the pipeline once as this process's whole job; the exit status says whether it completed."""
     config, verbose = parse_args(argv, prog)
     config = credentials_to_environment(config)
+    if problem := _train_code_problem(config):  # in seconds, before Prefect and Ray start
+        print(f"\npipeline failed: {redact(problem)}", file=sys.stderr)
+        return 2
     if not verbose:
         quiet_console()
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
@@ -187,6 +190,21 @@ def _exit_at_the_latest_after_a_signal() -> None:
             os._exit(128 + received[0])
 
     threading.Thread(target=watch, name="stop-deadline", daemon=True).start()
+
+
+def _train_code_problem(config: TrainingConfig) -> str:
+    """Why ``train_code`` cannot run (it does not import, names nothing, or cannot register as asked); "" if it can.
+    The flow checks it again where it runs (prepare-data, and the fit's pre-flight on the cluster)."""
+    if not config.train_code:
+        return ""
+    from raytrain_driver.preflight import resolve_code
+    from raytrain_tasks.errors import UserCodeError
+
+    try:
+        resolve_code(config)
+    except UserCodeError as exc:
+        return str(exc)
+    return ""
 
 
 def _how_to_continue(config: TrainingConfig) -> str:

@@ -69,7 +69,25 @@ def user_model(
             f"train_code {config.train_code!r}: load_model returned a {type(model).__name__}, not a torch.nn.Module"
         )
     example = example.detach().cpu().numpy() if hasattr(example, "detach") else np.asarray(example)
-    return model.eval(), example
+    _check_example_accepted(config, fit, model.eval(), example)
+    return model, example
+
+
+def _check_example_accepted(config: TrainingConfig, fit: FitResult, model: Any, example: Any) -> None:
+    """The model must take ``input_example`` before MLflow exports it with it: a wrong shape is named here, not as
+    the signature error MLflow's export gives (which names a serialization setting the user cannot change)."""
+    import torch
+
+    try:
+        with torch.no_grad():
+            model(torch.as_tensor(example))
+    except Exception as exc:  # noqa: BLE001 - whatever the model raises on it, the example is what to fix (tested)
+        raise UserCodeError(
+            f"train_code {config.train_code!r}: the model load_model gives does not accept input_example (shape "
+            f"{tuple(example.shape)}): {type(exc).__name__}: {exc}. input_example must be a batch your model takes, "
+            f"shaped like your data's inputs; fix it, then `prefect-raytrain resume {fit.run_key}` registers this run "
+            "without training it again"
+        ) from exc
 
 
 def version_tags(config: TrainingConfig, spec: TrainFunc | None, score: float) -> dict[str, str]:

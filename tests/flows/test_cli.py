@@ -78,3 +78,23 @@ def test_cli_rejects_bad_flags_before_doing_anything(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "num_workers (--num-workers)" in proc.stderr and "dataset (--dataset)" in proc.stderr
     assert not (tmp_path / ".pipeline" / "storage").exists() and not (tmp_path / ".pipeline" / "mlflow.db").exists()
+
+
+def test_train_code_that_cannot_run_is_named_before_prefect_or_ray_start(tmp_path: Path) -> None:
+    """A misspelled attribute, or code that cannot register as asked, fails the command before the temporary
+    Prefect API or Ray starts (no Prefect database, no Ray session, nothing in storage), naming train_code."""
+    (tmp_path / "my_code.py").write_text(
+        "import torch\n"
+        "from raytrain_tasks.api import Metric, TrainFunc\n"
+        "training = TrainFunc(lambda config: None, metric=Metric('val_loss', higher_is_better=False))\n"
+    )
+    misspelled = _run_cli(tmp_path, "--train-code", "my_code:trainin", timeout=120)
+    assert misspelled.returncode == 2, misspelled.stderr[-3000:]
+    assert "has no attribute 'trainin'" in misspelled.stderr and "did you mean 'training'" in misspelled.stderr
+    unregistrable = _run_cli(tmp_path, "--train-code", "my_code:training", timeout=120)
+    assert unregistrable.returncode == 2, unregistrable.stderr[-3000:]
+    assert "no load_model/input_example" in unregistrable.stderr and "--no-register" in unregistrable.stderr
+    assert "Traceback" not in misspelled.stderr + unregistrable.stderr
+    pipeline = tmp_path / ".pipeline"
+    assert not (pipeline / "storage").exists() and not (pipeline / "mlflow.db").exists()
+    assert not list((pipeline / "prefect").glob("*.db")), list((pipeline / "prefect").iterdir())

@@ -4,6 +4,7 @@ recorded at training time are compared. Real SQLite registry, real pt2 models; n
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -149,3 +150,52 @@ def test_a_train_spec_evaluates_on_its_test_split_with_its_loss_and_metrics() ->
     errors = X[:10] - 2 * X[:10]
     assert scores["test_loss"] == pytest.approx(float((errors**2).mean()), rel=1e-6)
     assert scores["test_mae"] == pytest.approx(float(errors.abs().mean()), rel=1e-6)
+
+
+def test_an_input_example_the_model_does_not_take_is_named_before_mlflow_exports_it(tmp_path: Path) -> None:
+    """A wrong input_example (64 features for a 1-feature model) fails naming input_example, the shapes and the
+    resume that registers without training, not with MLflow's export error about its serialization format."""
+    from raytrain_driver.fit_record import FitResult
+    from raytrain_driver.user_register import user_model
+    from raytrain_tasks.errors import UserCodeError
+    from raytrain_tasks.integrity import local_folder_digest
+    from tests.helpers import small_config
+
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    torch.save(linear(2.0).state_dict(), checkpoint / "model.pt")
+
+    def load_model(path: Path, config: dict[str, Any]) -> nn.Module:
+        model = linear(0.0)
+        model.load_state_dict(torch.load(path / "model.pt", weights_only=True))
+        return model
+
+    fit = FitResult(
+        run_key="20261127-040000-abcdef",
+        run_uri=str(tmp_path),
+        mlflow_run_id="r",
+        mlflow_experiment_id="0",
+        backend="gloo",
+        epochs_completed=1,
+        best_epoch=1,
+        best_checkpoint_uri=str(checkpoint),
+        best_metrics={},
+        final_metrics={},
+        history=[],
+        reopened_mlflow_run=False,
+    )
+    config = small_config(tmp_path, train_code=TRAIN_CODE)
+
+    def code(inputs: int) -> TrainFunc:
+        return TrainFunc(
+            lambda c: None,
+            metric=Metric("val_mse", higher_is_better=False),
+            load_model=load_model,
+            input_example=lambda c: torch.zeros(2, inputs),
+        )
+
+    with pytest.raises(UserCodeError, match=r"does not accept input_example \(shape \(2, 64\)\)") as refused:
+        user_model(config, fit, code(64), local_folder_digest(checkpoint))
+    assert "prefect-raytrain resume 20261127-040000-abcdef" in str(refused.value)
+    model, example = user_model(config, fit, code(1), local_folder_digest(checkpoint))
+    assert example.shape == (2, 1) and float(model.weight) == 2.0
