@@ -83,8 +83,8 @@ def _distributed_fit(
             run_owner.mark_dead_runs_killed(client, experiment_id, found_by=run_key)
             finished = finished_fit(run_dir, client, experiment_id, run_key)
             if finished is not None:
-                return _confirm_finished(config, dataset, run_key, client, experiment_id, finished)
-            run_id, reopened = _start_run(config, dataset, run_key, run_dir, origin, plan, client, experiment_id)
+                return _confirm_finished(config, dataset, run_key, client, experiment_id, finished, spec)
+            run_id, reopened = _start_run(config, dataset, run_key, run_dir, origin, plan, spec, client, experiment_id)
             opened = _prepare_resume(
                 config, run_key, run_dir, spec, client, run_id, experiment_id, reopened, plan.backend
             )
@@ -120,10 +120,12 @@ def _confirm_finished(
     client: Any,
     experiment_id: str,
     finished: FitResult,
+    spec: TrainFunc | None,
 ) -> FitResult:
     """Everything was trained and recorded earlier: check the settings match, train nothing."""
     dataset_hash = dataset.content_hash if dataset is not None else None
-    tracking.check_resumable(client, experiment_id, run_key, config.public_params(), dataset_hash)
+    params = config.public_params(spec.defaults if spec is not None else None)
+    tracking.check_resumable(client, experiment_id, run_key, params, dataset_hash)
     tracking.finish_run(client, finished.mlflow_run_id)
     run_logger().info("run key %s finished all %d epochs earlier; nothing to train", run_key, config.epochs)
     return finished
@@ -136,6 +138,7 @@ def _start_run(
     run_dir: StorageLocation,
     origin: dict[str, str],
     plan: FitPlan,
+    spec: TrainFunc | None,
     client: Any,
     experiment_id: str,
 ) -> tuple[str, bool]:
@@ -149,7 +152,7 @@ def _start_run(
         | {tracking.CPUS_PER_WORKER_TAG: f"{plan.cpus_per_worker:g}"}
         | {k: v for k, v in origin.items() if k != "run_name"}
         | {tracking.NOTE_TAG: run_description(config, run_key, run_dir, origin)},
-        params=config.public_params(),
+        params=config.public_params(spec.defaults if spec is not None else None),
     )
     if not reopened and is_builtin_dataset(dataset):
         evaluation.log_dataset_input(client, run_id, dataset)

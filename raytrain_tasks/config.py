@@ -282,12 +282,13 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
         selection = self.selection
         return Metric("test_" + selection.name.removeprefix("val_"), selection.higher_is_better)
 
-    def public_params(self) -> dict[str, Any]:
-        """The config as flat MLflow params: lists joined, credentials in URIs masked."""
+    def public_params(self, code_defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The config as flat MLflow params: lists joined, credentials in URIs masked. For ``train_code``: no
+        built-in classifier setting, and ``train_config.<key>`` for ``train_config`` over the code's defaults."""
         from raytrain_tasks.redact import redact, redact_uri
 
         params: dict[str, Any] = {}
-        for key, value in self.model_dump().items():
+        for key, value in self.model_dump(exclude=set(BUILTIN_CLASSIFIER_ONLY) if self.train_code else None).items():
             if isinstance(value, list):
                 value = ",".join(map(str, value))
             if key == "train_config":
@@ -295,7 +296,7 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
             if isinstance(value, str):  # a URI may carry user:password@ or ?token=
                 value = redact_uri(value) if "://" in value else redact(value)
             params[key] = value
-        for key, value in self.train_config.items():
+        for key, value in {**(code_defaults or {}), **self.train_config}.items():
             params[f"train_config.{key}"] = value if isinstance(value, str | int | float | bool) else json.dumps(value)
         return params
 

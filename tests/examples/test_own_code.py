@@ -20,7 +20,7 @@ from mlflow import MlflowClient
 from flows.training import training_pipeline
 from raytrain_tasks.api import Metric, TrainFunc
 from raytrain_tasks.config import TrainingConfig, parameters_of
-from raytrain_tasks.errors import TrainingError, UserCodeError
+from raytrain_tasks.errors import TrackingError, TrainingError, UserCodeError
 from raytrain_tasks.prepared import PreparedData
 from raytrain_tasks.user_code import resolve
 from tests.helpers import mlflow_client, only_run, run_killing_a_worker, small_config, start_flow
@@ -113,6 +113,22 @@ def test_train_config_is_logged_as_params_one_per_key() -> None:
     assert params["train_config"] == '{"hidden":64,"layers":[2,3]}'
     for same in ('{"layers":[2,3],"hidden":64}', {"layers": [2, 3], "hidden": 64}):
         assert TrainingConfig(train_config=same).public_params()["train_config"] == params["train_config"]
+
+
+def test_an_own_code_runs_params_are_what_trained_it() -> None:
+    """The MLflow params of a run of your code: its defaults where train_config leaves them, none of the built-in
+    classifier's settings (a regression run does not claim to be gated on val_accuracy); a resume with other
+    defaults is refused, naming the key."""
+    from raytrain_tasks.tracking.runs import _check_params_unchanged
+
+    config = TrainingConfig(train_code=DIABETES, train_config='{"hidden": 64}')
+    params = config.public_params({"hidden": 32, "dropout": 0.1})
+    assert params["train_config.hidden"] == 64 and params["train_config.dropout"] == 0.1
+    assert not {"dataset", "model", "hidden_sizes", "promotion_metric", "data_loader"} & set(params), params
+    assert TrainingConfig().public_params()["promotion_metric"] == "val_accuracy"  # the built-in's stay
+    logged = {key: str(value) for key, value in params.items()}
+    with pytest.raises(TrackingError, match=r"train_config.dropout: '0.1' -> '0.2'"):
+        _check_params_unchanged(logged, config.public_params({"hidden": 32, "dropout": 0.2}), "20260101-000000-abcdef")
 
 
 # --- end to end, on a real local Ray, the Prefect test harness and MLflow on SQLite ----------------------------
