@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import contextvars
 import gc
-import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -20,6 +20,7 @@ from typing import Any
 from prefect.exceptions import TerminationSignal
 from pydantic import ValidationError
 
+from flows.console import quiet_console
 from raytrain_driver.process_groups import end_ray_groups
 from raytrain_tasks.config import TrainingConfig, describe_validation_error, parameters_of
 from raytrain_tasks.errors import ClusterError
@@ -80,34 +81,6 @@ def parse_config(argv: Sequence[str] | None = None, prog: str = "python -m flows
     return parse_args(argv, prog)[0]
 
 
-# Messages a default console leaves out (with --verbose they show): what each library says about itself.
-QUIET_LOGGERS = (
-    "ray._private.authentication.authentication_token_setup",  # "Token authentication is enabled ..."
-    "mlflow.store.db.utils",  # "Creating initial MLflow database tables..."
-    "alembic.runtime.migration",
-)
-TEMPORARY_SERVER = ("Starting temporary server", "Stopping temporary server")
-
-
-def _not_about_the_temporary_server(record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith(TEMPORARY_SERVER)
-
-
-def quiet_console() -> None:
-    """The console shows the pipeline's own lines (progress, summary, errors) and warnings that need the user.
-
-    Nothing is lost: the output of every Ray process (the controller's worker-group lines, each worker's) stays
-    in Ray's session logs (``/tmp/ray/session_latest/logs``) instead of being copied to this console, and the
-    run's own log lines go to Prefect as before."""
-    from raytrain_driver.cluster import LOG_TO_DRIVER_ENV
-
-    os.environ.setdefault(LOG_TO_DRIVER_ENV, "0")
-    for name in QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
-    # A filter on the "prefect" logger sees only what it logs itself, not the flow and task run loggers below it.
-    logging.getLogger("prefect").addFilter(_not_about_the_temporary_server)
-
-
 def main(
     pipeline: Callable[..., Any], argv: Sequence[str] | None = None, prog: str = "python -m flows.training"
 ) -> int:
@@ -136,8 +109,8 @@ def main(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if not state.is_completed():
-        error = state.result(raise_on_failure=False)
-        print(f"\npipeline {state.name.lower()}: {redact(str(error))}", file=sys.stderr)
+        error = redact(str(state.result(raise_on_failure=False)))
+        print(f"\npipeline {state.name.lower()}: {error}{_cli_continuation(error)}", file=sys.stderr)
         return 1
     print(format_summary(state.result()))
     # The process ends next: spare CPython's shutdown its full collections over the ~1M objects that Prefect,
@@ -207,6 +180,13 @@ def _train_code_problem(config: TrainingConfig) -> str:
     return ""
 
 
+def _cli_continuation(error: str) -> str:
+    """The command that continues a failed run, when its error says it can be continued (``resume=<run key>``, the
+    flow parameter's form, which a deployment's user gives)."""
+    found = re.search(r"`resume=(\d{8}-\d{6}-[0-9a-f]{6})`", error)
+    return f"\n\ncontinue it with: prefect-raytrain resume {found.group(1)}" if found else ""
+
+
 def _how_to_continue(config: TrainingConfig) -> str:
     if config.resume:
         return f"; continue it with `prefect-raytrain resume {config.resume}`"
@@ -244,15 +224,16 @@ def local_services(config: TrainingConfig) -> Iterator[None]:
     from raytrain_driver.cluster import ray_session
 
     failure: list[BaseException] = []
-
-    cancelled, started = threading.Event(), threading.Event()
+    cancelled, started, server_imported = threading.Event(), threading.Event(), threading.Event()
 
     def start_server() -> None:
         try:
-            from prefect.server.api.server import SubprocessASGIServer
+            try:
+                from prefect.server.api.server import SubprocessASGIServer
 
-            from flows.temporary_api import temporary_api_in_its_own_group
-
+                from flows.temporary_api import temporary_api_in_its_own_group
+            finally:
+                server_imported.set()
             temporary_api_in_its_own_group()
             if not cancelled.is_set():
                 SubprocessASGIServer().start()  # the instance Prefect's client uses, and stops at exit
@@ -267,7 +248,7 @@ def local_services(config: TrainingConfig) -> Iterator[None]:
     # Prefect's settings live in context variables: the starter thread needs this thread's.
     helpers = [
         threading.Thread(target=contextvars.copy_context().run, args=(start_server,), daemon=True),
-        threading.Thread(target=_import_ahead, args=(PRELOADED_MODULES,), daemon=True),
+        threading.Thread(target=_import_ahead, args=(PRELOADED_MODULES, server_imported), daemon=True),
     ]
     for helper in helpers:
         helper.start()
@@ -317,11 +298,17 @@ PRELOADED_MODULES = (
 )
 
 
-def _import_ahead(modules: Sequence[str]) -> None:
-    """Import ``modules`` before they are used; one that fails here fails again, with its error, where used."""
+def _import_ahead(modules: Sequence[str], server_imported: threading.Event | None = None) -> None:
+    """Import ``modules`` before they are used; one that fails here fails again, with its error, where used.
+
+    MLflow's modules wait until Prefect's server modules are imported (``server_imported``): SQLAlchemy configures
+    every mapper of the process at once, and MLflow's store doing so while another thread was still defining
+    Prefect's ORM classes failed for the rest of the process ("expression 'WorkQueue' failed to locate a name")."""
     import importlib
 
     for name in modules:
+        if server_imported is not None and name.startswith("mlflow"):
+            server_imported.wait()
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001, S112 - see the docstring

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -98,3 +99,26 @@ def test_train_code_that_cannot_run_is_named_before_prefect_or_ray_start(tmp_pat
     pipeline = tmp_path / ".pipeline"
     assert not (pipeline / "storage").exists() and not (pipeline / "mlflow.db").exists()
     assert not list((pipeline / "prefect").glob("*.db")), list((pipeline / "prefect").iterdir())
+
+
+@pytest.mark.slow
+def test_a_failed_run_ends_with_one_message_and_the_command_that_continues_it(tmp_path: Path) -> None:
+    """A bug in the user's train_func: the console gives the error once, at its end, with the user's own frame
+    and the command that continues the run; Prefect's engine frames and the error's two other full copies (the
+    task's and the flow's failed states) stay in the run's logs, one line each here."""
+    (tmp_path / "buggy.py").write_text(
+        "import torch\n"
+        "from raytrain_tasks.api import Metric, TrainFunc\n"
+        "def train_func(config):\n"
+        "    return config['hidden']\n"
+        "training = TrainFunc(train_func, metric=Metric('val_loss', higher_is_better=False))\n"
+    )
+    args = ("--train-code", "buggy:training", "--epochs", "1", "--no-register", "--num-workers", "1")
+    failed = _run_cli(tmp_path, *args, timeout=300)
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    err = failed.stderr
+    assert err.count("return config['hidden']") == 1, err  # the user's frame, once
+    assert "flow_engine.py" not in err and "task_engine.py" not in err, err
+    run_key = re.search(r"run key (\d{8}-\d{6}-[0-9a-f]{6})", err)
+    assert run_key is not None, err
+    assert err.rstrip().endswith(f"continue it with: prefect-raytrain resume {run_key.group(1)}"), err[-600:]
