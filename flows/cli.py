@@ -35,8 +35,10 @@ def build_parser(prog: str = "python -m flows.training") -> argparse.ArgumentPar
     )
     for name, field in TrainingConfig.model_fields.items():
         flag = "--" + name.replace("_", "-")
-        help_text = field.description or field.title or name
-        options: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
+        help_text = (field.description or field.title or name) + _default_text(
+            field.get_default(call_default_factory=True)
+        )
+        options: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text.replace("%", "%%")}
         annotation = field.annotation
         origin = typing.get_origin(annotation)
         if annotation is bool:
@@ -55,6 +57,13 @@ def build_parser(prog: str = "python -m flows.training") -> argparse.ArgumentPar
             options["type"] = str
         parser.add_argument(flag, **options)
     return parser
+
+
+def _default_text(default: Any) -> str:
+    """ " (default: X)" for a flag's help; "" where the default is unset (empty)."""
+    if default is None or default == "" or default == [] or default == {}:
+        return ""
+    return f" (default: {','.join(map(str, default)) if isinstance(default, list) else default})"
 
 
 def parse_args(

@@ -112,8 +112,10 @@ def describe_run(client: Any, run: Any) -> dict[str, str]:
         resumable = "yes" if done else "no (no checkpoint: start again)"
     else:
         resumable = "-"
+    params = run.data.params
     return {
         "run key": run.data.tags[tracking.RUN_KEY_TAG],
+        "trains": params.get("train_code") or f"{params.get('model', '?')} on {params.get('dataset', '?')}",
         "state": state,
         "epochs": f"{done}/{planned}",
         "resumable": resumable,

@@ -87,7 +87,12 @@ def _pipeline(config: TrainingConfig) -> PipelineResult:
     config = config.resolved(Path.cwd(), os.environ)
     run_key = config.resume or new_run_key()
     prepare_recovery(run_key)
-    get_run_logger().info("run key %s (after a crash, continue it with resume=%s)", run_key, run_key)
+    get_run_logger().info(
+        "run key %s (after a crash, continue it with resume=%s, or `prefect-raytrain resume %s`)",
+        run_key,
+        run_key,
+        run_key,
+    )
     dataset = prepare_data(config)
     fit = distributed_fit.with_options(retries=config.fit_retries, retry_delay_seconds=config.retry_delay_seconds)(
         config, dataset, run_key

@@ -94,7 +94,9 @@ def choose_resume_point(run_dir: StorageLocation, pinned: dict[str, str]) -> Res
     for name in reversed(names):
         expected = pinned.get(name)
         if expected is None:
-            reasons.append(f"{name}: never recorded as committed (a rank died before its files were all uploaded?)")
+            reasons.append(
+                f"{name}: never recorded as committed (the run stopped, or a rank died, before it was committed)"
+            )
         else:
             location = run_dir.child(name)
             if folder_digest(location.filesystem, location.path) == expected:

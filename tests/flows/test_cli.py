@@ -122,3 +122,18 @@ def test_a_failed_run_ends_with_one_message_and_the_command_that_continues_it(tm
     run_key = re.search(r"run key (\d{8}-\d{6}-[0-9a-f]{6})", err)
     assert run_key is not None, err
     assert err.rstrip().endswith(f"continue it with: prefect-raytrain resume {run_key.group(1)}"), err[-600:]
+
+
+def test_the_help_shows_every_default() -> None:
+    """`--help` shows each setting's default (a newcomer looked up the learning rate in docs/configuration.md)."""
+    from flows.cli import build_parser
+    from raytrain_tasks.config import TrainingConfig
+
+    text = " ".join(build_parser().format_help().split())
+    for name, field in TrainingConfig.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        if default in (None, "", [], {}):
+            continue
+        shown = ",".join(map(str, default)) if isinstance(default, list) else str(default)
+        assert f"(default: {shown})" in text, (name, shown)
+    assert "--learning-rate LEARNING_RATE Adam step size. (default: 0.003)" in text

@@ -105,3 +105,25 @@ def test_ui_serves_the_mlflow_ui_over_the_local_store(tmp_path: Path) -> None:
     finally:
         stop_process_group(ui)
     assert f"MLflow UI: http://127.0.0.1:{port}" in ui.communicate()[0]
+
+
+def test_runs_says_what_each_run_trains(tmp_path: Path) -> None:
+    """With several models in one experiment, `runs` tells them apart: the user's train_code, or the built-in
+    classifier and its dataset."""
+    from flows.command import describe_run
+    from raytrain_tasks.tracking import runs as tracking
+    from tests.helpers import seed_mlflow_store
+
+    seed_mlflow_store(tmp_path / "mlflow.db")
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.create_experiment("runs", artifact_location=str(tmp_path / "artifacts"))
+    shown = {}
+    for key, params in (
+        ("20261127-040000-aaaaaa", {"train_code": "my_images.train:training", "epochs": "3"}),
+        ("20261127-040000-bbbbbb", {"model": "mlp", "dataset": "digits", "epochs": "3"}),
+    ):
+        run = client.create_run(experiment, tags={tracking.RUN_KEY_TAG: key})
+        for name, value in params.items():
+            client.log_param(run.info.run_id, name, value)
+        shown[key] = describe_run(client, client.get_run(run.info.run_id))["trains"]
+    assert shown == {"20261127-040000-aaaaaa": "my_images.train:training", "20261127-040000-bbbbbb": "mlp on digits"}
