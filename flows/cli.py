@@ -325,16 +325,10 @@ def _import_ahead(modules: Sequence[str], server_imported: threading.Event | Non
 
 
 def format_summary(result: Any) -> str:
-    from raytrain_tasks.prepared import is_builtin_dataset
-
     fit, model = result.fit, result.model
     final = fit.final_metrics
-    metrics = (
-        f"val_accuracy={final.get('val_accuracy', float('nan')):.4f} "
-        f"val_loss={final.get('val_loss', float('nan')):.4f} train_loss={final.get('train_loss', float('nan')):.4f}"
-        if is_builtin_dataset(result.dataset)
-        else " ".join(f"{key}={value:.4g}" for key, value in sorted(final.items()))
-    )
+    shown = fit.shown_metrics or tuple(sorted(final))
+    metrics = " ".join(f"{key}={final[key]:.4g}" for key in shown if key in final)
     lines = [
         "",
         "training pipeline finished",
@@ -345,6 +339,8 @@ def format_summary(result: Any) -> str:
         f"  final metrics  {metrics}",
         f"  checkpoints    {fit.run_uri} (best: epoch {fit.best_epoch})",
     ]
+    if fit.scores:  # the best checkpoint's, held-out ones among them: what the gate compares
+        lines.append("  best scores    " + " ".join(f"{key}={value:.4g}" for key, value in sorted(fit.scores.items())))
     if model is None:
         lines.append("  model          not registered (--no-register)")
     else:

@@ -88,10 +88,8 @@ def _experiment_runs(config: TrainingConfig, limit: int) -> tuple[Any, list[Any]
 
 
 def committed_epochs(client: Any, run: Any) -> int:
-    """Epochs (checkpointed reports) the run committed, each logged once: the built-in classifier's val_accuracy
-    steps; for user code (train_code), the steps of whichever of its metrics has the most."""
-    if not run.data.params.get("train_code"):
-        return len(client.get_metric_history(run.info.run_id, "val_accuracy"))
+    """Epochs (checkpointed reports) the run committed, each logged once at its step: the steps of whichever of
+    its metrics has the most (a metric reported only now and then has fewer)."""
     keys = [key for key in run.data.metrics if not key.startswith("system/")]
     return max((len({m.step for m in client.get_metric_history(run.info.run_id, key)}) for key in keys), default=0)
 

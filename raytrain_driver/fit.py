@@ -16,8 +16,8 @@ import ray.train
 
 from raytrain_driver import evaluation
 from raytrain_driver.cluster import ray_session
-from raytrain_driver.fit_record import FitResult, OpenRun, finished_fit, write_fit_record
-from raytrain_driver.hooks import progress_page, run_logger, state_dir, stopped_by
+from raytrain_driver.fit_record import BUILTIN_SHOWN, FitResult, OpenRun, finished_fit, write_fit_record
+from raytrain_driver.hooks import EpochView, progress_page, run_logger, state_dir, stopped_by
 from raytrain_driver.lease import HeldLease, run_lease
 from raytrain_driver.origin import run_description, run_tags
 from raytrain_driver.preflight import check_cluster, check_started_without_checkpoint, resolve_code
@@ -31,7 +31,13 @@ from raytrain_tasks.redact import redacted_errors
 from raytrain_tasks.storage.locations import StorageLocation
 from raytrain_tasks.tracking import pins, run_owner
 from raytrain_tasks.tracking import runs as tracking
-from raytrain_tasks.tracking.controller import MlflowEpochLogger, OpenMlflowEarly, checkpoint_epoch, pinned_digests
+from raytrain_tasks.tracking.controller import (
+    STEP_KEY,
+    MlflowEpochLogger,
+    OpenMlflowEarly,
+    checkpoint_epoch,
+    pinned_digests,
+)
 
 if TYPE_CHECKING:
     from raytrain_tasks.api import TrainFunc
@@ -243,9 +249,13 @@ def _train(
         resume_point=opened.resume_point,
     )
     # Off a Prefect run (a Ray Job) there is no run page to update: the job's submitter shows the progress.
-    expects = tuple(dict.fromkeys((spec.metric.name, spec.gate.name))) if spec is not None else ()
+    view = (
+        EpochView(marker=STEP_KEY, shown=BUILTIN_SHOWN)
+        if spec is None
+        else EpochView(expects=tuple(dict.fromkeys((spec.metric.name, spec.gate.name))))
+    )
     page = progress_page()
-    progress = page(client, run_id, config.epochs, run_logger(), spec is None, expects) if page else None
+    progress = page(client, run_id, config.epochs, run_logger(), view) if page else None
     with (
         tracking.system_metrics(config.system_metrics, uri, run_id, opened.reopened),
         progress or contextlib.nullcontext(),

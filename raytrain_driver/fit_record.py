@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     from raytrain_tasks.tracking.pin_journal import PinJournal
 
 
+# The built-in classifier's headline metrics: what its epoch lines and summaries show (your code's: every metric).
+BUILTIN_SHOWN = ("train_loss", "val_loss", "val_accuracy")
+
+
 class FitResult(BaseModel):
     """What a finished fit left behind, and where."""
 
@@ -43,6 +47,8 @@ class FitResult(BaseModel):
     scores: dict[str, float] = {}
     # The MLflow LoggedModel that stands for the best checkpoint (tracking.log_checkpoint_models).
     best_checkpoint_model_id: str | None = None
+    # What summaries show of the metrics, in order (empty: all of them, sorted).
+    shown_metrics: tuple[str, ...] = ()
 
 
 FIT_RECORD = "fit.json"

@@ -18,9 +18,23 @@ from pathlib import Path
 from typing import Any
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]
-# progress(client, run_id, epochs, logger, builtin, expects): a context manager that shows the fit's epochs
-# as they are committed (the Prefect task's progress artifact, tasks/run_page.py).
-ProgressPage = Callable[[Any, str, int, Logger, bool, tuple[str, ...]], AbstractContextManager[Any]]
+
+
+@dataclass(frozen=True)
+class EpochView:
+    """What a run page shows of each committed epoch, as the training code decides it: ``marker``, the metric
+    whose MLflow steps are the committed epochs (None: any metric the code reported with a checkpoint); ``shown``,
+    the metrics each epoch's line lists (empty: every one); ``expects``, the metrics the best checkpoint and the
+    gate are chosen by, warned about while the code has not reported them."""
+
+    marker: str | None = None
+    shown: tuple[str, ...] = ()
+    expects: tuple[str, ...] = ()
+
+
+# progress(client, run_id, epochs, logger, view): a context manager that shows the fit's epochs as they are
+# committed (the Prefect task's progress artifact, tasks/run_page.py).
+ProgressPage = Callable[[Any, str, int, Logger, EpochView], AbstractContextManager[Any]]
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,15 @@ if TYPE_CHECKING:
 ENTRY_POINT = "flows/training.py:training_pipeline"  # as deployments/prefect.yaml names it
 
 
+def trained_what(config: TrainingConfig) -> str:
+    """What a run trains, in Markdown: the user's code, or the built-in classifier on its dataset."""
+    return f"`{config.train_code}`" if config.train_code else f"**{config.model}** on `{config.dataset}`"
+
+
 def run_description(config: TrainingConfig, run_key: str, run_dir: StorageLocation, origin: dict[str, str]) -> str:
     """The MLflow run's description (``mlflow.note.content``, Markdown): what ran, from where, and how to go on."""
     workers = f"{config.num_workers}" + (f"-{config.max_workers}" if config.max_workers else "")
-    what = f"`{config.train_code}`" if config.train_code else f"**{config.model}** on `{config.dataset}`"
+    what = trained_what(config)
     lines = [
         f"{what}: {config.epochs} epochs, {workers} Ray Train workers "
         f"({'GPU, nccl' if config.use_gpu else 'CPU, gloo'}), data loader `{config.data_loader}`.",

@@ -18,7 +18,7 @@ from ray.train.v2.api.callback import RayTrainCallback
 
 from raytrain_driver import evaluation
 from raytrain_driver.cluster import WORKER_GROUP_START_TIMEOUT_S
-from raytrain_driver.fit_record import FitResult, OpenRun, checkpoint_uri, write_fit_record
+from raytrain_driver.fit_record import BUILTIN_SHOWN, FitResult, OpenRun, checkpoint_uri, write_fit_record
 from raytrain_driver.hooks import run_logger
 from raytrain_driver.lease import HeldLease
 from raytrain_driver.preflight import workers_code_dir
@@ -225,6 +225,7 @@ def summarize(
         final_metrics=history[-1] if history else {},
         history=history,
         reopened_mlflow_run=opened.reopened,
+        shown_metrics=BUILTIN_SHOWN,
     )
 
 

@@ -50,6 +50,13 @@ class DatasetRef(BaseModel):
     # SHA-256 of each split file as prepare-data wrote it: a split is read only if it still hashes to this.
     split_sha256: dict[str, str] = Field(default_factory=dict)
 
+    def describe(self) -> str:
+        """One line on what the version holds (logs, run pages)."""
+        return (
+            f"dataset {self.content_hash} ({self.source}): {self.train_rows} train / {self.val_rows} val / "
+            f"{self.test_rows} test rows, {self.num_features} features, {self.num_classes} classes at {self.uri}"
+        )
+
     @property
     def num_features(self) -> int:
         return len(self.feature_names)

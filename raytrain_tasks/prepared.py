@@ -41,6 +41,11 @@ class PreparedData(BaseModel):
     files: int
     bytes: int
 
+    def describe(self) -> str:
+        """One line on what the version holds (logs, run pages)."""
+        size = f"{self.files} files, {self.bytes} bytes"
+        return f"prepared data {self.content_hash}: {size} from {self.source}'s prepare at {self.uri}"
+
     @property
     def files_uri(self) -> str:
         return f"{self.uri.rstrip('/')}/{FILES_DIR}"

@@ -22,29 +22,9 @@ def prepare_data(config: TrainingConfig) -> RunData | None:
     logger = get_run_logger()
     with redacted_errors():
         spec = resolve_code(config)
-        if spec is not None:
-            prepared = prepare_user_data(config, spec)
-            if prepared is None:
-                logger.info("train_code %s has no prepare: it reads its own data", config.train_code)
-            else:
-                logger.info(
-                    "prepared data %s: %d files, %d bytes, from %s at %s",
-                    prepared.content_hash,
-                    prepared.files,
-                    prepared.bytes,
-                    prepared.source,
-                    prepared.uri,
-                )
-            return prepared
-        dataset = prepare_dataset(config)
-    logger.info(
-        "dataset %s: %d train / %d val / %d test rows, %d features, %d classes at %s",
-        dataset.content_hash,
-        dataset.train_rows,
-        dataset.val_rows,
-        dataset.test_rows,
-        dataset.num_features,
-        dataset.num_classes,
-        dataset.uri,
-    )
-    return dataset
+        data = prepare_dataset(config) if spec is None else prepare_user_data(config, spec)
+    if data is None:
+        logger.info("train_code %s has no prepare: it reads its own data", config.train_code)
+    else:
+        logger.info("%s", data.describe())
+    return data

@@ -16,7 +16,7 @@ from prefect.settings import PREFECT_HOME
 
 from raytrain_driver.fit import fit_in_this_process
 from raytrain_driver.fit_record import FitResult
-from raytrain_driver.hooks import Logger, RunHooks, run_hooks
+from raytrain_driver.hooks import EpochView, Logger, RunHooks, run_hooks
 from raytrain_driver.origin import ENTRY_POINT
 from raytrain_tasks.config import TrainingConfig, check_run_key
 from raytrain_tasks.errors import (
@@ -57,11 +57,9 @@ def is_retryable(task: Any, task_run: Any, state: Any) -> bool:
     return not isinstance(error, NOT_RETRYABLE)
 
 
-def _run_page(
-    client: Any, run_id: str, epochs: int, logger: Logger, builtin: bool, expects: tuple[str, ...]
-) -> EpochProgress:
+def _run_page(client: Any, run_id: str, epochs: int, logger: Logger, view: EpochView) -> EpochProgress:
     """The task run's progress artifact, following the fit's committed epochs."""
-    return EpochProgress(client, run_id, epochs, logger, builtin=builtin, expects=expects)
+    return EpochProgress(client, run_id, epochs, logger, view)
 
 
 def prefect_origin(run_key: str) -> dict[str, str]:

@@ -8,8 +8,8 @@ import threading
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
+from raytrain_driver.hooks import EpochView
 from raytrain_tasks.redact import redact, redact_uri
-from raytrain_tasks.tracking.controller import STEP_KEY
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -30,14 +30,11 @@ class EpochProgress:
         run_id: str,
         epochs: int,
         logger: logging.Logger | logging.LoggerAdapter[Any],
-        step_key: str = STEP_KEY,
-        builtin: bool = True,
-        expects: tuple[str, ...] = (),
+        view: EpochView | None = None,
     ) -> None:
         self.client, self.run_id, self.epochs, self.logger = client, run_id, epochs, logger
-        # The user's own code: any metric it reported with a checkpoint marks a committed report, every one is
-        # shown, and ``expects`` (the metrics its best checkpoint and the gate are chosen by) are looked for.
-        self.step_key, self.builtin, self.expects = step_key, builtin, expects
+        # What the training code's committed epochs are marked by and show (raytrain_driver.hooks.EpochView).
+        self.view = view or EpochView()
         self._seen: set[int] = set()
         self._warned = False
         self._stop = threading.Event()
@@ -89,43 +86,31 @@ class EpochProgress:
     def _poll_once(self) -> None:
         from prefect.artifacts import update_progress_artifact
 
-        if not self.builtin:
-            histories = self._user_histories()
-            new = sorted({step for history in histories.values() for step in history} - self._seen)
-            if new:
-                self._log_reported(new, histories)
-                update_progress_artifact(self._artifact_id, progress=self._percent())
-            return
-        new = sorted(self._committed_steps() - self._seen)
+        histories = self._histories()
+        new = sorted(self._steps(histories) - self._seen)
         if not new:
             return
-        histories = {
-            key: {int(m.step): m.value for m in self.client.get_metric_history(self.run_id, key)}
-            for key in ("train_loss", "val_loss", STEP_KEY, "epoch_seconds")
-        }
-        for step in new:
-            self.logger.info(
-                "epoch %d/%d committed: train_loss=%.4f val_loss=%.4f val_accuracy=%.4f (%.1f s)",
-                step,  # the epoch number
-                self.epochs,
-                histories["train_loss"].get(step, float("nan")),
-                histories["val_loss"].get(step, float("nan")),
-                histories[STEP_KEY].get(step, float("nan")),
-                histories["epoch_seconds"].get(step, float("nan")),
-            )
-            self._seen.add(step)
+        self._log_committed(new, histories)
         update_progress_artifact(self._artifact_id, progress=self._percent())
 
-    def _user_histories(self) -> dict[str, dict[int, float]]:
+    def _histories(self) -> dict[str, dict[int, float]]:
         keys = sorted(key for key in self.client.get_run(self.run_id).data.metrics if not key.startswith("system/"))
         return {key: {int(m.step): m.value for m in self.client.get_metric_history(self.run_id, key)} for key in keys}
 
-    def _log_reported(self, new: list[int], histories: dict[str, dict[int, float]]) -> None:
+    def _steps(self, histories: dict[str, dict[int, float]]) -> set[int]:
+        if self.view.marker is not None:
+            return set(histories.get(self.view.marker, {}))
+        return {step for history in histories.values() for step in history}
+
+    def _log_committed(self, new: list[int], histories: dict[str, dict[int, float]]) -> None:
+        shown = self.view.shown or tuple(histories)
         for step in new:
-            values = " ".join(f"{key}={history[step]:.4f}" for key, history in histories.items() if step in history)
-            self.logger.info("epoch %d/%d committed: %s", step, self.epochs, values)
+            values = " ".join(f"{key}={histories[key][step]:.4f}" for key in shown if step in histories.get(key, {}))
+            seconds = histories.get("epoch_seconds", {}).get(step) if self.view.shown else None
+            took = f" ({seconds:.1f} s)" if seconds is not None else ""
+            self.logger.info("epoch %d/%d committed: %s%s", step, self.epochs, values, took)
             self._seen.add(step)
-        missing = [name for name in self.expects if name not in histories]
+        missing = [name for name in self.view.expects if name not in histories]
         if missing and not self._warned:
             # Said at the first epoch instead of after the last: the run fails then unless a later report has them.
             self._warned = True
@@ -138,9 +123,7 @@ class EpochProgress:
             )
 
     def _committed_steps(self) -> set[int]:
-        if not self.builtin:
-            return {step for history in self._user_histories().values() for step in history}
-        return {int(m.step) for m in self.client.get_metric_history(self.run_id, self.step_key)}
+        return self._steps(self._histories())
 
     def _percent(self) -> float:
         return round(100.0 * len(self._seen) / self.epochs, 1)
@@ -182,12 +165,10 @@ def publish_run_summary(result: Any, registry_error: str = "") -> None:
     version, where things are, what the registry decided) and, with an MLflow server, the learning curves."""
     from prefect.artifacts import create_image_artifact, create_markdown_artifact
 
-    from raytrain_tasks.prepared import is_builtin_dataset
+    from raytrain_driver.origin import trained_what
 
     fit, model, config = result.fit, result.model, result.config
-    data = result.dataset
-    builtin = is_builtin_dataset(data)
-    shown = ("train_loss", "val_loss", "val_accuracy") if builtin else tuple(sorted(fit.final_metrics))
+    shown = fit.shown_metrics or tuple(sorted(fit.final_metrics))
     rows = "\n".join(
         f"| {key} | {fit.final_metrics[key]:.4f} | {fit.best_metrics.get(key, float('nan')):.4f} |"
         for key in shown
@@ -200,20 +181,12 @@ def publish_run_summary(result: Any, registry_error: str = "") -> None:
     else:
         version = mlflow_version_link(config.mlflow_tracking_uri, model.name, str(model.version))
         registry = f"{version} -> {', '.join(model.aliases)} ({model.decision}: {model.reason})"
-    if not builtin:  # the user's own training code: its gate metric is what it reported
-        gate = ", ".join(f"{k} {v:.4f}" for k, v in fit.scores.items())
-        lines = f"- **Gate metric** (the best checkpoint's report): {gate}\n- **Training code**: `{config.train_code}`"
-        if data is not None:
-            lines += (
-                f"\n- **Prepared data**: `{data.content_hash}` ({data.files} files, {data.bytes} bytes) at {data.uri}"
-            )
-    else:
-        split_sizes = f"{data.train_rows} train / {data.val_rows} val / {data.test_rows} test rows"
-        scores = ", ".join(f"{k} {v:.4f}" for k, v in fit.scores.items() if k.startswith("test_")) or "not scored"
-        lines = (
-            f"- **Test split** (held out, compared for promotion): {scores}\n"
-            f"- **Dataset**: `{data.uri}` ({split_sizes})"
-        )
+    scores = ", ".join(f"{k} {v:.4f}" for k, v in fit.scores.items()) or "not scored"
+    data = result.dataset.describe() if result.dataset is not None else "read by the training code itself"
+    lines = (
+        f"- **Scores** of the best checkpoint (the gate compares its held-out one): {scores}\n"
+        f"- **Trains**: {trained_what(config)}\n- **Data**: {data}"
+    )
     curves = learning_curves_url(config.mlflow_tracking_uri, fit.mlflow_run_id)
     where_curves = f"![learning curves]({curves})" if curves else f"`{LEARNING_CURVES}` in the MLflow run"
     markdown = f"""# Training run `{result.run_key}`

@@ -92,3 +92,17 @@ def test_the_editable_install_warns_about_nothing(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Warning" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith(".whl")
+
+
+def test_the_flow_and_its_tasks_assume_nothing_of_the_built_in_classifier() -> None:
+    """Issue 32 item 3: flows/ and tasks/ treat the built-in classifier as any training code: what its epochs and
+    summaries show, its data's description, its gate, all come from the driver (raytrain_driver), not from names
+    of its metrics or data written here."""
+    found = [
+        f"{path.relative_to(REPO_ROOT)}: {word}"
+        for folder in ("flows", "tasks")
+        for path in sorted((REPO_ROOT / folder).glob("*.py"))
+        for word in ("val_accuracy", "num_classes", "class_labels", "num_features", "hidden_sizes")
+        if word in path.read_text()
+    ]
+    assert not found, found
