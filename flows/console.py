@@ -62,7 +62,10 @@ def _shortened(emit: Any) -> Any:
             first = message.splitlines()[0] if message else ""
             if record.exc_info or first != message or len(first) > ONE_LINE_CHARS:
                 record = copy.copy(record)
-                record.msg = first[:ONE_LINE_CHARS] + " ... (the whole error ends this output)"
+                record.msg = (
+                    first[:ONE_LINE_CHARS]
+                    + " ... (in full: the run's logs, --verbose, and the end of this output if the run fails)"
+                )
                 record.args, record.exc_info, record.exc_text = (), None, None
         emit(record)
 

@@ -134,6 +134,8 @@ def _confirm_finished(
     tracking.check_resumable(client, experiment_id, run_key, params, dataset_hash)
     tracking.finish_run(client, finished.mlflow_run_id)
     run_logger().info("run key %s finished all %d epochs earlier; nothing to train", run_key, config.epochs)
+    if spec is None and not finished.shown_metrics:  # a record written before summaries said what they show
+        return finished.model_copy(update={"shown_metrics": BUILTIN_SHOWN})
     return finished
 
 

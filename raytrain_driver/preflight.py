@@ -15,7 +15,7 @@ from raytrain_driver.sizing import (
     sized_for_cluster,
     storage_shared_with_nodes,
 )
-from raytrain_tasks.api import TrainFunc
+from raytrain_tasks.api import TrainFunc, data_dir_refused
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DATA_TASK_CPUS, USER_DATASET_CPUS, streams
 from raytrain_tasks.errors import CheckpointError, DatasetError, UserCodeError
@@ -28,6 +28,12 @@ from raytrain_tasks.user_code import resolve
 def resolve_code(config: TrainingConfig) -> TrainFunc | None:
     """The user's code (``train_code``), imported here before anything starts; None for the built-in loop."""
     spec = resolve(config.train_code) if config.train_code else None
+    if (
+        spec is not None
+        and spec.prepare is not None
+        and (refused := data_dir_refused(config.train_config, "train_config"))
+    ):
+        raise UserCodeError(f"train_code {config.train_code!r}: {refused}")
     if spec is not None and config.register and not spec.can_register:
         raise UserCodeError(
             f"train_code {config.train_code!r} gives no load_model/input_example, so nothing it trains can be "

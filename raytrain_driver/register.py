@@ -45,6 +45,8 @@ from raytrain_tasks.tracking import runs as tracking
 from raytrain_tasks.user_code import resolve
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from mlflow import MlflowClient
 
 # On a model version (the MLflow run carries raytrain_tasks.tracking.runs.RUN_KEY_TAG): which run key registered
@@ -103,10 +105,11 @@ def _register_model(
     gate = spec.gate if spec is not None else config.gate
     metric, higher_is_better = gate.name, gate.higher_is_better
     candidate_score = fit.scores[metric]
+    data_dir = data_dir_of(dataset, config.storage_options)  # once, before the registry lock is taken
     # MLflow's fluent API (log_model, register_model, pyfunc) reads a process-wide URI that set_tracking_uri
     # also exports as MLFLOW_TRACKING_URI: scoped here, so a later run in this process is not redirected.
     with tracking.using_tracking_uri(config.mlflow_tracking_uri):
-        model_uri = _logged_model_uri(fit) or _log_model(client, config, dataset, fit, spec)
+        model_uri = _logged_model_uri(fit) or _log_model(client, config, dataset, fit, spec, data_dir)
         _link_logged_model(client, fit, model_uri.removeprefix("models:/"))
         with model_lock(client, config.model_name, owner=fit.run_key) as lock:
             version = _version_of_run(client, config.model_name, fit.run_key)
@@ -124,7 +127,7 @@ def _register_model(
                 logger.info("run %s already registered %s version %s", fit.run_key, config.model_name, version)
             ref = _decided(client, config, version, candidate_score, metric, lock)
             if ref is None:
-                champion, candidate_score = _current_champion(client, config, dataset, spec, model_uri, fit)
+                champion, candidate_score = _current_champion(client, config, dataset, spec, model_uri, fit, data_dir)
                 decision = decide_promotion(
                     candidate_score,
                     champion,
@@ -159,6 +162,7 @@ def _current_champion(
     spec: TrainFunc | None,
     model_uri: str,
     fit: FitResult,
+    data_dir: Path | None,
 ) -> tuple[Champion, float]:
     """(the champion, the candidate's score) as the gate compares them, assessed the way its kind of code allows
     (fail closed: a champion that cannot be assessed comes back with an error, and nothing moves)."""
@@ -166,7 +170,6 @@ def _current_champion(
     if not config.promote:
         return Champion.absent(), recorded
     if spec is not None:
-        data_dir = data_dir_of(dataset, config.storage_options)
         return assess_user_champion(client, config.model_name, config, spec, model_uri, recorded, data_dir)
     assert is_builtin_dataset(dataset), "the built-in classifier trains on its prepared table"
     return builtin_register.assess_champion_on_test_split(client, config, dataset), recorded
@@ -291,11 +294,16 @@ def _logged_model_uri(fit: FitResult) -> str | None:
 
 
 def _log_model(
-    client: MlflowClient, config: TrainingConfig, dataset: RunData | None, fit: FitResult, spec: TrainFunc | None
+    client: MlflowClient,
+    config: TrainingConfig,
+    dataset: RunData | None,
+    fit: FitResult,
+    spec: TrainFunc | None,
+    data_dir: Path | None,
 ) -> str:
     if spec is not None:  # the user's own code: its load_model, on a verified copy of the best checkpoint
         digest = pins.recorded_digest(client, fit.mlflow_run_id, fit.best_checkpoint_uri)
-        model, example = user_model(config, fit, spec, digest, data_dir_of(dataset, config.storage_options))
+        model, example = user_model(config, fit, spec, digest, data_dir)
         lineage = {"dataset_hash": dataset.content_hash} if dataset is not None else {}
         return _log_pt2(fit, model, example, {"run_key": fit.run_key, "train_code": config.train_code} | lineage)
     assert is_builtin_dataset(dataset), "the built-in classifier trains on its prepared table"

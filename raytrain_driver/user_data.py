@@ -3,6 +3,7 @@ by its content (raytrain_tasks/prepared.py describes the layout)."""
 
 from __future__ import annotations
 
+import re
 import tempfile
 from pathlib import Path
 
@@ -11,6 +12,9 @@ from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import DatasetError, UserCodeError
 from raytrain_tasks.prepared import FILES_DIR, MARKER_NAME, PreparedData
 from raytrain_tasks.storage.locations import DATASETS_DIR, StorageLocation, check_writable, locate
+
+# A local file being replaced, under its temporary name (raytrain_tasks.storage.locations._replace_file).
+STAGED = re.compile(r"(.+)\.[0-9a-f]{8}\.tmp")
 
 
 def prepare_user_data(config: TrainingConfig, spec: TrainFunc) -> PreparedData | None:
@@ -51,26 +55,41 @@ def prepare_user_data(config: TrainingConfig, spec: TrainFunc) -> PreparedData |
 
 
 def _stored(target: StorageLocation, data: PreparedData) -> bool:
-    """Whether the version is complete in storage (its marker, written last, names this content)."""
+    """Whether the version is complete in storage: its marker (written last) names this content, and its files are
+    there, as many and as large as the marker says (a folder emptied since is written again)."""
     marker = target.child(MARKER_NAME)
     if not marker.exists():
         return False
     try:
-        return PreparedData.model_validate_json(marker.read_text()).content_hash == data.content_hash
+        if PreparedData.model_validate_json(marker.read_text()).content_hash != data.content_hash:
+            return False
     except ValueError:
         return False  # a marker that is not one: the version is written again
+    files = target.child(FILES_DIR)
+    sizes = [size for name, size in _file_names(files).items() if not STAGED.fullmatch(name)]
+    return len(sizes) == data.files and sum(sizes) == data.bytes
+
+
+def _file_names(folder: StorageLocation) -> dict[str, int]:
+    """Every file under ``folder``, by its path relative to it, with its size."""
+    import pyarrow.fs as pafs
+
+    root = folder.path.rstrip("/")
+    infos = folder.filesystem.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
+    return {info.path[len(root) + 1 :]: info.size for info in infos if info.type == pafs.FileType.File}
 
 
 def _store(folder: Path, files: list[Path], target: StorageLocation, data: PreparedData) -> None:
-    """Every file, then the marker. What an interrupted write of this same content left is replaced: the folder's
-    name says what belongs in it, and nothing reads a version without its marker."""
+    """Every file, each replaced whole (a reader of this same content, another run preparing it at the same time,
+    sees whole files of the same bytes), then the names an interrupted write left that are not the version's, then
+    the marker. Nothing reads a version without its marker."""
     destination = target.child(FILES_DIR)
     destination.filesystem.create_dir(destination.path, recursive=True)
-    destination.filesystem.delete_dir_contents(destination.path, missing_dir_ok=True)
-    for path in files:
-        relative = path.relative_to(folder).as_posix()
-        parent = relative.rpartition("/")[0]
-        if parent:
-            destination.filesystem.create_dir(destination.child(parent).path, recursive=True)
-        destination.child(relative).write_bytes(path.read_bytes())
+    names = {path.relative_to(folder).as_posix() for path in files}
+    for name in sorted(names):
+        destination.child(name).write_bytes((folder / name).read_bytes())
+    for name in _file_names(destination):
+        staged = STAGED.fullmatch(name)  # another writer's file of this content, before its rename
+        if name not in names and not (staged and staged.group(1) in names):
+            destination.filesystem.delete_file(destination.child(name).path)
     target.child(MARKER_NAME).write_text(data.model_dump_json(indent=1))

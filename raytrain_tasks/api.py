@@ -44,15 +44,12 @@ __all__ = ["DATA_DIR_KEY", "Metric", "Splits", "TrainFunc", "TrainSpec", "TRAIN_
 
 
 def pipeline_keys_refused(keys: Any, where: str) -> str:
-    """ "" when ``keys`` set none of the pipeline's keys (``TRAIN_CONFIG_KEYS``, ``DATA_DIR_KEY``); else why
-    ``where`` may not set them."""
-    taken = [key for key in (*TRAIN_CONFIG_KEYS, DATA_DIR_KEY) if key in keys]
+    """ "" when ``keys`` set none of ``TRAIN_CONFIG_KEYS``; else why ``where`` may not set them."""
+    taken = [key for key in TRAIN_CONFIG_KEYS if key in keys]
     if not taken:
         return ""
 
     def setting(key: str) -> str:
-        if key == DATA_DIR_KEY:
-            return f"{key}, the local copy of what your prepare(config, folder) wrote"
         name = PIPELINE_SETTING.get(key, key)
         return f"{key} from the setting `{name}` (--{name.replace('_', '-')})"
 
@@ -68,9 +65,21 @@ def pipeline_keys_refused(keys: Any, where: str) -> str:
 # again. Neither ``train_config`` nor ``defaults`` may set them: set the pipeline's setting instead.
 TRAIN_CONFIG_KEYS = ("epochs", "batch_size", "lr", "seed", "num_workers", "use_gpu")
 PIPELINE_SETTING = {"lr": "learning_rate"}  # where a key's name differs from its setting's
-# The key of ``config`` that holds the local folder of the run's prepared data (``prepare=...``): a ``str`` path,
-# on the driver and on every worker; None when the code has no ``prepare``.
+# The key of ``config`` that holds the local folder of the run's prepared data, for code with ``prepare=...``: a
+# ``str`` path, on the driver and on every worker (None while ``prepare`` itself runs). Such code may not set it
+# in ``defaults`` or ``train_config``; code without ``prepare`` may use the key as its own.
 DATA_DIR_KEY = "data_dir"
+
+
+def data_dir_refused(keys: Any, where: str) -> str:
+    """ "" unless ``keys`` (of code with ``prepare``) set ``DATA_DIR_KEY``; else why ``where`` may not."""
+    if DATA_DIR_KEY not in keys:
+        return ""
+    return (
+        f"{where} may not set {DATA_DIR_KEY!r}: with prepare=..., the pipeline puts the local folder of what prepare "
+        f"wrote there; name your own setting otherwise (e.g. 'source_dir')"
+    )
+
 
 Prepare = Callable[[dict[str, Any], Path], None]
 
@@ -158,6 +167,8 @@ class TrainFunc:
             raise TypeError("TrainFunc needs load_model and input_example together (both, or neither)")
         if refused := pipeline_keys_refused(self.defaults, "TrainFunc(defaults=...)"):
             raise TypeError(refused)
+        if self.prepare is not None and (refused := data_dir_refused(self.defaults, "TrainFunc(defaults=...)")):
+            raise TypeError(refused)
         if self.evaluate is not None and self.load_model is None:
             raise TypeError("TrainFunc(evaluate=...) scores registered models: it needs load_model and input_example")
         for name in ("load_model", "input_example", "datasets", "evaluate", "prepare"):
@@ -236,3 +247,5 @@ class TrainSpec:
             raise TypeError(refused)
         if self.prepare is not None and not callable(self.prepare):
             raise TypeError(f"TrainSpec(prepare=...) must be a function, got {self.prepare!r}")
+        if self.prepare is not None and (refused := data_dir_refused(self.defaults, "TrainSpec(defaults=...)")):
+            raise TypeError(refused)

@@ -285,7 +285,7 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
     def public_params(self, code_defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The config as flat MLflow params: lists joined, credentials in URIs masked. For ``train_code``: no
         built-in classifier setting, and ``train_config.<key>`` for ``train_config`` over the code's defaults."""
-        from raytrain_tasks.redact import redact, redact_uri
+        from raytrain_tasks.redact import masked_param
 
         params: dict[str, Any] = {}
         for key, value in self.model_dump(exclude=set(BUILTIN_CLASSIFIER_ONLY) if self.train_code else None).items():
@@ -293,11 +293,9 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
                 value = ",".join(map(str, value))
             if key == "train_config":
                 value = self.train_config_text()
-            if isinstance(value, str):  # a URI may carry user:password@ or ?token=
-                value = redact_uri(value) if "://" in value else redact(value)
-            params[key] = value
+            params[key] = masked_param(value) if isinstance(value, str) else value
         for key, value in {**(code_defaults or {}), **self.train_config}.items():
-            params[f"train_config.{key}"] = value if isinstance(value, str | int | float | bool) else json.dumps(value)
+            params[f"train_config.{key}"] = masked_param(value, TRAIN_CONFIG_MAX_CHARS)
         return params
 
 

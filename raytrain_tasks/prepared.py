@@ -12,6 +12,7 @@ sees them, and a folder whose files no longer hash to the version's content is r
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -24,6 +25,8 @@ from pydantic import BaseModel, ConfigDict
 from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.errors import DatasetError
 from raytrain_tasks.storage.filesystem import StorageOptions, is_s3, open_filesystem
+
+logger = logging.getLogger(__name__)
 
 FILES_DIR = "files"
 MARKER_NAME = "prepared.json"
@@ -53,7 +56,10 @@ class PreparedData(BaseModel):
 
 def local_data_dir(data: PreparedData, options: StorageOptions) -> Path:
     """A local folder holding exactly the version's files: the stored one itself on local storage, this node's
-    copy of it on S3 (made once per node). DatasetError when the files do not hash to the version's content."""
+    copy of it on S3 (made once per node, under a lock its processes share; a copy changed since is made again).
+    DatasetError when the stored files do not hash to the version's content."""
+    import fcntl
+
     from raytrain_tasks.integrity import local_folder_digest
 
     if not is_s3(data.uri):
@@ -62,20 +68,25 @@ def local_data_dir(data: PreparedData, options: StorageOptions) -> Path:
         _check(folder, local_folder_digest(folder), data, "its stored folder")
         return folder
     folder = Path(tempfile.gettempdir()) / CACHE_DIR / data.content_hash
-    if folder.is_dir():
-        _check(folder, local_folder_digest(folder), data, "this node's copy")
-        return folder
-    partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        _download(data, options, partial)
-        _check(partial, local_folder_digest(partial), data, "the copy downloaded from storage")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with (folder.parent / f"{data.content_hash}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the node's other workers wait for the one copy, then use it
+        if folder.is_dir():
+            if local_folder_digest(folder) == data.content_hash:
+                return folder
+            logger.warning(
+                "this node's copy of the prepared data %s changed since it was made: copying it again", folder
+            )
+            stale = folder.with_name(f"{folder.name}.stale-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            folder.rename(stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         try:
+            _download(data, options, partial)
+            _check(partial, local_folder_digest(partial), data, "the copy downloaded from storage")
             partial.rename(folder)
-        except OSError:  # another process of this node renamed its copy first: use that one
-            if not folder.is_dir():
-                raise
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
     return folder
 
 

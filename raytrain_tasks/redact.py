@@ -8,11 +8,13 @@ environment variable of this process.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 MASK = "***"
@@ -135,3 +137,16 @@ def install_log_redaction(*logger_names: str) -> None:
         for handler in logging.getLogger(name).handlers:
             if _FILTER not in handler.filters:
                 handler.addFilter(_FILTER)
+
+
+def masked_param(value: Any, max_chars: int | None = None) -> Any:
+    """``value`` as an MLflow param: numbers and booleans as they are, anything else as text (JSON for what is
+    not a string; ``str`` for what JSON cannot write, a Path or a dtype), with credentials masked (a URI may carry
+    user:password@ or ?token=) and cut to ``max_chars``."""
+    if isinstance(value, int | float | bool):
+        return value
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    text = redact_uri(text) if "://" in text else redact(text)
+    if max_chars is not None and len(text) > max_chars:
+        text = text[: max_chars - 12] + " ...(cut)"
+    return text

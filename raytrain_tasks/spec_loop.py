@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from raytrain_tasks.api import DATA_DIR_KEY, Metric, Splits, TrainFunc, TrainSpec
+from raytrain_tasks.api import Metric, Splits, TrainFunc, TrainSpec
 from raytrain_tasks.errors import DatasetError, UserCodeError
 from raytrain_tasks.tracking.controller import DATASET_DIGEST_KEY
 
@@ -83,7 +83,7 @@ def spec_train_func(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:
             for name, dataset in held_out.items():
                 metrics |= _score(spec, model, dataset, name, rank, world, int(config["batch_size"]))
             metrics["epoch_seconds"] = time.perf_counter() - started
-            if config.get(DATA_DIR_KEY) is None:  # prepared data: the run's dataset hash is the stored version's
+            if spec.prepare is None:  # with prepare, the run's dataset hash is the stored version's
                 metrics[DATASET_DIGEST_KEY] = digest  # the controller records it as the run's dataset hash
             _report(metrics, model, optimizer, epoch, digest, rank)
 

@@ -90,7 +90,7 @@ def shipped_module(train_code: str) -> str | None:
 def user_config(config: Any, spec: TrainFunc, data_dir: Path | None = None) -> dict[str, Any]:
     """The ``config`` the user's code receives: the spec's defaults, the pipeline's own settings
     (``TRAIN_CONFIG_KEYS``), then ``train_config`` (which wins), and ``DATA_DIR_KEY``: ``data_dir``, the local
-    folder of the run's prepared data (None without ``prepare``)."""
+    folder of the run's prepared data, for code with ``prepare`` (None while it runs)."""
     own = {
         "epochs": config.epochs,
         "batch_size": config.batch_size,
@@ -101,7 +101,9 @@ def user_config(config: Any, spec: TrainFunc, data_dir: Path | None = None) -> d
     }
     assert tuple(own) == TRAIN_CONFIG_KEYS
     merged = {**dict(spec.defaults), **own, **copy.deepcopy(config.train_config)}  # the code may change it
-    return merged | {DATA_DIR_KEY: None if data_dir is None else str(data_dir)}
+    if spec.prepare is not None:
+        merged[DATA_DIR_KEY] = None if data_dir is None else str(data_dir)
+    return merged
 
 
 def run_train_func(loop_config: dict[str, Any]) -> None:

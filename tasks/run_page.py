@@ -86,15 +86,20 @@ class EpochProgress:
     def _poll_once(self) -> None:
         from prefect.artifacts import update_progress_artifact
 
-        histories = self._histories()
+        # The marker first, the rest only once it has new steps: an epoch is shown whole, after its marker.
+        marker = self.view.marker
+        histories = self._histories([marker]) if marker is not None else self._histories()
         new = sorted(self._steps(histories) - self._seen)
         if not new:
             return
+        if marker is not None:
+            histories = self._histories()
         self._log_committed(new, histories)
         update_progress_artifact(self._artifact_id, progress=self._percent())
 
-    def _histories(self) -> dict[str, dict[int, float]]:
-        keys = sorted(key for key in self.client.get_run(self.run_id).data.metrics if not key.startswith("system/"))
+    def _histories(self, keys: list[str] | None = None) -> dict[str, dict[int, float]]:
+        if keys is None:
+            keys = sorted(key for key in self.client.get_run(self.run_id).data.metrics if not key.startswith("system/"))
         return {key: {int(m.step): m.value for m in self.client.get_metric_history(self.run_id, key)} for key in keys}
 
     def _steps(self, histories: dict[str, dict[int, float]]) -> set[int]:
@@ -123,7 +128,8 @@ class EpochProgress:
             )
 
     def _committed_steps(self) -> set[int]:
-        return self._steps(self._histories())
+        marker = self.view.marker
+        return self._steps(self._histories([marker]) if marker is not None else self._histories())
 
     def _percent(self) -> float:
         return round(100.0 * len(self._seen) / self.epochs, 1)

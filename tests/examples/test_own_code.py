@@ -126,6 +126,10 @@ def test_an_own_code_runs_params_are_what_trained_it() -> None:
     assert params["train_config.hidden"] == 64 and params["train_config.dropout"] == 0.1
     assert not {"dataset", "model", "hidden_sizes", "promotion_metric", "data_loader"} & set(params), params
     assert TrainingConfig().public_params()["promotion_metric"] == "val_accuracy"  # the built-in's stay
+    # Whatever a default holds: a Path is its text, a URL's password is masked, a long value is cut to MLflow's limit.
+    odd = config.public_params({"root": Path("/data/x"), "src": "https://u:pw-in-default@h/x", "names": ["a"] * 5000})
+    assert odd["train_config.root"] == '"/data/x"' and "pw-in-default" not in odd["train_config.src"]
+    assert len(odd["train_config.names"]) <= 6000 and odd["train_config.names"].endswith("...(cut)")
     logged = {key: str(value) for key, value in params.items()}
     with pytest.raises(TrackingError, match=r"train_config.dropout: '0.1' -> '0.2'"):
         _check_params_unchanged(logged, config.public_params({"hidden": 32, "dropout": 0.2}), "20260101-000000-abcdef")

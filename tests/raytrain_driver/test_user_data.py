@@ -51,7 +51,7 @@ def test_what_prepare_writes_is_stored_once_per_content_and_read_back_exactly(tm
 
     folder = local_data_dir(first, config.storage_options)
     assert (folder / "tables" / "rows.csv").read_text().startswith("0,0\n1,2\n")
-    assert user_config(config, code(None), folder)[DATA_DIR_KEY] == str(folder)
+    assert user_config(config, code(write_rows(10)), folder)[DATA_DIR_KEY] == str(folder)
 
 
 def test_an_interrupted_write_of_a_version_is_written_again_whole(tmp_path: Path) -> None:
@@ -113,6 +113,67 @@ def test_on_s3_each_node_reads_a_verified_copy(
     assert copy == tmp_path / "node-tmp" / "prefect-raytrain-data" / version.content_hash
     assert (copy / "tables" / "rows.csv").read_text().count("\n") == 7
     assert local_data_dir(version, config.storage_options) == copy  # once per node
-    (copy / "labels.txt").write_text("changed on this node\n")
-    with pytest.raises(DatasetError, match="this node's copy"):
-        local_data_dir(version, config.storage_options)
+    (copy / "labels.txt").write_text("changed on this node\n")  # e.g. code that wrote into data_dir
+    assert local_data_dir(version, config.storage_options) == copy  # copied again, from the verified version
+    assert (copy / "labels.txt").read_text() == "x\ny\n"
+
+
+def test_the_workers_of_one_node_make_one_copy(s3_server: LocalS3, tmp_path: Path) -> None:
+    """Four processes of one node asking at once: one downloads, the others wait for it and use its copy."""
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "node-tmp").mkdir()
+    config = small_config(
+        tmp_path,
+        train_code=CODE,
+        epochs=1,
+        storage_path="s3://prt-tests/prepared-once",
+        s3_endpoint_url=s3_server.endpoint_url,
+        create_bucket=True,
+    )
+    version = prepare_user_data(config, code(write_rows(3000)))
+    assert version is not None
+    script = (
+        "import json, sys, tempfile; tempfile.tempdir = sys.argv[1]\n"
+        "from raytrain_tasks import prepared\n"
+        "from raytrain_tasks.storage.filesystem import StorageOptions\n"
+        "calls = []; real = prepared._download\n"
+        "prepared._download = lambda *a: (calls.append(1), real(*a))[1]\n"
+        "data = prepared.PreparedData.model_validate_json(sys.argv[2])\n"
+        "folder = prepared.local_data_dir(data, StorageOptions.model_validate_json(sys.argv[3]))\n"
+        "print(json.dumps([str(folder), len(calls)]))\n"
+    )
+    args = [str(tmp_path / "node-tmp"), version.model_dump_json(), config.storage_options.model_dump_json()]
+    workers = [
+        subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, text=True) for _ in range(4)
+    ]
+    results = [json.loads(worker.communicate(timeout=120)[0]) for worker in workers]
+    assert {folder for folder, _ in results} == {
+        str(tmp_path / "node-tmp" / "prefect-raytrain-data" / version.content_hash)
+    }
+    assert sum(downloads for _, downloads in results) == 1, results
+
+
+def test_data_dir_is_the_pipelines_only_for_code_with_prepare(tmp_path: Path) -> None:
+    """Code without prepare keeps `data_dir` as a setting of its own; code with prepare may not set it (the
+    pipeline's local copy goes there), in its defaults or in train_config."""
+    from raytrain_driver.preflight import resolve_code
+
+    own = TrainFunc(lambda config: None, metric=Metric("val_loss", False), defaults={"data_dir": "/data/mine"})
+    config = small_config(tmp_path, train_code=CODE, train_config='{"data_dir": "/data/other"}')
+    assert user_config(config, own)[DATA_DIR_KEY] == "/data/other"
+    with pytest.raises(TypeError, match="may not set 'data_dir'"):
+        TrainFunc(own.train_func, metric=own.metric, defaults={"data_dir": "/x"}, prepare=write_rows(1))
+    (tmp_path / "prepares.py").write_text(
+        "from raytrain_tasks.api import Metric, TrainFunc\n"
+        "training = TrainFunc(lambda config: None, metric=Metric('val_loss', False),\n"
+        "                     prepare=lambda config, folder: None)\n"
+    )
+    clash = small_config(tmp_path, train_code="prepares:training", register=False, train_config='{"data_dir": "/x"}')
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        patch.syspath_prepend(str(tmp_path))
+        with pytest.raises(UserCodeError, match=r"train_config may not set 'data_dir'"):
+            resolve_code(clash)
