@@ -94,19 +94,25 @@ def test_a_prepare_that_fails_or_writes_nothing_is_named_before_anything_is_stor
     assert prepare_user_data(config, code(None)) is None  # no prepare: the code reads its own data
 
 
+def on_s3(workdir: Path, server: LocalS3, prefix: str) -> Any:
+    """A config whose storage is the session's S3 server (the bucket made when missing)."""
+    storage = f"s3://prt-tests/{prefix}"
+    return small_config(
+        workdir,
+        train_code=CODE,
+        epochs=1,
+        storage_path=storage,
+        s3_endpoint_url=server.endpoint_url,
+        create_bucket=True,
+    )
+
+
 def test_on_s3_each_node_reads_a_verified_copy(
     s3_server: LocalS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     (tmp_path / "node-tmp").mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "node-tmp"))  # this "node's" temporary directory
-    config = small_config(
-        tmp_path,
-        train_code=CODE,
-        epochs=1,
-        storage_path="s3://prt-tests/prepared",
-        s3_endpoint_url=s3_server.endpoint_url,
-        create_bucket=True,
-    )
+    config = on_s3(tmp_path, s3_server, "prepared")
     version = prepare_user_data(config, code(write_rows(7)))
     assert version is not None and version.uri == f"s3://prt-tests/prepared/datasets/{version.content_hash}"
     copy = local_data_dir(version, config.storage_options)
@@ -125,14 +131,7 @@ def test_the_workers_of_one_node_make_one_copy(s3_server: LocalS3, tmp_path: Pat
     import sys
 
     (tmp_path / "node-tmp").mkdir()
-    config = small_config(
-        tmp_path,
-        train_code=CODE,
-        epochs=1,
-        storage_path="s3://prt-tests/prepared-once",
-        s3_endpoint_url=s3_server.endpoint_url,
-        create_bucket=True,
-    )
+    config = on_s3(tmp_path, s3_server, "prepared-once")
     version = prepare_user_data(config, code(write_rows(3000)))
     assert version is not None
     script = (
