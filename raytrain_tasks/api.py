@@ -142,7 +142,7 @@ class TrainFunc:
             driver (for ``datasets``, ``load_model``, ``input_example`` and ``evaluate``), on any node of a cluster.
             Files that no longer hash to the recorded content are refused. A resume runs ``prepare`` again and is
             refused if the data changed: a run continues on the data it started with. None: your code reads its
-            data where it is, and ``config["data_dir"]`` is None.
+            data where it is (and ``data_dir`` is a key like any other).
     """
 
     train_func: Callable[[dict[str, Any]], None]
