@@ -140,7 +140,8 @@ class TrainFunc:
             many runs use it), records the hash in the MLflow run (``prefect_raytrain.dataset_hash``), and hands
             your code ``config["data_dir"]``: a local folder holding those exact files, on every worker and on the
             driver (for ``datasets``, ``load_model``, ``input_example`` and ``evaluate``), on any node of a cluster.
-            Files that no longer hash to the recorded content are refused. A resume runs ``prepare`` again and is
+            Files that no longer hash to the recorded content are refused: treat ``data_dir`` as read-only, and
+            write the same bytes for the same data (seeded, no timestamps). A resume runs ``prepare`` again and is
             refused if the data changed: a run continues on the data it started with. None: your code reads its
             data where it is (and ``data_dir`` is a key like any other).
     """
