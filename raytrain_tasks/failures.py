@@ -62,6 +62,7 @@ class StopOnRepeatedFailure(WorkerGroupCallback):  # type: ignore[misc]
             f"({type(base).__name__}: {base}, worker rank {rank}). It fails the same way on every attempt (a bug in "
             "the training code, or data or settings it cannot handle), so it is not retried: neither by Ray Train's "
             "worker-group restarts (`max_failures`) nor by Prefect (`fit_retries`). Fix the cause, then continue "
-            f"the run from its last checkpoint with `resume={self.run_key}`. The worker's traceback:\n"
+            f"the run with `resume={self.run_key}` (from its last checkpoint; from epoch 1 if none was committed). "
+            "The worker's traceback:\n"
             f"{str(error)[-4000:]}"
         )
