@@ -49,7 +49,8 @@ def prepare_recovery(run_key: str) -> None:
     if not flow_run_id:
         return
     with get_client(sync_client=True) as client:
-        tags = list(client.read_flow_run(UUID(str(flow_run_id))).tags or [])
+        run = client.read_flow_run(UUID(str(flow_run_id)))
+        tags = list(run.tags or [])
         client.update_flow_run(UUID(str(flow_run_id)), tags=[*tags, f"{RUN_KEY_TAG_PREFIX}{run_key}"])
     if HEARTBEAT_TAG not in tags:
         return
@@ -63,6 +64,41 @@ def prepare_recovery(run_key: str) -> None:
             "deployment's job variables (deployments/prefect.yaml does), or remove the tag"
         )
     ensure_zombie_automation(str(flow_run.get_flow_name()))
+    _heartbeat_now(run, str(flow_run.get_flow_name()), tags)
+
+
+def _heartbeat_now(run: Any, flow_name: str, tags: list[str]) -> None:
+    """One heartbeat event now, as Prefect's engine sends them (prefect.flow_engine._emit_flow_run_heartbeat).
+    The engine's first beat came before the watch existed or took this run's window (creating or changing the
+    automation starts it afresh), and its next one comes 30 s later: a run lost in between was never found."""
+    from prefect import __version__
+    from prefect.events.related import RelatedResource, tags_as_related_resources
+    from prefect.events.utilities import emit_event
+
+    related = [
+        RelatedResource.model_validate(
+            {
+                "prefect.resource.id": f"prefect.flow.{run.flow_id}",
+                "prefect.resource.role": "flow",
+                "prefect.resource.name": flow_name,
+            }
+        )
+    ]
+    if run.deployment_id:
+        related.append(
+            RelatedResource.model_validate(
+                {
+                    "prefect.resource.id": f"prefect.deployment.{run.deployment_id}",
+                    "prefect.resource.role": "deployment",
+                }
+            )
+        )
+    resource = {"prefect.resource.id": f"prefect.flow-run.{run.id}", "prefect.resource.name": run.name or ""}
+    emit_event(
+        event="prefect.flow-run.heartbeat",
+        resource=resource | {"prefect.version": __version__},
+        related=related + tags_as_related_resources(set(tags)),
+    )
 
 
 def continuation_of(crashed: str) -> Continuation:
