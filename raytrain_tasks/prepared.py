@@ -91,19 +91,9 @@ def local_data_dir(data: PreparedData, options: StorageOptions) -> Path:
 
 
 def _download(data: PreparedData, options: StorageOptions, destination: Path) -> None:
-    import pyarrow.fs as pafs
+    from raytrain_tasks.storage.locations import download_dir, locate
 
-    filesystem, path = open_filesystem(data.files_uri, options)
-    destination.mkdir(parents=True)
-    try:
-        pafs.copy_files(
-            path, str(destination), source_filesystem=filesystem, destination_filesystem=pafs.LocalFileSystem()
-        )
-    except OSError as exc:
-        raise DatasetError(
-            f"cannot copy the run's prepared data from {data.files_uri}: {exc}; check `storage_path` and that this "
-            "node can read it"
-        ) from exc
+    download_dir(locate(data.files_uri, options), destination)  # StorageError naming the URI when it cannot
 
 
 def _check(folder: Path, actual: str, data: PreparedData, what: str) -> None:
