@@ -1,6 +1,6 @@
 """Serve the deployments of deployments/prefect.yaml from this one process, schedules included.
 
-    python -m deployments.serve [--replace]     # needs PREFECT_API_URL pointing at a Prefect server
+    python -m deployments.serve [--replace] [--prefect-file my-deployments.yaml]   # needs PREFECT_API_URL set
 
 For users without a work pool. While it runs, scheduled runs and runs triggered from the UI execute here.
 When it stops, Prefect pauses its deployments and drops their scheduled runs (none pile up); serving again
@@ -26,6 +26,7 @@ import yaml
 from flows.continuation import ensure_zombie_automation
 from flows.training import training_pipeline
 from raytrain_driver.cluster import warm_ray
+from raytrain_tasks.errors import UserCodeError
 
 PREFECT_YAML = Path(__file__).with_name("prefect.yaml")
 # How often serving asks the server for runs to start, unless PREFECT_RUNNER_POLL_FREQUENCY says (Prefect's
@@ -55,7 +56,25 @@ def build_deployments(specs: list[dict[str, Any]]) -> list[Any]:
                 triggers=[DeploymentEventTrigger(**trigger) for trigger in spec.get("triggers") or []],
             )
         )
+        code_form(deployments[-1], (spec.get("parameters") or {}).get("train_code"))
     return deployments
+
+
+def code_form(deployment: Any, train_code: str | None) -> None:
+    """A deployment that names ``train_code`` whose code declares ``settings=``: its run form's ``train_config`` is
+    one typed field per setting, with its default, and the server refuses a run whose train_config does not fit."""
+    if not train_code:
+        return
+    from raytrain_tasks.code_settings import form_schema
+    from raytrain_tasks.user_code import resolve
+
+    settings = resolve(train_code).settings
+    if settings is None:
+        return
+    schema = deployment._parameter_openapi_schema  # what `prefect deploy` sets too (prefect/cli/deploy/_core.py)
+    form = form_schema(settings)
+    schema.definitions = {**(schema.definitions or {}), **form.pop("definitions", {})}
+    schema.properties["train_config"] = form | {"position": schema.properties["train_config"].get("position")}
 
 
 def work_pool_deployments(names: list[str]) -> list[str]:
@@ -94,8 +113,24 @@ def main(argv: list[str] | None = None) -> int:
         help="each run starts and stops a local Ray of its own (no Ray processes between runs) instead of joining "
         "the one serving keeps warm",
     )
+    parser.add_argument(
+        "--prefect-file",
+        type=Path,
+        default=PREFECT_YAML,
+        help="the deployments to serve: a prefect.yaml of your own, e.g. in your project folder, whose deployments "
+        "name your train_code (default: this project's deployments/prefect.yaml)",
+    )
     args = parser.parse_args(argv)
-    specs = load_deployment_specs()
+    try:
+        specs = load_deployment_specs(args.prefect_file)
+    except (OSError, yaml.YAMLError, KeyError, TypeError) as exc:
+        print(f"error: --prefect-file {args.prefect_file}: no deployments: list to serve ({exc})", file=sys.stderr)
+        return 2
+    try:
+        deployments = build_deployments(specs)
+    except UserCodeError as exc:  # a deployment's train_code, imported for its form
+        print(f"error: --prefect-file {args.prefect_file}: {exc}", file=sys.stderr)
+        return 2
     taken = work_pool_deployments([spec["name"] for spec in specs])
     if taken and not args.replace:
         print(
@@ -122,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             address = stack.enter_context(warm_ray())
             print(f"runs with an empty ray_address train on the warm local Ray at {address}", file=sys.stderr)
         try:
-            serve(*build_deployments(specs), query_seconds=poll)
+            serve(*deployments, query_seconds=poll)
         finally:
             pause_served([spec["name"] for spec in specs])
     return 0

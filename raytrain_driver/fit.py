@@ -20,7 +20,7 @@ from raytrain_driver.fit_record import BUILTIN_SHOWN, FitResult, OpenRun, finish
 from raytrain_driver.hooks import EpochView, progress_page, run_logger, state_dir, stopped_by
 from raytrain_driver.lease import HeldLease, run_lease
 from raytrain_driver.origin import run_description, run_tags
-from raytrain_driver.preflight import check_cluster, check_started_without_checkpoint, resolve_code
+from raytrain_driver.preflight import check_cluster, check_started_without_checkpoint, code_params, resolve_code
 from raytrain_driver.sizing import FitPlan
 from raytrain_tasks.config import TrainingConfig, check_run_key
 from raytrain_tasks.errors import (
@@ -130,7 +130,7 @@ def _confirm_finished(
 ) -> FitResult:
     """Everything was trained and recorded earlier: check the settings match, train nothing."""
     dataset_hash = dataset.content_hash if dataset is not None else None
-    params = config.public_params(spec.defaults if spec is not None else None)
+    params = config.public_params(code_params(config, spec))
     tracking.check_resumable(client, experiment_id, run_key, params, dataset_hash)
     tracking.finish_run(client, finished.mlflow_run_id)
     run_logger().info("run key %s finished all %d epochs earlier; nothing to train", run_key, config.epochs)
@@ -160,7 +160,7 @@ def _start_run(
         | {tracking.CPUS_PER_WORKER_TAG: f"{plan.cpus_per_worker:g}"}
         | {k: v for k, v in origin.items() if k != "run_name"}
         | {tracking.NOTE_TAG: run_description(config, run_key, run_dir, origin)},
-        params=config.public_params(spec.defaults if spec is not None else None),
+        params=config.public_params(code_params(config, spec)),
     )
     if not reopened and is_builtin_dataset(dataset):
         evaluation.log_dataset_input(client, run_id, dataset)

@@ -34,12 +34,23 @@ def resolve_code(config: TrainingConfig) -> TrainFunc | None:
         and (refused := data_dir_refused(config.train_config, "train_config"))
     ):
         raise UserCodeError(f"train_code {config.train_code!r}: {refused}")
+    if spec is not None:
+        from raytrain_tasks.code_settings import code_values
+
+        code_values(spec, config.train_config, config.train_code)  # train_config fits the code's settings
     if spec is not None and config.register and not spec.can_register:
         raise UserCodeError(
             f"train_code {config.train_code!r} gives no load_model/input_example, so nothing it trains can be "
             "registered: add them to its TrainFunc, or set `register` off (--no-register)"
         )
     return spec
+
+
+def code_params(config: TrainingConfig, spec: TrainFunc | None) -> dict[str, Any] | None:
+    """What the user's code gets of its own settings (logged as ``train_config.<key>``); None for the built-in."""
+    from raytrain_tasks.code_settings import code_values
+
+    return None if spec is None else code_values(spec, config.train_config, config.train_code)
 
 
 def check_started_without_checkpoint(config: TrainingConfig, run_key: str, run_dir: StorageLocation) -> None:

@@ -42,6 +42,9 @@ from typing import Any
 
 __all__ = ["DATA_DIR_KEY", "Metric", "Splits", "TrainFunc", "TrainSpec", "TRAIN_CONFIG_KEYS"]
 
+# What ``settings=`` may be: a pydantic model class, or a dataclass; its fields are your code's settings.
+SETTINGS_KINDS = "a pydantic BaseModel subclass or a dataclass"
+
 
 def pipeline_keys_refused(keys: Any, where: str) -> str:
     """ "" when ``keys`` set none of ``TRAIN_CONFIG_KEYS``; else why ``where`` may not set them."""
@@ -82,6 +85,28 @@ def data_dir_refused(keys: Any, where: str) -> str:
 
 
 Prepare = Callable[[dict[str, Any], Path], None]
+
+
+def check_code_config(kind: str, defaults: Mapping[str, Any], settings: Any, prepare: Any) -> None:
+    """What ``TrainFunc`` and ``TrainSpec`` refuse alike in ``defaults`` and ``settings``: TypeError, naming it."""
+    if settings is not None:
+        if defaults:
+            raise TypeError(
+                f"{kind} takes defaults=... or settings=..., not both: give each setting its default in the "
+                "settings class"
+            )
+        if not isinstance(settings, type):
+            raise TypeError(f"{kind}(settings=...) must be a class ({SETTINGS_KINDS}), got {settings!r}")
+        from raytrain_tasks.code_settings import setting_names
+
+        names = setting_names(settings, f"{kind}(settings={settings.__name__})")
+        where = f"{kind}(settings={settings.__name__})"
+    else:
+        names, where = list(defaults), f"{kind}(defaults=...)"
+    if refused := pipeline_keys_refused(names, where):
+        raise TypeError(refused)
+    if prepare is not None and (refused := data_dir_refused(names, where)):
+        raise TypeError(refused)
 
 
 @dataclass(frozen=True)
@@ -125,6 +150,13 @@ class TrainFunc:
         datasets: ``datasets(config) -> {"train": ray.data.Dataset, ...}``, built on the driver and passed as
             ``TorchTrainer(datasets=...)``, for a ``train_func`` that reads ``ray.train.get_dataset_shard(name)``.
         defaults: values for ``config`` that apply when neither ``train_config`` nor the pipeline sets them.
+        settings: your code's own settings, declared as a class (a pydantic ``BaseModel`` or a dataclass: one
+            field per setting, with its type and default), instead of ``defaults``. ``train_config`` is then checked
+            against it before anything starts (a key it does not declare, a value of the wrong type or a required
+            setting left out is refused, naming ``train_config.<key>``); your code receives every setting in
+            ``config`` as a plain JSON value (``Settings(**config)`` reads them back typed), each is logged as the
+            MLflow param ``train_config.<key>``, and a served deployment that names your code shows one typed field
+            per setting in the Prefect UI's run form.
         gate_metric: the reported metric the promotion gate compares, when it is not ``metric`` (e.g. select the
             best checkpoint by ``val_loss``, compare ``test_loss`` with the champion's); same direction.
         evaluate: ``evaluate(model, config) -> {metric: value}``: scores a servable model on the data your code
@@ -155,6 +187,7 @@ class TrainFunc:
     gate_metric: str = ""
     evaluate: Callable[[Any, dict[str, Any]], Mapping[str, float]] | None = None
     prepare: Prepare | None = None
+    settings: type | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.train_func):
@@ -166,10 +199,7 @@ class TrainFunc:
             )
         if (self.load_model is None) != (self.input_example is None):
             raise TypeError("TrainFunc needs load_model and input_example together (both, or neither)")
-        if refused := pipeline_keys_refused(self.defaults, "TrainFunc(defaults=...)"):
-            raise TypeError(refused)
-        if self.prepare is not None and (refused := data_dir_refused(self.defaults, "TrainFunc(defaults=...)")):
-            raise TypeError(refused)
+        check_code_config("TrainFunc", self.defaults, self.settings, self.prepare)
         if self.evaluate is not None and self.load_model is None:
             raise TypeError("TrainFunc(evaluate=...) scores registered models: it needs load_model and input_example")
         for name in ("load_model", "input_example", "datasets", "evaluate", "prepare"):
@@ -222,6 +252,7 @@ class TrainSpec:
         input_example: ``input_example(config)`` -> what the registered model is exported with; default: two inputs
             of the train split.
         defaults: values for ``config`` that apply when neither ``train_config`` nor the pipeline sets them.
+        settings: your code's own settings as a class, instead of ``defaults``, as for ``TrainFunc``.
         prepare: ``prepare(config, folder)``, as for ``TrainFunc``: ``data(config)`` then reads the files from
             ``config["data_dir"]``, the same on the driver and every worker, wherever they run.
     """
@@ -235,6 +266,7 @@ class TrainSpec:
     input_example: Callable[[dict[str, Any]], Any] | None = None
     defaults: Mapping[str, Any] = field(default_factory=dict)
     prepare: Prepare | None = None
+    settings: type | None = None
 
     def __post_init__(self) -> None:
         for name in ("data", "model", "loss"):
@@ -244,9 +276,6 @@ class TrainSpec:
             raise TypeError(f"TrainSpec(metric=...) must be a raytrain_tasks.api.Metric, got {self.metric!r}")
         if self.metric.name != "loss" and self.metrics is None:
             raise TypeError(f"TrainSpec(metric={self.metric.name!r}) needs metrics=... that computes it (or 'loss')")
-        if refused := pipeline_keys_refused(self.defaults, "TrainSpec(defaults=...)"):
-            raise TypeError(refused)
         if self.prepare is not None and not callable(self.prepare):
             raise TypeError(f"TrainSpec(prepare=...) must be a function, got {self.prepare!r}")
-        if self.prepare is not None and (refused := data_dir_refused(self.defaults, "TrainSpec(defaults=...)")):
-            raise TypeError(refused)
+        check_code_config("TrainSpec", self.defaults, self.settings, self.prepare)

@@ -282,9 +282,10 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
         selection = self.selection
         return Metric("test_" + selection.name.removeprefix("val_"), selection.higher_is_better)
 
-    def public_params(self, code_defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def public_params(self, code_values: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The config as flat MLflow params: lists joined, credentials in URIs masked. For ``train_code``: no
-        built-in classifier setting, and ``train_config.<key>`` for ``train_config`` over the code's defaults."""
+        built-in classifier setting, and ``train_config.<key>`` for each of ``code_values``, the code's own settings
+        as it gets them (``raytrain_tasks.code_settings.code_values``: ``train_config`` over its defaults)."""
         from raytrain_tasks.redact import masked_param
 
         params: dict[str, Any] = {}
@@ -294,7 +295,7 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
             if key == "train_config":
                 value = self.train_config_text()
             params[key] = masked_param(value) if isinstance(value, str) else value
-        for key, value in {**(code_defaults or {}), **self.train_config}.items():
+        for key, value in (self.train_config if code_values is None else code_values).items():
             params[f"train_config.{key}"] = masked_param(value, TRAIN_CONFIG_MAX_CHARS)
         return params
 

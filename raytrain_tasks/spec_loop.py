@@ -44,6 +44,7 @@ def as_train_func(spec: TrainSpec) -> TrainFunc:
         gate_metric=f"test_{spec.metric.name}",
         evaluate=spec_evaluate(spec),
         prepare=spec.prepare,
+        settings=spec.settings,
     )
 
 

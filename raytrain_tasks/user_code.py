@@ -88,9 +88,12 @@ def shipped_module(train_code: str) -> str | None:
 
 
 def user_config(config: Any, spec: TrainFunc, data_dir: Path | None = None) -> dict[str, Any]:
-    """The ``config`` the user's code receives: the spec's defaults, the pipeline's own settings
-    (``TRAIN_CONFIG_KEYS``), then ``train_config`` (which wins), and ``DATA_DIR_KEY``: ``data_dir``, the local
-    folder of the run's prepared data, for code with ``prepare`` (None while it runs)."""
+    """The ``config`` the user's code receives: the pipeline's own settings (``TRAIN_CONFIG_KEYS``), the code's
+    own (its defaults or settings class, with ``train_config`` over them: ``code_settings.code_values``), and
+    ``DATA_DIR_KEY``: ``data_dir``, the local folder of the run's prepared data, for code with ``prepare`` (None
+    while it runs)."""
+    from raytrain_tasks.code_settings import code_values
+
     own = {
         "epochs": config.epochs,
         "batch_size": config.batch_size,
@@ -100,7 +103,7 @@ def user_config(config: Any, spec: TrainFunc, data_dir: Path | None = None) -> d
         "use_gpu": config.use_gpu,
     }
     assert tuple(own) == TRAIN_CONFIG_KEYS
-    merged = {**dict(spec.defaults), **own, **copy.deepcopy(config.train_config)}  # the code may change it
+    merged = {**own, **copy.deepcopy(code_values(spec, config.train_config, config.train_code))}  # code may change it
     if spec.prepare is not None:
         merged[DATA_DIR_KEY] = None if data_dir is None else str(data_dir)
     return merged

@@ -11,12 +11,17 @@ images here are scikit-learn's bundled 8x8 digits: no download.
 To bring your own images: point ``image_dir`` at them (``--train-config '{"image_dir": "/data/my-images"}'``, one
 sub-folder per class, readable where the flow runs: ``prepare`` copies them), and change ``build_model`` for your
 image size and classes.
+
+Its own settings are declared as a class (``Settings``): ``--train-config`` is checked against it before anything
+starts (``{"chanels": 8}`` or ``{"channels": "many"}`` is refused, naming the key), and a deployment that names this
+code shows one typed field per setting in the Prefect UI's run form.
 """
 
 from __future__ import annotations
 
 import hashlib
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +33,14 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from raytrain_tasks.api import Metric, Splits, TrainSpec
+
+
+@dataclass
+class Settings:
+    """This code's own settings, beside the pipeline's (epochs, batch_size, lr, seed, ...): ``config`` holds both."""
+
+    image_dir: str = ""  # a folder of <class>/<image> files to train on, instead of the bundled digits
+    channels: int = 16  # the first convolution's output channels (the second has twice as many)
 
 
 class ImageFolder(Dataset):
@@ -77,7 +90,7 @@ def data(config: dict[str, Any]) -> Splits:
 
 
 def build_model(config: dict[str, Any], example: torch.Tensor) -> nn.Module:
-    channels = int(config["channels"])
+    channels = config["channels"]
     return nn.Sequential(
         nn.Conv2d(example.shape[1], channels, 3, padding=1),
         nn.ReLU(),
@@ -100,5 +113,5 @@ training = TrainSpec(
     metrics=accuracy,
     metric=Metric("accuracy", higher_is_better=True),
     prepare=prepare,
-    defaults={"image_dir": "", "channels": 16},
+    settings=Settings,
 )

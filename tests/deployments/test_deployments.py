@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -116,3 +117,18 @@ def test_the_served_deployments_end_paused_whatever_stopped_serving(
     with get_client(sync_client=True) as client:
         for name in ("nightly-retrain", "ad-hoc"):
             assert client.read_deployment_by_name(f"training-pipeline/{name}").paused, name
+
+
+def test_serve_refuses_a_prefect_file_it_cannot_serve_before_touching_the_server(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--prefect-file` of one's own: a missing file, or a deployment whose train_code does not import, ends serve
+    at once (exit 2, naming the file and the problem), before it asks any Prefect server for anything."""
+    from deployments.serve import main
+
+    assert main(["--prefect-file", str(tmp_path / "missing.yaml")]) == 2
+    assert "missing.yaml: no deployments: list to serve" in capsys.readouterr().err
+    broken = tmp_path / "mine.yaml"
+    broken.write_text("deployments:\n  - name: mine\n    parameters: {train_code: 'no_such_package.train:training'}\n")
+    assert main(["--prefect-file", str(broken)]) == 2
+    assert "no module named 'no_such_package'" in capsys.readouterr().err

@@ -26,7 +26,9 @@ from uuid import UUID
 from zoneinfo import ZoneInfo
 
 import pytest
+import yaml
 from mlflow import MlflowClient
+from prefect.exceptions import PrefectHTTPStatusError
 
 from deployments.serve import load_deployment_specs
 from tests.helpers import REPO_ROOT, free_port, stop_process_group, wait_for_http
@@ -464,7 +466,13 @@ class Served:
 def served(prefect_server: PrefectServer) -> Iterator[Served]:
     """`python -m deployments.serve` in the checkout, once for the module's serve tests (each start is a Ray
     start and a registration of every deployment); the last of them stops it and checks what stopping does."""
-    serve, serve_log = _start_in_checkout(prefect_server, [sys.executable, "-m", "deployments.serve", "--replace"])
+    # A prefect.yaml of one's own (--prefect-file): this project's deployments, and one that names the user's code.
+    own_file = prefect_server.checkout.parent / "served-deployments.yaml"
+    own = {"name": "images", "description": "the image example", "parameters": {"train_code": IMAGE_CODE}}
+    own_file.write_text(yaml.safe_dump({"deployments": [*load_deployment_specs(), own]}))
+    serve, serve_log = _start_in_checkout(
+        prefect_server, [sys.executable, "-m", "deployments.serve", "--prefect-file", str(own_file), "--replace"]
+    )
     try:
         _wait_until_served(serve, serve_log)
         announced = re.search(r"warm local Ray at (\S+)", serve_log.read_text())
@@ -523,6 +531,12 @@ def test_served_runs_share_one_warm_ray(prefect_server: PrefectServer, served: S
 # serving adds does not depend on the example; seed_ray_data and fsdp_sharded train through the flow in
 # test_own_code and test_sharded.
 EXAMPLES = ("seed_ddp", "diabetes_regression", "image_classifier")
+IMAGE_CODE = "examples.image_classifier.train:training"
+# A key of one's own for code with plain defaults; the image example declares its settings (a typed class), so it
+# takes only those.
+TRAIN_CONFIGS = {"seed_ddp": {"seed_note": "served"}, "diabetes_regression": {"seed_note": "served"}} | {
+    "image_classifier": {"channels": 8}
+}
 
 
 def test_the_examples_train_and_register_through_a_served_deployment(
@@ -532,17 +546,26 @@ def test_the_examples_train_and_register_through_a_served_deployment(
     deployment, as `-p train_code=...` or the UI's form would; the code is found in the folder serve runs in."""
     serve_log = served.log
     deployment = _api(prefect_server, lambda client: client.read_deployment_by_name("training-pipeline/ad-hoc"))
+    # The image example is served as a deployment of its own (from serve's --prefect-file): its form types
+    # train_config by the code's settings class, and the server refuses a run whose train_config does not fit.
+    images = _api(prefect_server, lambda client: client.read_deployment_by_name("training-pipeline/images"))
+    with pytest.raises(PrefectHTTPStatusError, match="409"):
+        _api(prefect_server, lambda c: c.create_flow_run_from_deployment(images.id, {"train_config": {"chanels": 8}}))
     for example in EXAMPLES:
         parameters = {
             "train_code": f"examples.{example}.train:training",
-            "train_config": {"seed_note": "served"},  # a JSON object, as `-p` and the UI's form send it
+            "train_config": TRAIN_CONFIGS[example],  # a JSON object, as `-p` and the UI's form send it
             "epochs": 1,  # the serving is the question here; their training: test_own_code, test_sharded, the guide
             "experiment_name": "own-code",
             "model_name": f"served-{example}",
         }
+        target = deployment
+        if example == "image_classifier":
+            target = images
+            del parameters["train_code"]  # the deployment's
         created = _api(
             prefect_server,
-            lambda c, parameters=parameters: c.create_flow_run_from_deployment(deployment.id, parameters=parameters),
+            lambda c, parameters=parameters, target=target: c.create_flow_run_from_deployment(target.id, parameters),
         )
         flow_run = _wait_for_final_state(prefect_server, created.id)
         assert flow_run.state_type.value == "COMPLETED", (example, serve_log.read_text()[-5000:])
@@ -551,7 +574,12 @@ def test_the_examples_train_and_register_through_a_served_deployment(
     assert sorted(run.data.params["train_code"] for run in runs) == sorted(
         f"examples.{example}.train:training" for example in EXAMPLES
     )
-    assert all(run.info.status == "FINISHED" and run.data.params["train_config.seed_note"] == "served" for run in runs)
+    assert all(run.info.status == "FINISHED" for run in runs)
+    for run in runs:
+        example = run.data.params["train_code"].split(".")[1]
+        assert {
+            f"train_config.{k}": str(v) for k, v in TRAIN_CONFIGS[example].items()
+        }.items() <= run.data.params.items()
     for example in EXAMPLES:
         assert tracking.get_registered_model(f"served-{example}").aliases.get("champion") is not None
 

@@ -119,10 +119,15 @@ def test_an_own_code_runs_params_are_what_trained_it() -> None:
     """The MLflow params of a run of your code: its defaults where train_config leaves them, none of the built-in
     classifier's settings (a regression run does not claim to be gated on val_accuracy); a resume with other
     defaults is refused, naming the key."""
+    from raytrain_tasks.code_settings import code_values
     from raytrain_tasks.tracking.runs import _check_params_unchanged
 
+    def with_defaults(**defaults: object) -> dict[str, object]:
+        spec = TrainFunc(lambda config: None, metric=Metric("rmse", higher_is_better=False), defaults=defaults)
+        return code_values(spec, config.train_config, DIABETES)
+
     config = TrainingConfig(train_code=DIABETES, train_config='{"hidden": 64}')
-    params = config.public_params({"hidden": 32, "dropout": 0.1})
+    params = config.public_params(with_defaults(hidden=32, dropout=0.1))
     assert params["train_config.hidden"] == 64 and params["train_config.dropout"] == 0.1
     assert not {"dataset", "model", "hidden_sizes", "promotion_metric", "data_loader"} & set(params), params
     assert TrainingConfig().public_params()["promotion_metric"] == "val_accuracy"  # the built-in's stay
@@ -132,7 +137,9 @@ def test_an_own_code_runs_params_are_what_trained_it() -> None:
     assert len(odd["train_config.names"]) <= 6000 and odd["train_config.names"].endswith("...(cut)")
     logged = {key: str(value) for key, value in params.items()}
     with pytest.raises(TrackingError, match=r"train_config.dropout: '0.1' -> '0.2'"):
-        _check_params_unchanged(logged, config.public_params({"hidden": 32, "dropout": 0.2}), "20260101-000000-abcdef")
+        _check_params_unchanged(
+            logged, config.public_params(with_defaults(hidden=32, dropout=0.2)), "20260101-000000-abcdef"
+        )
 
 
 # --- end to end, on a real local Ray, the Prefect test harness and MLflow on SQLite ----------------------------

@@ -82,8 +82,9 @@ def test_cli_rejects_bad_flags_before_doing_anything(tmp_path: Path) -> None:
 
 
 def test_train_code_that_cannot_run_is_named_before_prefect_or_ray_start(tmp_path: Path) -> None:
-    """A misspelled attribute, or code that cannot register as asked, fails the command before the temporary
-    Prefect API or Ray starts (no Prefect database, no Ray session, nothing in storage), naming train_code."""
+    """A misspelled attribute, code that cannot register as asked, or a train_config its code does not take, fails
+    the command before the temporary Prefect API or Ray starts (no Prefect database, no Ray session, nothing in
+    storage), naming train_code."""
     (tmp_path / "my_code.py").write_text(
         "import torch\n"
         "from raytrain_tasks.api import Metric, TrainFunc\n"
@@ -95,7 +96,15 @@ def test_train_code_that_cannot_run_is_named_before_prefect_or_ray_start(tmp_pat
     unregistrable = _run_cli(tmp_path, "--train-code", "my_code:training", timeout=120)
     assert unregistrable.returncode == 2, unregistrable.stderr[-3000:]
     assert "no load_model/input_example" in unregistrable.stderr and "--no-register" in unregistrable.stderr
-    assert "Traceback" not in misspelled.stderr + unregistrable.stderr
+    # A setting the code does not declare (here a typo of the image example's `channels`) would train silently on
+    # the default: refused, naming it.
+    typo = _run_cli(
+        tmp_path, "--train-code", "examples.image_classifier.train:training", "--train-config", '{"chanels": 8}',
+        timeout=120,
+    )  # fmt: skip
+    assert typo.returncode == 2, typo.stderr[-3000:]
+    assert "train_config sets 'chanels'" in typo.stderr and "did you mean 'channels'" in typo.stderr, typo.stderr
+    assert "Traceback" not in misspelled.stderr + unregistrable.stderr + typo.stderr
     pipeline = tmp_path / ".pipeline"
     assert not (pipeline / "storage").exists() and not (pipeline / "mlflow.db").exists()
     assert not list((pipeline / "prefect").glob("*.db")), list((pipeline / "prefect").iterdir())

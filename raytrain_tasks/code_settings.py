@@ -1,0 +1,112 @@
+"""Your code's own settings (``TrainFunc``/``TrainSpec`` ``defaults=`` or ``settings=``) against ``train_config``.
+
+Both are checked where the run starts, before Prefect, Ray or any worker: a ``settings`` class refuses a key it
+does not declare, a value of the wrong type and a required setting left out; plain ``defaults`` refuse a key that
+is a misspelling of one of theirs (``hiden`` beside ``hidden``), which would otherwise train silently with the
+default. What the code then receives is plain JSON values, the same that MLflow logs as ``train_config.<key>``.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from typing import Any
+
+from raytrain_tasks.errors import UserCodeError
+
+# How close a train_config key must be to one of the code's defaults to be taken for its misspelling.
+MISSPELLING_CUTOFF = 0.8
+
+
+def setting_names(settings: type, where: str) -> list[str]:
+    """The settings a class declares, in order; TypeError when it is not a class pydantic can validate."""
+    properties = _schema(settings, where).get("properties", {})
+    return list(properties)
+
+
+def code_values(spec: Any, train_config: Mapping[str, Any], train_code: str) -> dict[str, Any]:
+    """What the user's code gets in ``config`` beside the pipeline's keys: its defaults (or its settings class's)
+    with ``train_config`` over them, checked. UserCodeError naming ``train_config.<key>`` otherwise."""
+    if spec.settings is None:
+        _check_spelling(dict(spec.defaults), train_config, train_code)
+        return {**dict(spec.defaults), **train_config}
+    from pydantic import TypeAdapter, ValidationError
+
+    settings = spec.settings
+    names = setting_names(settings, settings.__name__)
+    if unknown := [key for key in train_config if key not in names]:
+        near = {key: difflib.get_close_matches(key, names, n=1) for key in unknown}
+        hints = "".join(f" (did you mean {near[key][0]!r} for {key!r}?)" for key in unknown if near[key])
+        raise UserCodeError(
+            f"train_code {train_code!r}: train_config sets {', '.join(map(repr, unknown))}, which its settings "
+            f"class {settings.__name__} does not declare{hints}. Its settings: {describe(settings)}"
+        )
+    adapter: Any = TypeAdapter(settings)
+    try:
+        value = adapter.validate_python(dict(train_config))
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"train_config.{'.'.join(map(str, error['loc'])) or '?'}: {error['msg']}"
+            + ("" if error["type"] == "missing" else f" (got a {type(error['input']).__name__})")
+            for error in exc.errors()
+        )
+        raise UserCodeError(
+            f"train_code {train_code!r}: train_config does not fit its settings class {settings.__name__}: "
+            f"{problems}. Its settings: {describe(settings)}"
+        ) from None  # pydantic's own text repeats the values, which may be secrets
+    dumped: dict[str, Any] = adapter.dump_python(value, mode="json")
+    return dumped
+
+
+def describe(settings: type) -> str:
+    """``hidden (integer, default 32), name (string, required)``: what a message lists."""
+    schema = _schema(settings, settings.__name__)
+    required = set(schema.get("required", ()))
+    parts = []
+    for name, field in schema.get("properties", {}).items():
+        kind = field.get("type") or "/".join(str(o.get("type", "?")) for o in field.get("anyOf", ())) or "any"
+        parts.append(f"{name} ({kind}, {'required' if name in required else 'default ' + repr(field.get('default'))})")
+    return ", ".join(parts) or "none"
+
+
+def form_schema(settings: type) -> dict[str, Any]:
+    """The JSON schema of ``train_config`` for a Prefect deployment's run form: one typed field per setting, each
+    with its default; definitions it refers to inlined under ``definitions`` (Prefect's parameter schema key)."""
+    schema = _schema(settings, settings.__name__, ref_template="#/definitions/{model}")
+    if "$defs" in schema:
+        schema["definitions"] = schema.pop("$defs")
+    schema["additionalProperties"] = False  # the server refuses a misspelt key, as the CLI does
+    if not schema.get("required"):
+        schema["default"] = {}
+    schema["title"] = "Training code config"
+    schema.setdefault("description", f"The settings of {settings.__name__}, your code's own")
+    return schema
+
+
+def _schema(settings: type, where: str, ref_template: str = "#/$defs/{model}") -> dict[str, Any]:
+    import dataclasses
+
+    from pydantic import BaseModel, PydanticUserError, TypeAdapter
+
+    if not (dataclasses.is_dataclass(settings) or issubclass(settings, BaseModel)):
+        raise TypeError(f"{where} must be a pydantic BaseModel subclass or a dataclass, got {settings!r}")
+    try:
+        schema: dict[str, Any] = TypeAdapter(settings).json_schema(ref_template=ref_template)
+    except PydanticUserError as exc:  # a field of a type pydantic cannot validate (an arbitrary class)
+        raise TypeError(f"{where}: pydantic cannot describe its fields ({type(exc).__name__}: {exc})") from None
+    return schema
+
+
+def _check_spelling(defaults: dict[str, Any], train_config: Mapping[str, Any], train_code: str) -> None:
+    """A key of ``train_config`` that is not one of ``defaults`` but close to one ``train_config`` leaves to its
+    default is taken for a misspelling: refused, since the code would train on the default without a word."""
+    left = [name for name in defaults if name not in train_config]
+    for key in train_config:
+        if key in defaults:
+            continue
+        if near := difflib.get_close_matches(key, left, n=1, cutoff=MISSPELLING_CUTOFF):
+            raise UserCodeError(
+                f"train_code {train_code!r}: train_config sets {key!r}, which its defaults do not have; did you "
+                f"mean {near[0]!r}? (its defaults: {', '.join(map(repr, defaults))}). If the code reads {key!r} "
+                "itself, give it a default too (or declare its settings with settings=...)"
+            )

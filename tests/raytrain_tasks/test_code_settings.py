@@ -1,0 +1,149 @@
+"""Your code's own settings (``settings=`` or ``defaults=``) against ``train_config``: what the code receives, and
+what is refused before anything starts. No Ray, no Prefect server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import pytest
+from pydantic import BaseModel
+
+from raytrain_driver.preflight import resolve_code
+from raytrain_tasks.api import Metric, TrainFunc, TrainSpec
+from raytrain_tasks.code_settings import code_values
+from raytrain_tasks.config import TrainingConfig
+from raytrain_tasks.errors import UserCodeError
+from raytrain_tasks.user_code import user_config
+
+IMAGE = "examples.image_classifier.train:training"
+
+
+class Settings(BaseModel):
+    hidden: int = 32
+    activation: Literal["relu", "gelu"] = "relu"
+    sizes: tuple[int, ...] = (8, 4)
+
+
+@dataclass
+class Required:
+    source: str
+    hidden: int = 3
+
+
+def _func(**kwargs: object) -> TrainFunc:
+    return TrainFunc(lambda config: None, metric=Metric("val_loss", higher_is_better=False), **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_settings_class_types_the_config_the_code_receives() -> None:
+    config = TrainingConfig(train_code="my.code:training", train_config={"hidden": "64", "sizes": [2]}, epochs=3)
+    received = user_config(config, _func(settings=Settings))
+    # Typed and complete (defaults filled), as plain JSON values the code and MLflow both see; the pipeline's own.
+    assert received["epochs"] == 3
+    assert {k: received[k] for k in ("hidden", "activation", "sizes")} == {
+        "hidden": 64,
+        "activation": "relu",
+        "sizes": [2],
+    }
+    assert Settings(**received).hidden == 64  # read back typed
+    params = config.public_params(code_values(_func(settings=Settings), config.train_config, config.train_code))
+    assert params["train_config.hidden"] == 64 and params["train_config.activation"] == "relu"
+
+
+@pytest.mark.parametrize(
+    ("settings", "train_config", "says"),
+    [
+        (Settings, {"hiden": 64}, r"train_config sets 'hiden', which its settings class Settings does not declare "
+         r"\(did you mean 'hidden' for 'hiden'\?\)"),
+        (Settings, {"hidden": "many"}, r"train_config.hidden: Input should be a valid integer"),
+        (Settings, {"activation": "tanh"}, r"train_config.activation: Input should be 'relu' or 'gelu'"),
+        (Required, {}, r"train_config.source: Field required. Its settings: source \(string, required\), hidden"),
+    ],
+)  # fmt: skip
+def test_a_train_config_that_does_not_fit_the_settings_is_refused_naming_the_key(
+    settings: type, train_config: dict[str, object], says: str
+) -> None:
+    with pytest.raises(UserCodeError, match=says):
+        code_values(_func(settings=settings), train_config, "my.code:training")
+
+
+def test_a_refused_value_is_not_repeated_in_the_message() -> None:
+    """A value of the wrong type may be a secret pasted into the wrong key: the message names the key and the
+    value's type only."""
+    with pytest.raises(UserCodeError) as refused:
+        code_values(_func(settings=Settings), {"hidden": "hunter2-token"}, "my.code:training")
+    assert "hunter2-token" not in str(refused.value) and "(got a str)" in str(refused.value)
+
+
+def test_a_misspelt_key_beside_plain_defaults_is_refused_and_a_key_of_ones_own_passes() -> None:
+    spec = _func(defaults={"hidden": 32, "dropout": 0.1})
+    with pytest.raises(UserCodeError, match=r"train_config sets 'hiden', which its defaults do not have; did you "):
+        code_values(spec, {"hiden": 64}, "my.code:training")
+    assert code_values(spec, {"note": "x"}, "my.code:training") == {"hidden": 32, "dropout": 0.1, "note": "x"}
+    # Setting `hidden` itself too: `hiden` is then a key of the code's own, not a misspelling of one left out.
+    assert code_values(spec, {"hidden": 1, "hiden": 2}, "my.code:training")["hiden"] == 2
+
+
+def test_the_examples_settings_are_checked_where_the_run_starts() -> None:
+    """The image example declares its settings: the driver's check (the CLI's, the flow's) refuses what does not
+    fit, before prepare-data or any worker."""
+    with pytest.raises(UserCodeError, match=r"train_config.channels: Input should be a valid integer"):
+        resolve_code(TrainingConfig(train_code=IMAGE, train_config={"channels": "wide"}, register=False))
+    assert resolve_code(TrainingConfig(train_code=IMAGE, train_config={"channels": 8}, register=False)) is not None
+
+
+class Opaque:
+    pass
+
+
+@dataclass
+class Unvalidatable:
+    thing: Opaque
+
+
+class Epochs(BaseModel):
+    epochs: int = 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        ({"settings": dict}, r"must be a pydantic BaseModel subclass or a dataclass"),
+        ({"settings": Settings()}, r"must be a class"),
+        ({"settings": Settings, "defaults": {"hidden": 1}}, r"defaults=... or settings=..., not both"),
+        ({"settings": Epochs}, r"settings=Epochs\) may not set epochs"),
+        ({"settings": Unvalidatable}, r"settings=Unvalidatable\): pydantic cannot describe its fields"),
+    ],
+)
+def test_a_settings_class_is_checked_when_the_spec_is_made(kwargs: dict[str, object], says: str) -> None:
+    with pytest.raises(TypeError, match=says):
+        _func(**kwargs)
+    with pytest.raises(TypeError, match=says.replace("TrainFunc", "TrainSpec")):
+        TrainSpec(data=print, model=print, loss=print, metric=Metric("loss", False), **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_served_deployment_of_code_with_settings_has_a_typed_form(prefect_api: None) -> None:
+    """The Prefect UI's run form of a deployment that names the image example: train_config is one typed field per
+    setting, with its default, and Prefect's server refuses a run whose train_config does not fit."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    from deployments.serve import build_deployments
+
+    own, plain = build_deployments(
+        [{"name": "images", "parameters": {"train_code": IMAGE}}, {"name": "ad-hoc"}]
+    )  # fmt: skip
+    form = own._parameter_openapi_schema.properties["train_config"]
+    assert form["properties"]["channels"] == {"default": 16, "title": "Channels", "type": "integer"}
+    assert form["properties"]["image_dir"]["type"] == "string" and form["additionalProperties"] is False
+    assert form["position"] == plain._parameter_openapi_schema.properties["train_config"]["position"]
+    assert plain._parameter_openapi_schema.properties["train_config"]["additionalProperties"] is True
+    deployment_id = own.apply()
+    with get_client(sync_client=True) as client:
+        for wrong, says in (({"chanels": 8}, "'chanels' was unexpected"), ({"channels": "x"}, "train_config.channels")):
+            with pytest.raises(PrefectHTTPStatusError, match="409") as refused:
+                client.create_flow_run_from_deployment(deployment_id, parameters={"train_config": wrong})
+            assert says in refused.value.response.text
+        run = client.create_flow_run_from_deployment(deployment_id, parameters={"train_config": {"channels": 8}})
+        assert run.parameters["train_config"] == {"channels": 8}
+        client.delete_flow_run(run.id)  # nobody serves it: it would stay Scheduled
