@@ -20,7 +20,13 @@ from raytrain_driver.fit_record import BUILTIN_SHOWN, FitResult, OpenRun, finish
 from raytrain_driver.hooks import EpochView, progress_page, run_logger, state_dir, stopped_by
 from raytrain_driver.lease import HeldLease, run_lease
 from raytrain_driver.origin import run_description, run_tags
-from raytrain_driver.preflight import check_cluster, check_started_without_checkpoint, code_params, resolve_code
+from raytrain_driver.preflight import (
+    check_cluster,
+    check_spec_data,
+    check_started_without_checkpoint,
+    code_params,
+    resolve_code,
+)
 from raytrain_driver.sizing import FitPlan
 from raytrain_tasks.config import TrainingConfig, check_run_key
 from raytrain_tasks.errors import (
@@ -78,6 +84,7 @@ def _distributed_fit(
     nothing is created (no MLflow run, no checkpoint) until it holds, and the lease taken by the caller is removed
     with the folders it made if it fails."""
     spec = resolve_code(config)  # fails before Ray, naming train_code
+    check_spec_data(config, spec, dataset)
     client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
     run_id: str | None = None
     try:

@@ -46,6 +46,19 @@ def resolve_code(config: TrainingConfig) -> TrainFunc | None:
     return spec
 
 
+def check_spec_data(config: TrainingConfig, spec: TrainFunc | None, dataset: RunData | None) -> None:
+    """A ``TrainSpec``'s ``data(config)`` once, here, before Ray: Splits of the wrong kind, an empty split or no test
+    split fail the fit in seconds, before an MLflow run or any worker (every worker would refuse them too)."""
+    from raytrain_tasks.prepared import PreparedData, data_dir_of
+    from raytrain_tasks.spec_loop import SpecTrainFunc
+    from raytrain_tasks.user_code import user_config
+
+    if spec is None or not isinstance(spec.train_func, SpecTrainFunc):
+        return
+    prepared = dataset if isinstance(dataset, PreparedData) else None
+    spec.train_func.check_data(user_config(config, spec, data_dir_of(prepared, config.storage_options)))
+
+
 def code_params(config: TrainingConfig, spec: TrainFunc | None) -> dict[str, Any] | None:
     """What the user's code gets of its own settings (logged as ``train_config.<key>``); None for the built-in."""
     from raytrain_tasks.code_settings import code_values

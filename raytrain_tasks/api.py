@@ -221,8 +221,8 @@ class TrainFunc:
 class Splits:
     """The data of a ``TrainSpec``: map-style datasets (``torch.utils.data.Dataset``) whose items are
     ``(inputs, target)`` tensors. ``test`` is held out: never trained on, never used to pick a checkpoint; the
-    promotion gate compares its scores, so the pipeline needs it (Splits without it are refused when the workers
-    start, naming the split)."""
+    promotion gate compares its scores, so the pipeline needs it (Splits without it are refused before any worker
+    starts: the fit calls ``data(config)`` once on the driver first)."""
 
     train: Any
     val: Any

@@ -48,7 +48,28 @@ def as_train_func(spec: TrainSpec) -> TrainFunc:
     )
 
 
+class SpecTrainFunc:
+    """A spec's ``train_func`` (what ``TrainFunc.train_func`` holds for a ``TrainSpec``), which the driver can also
+    ask to check the spec's data before any worker starts."""
+
+    def __init__(self, spec: TrainSpec) -> None:
+        self.spec = spec
+        self._run = _spec_loop(spec)
+
+    def __call__(self, config: dict[str, Any]) -> None:
+        self._run(config)
+
+    def check_data(self, config: dict[str, Any]) -> None:
+        """``data(config)`` once, here: Splits of the wrong kind, an empty split or no test split are refused in
+        seconds on the driver, not by every worker once it has started."""
+        _splits(self.spec, config)
+
+
 def spec_train_func(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:
+    return SpecTrainFunc(spec)
+
+
+def _spec_loop(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:
     def train_func(config: dict[str, Any]) -> None:
         _seed(int(config["seed"]))
         splits = _splits(spec, config)

@@ -438,6 +438,40 @@ def test_a_train_spec_without_a_held_out_test_split_is_refused_before_training()
     assert _splits(with_test, {}).test is rows
 
 
+@pytest.mark.usefixtures("prefect_api")
+def test_a_train_spec_without_a_test_split_fails_the_run_before_ray_or_an_mlflow_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found where the fit starts, on the driver, in seconds: not by every worker once Ray has started them (the
+    newcomer's walk met it there). No Ray starts, no MLflow run or checkpoint is made, nothing is registered."""
+    import os
+
+    calls = tmp_path / "data-calls.txt"
+    source = f"""
+        import os, torch
+        from torch.utils.data import TensorDataset
+        from raytrain_tasks.api import Metric, Splits, TrainSpec
+
+        def data(config):
+            with open({str(calls)!r}, "a") as out:
+                out.write(f"{{os.getpid()}}\\n")
+            rows = TensorDataset(torch.zeros(4, 2), torch.zeros(4, 1))
+            return Splits(train=rows, val=rows)
+
+        training = TrainSpec(data=data, model=lambda c, e: torch.nn.Linear(2, 1),
+                             loss=torch.nn.functional.mse_loss, metric=Metric("loss", higher_is_better=False))
+    """
+    name = _module(tmp_path, monkeypatch, source, name="no_test_split")
+    config = own_config(tmp_path, f"{name}:training", epochs=2)
+    with ThreadPoolExecutor(1) as pool:
+        state = start_flow(pool, config).result(timeout=300)
+    assert state.is_failed()
+    assert "without a test split" in str(state.result(raise_on_failure=False))
+    assert calls.read_text().split() == [str(os.getpid())]  # once, here: no Ray Train worker ran data()
+    assert only_run(tmp_path) is None and not (tmp_path / "storage" / "runs").exists()
+    assert client_versions(tmp_path) == []
+
+
 def test_settings_of_the_built_in_classifier_set_beside_train_code_are_named_as_ignored() -> None:
     """--dataset, --hidden-sizes, --promotion-metric and the like do nothing for the user's own code: a run that
     sets them away from their defaults says so (the flow warns with this list), and a run that does not is quiet."""
