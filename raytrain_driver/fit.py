@@ -244,7 +244,9 @@ def _train(
     else:
         from raytrain_tasks.user_code import code_error_stopper
 
-        callbacks.append(MlflowEpochLogger(uri, run_id, step_key=spec.metric.name, keys=None, journal=opened.journal))
+        callbacks.append(
+            MlflowEpochLogger(uri, run_id, step_key=spec.selection.name, keys=None, journal=opened.journal)
+        )
         callbacks.append(code_error_stopper(config.train_code))
     trainer = build_trainer(
         config,
@@ -261,7 +263,7 @@ def _train(
     view = (
         EpochView(marker=STEP_KEY, shown=BUILTIN_SHOWN)
         if spec is None
-        else EpochView(expects=tuple(dict.fromkeys((spec.metric.name, spec.gate.name))))
+        else EpochView(expects=tuple(dict.fromkeys((spec.selection.name, spec.gate.name))))
     )
     page = progress_page()
     progress = page(client, run_id, config.epochs, run_logger(), view) if page else None

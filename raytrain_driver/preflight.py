@@ -36,8 +36,10 @@ def resolve_code(config: TrainingConfig) -> TrainFunc | None:
         raise UserCodeError(f"train_code {config.train_code!r}: {refused}")
     if spec is not None:
         from raytrain_tasks.code_settings import code_values
+        from raytrain_tasks.user_code import bind
 
         code_values(spec, config.train_config, config.train_code)  # train_config fits the code's settings
+        spec = bind(spec, config)  # its metric, when a setting chooses it
     if spec is not None and config.register and not spec.can_register:
         raise UserCodeError(
             f"train_code {config.train_code!r} gives no load_model/input_example, so nothing it trains can be "

@@ -42,7 +42,7 @@ from raytrain_tasks.prepared import RunData, data_dir_of, is_builtin_dataset
 from raytrain_tasks.redact import redacted_errors
 from raytrain_tasks.tracking import pins
 from raytrain_tasks.tracking import runs as tracking
-from raytrain_tasks.user_code import resolve
+from raytrain_tasks.user_code import bind, resolve
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -101,7 +101,7 @@ def _register_model(
     client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
     # The user's own code (train_code) declares its gate metric and direction; the built-in classifier's is the
     # config's (the test split's counterpart of `promotion_metric`).
-    spec = resolve(config.train_code) if config.train_code else None
+    spec = bind(resolve(config.train_code), config) if config.train_code else None
     gate = spec.gate if spec is not None else config.gate
     metric, higher_is_better = gate.name, gate.higher_is_better
     candidate_score = fit.scores[metric]

@@ -156,7 +156,7 @@ def build_trainer(
 
         prepared = dataset if isinstance(dataset, PreparedData) else None
         train_func, loop_config, data = trainer_function(config, spec, workers_code_dir(config), resume_point, prepared)
-        score_attribute, score_order = spec.metric.name, spec.metric.order
+        score_attribute, score_order = spec.selection.name, spec.selection.order
     else:
         assert is_builtin_dataset(dataset), "the built-in loop trains on its prepared table"
         loop_config = WorkerSpec(

@@ -136,7 +136,7 @@ def best_checkpoint(
             f"training run {run_key}: train_func never passed a checkpoint to ray.train.report(..., checkpoint=...); "
             "nothing can be resumed or registered. Report one at least at the end of each epoch"
         )
-    name = spec.metric.name
+    name = spec.selection.name
     needed = {name, spec.gate.name}
     scored = [(checkpoint, metrics) for checkpoint, metrics in kept if isinstance(metrics.get(name), int | float)]
     missing = needed - set(numeric_metrics(kept[-1][1]))
@@ -147,7 +147,7 @@ def best_checkpoint(
             f"(it reported {reported}); nothing is registered. Change TrainFunc(metric=..., gate_metric=...) or "
             "report them"
         )
-    sign = 1.0 if spec.metric.higher_is_better else -1.0
+    sign = 1.0 if spec.selection.higher_is_better else -1.0
     return max(scored, key=lambda pair: sign * float(pair[1][name]))
 
 
@@ -173,7 +173,7 @@ def logged_history(client: Any, run_id: str, spec: TrainFunc) -> list[dict[str, 
     for key in keys:
         for point in client.get_metric_history(run_id, key):
             by_step.setdefault(int(point.step), {})[key] = float(point.value)
-    steps = [step for step, values in sorted(by_step.items()) if spec.metric.name in values]
+    steps = [step for step, values in sorted(by_step.items()) if spec.selection.name in values]
     return [{**by_step[step], "epoch": float(step - 1)} for step in steps]
 
 
@@ -183,8 +183,8 @@ def log_user_summary(
     logger.info(
         "best checkpoint: step %d by %s (%s is better): %s",
         step,
-        spec.metric.name,
-        "higher" if spec.metric.higher_is_better else "lower",
+        spec.selection.name,
+        "higher" if spec.selection.higher_is_better else "lower",
         ", ".join(f"{k}={v:.4f}" for k, v in sorted(best.items())),
     )
 
@@ -235,5 +235,5 @@ def record_user_fit(
         scores={spec.gate.name: best[spec.gate.name]},
     )
     client.set_tag(run_id, "summary.best_epoch", str(step))
-    client.set_tag(run_id, f"summary.best_{spec.metric.name}", f"{best[spec.metric.name]:.6f}")
+    client.set_tag(run_id, f"summary.best_{spec.selection.name}", f"{best[spec.selection.name]:.6f}")
     return fit

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DATA_DIR_KEY", "Metric", "Splits", "TrainFunc", "TrainSpec", "TRAIN_CONFIG_KEYS"]
+__all__ = ["DATA_DIR_KEY", "Metric", "MetricChoice", "Splits", "TrainFunc", "TrainSpec", "TRAIN_CONFIG_KEYS"]
 
 # What ``settings=`` may be: a pydantic model class, or a dataclass; its fields are your code's settings.
 SETTINGS_KINDS = "a pydantic BaseModel subclass or a dataclass"
@@ -130,6 +130,12 @@ class Metric:
         return candidate > than if self.higher_is_better else candidate < than
 
 
+# ``metric=`` takes a Metric, or a function of ``config`` that returns one: a setting of your code then chooses it
+# (``lambda config: Metric(config["select_by"], config["select_by"] != "val_loss")``). It is called once where the
+# run starts, with the run's config; a resume keeps the same settings, so the same metric.
+MetricChoice = Metric | Callable[[dict[str, Any]], Metric]
+
+
 @dataclass(frozen=True)
 class TrainFunc:
     """Ray Train's training function, with what the pipeline needs beside it.
@@ -140,7 +146,8 @@ class TrainFunc:
             or every rank, may pass a checkpoint folder: the files of every rank are kept together) and resumes from
             ``ray.train.get_checkpoint()``. Include ``"epoch"`` (0-based) in the metrics to have MLflow steps
             follow your epochs; otherwise each checkpointed report is the next step.
-        metric: the reported metric that picks the best checkpoint and that the promotion gate compares.
+        metric: the reported metric that picks the best checkpoint and that the promotion gate compares; or a
+            function of ``config`` returning it, to let one of your settings choose (``MetricChoice``).
         load_model: ``load_model(checkpoint_dir, config) -> torch.nn.Module``: the servable model from a local copy
             of one of your checkpoints (for a sharded checkpoint, gather it here, e.g. with
             ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``). None: nothing can be registered,
@@ -179,7 +186,7 @@ class TrainFunc:
     """
 
     train_func: Callable[[dict[str, Any]], None]
-    metric: Metric
+    metric: MetricChoice
     load_model: Callable[[Path, dict[str, Any]], Any] | None = None
     input_example: Callable[[dict[str, Any]], Any] | None = None
     datasets: Callable[[dict[str, Any]], Mapping[str, Any]] | None = None
@@ -192,10 +199,10 @@ class TrainFunc:
     def __post_init__(self) -> None:
         if not callable(self.train_func):
             raise TypeError(f"TrainFunc(train_func=...) must be a function taking config, got {self.train_func!r}")
-        if not isinstance(self.metric, Metric):
+        if not isinstance(self.metric, Metric) and not callable(self.metric):
             raise TypeError(
                 "TrainFunc(metric=...) must be a raytrain_tasks.api.Metric, e.g. Metric('val_loss', "
-                f"higher_is_better=False); got {self.metric!r}"
+                f"higher_is_better=False), or a function of config returning one; got {self.metric!r}"
             )
         if (self.load_model is None) != (self.input_example is None):
             raise TypeError("TrainFunc needs load_model and input_example together (both, or neither)")
@@ -212,9 +219,16 @@ class TrainFunc:
         return self.load_model is not None
 
     @property
+    def selection(self) -> Metric:
+        """The metric that picks the best checkpoint: ``metric``, once chosen for a run where it is a function."""
+        if not isinstance(self.metric, Metric):
+            raise TypeError("TrainFunc: metric is a function of config; the pipeline chooses it per run")
+        return self.metric
+
+    @property
     def gate(self) -> Metric:
         """The metric the promotion gate compares (``gate_metric``, else ``metric``), in ``metric``'s direction."""
-        return Metric(self.gate_metric or self.metric.name, self.metric.higher_is_better)
+        return Metric(self.gate_metric or self.selection.name, self.selection.higher_is_better)
 
 
 @dataclass(frozen=True)
@@ -245,7 +259,8 @@ class TrainSpec:
             ``train_loss``, ``val_loss``, ``test_loss``.
         metrics: ``metrics(outputs, targets) -> {name: mean over the batch}``; reported as ``val_<name>`` and
             ``test_<name>``, averaged over each whole split.
-        metric: which of them decides (``Metric("accuracy", higher_is_better=True)`` or ``Metric("loss", False)``):
+        metric: which of them decides (``Metric("accuracy", higher_is_better=True)`` or ``Metric("loss", False)``,
+            or a function of ``config`` returning one, as for ``TrainFunc``):
             ``val_<name>`` picks the best checkpoint, ``test_<name>`` is what the gate compares: the champion's and
             this run's model each scored on this run's test split (as ``TrainFunc.evaluate`` does).
         optimizer: ``optimizer(parameters, config)``; default Adam with ``config["lr"]``.
@@ -260,7 +275,7 @@ class TrainSpec:
     data: Callable[[dict[str, Any]], Splits]
     model: Callable[[dict[str, Any], Any], Any]
     loss: Callable[[Any, Any], Any]
-    metric: Metric
+    metric: MetricChoice
     metrics: Callable[[Any, Any], Mapping[str, Any]] | None = None
     optimizer: Callable[[Any, dict[str, Any]], Any] | None = None
     input_example: Callable[[dict[str, Any]], Any] | None = None
@@ -272,10 +287,20 @@ class TrainSpec:
         for name in ("data", "model", "loss"):
             if not callable(getattr(self, name)):
                 raise TypeError(f"TrainSpec({name}=...) must be a function, got {getattr(self, name)!r}")
-        if not isinstance(self.metric, Metric):
-            raise TypeError(f"TrainSpec(metric=...) must be a raytrain_tasks.api.Metric, got {self.metric!r}")
-        if self.metric.name != "loss" and self.metrics is None:
-            raise TypeError(f"TrainSpec(metric={self.metric.name!r}) needs metrics=... that computes it (or 'loss')")
+        if not isinstance(self.metric, Metric) and not callable(self.metric):
+            raise TypeError(
+                f"TrainSpec(metric=...) must be a raytrain_tasks.api.Metric or a function returning one, got "
+                f"{self.metric!r}"
+            )
+        if isinstance(self.metric, Metric) and (problem := spec_metric_problem(self, self.metric)):
+            raise TypeError(problem)
         if self.prepare is not None and not callable(self.prepare):
             raise TypeError(f"TrainSpec(prepare=...) must be a function, got {self.prepare!r}")
         check_code_config("TrainSpec", self.defaults, self.settings, self.prepare)
+
+
+def spec_metric_problem(spec: TrainSpec, metric: Metric) -> str:
+    """ "" when a spec's loop reports ``metric`` (the loss, or one of its ``metrics``); else why not."""
+    if metric.name != "loss" and spec.metrics is None:
+        return f"TrainSpec(metric={metric.name!r}) needs metrics=... that computes it (or 'loss')"
+    return ""

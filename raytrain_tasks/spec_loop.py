@@ -33,15 +33,18 @@ STATE_FILE = "spec_state.pt"
 EXAMPLE_ROWS = 2
 
 
-def as_train_func(spec: TrainSpec) -> TrainFunc:
-    """The spec as Ray Train's training function, with its gate, model loader and input example."""
+def as_train_func(spec: TrainSpec, metric: Metric | None = None) -> TrainFunc:
+    """The spec as Ray Train's training function, with its gate, model loader and input example. ``metric``: the
+    one the spec's chooses for a run (``raytrain_tasks.user_code.bind``), when the spec's is a function of config;
+    until then the TrainFunc's is that function."""
+    chosen = spec.metric if isinstance(spec.metric, Metric) else metric
     return TrainFunc(
         spec_train_func(spec),
-        metric=Metric(f"val_{spec.metric.name}", spec.metric.higher_is_better),
+        metric=spec.metric if chosen is None else Metric(f"val_{chosen.name}", chosen.higher_is_better),
         load_model=spec_load_model(spec),
         input_example=spec_input_example(spec),
         defaults=spec.defaults,
-        gate_metric=f"test_{spec.metric.name}",
+        gate_metric="" if chosen is None else f"test_{chosen.name}",
         evaluate=spec_evaluate(spec),
         prepare=spec.prepare,
         settings=spec.settings,
@@ -177,10 +180,12 @@ def _splits(spec: TrainSpec, config: dict[str, Any]) -> Splits:
         if getattr(splits, name) is None or len(getattr(splits, name)) == 0:
             raise DatasetError(f"TrainSpec.data returned an empty {name} split")
     if splits.test is None or len(splits.test) == 0:
-        # Found when the workers start, not after the last epoch: the gate metric would never be reported.
+        # Found before the workers start (check_data), not after the last epoch: the gate metric would never be
+        # reported.
+        name = spec.metric.name if isinstance(spec.metric, Metric) else "<metric>"
         raise UserCodeError(
             f"TrainSpec.data returned Splits without a test split: the best checkpoint is picked by "
-            f"val_{spec.metric.name} and the promotion gate compares test_{spec.metric.name}, scored on rows the run "
+            f"val_{name} and the promotion gate compares test_{name}, scored on rows the run "
             "never trains on nor picks a checkpoint by; return Splits(train, val, test) (e.g. 10-20% of the rows "
             "held out)"
         )

@@ -8,6 +8,7 @@ object) and where it was tried (this driver, or a worker of the cluster).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import importlib
 import os
@@ -17,7 +18,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from raytrain_tasks.api import DATA_DIR_KEY, TRAIN_CONFIG_KEYS, TrainFunc, TrainSpec
+from raytrain_tasks.api import DATA_DIR_KEY, TRAIN_CONFIG_KEYS, Metric, TrainFunc, TrainSpec
 from raytrain_tasks.errors import UserCodeError
 
 TRAIN_CODE_PATTERN = r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$"
@@ -66,6 +67,29 @@ def resolve(train_code: str, where: str = "on this driver") -> TrainFunc:
             "raytrain_tasks.api.TrainFunc or TrainSpec"
         )
     return target
+
+
+def bind(spec: TrainFunc, config: Any) -> TrainFunc:
+    """``spec`` for the run of ``config`` (a TrainingConfig): its metric chosen, when the code's ``metric`` is a
+    function of config (called with the config the code receives). UserCodeError when it returns no Metric, or a
+    metric a TrainSpec's loop does not report."""
+    if isinstance(spec.metric, Metric):
+        return spec
+    from raytrain_tasks.api import spec_metric_problem
+    from raytrain_tasks.spec_loop import SpecTrainFunc, as_train_func
+
+    where = f"train_code {config.train_code!r}: its metric=... function"
+    try:
+        chosen = spec.metric(user_config(config, spec))
+    except Exception as exc:  # the user's function: its own error, with its frames (test_code_settings)
+        raise UserCodeError(f"{where} failed: {user_frames(exc)}") from exc
+    if not isinstance(chosen, Metric):
+        raise UserCodeError(f"{where} returned {chosen!r}, not a raytrain_tasks.api.Metric")
+    if isinstance(spec.train_func, SpecTrainFunc):
+        if problem := spec_metric_problem(spec.train_func.spec, chosen):
+            raise UserCodeError(f"{where} chose {chosen.name!r}: {problem}")
+        return as_train_func(spec.train_func.spec, chosen)
+    return dataclasses.replace(spec, metric=chosen)
 
 
 def code_root(train_code: str) -> Path | None:

@@ -280,6 +280,49 @@ def test_a_train_spec_champion_is_scored_again_on_the_data_of_today(
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster", "prefect_api")
+def test_a_setting_of_the_code_chooses_the_metric_that_picks_the_checkpoint_and_gates(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`metric=` as a function of config, chosen by a typed setting (as the built-in's promotion_metric is): the run
+    picks its best checkpoint by val_mae, the registered version is gated on test_mae; a choice the settings class
+    does not allow is refused before anything starts."""
+    source = """
+        from typing import Literal
+        import torch
+        from pydantic import BaseModel
+        from torch.utils.data import Subset, TensorDataset
+        from raytrain_tasks.api import Metric, Splits, TrainSpec
+
+        class Settings(BaseModel):
+            select_by: Literal["loss", "mae"] = "loss"
+
+        def data(config):
+            x = torch.linspace(-1, 1, 60).unsqueeze(1)
+            rows = TensorDataset(x, 3 * x)
+            return Splits(*(Subset(rows, range(start, 60, 3)) for start in range(3)))
+
+        training = TrainSpec(data=data, model=lambda config, example: torch.nn.Linear(1, 1),
+                             loss=torch.nn.functional.mse_loss,
+                             metrics=lambda outputs, targets: {"mae": (outputs - targets).abs().mean()},
+                             metric=lambda config: Metric(config["select_by"], higher_is_better=False),
+                             settings=Settings)
+    """
+    code = f"{_module(tmp_path, monkeypatch, source, name='chosen_metric')}:training"
+    with pytest.raises(UserCodeError, match=r"train_config.select_by: Input should be 'loss' or 'mae'"):
+        training_pipeline(**parameters_of(own_config(tmp_path, code, train_config={"select_by": "f1"})))
+    assert only_run(tmp_path) is None
+    result = training_pipeline(
+        **parameters_of(own_config(tmp_path, code, epochs=3, register=True, train_config={"select_by": "mae"}))
+    )
+    assert result.model is not None and set(result.fit.scores) == {"test_mae"}, result.fit.scores
+    run = only_run(tmp_path)
+    assert run.data.tags["summary.best_val_mae"] and run.data.params["train_config.select_by"] == "mae"
+    version = mlflow_client(tmp_path).get_model_version("digits-test", result.model.version)
+    assert version.tags["gate.metric"] == "test_mae", version.tags
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster", "prefect_api")
 def test_prepared_data_is_versioned_read_by_every_worker_and_pinned_to_its_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -32,7 +32,8 @@ class Required:
 
 
 def _func(**kwargs: object) -> TrainFunc:
-    return TrainFunc(lambda config: None, metric=Metric("val_loss", higher_is_better=False), **kwargs)  # type: ignore[arg-type]
+    kwargs.setdefault("metric", Metric("val_loss", higher_is_better=False))
+    return TrainFunc(lambda config: None, **kwargs)  # type: ignore[arg-type]
 
 
 def test_a_settings_class_types_the_config_the_code_receives() -> None:
@@ -147,3 +148,61 @@ def test_a_served_deployment_of_code_with_settings_has_a_typed_form(prefect_api:
         run = client.create_flow_run_from_deployment(deployment_id, parameters={"train_config": {"channels": 8}})
         assert run.parameters["train_config"] == {"channels": 8}
         client.delete_flow_run(run.id)  # nobody serves it: it would stay Scheduled
+
+
+# --- a metric chosen by a setting: metric=<function of config> ----------------------------------------------------
+
+
+def _spec(metric: object, **kwargs: object) -> TrainSpec:
+    import torch
+
+    return TrainSpec(
+        data=print,  # type: ignore[arg-type]
+        model=print,  # type: ignore[arg-type]
+        loss=torch.nn.functional.mse_loss,
+        metrics=lambda outputs, targets: {"mae": (outputs - targets).abs().mean()},
+        metric=metric,  # type: ignore[arg-type]
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+class Selection(BaseModel):
+    select_by: Literal["mae", "loss"] = "mae"
+
+
+def _chosen(spec: TrainFunc | TrainSpec, select_by: str) -> TrainFunc:
+    from raytrain_tasks.spec_loop import as_train_func
+    from raytrain_tasks.user_code import bind
+
+    func = as_train_func(spec) if isinstance(spec, TrainSpec) else spec
+    return bind(func, TrainingConfig(train_code="my.code:training", train_config={"select_by": select_by}))
+
+
+def test_a_setting_chooses_the_metric_that_picks_the_checkpoint_and_gates() -> None:
+    choose = lambda config: Metric(config["select_by"], higher_is_better=False)  # noqa: E731
+    spec = _spec(choose, settings=Selection)
+    mae, loss = _chosen(spec, "mae"), _chosen(spec, "loss")
+    assert (mae.metric, mae.gate) == (Metric("val_mae", False), Metric("test_mae", False))
+    assert (loss.metric, loss.gate) == (Metric("val_loss", False), Metric("test_loss", False))
+    func = _func(metric=lambda config: Metric(f"val_{config['select_by']}", higher_is_better=True), settings=Selection)
+    assert _chosen(func, "mae").gate == Metric("val_mae", True)
+    with pytest.raises(TypeError, match="metric is a function of config; the pipeline chooses it per run"):
+        func.gate  # noqa: B018  # unbound: only the run's config says which
+
+
+@pytest.mark.parametrize(
+    ("choose", "says"),
+    [
+        (lambda config: "val_mae", r"its metric=... function returned 'val_mae', not a raytrain_tasks.api.Metric"),
+        (lambda config: Metric("f1", True), r"chose 'f1': TrainSpec\(metric='f1'\) needs metrics"),
+        (lambda config: Metric(config["nope"], True), r"its metric=... function failed: KeyError: 'nope'\n.*File"),
+    ],
+)
+def test_a_metric_function_that_gives_no_usable_metric_is_refused_naming_it(choose: object, says: str) -> None:
+    spec = _spec(choose, settings=Selection)
+    if "f1" in says:  # a spec without metrics=...: only its loss is reported
+        import torch
+
+        spec = TrainSpec(data=print, model=print, loss=torch.nn.functional.mse_loss, metric=choose, settings=Selection)  # type: ignore[arg-type]
+    with pytest.raises(UserCodeError, match=says):
+        _chosen(spec, "mae")
