@@ -84,12 +84,12 @@ def _distributed_fit(
     nothing is created (no MLflow run, no checkpoint) until it holds, and the lease taken by the caller is removed
     with the folders it made if it fails."""
     spec = resolve_code(config)  # fails before Ray, naming train_code
-    check_spec_data(config, spec, dataset)
     client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
     run_id: str | None = None
     try:
         with ray_session(config):
-            plan = check_cluster(config, dataset, runs, client, run_key, spec is not None and spec.datasets is not None)
+            ray_datasets = check_spec_data(config, spec, dataset)  # a TrainSpec's data() may build Ray Datasets
+            plan = check_cluster(config, dataset, runs, client, run_key, ray_datasets)
             experiment_id = tracking.ensure_experiment(
                 client, config.experiment_name, config.mlflow_tracking_uri, config.storage_path
             )
@@ -106,7 +106,7 @@ def _distributed_fit(
         pins.pins_from_journal(client, run_id, opened.journal)
         if spec is not None or not is_builtin_dataset(dataset):
             assert spec is not None, "the built-in loop trains on its prepared table"
-            return _record_user_code(config, run_key, run_dir, spec, client, opened, result, lease)
+            return _record_user_code(config, run_key, run_dir, spec, client, opened, result, lease, ray_datasets)
         from raytrain_driver.trainer import record_builtin
 
         fit = record_builtin(config, dataset, run_key, run_dir, client, opened, result, lease)
@@ -283,10 +283,12 @@ def _record_user_code(
     opened: OpenRun,
     result: ray.train.Result,
     lease: HeldLease | None,
+    ray_datasets: bool,
 ) -> FitResult:
     from raytrain_driver.user_fit import record_user_fit
 
     fit = record_user_fit(client, result, spec, config, run_key, run_dir, opened)
+    fit = fit.model_copy(update={"ray_datasets": ray_datasets})
     write_fit_record(run_dir, client, opened.run_id, fit, lease)  # what a Ray Job's submitter reads back
     tracking.finish_run(client, opened.run_id)
     return fit

@@ -49,6 +49,8 @@ class FitResult(BaseModel):
     best_checkpoint_model_id: str | None = None
     # What summaries show of the metrics, in order (empty: all of them, sorted).
     shown_metrics: tuple[str, ...] = ()
+    # The user's code trained on Ray Datasets: registering it (load_model, input_example, evaluate) needs Ray.
+    ray_datasets: bool = False
 
 
 FIT_RECORD = "fit.json"

@@ -48,17 +48,21 @@ def resolve_code(config: TrainingConfig) -> TrainFunc | None:
     return spec
 
 
-def check_spec_data(config: TrainingConfig, spec: TrainFunc | None, dataset: RunData | None) -> None:
-    """A ``TrainSpec``'s ``data(config)`` once, here, before Ray: Splits of the wrong kind, an empty split or no test
-    split fail the fit in seconds, before an MLflow run or any worker (every worker would refuse them too)."""
+def check_spec_data(config: TrainingConfig, spec: TrainFunc | None, dataset: RunData | None) -> bool:
+    """Whether the user's code trains on Ray Datasets (its ``datasets=``, or a TrainSpec's Ray Dataset splits).
+    A ``TrainSpec``'s ``data(config)`` runs once, here, with Ray connected (it may build Ray Datasets): Splits of
+    the wrong kind, an empty split, no test split or a missing column fail the fit in seconds, before an MLflow run
+    or any worker (every worker would refuse them too)."""
     from raytrain_tasks.prepared import PreparedData, data_dir_of
     from raytrain_tasks.spec_loop import SpecTrainFunc
     from raytrain_tasks.user_code import user_config
 
     if spec is None or not isinstance(spec.train_func, SpecTrainFunc):
-        return
+        return spec is not None and spec.datasets is not None
     prepared = dataset if isinstance(dataset, PreparedData) else None
-    spec.train_func.check_data(user_config(config, spec, data_dir_of(prepared, config.storage_options)))
+    code_config = user_config(config, spec, data_dir_of(prepared, config.storage_options))
+    spec.train_func.check_data(code_config)
+    return spec.train_func.uses_ray_data(code_config)
 
 
 def code_params(config: TrainingConfig, spec: TrainFunc | None) -> dict[str, Any] | None:

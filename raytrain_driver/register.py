@@ -33,7 +33,7 @@ from raytrain_driver.promotion import (
     decide_promotion,
 )
 from raytrain_driver.registry_lock import LockHandle, model_lock
-from raytrain_driver.user_register import assess_user_champion, user_model
+from raytrain_driver.user_register import assess_user_champion, registering, user_model
 from raytrain_driver.user_register import version_tags as user_version_tags
 from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig, check_run_key
@@ -106,9 +106,7 @@ def _register_model(
     metric, higher_is_better = gate.name, gate.higher_is_better
     candidate_score = fit.scores[metric]
     data_dir = data_dir_of(dataset, config.storage_options)  # once, before the registry lock is taken
-    # MLflow's fluent API (log_model, register_model, pyfunc) reads a process-wide URI that set_tracking_uri
-    # also exports as MLFLOW_TRACKING_URI: scoped here, so a later run in this process is not redirected.
-    with tracking.using_tracking_uri(config.mlflow_tracking_uri):
+    with registering(config, fit):
         model_uri = _logged_model_uri(fit) or _log_model(client, config, dataset, fit, spec, data_dir)
         _link_logged_model(client, fit, model_uri.removeprefix("models:/"))
         with model_lock(client, config.model_name, owner=fit.run_key) as lock:

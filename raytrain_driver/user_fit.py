@@ -61,12 +61,15 @@ def trainer_function(
     """(the function each worker runs, its ``train_loop_config``, ``TorchTrainer`` data kwargs). With ``prepared``
     data, each worker finds its node's local copy (``config["data_dir"]``); the driver its own, for ``datasets``."""
     from raytrain_tasks.prepared import data_dir_of
+    from raytrain_tasks.spec_loop import SpecTrainFunc
     from raytrain_tasks.user_code import run_train_func, user_config
 
     loop_config = user_config(config, spec)
     data: dict[str, Any] = {}
     if spec.datasets is not None:
         data["datasets"] = dict(spec.datasets(user_config(config, spec, data_dir_of(prepared, config.storage_options))))
+    if isinstance(spec.train_func, SpecTrainFunc):  # a TrainSpec of Ray Datasets: built here, sharded by Ray Train
+        data |= spec.train_func.trainer_data(user_config(config, spec, data_dir_of(prepared, config.storage_options)))
     resume = resume or ResumePoint()
     return (
         run_train_func,

@@ -10,8 +10,10 @@ it, as each version's best checkpoint reported it (the champion's model is then 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +23,7 @@ from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import UnsafeCheckpointError, UserCodeError
 from raytrain_tasks.storage.locations import download_dir, locate
+from raytrain_tasks.tracking import runs as tracking
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -204,3 +207,15 @@ def _evaluate_registered(model_uri: str, config: TrainingConfig, spec: TrainFunc
 
 def _named(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
+
+
+@contextlib.contextmanager
+def registering(config: TrainingConfig, fit: FitResult) -> Iterator[None]:
+    """MLflow's fluent API (log_model, register_model, pyfunc) reads a process-wide URI that set_tracking_uri also
+    exports as MLFLOW_TRACKING_URI: scoped here, so a later run in this process is not redirected. Code that trained
+    on Ray Datasets builds them again to load, export and score its model: Ray is connected for it."""
+    from raytrain_driver.cluster import ray_session
+
+    with ray_session(config) if fit.ray_datasets else contextlib.nullcontext():
+        with tracking.using_tracking_uri(config.mlflow_tracking_uri):
+            yield

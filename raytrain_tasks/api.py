@@ -233,14 +233,23 @@ class TrainFunc:
 
 @dataclass(frozen=True)
 class Splits:
-    """The data of a ``TrainSpec``: map-style datasets (``torch.utils.data.Dataset``) whose items are
-    ``(inputs, target)`` tensors. ``test`` is held out: never trained on, never used to pick a checkpoint; the
-    promotion gate compares its scores, so the pipeline needs it (Splits without it are refused before any worker
-    starts: the fit calls ``data(config)`` once on the driver first)."""
+    """The data of a ``TrainSpec``, of one of two kinds:
+
+    - map-style datasets (``torch.utils.data.Dataset``) whose items are ``(inputs, target)`` tensors: every worker
+      builds them (``data(config)`` runs there) and reads its share through ``prepare_data_loader``;
+    - Ray Datasets (``ray.data.Dataset``), for data too large for that: built on the driver and handed to
+      ``TorchTrainer(datasets=...)``; each worker streams its shard of ``train`` (``get_dataset_shard``) and a
+      share of the batches of ``val`` and ``test``. Each row holds the inputs and the target in the two columns
+      named by ``columns``.
+
+    ``test`` is held out: never trained on, never used to pick a checkpoint; the promotion gate compares its
+    scores, so the pipeline needs it (Splits without it are refused before any worker starts: the fit calls
+    ``data(config)`` once on the driver first)."""
 
     train: Any
     val: Any
     test: Any = None
+    columns: tuple[str, str] = field(default=("inputs", "target"), kw_only=True)  # Ray Datasets: inputs', target's
 
 
 @dataclass(frozen=True)

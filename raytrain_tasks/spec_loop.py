@@ -1,11 +1,13 @@
 """The pipeline's own training loop for a ``TrainSpec`` (raytrain_tasks.api): the user's model, data, loss and
 metrics, trained the way Ray Train's guide trains them, as a plain ``train_func``.
 
-Each epoch: train on this worker's shard (``prepare_data_loader``: a DistributedSampler reshuffled per epoch),
-then score the validation and test splits on disjoint, unpadded slices whose sums are all-reduced (so the figures
-are exact over each whole split), then one ``ray.train.report`` with a checkpoint from rank 0 holding the model,
-optimizer, RNG state, the epoch and the data's content hash. A resume restores all of it, so a resumed run follows
-the uninterrupted trajectory; a resume on other data is refused.
+Each epoch: train on this worker's shard (``prepare_data_loader``: a DistributedSampler reshuffled per epoch; or,
+for Ray Dataset splits, its ``get_dataset_shard("train")``, shuffled locally), then score the validation and test
+splits on disjoint, unpadded slices whose sums are all-reduced (so the figures are exact over each whole split),
+then one ``ray.train.report`` with a checkpoint from rank 0 holding the model, optimizer, RNG state, the epoch and
+the data's content hash. A resume restores all of it, so a resumed run on torch datasets follows the uninterrupted
+trajectory (Ray Data decides which rows reach which shard: there, a resume continues from the checkpoint on rows
+in another order); a resume on other data is refused.
 """
 
 from __future__ import annotations
@@ -25,8 +27,18 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
+from raytrain_tasks import spec_data
 from raytrain_tasks.api import Metric, Splits, TrainFunc, TrainSpec
 from raytrain_tasks.errors import DatasetError, UserCodeError
+from raytrain_tasks.spec_data import (
+    check_ray_splits,
+    driver_batches,
+    is_ray_dataset,
+    ray_held_out_batches,
+    ray_train_batches,
+    trainer_datasets,
+    uses_ray_data,
+)
 from raytrain_tasks.tracking.controller import DATASET_DIGEST_KEY
 
 STATE_FILE = "spec_state.pt"
@@ -64,8 +76,19 @@ class SpecTrainFunc:
 
     def check_data(self, config: dict[str, Any]) -> None:
         """``data(config)`` once, here: Splits of the wrong kind, an empty split or no test split are refused in
-        seconds on the driver, not by every worker once it has started."""
-        _splits(self.spec, config)
+        seconds on the driver, not by every worker once it has started; Ray Datasets must have their columns."""
+        splits = _splits(self.spec, config)
+        if uses_ray_data(splits):
+            check_ray_splits(splits)
+
+    def uses_ray_data(self, config: dict[str, Any]) -> bool:
+        """Whether ``data(config)`` gives Ray Datasets (built here: call it where Ray is connected)."""
+        return uses_ray_data(_splits(self.spec, config))
+
+    def trainer_data(self, config: dict[str, Any]) -> dict[str, Any]:
+        """``TorchTrainer``'s ``datasets=``/``dataset_config=`` (none for torch Datasets, which every worker builds)."""
+        splits = _splits(self.spec, config)
+        return trainer_datasets(splits) if uses_ray_data(splits) else {}
 
 
 def spec_train_func(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:
@@ -76,13 +99,17 @@ def _spec_loop(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:
     def train_func(config: dict[str, Any]) -> None:
         _seed(int(config["seed"]))
         splits = _splits(spec, config)
-        digest = data_digest(splits)
+        ray_data = uses_ray_data(splits)
+        # Ray Datasets are pinned by prepare's stored version alone (hashing them here would read them whole).
+        digest = "" if ray_data else data_digest(splits)
         context = ray.train.get_context()
         rank, world = context.get_world_rank(), context.get_world_size()
-        train_loader = ray.train.torch.prepare_data_loader(
-            DataLoader(splits.train, batch_size=int(config["batch_size"]), shuffle=True)
+        batch_size, seed = int(config["batch_size"]), int(config["seed"])
+        train_loader = (
+            None
+            if ray_data
+            else ray.train.torch.prepare_data_loader(DataLoader(splits.train, batch_size=batch_size, shuffle=True))
         )
-        held_out = {"val": splits.val, **({"test": splits.test} if splits.test is not None else {})}
         model = ray.train.torch.prepare_model(spec.model(config, example_inputs(splits)))
         optimizer = (
             spec.optimizer(model.parameters(), config)
@@ -97,7 +124,8 @@ def _spec_loop(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:
                 sampler.set_epoch(epoch)
             model.train()
             total, count = torch.zeros((), dtype=torch.float64), 0
-            for inputs, targets in train_loader:
+            batches = ray_train_batches(splits, batch_size, seed, epoch, rank) if train_loader is None else train_loader
+            for inputs, targets in batches:
                 optimizer.zero_grad(set_to_none=True)
                 loss = spec.loss(model(inputs), targets)
                 loss.backward()
@@ -105,10 +133,15 @@ def _spec_loop(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:
                 total += loss.detach().to(torch.float64).cpu() * len(targets)
                 count += len(targets)
             metrics: dict[str, Any] = {"epoch": epoch, **_mean({"train_loss": (float(total), count)})}
-            for name, dataset in held_out.items():
-                metrics |= _score(spec, model, dataset, name, rank, world, int(config["batch_size"]))
+            for name in ("val", "test"):
+                held_out = (
+                    ray_held_out_batches(splits, name, batch_size, rank, world)
+                    if ray_data
+                    else _slice_batches(getattr(splits, name), rank, world, batch_size)
+                )
+                metrics |= _score(spec, model, held_out, name)
             metrics["epoch_seconds"] = time.perf_counter() - started
-            if spec.prepare is None:  # with prepare, the run's dataset hash is the stored version's
+            if spec.prepare is None and digest:  # with prepare, the run's dataset hash is the stored version's
                 metrics[DATASET_DIGEST_KEY] = digest  # the controller records it as the run's dataset hash
             _report(metrics, model, optimizer, epoch, digest, rank)
 
@@ -138,17 +171,9 @@ def spec_evaluate(spec: TrainSpec) -> Callable[[Any, dict[str, Any]], dict[str, 
     def evaluate(model: Any, config: dict[str, Any]) -> dict[str, float]:
         """``test_loss`` and ``test_<metric>`` of ``model`` over the whole test split, here (no Ray Train)."""
         splits = _splits(spec, config)
-        sums: dict[str, float] = {}
-        count = 0
         with torch.no_grad():
-            for inputs, targets in DataLoader(splits.test, batch_size=int(config["batch_size"])):
-                outputs = model(inputs)
-                batch = {"loss": spec.loss(outputs, targets)}
-                if spec.metrics is not None:
-                    batch |= dict(spec.metrics(outputs, targets))
-                for key, value in batch.items():
-                    sums[key] = sums.get(key, 0.0) + float(value) * len(targets)
-                count += len(targets)
+            batches = driver_batches(splits, "test", int(config["batch_size"]))
+            sums, count = _sums(spec, model, batches, torch.device("cpu"))
         return _mean({f"test_{key}": (total, count) for key, total in sums.items()})
 
     return evaluate
@@ -156,8 +181,7 @@ def spec_evaluate(spec: TrainSpec) -> Callable[[Any, dict[str, Any]], dict[str, 
 
 def example_inputs(splits: Splits) -> Any:
     """A batch of the first train inputs: what builds the model (shapes) and, by default, the exported example."""
-    inputs, _ = next(iter(DataLoader(splits.train, batch_size=EXAMPLE_ROWS)))
-    return inputs
+    return spec_data.example_inputs(splits, EXAMPLE_ROWS)
 
 
 def data_digest(splits: Splits) -> str:
@@ -177,9 +201,9 @@ def _splits(spec: TrainSpec, config: dict[str, Any]) -> Splits:
     if not isinstance(splits, Splits):
         raise UserCodeError(f"TrainSpec.data must return raytrain_tasks.api.Splits, got {type(splits).__name__}")
     for name in ("train", "val"):
-        if getattr(splits, name) is None or len(getattr(splits, name)) == 0:
+        if _empty(getattr(splits, name)):
             raise DatasetError(f"TrainSpec.data returned an empty {name} split")
-    if splits.test is None or len(splits.test) == 0:
+    if _empty(splits.test):
         # Found before the workers start (check_data), not after the last epoch: the gate metric would never be
         # reported.
         name = spec.metric.name if isinstance(spec.metric, Metric) else "<metric>"
@@ -189,28 +213,41 @@ def _splits(spec: TrainSpec, config: dict[str, Any]) -> Splits:
             "never trains on nor picks a checkpoint by; return Splits(train, val, test) (e.g. 10-20% of the rows "
             "held out)"
         )
+    uses_ray_data(splits)  # one kind for all three
     return splits
 
 
-def _score(
-    spec: TrainSpec, model: Any, dataset: Any, split: str, rank: int, world: int, batch_size: int
-) -> dict[str, float]:
-    """Loss and metrics over the whole split: this rank scores every world-th item, the sums are all-reduced."""
-    mine = Subset(dataset, range(rank, len(dataset), world))
-    device = ray.train.torch.get_device()
+def _empty(dataset: Any) -> bool:
+    """No split, or a map-style one of no items (a Ray Dataset is not counted: that would read it whole)."""
+    return dataset is None or (not is_ray_dataset(dataset) and len(dataset) == 0)
+
+
+def _slice_batches(dataset: Any, rank: int, world: int, batch_size: int) -> Any:
+    """This rank's disjoint, unpadded slice of a map-style split: every world-th item."""
+    return DataLoader(Subset(dataset, range(rank, len(dataset), world)), batch_size=batch_size)
+
+
+def _sums(spec: TrainSpec, model: Any, batches: Any, device: Any) -> tuple[dict[str, float], int]:
+    """({"loss": sum, <metric>: sum, ...}, rows) over ``batches``, each batch's means weighted by its rows."""
     sums: dict[str, float] = {}
     count = 0
+    for inputs, targets in batches:
+        inputs, targets = inputs.to(device), targets.to(device)
+        outputs = model(inputs)
+        batch = {"loss": spec.loss(outputs, targets)}
+        if spec.metrics is not None:
+            batch |= dict(spec.metrics(outputs, targets))
+        for key, value in batch.items():
+            sums[key] = sums.get(key, 0.0) + float(value) * len(targets)
+        count += len(targets)
+    return sums, count
+
+
+def _score(spec: TrainSpec, model: Any, batches: Any, split: str) -> dict[str, float]:
+    """Loss and metrics over the whole split: this rank scores its batches, the sums are all-reduced."""
     model.eval()
     with torch.no_grad():
-        for inputs, targets in DataLoader(mine, batch_size=batch_size):
-            inputs, targets = inputs.to(device), targets.to(device)
-            outputs = model(inputs)
-            batch = {"loss": spec.loss(outputs, targets)}
-            if spec.metrics is not None:
-                batch |= dict(spec.metrics(outputs, targets))
-            for key, value in batch.items():
-                sums[key] = sums.get(key, 0.0) + float(value) * len(targets)
-            count += len(targets)
+        sums, count = _sums(spec, model, batches, ray.train.torch.get_device())
     keys = sorted(sums) or ["loss"]
     vector = torch.tensor([sums.get(key, 0.0) for key in keys] + [count], dtype=torch.float64)
     if dist.is_available() and dist.is_initialized():

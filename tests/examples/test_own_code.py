@@ -191,20 +191,71 @@ def test_a_ray_data_train_func_reads_its_shards_survives_a_killed_worker_and_reg
     import mlflow
     import numpy as np
 
-    config = own_config(tmp_path, SEED_RAY_DATA, register=True)
-    state, kill = run_killing_a_worker(tmp_path, config, after_epoch=1, metric="val_rmse")
-    assert state.is_completed(), state
-    run = only_run(tmp_path)
-    assert run is not None and run.info.status == "FINISHED"
-    history = mlflow_client(tmp_path).get_metric_history(run.info.run_id, "val_rmse")
-    assert sorted(m.step for m in history) == [1, 2, 3, 4], "every epoch exactly once"
-    assert kill.resume_epoch >= 1
-    result = state.result()
+    result = _finished_in_one_run_despite_a_killed_worker(tmp_path, own_config(tmp_path, SEED_RAY_DATA, register=True))
     assert result.model is not None and result.model.aliases == ("champion",), result.model
     assert result.fit.scores["val_rmse"] < 1.0  # below the spread of the standardised target: it learned
     with _tracking(tmp_path):
         predicted = mlflow.pyfunc.load_model("models:/digits-test@champion").predict(np.zeros((3, 10), np.float32))
     assert np.asarray(predicted).shape == (3, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+@pytest.mark.usefixtures("ray_cluster", "prefect_api")
+def test_a_train_spec_on_ray_datasets_streams_shards_survives_a_killed_worker_and_is_gated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A TrainSpec whose splits are Ray Datasets (data too large for every worker to load): built on the driver,
+    `train` sharded across the workers, `val` and `test` scored exactly over the whole split; a killed worker
+    resumes in the same MLflow run; the second run's gate scores the champion on today's test split through Ray
+    Data on the driver."""
+    source = """
+        import numpy as np, ray.data, torch
+        from raytrain_tasks.api import Metric, Splits, TrainSpec
+
+        def data(config):
+            x = np.linspace(-1, 1, 240, dtype=np.float32).reshape(-1, 1)
+            rows = [{"x": value, "y": 3 * value} for value in x]
+            return Splits(*(ray.data.from_items(rows[start::3]) for start in range(3)), columns=("x", "y"))
+
+        training = TrainSpec(data=data, model=lambda config, example: torch.nn.Linear(example.shape[1], 1),
+                             loss=torch.nn.functional.mse_loss, metric=Metric("loss", higher_is_better=False),
+                             optimizer=lambda parameters, config: torch.optim.SGD(parameters, lr=0.5))
+    """
+    code = f"{_module(tmp_path, monkeypatch, source, name='ray_data_spec')}:training"
+    first = _finished_in_one_run_despite_a_killed_worker(
+        tmp_path, own_config(tmp_path, code, register=True), "val_loss"
+    )
+    assert first.model is not None and first.model.aliases == ("champion",), first.model
+    assert first.fit.scores["test_loss"] < 0.05, first.fit.scores  # y = 3x, learned
+    # Exact over the whole split: val_loss as the workers reported it (each scored a share of the batches, the
+    # sums all-reduced) is the loss of the registered (best) checkpoint's model over all 80 validation rows.
+    import mlflow
+    import numpy as np
+    import torch
+
+    with _tracking(tmp_path):
+        model = mlflow.pytorch.load_model(f"models:/digits-test/{first.model.version}")
+    x = torch.from_numpy(np.linspace(-1, 1, 240, dtype=np.float32).reshape(-1, 1)[1::3])
+    with torch.no_grad():
+        assert first.fit.best_metrics["val_loss"] == pytest.approx(float(((model(x) - 3 * x) ** 2).mean()), rel=1e-4)
+    second = training_pipeline(**parameters_of(own_config(tmp_path, code, epochs=2, register=True)))
+    assert second.model is not None
+    tags = mlflow_client(tmp_path).get_model_version("digits-test", second.model.version).tags
+    assert float(tags["promotion.champion_score"]) < 0.05, tags  # the champion, scored on the driver
+
+
+def _finished_in_one_run_despite_a_killed_worker(tmp_path: Path, config: Any, metric: str = "val_rmse") -> Any:
+    """The flow's result, once a worker SIGKILLed after epoch 1 was recovered from: one FINISHED MLflow run, every
+    epoch's ``metric`` logged exactly once."""
+    state, kill = run_killing_a_worker(tmp_path, config, after_epoch=1, metric=metric)
+    assert state.is_completed(), state
+    run = only_run(tmp_path)
+    assert run is not None and run.info.status == "FINISHED"
+    history = mlflow_client(tmp_path).get_metric_history(run.info.run_id, metric)
+    assert sorted(m.step for m in history) == [1, 2, 3, 4], "every epoch exactly once"
+    assert kill.resume_epoch >= 1
+    return state.result()
 
 
 @pytest.mark.slow

@@ -1,0 +1,116 @@
+"""A ``TrainSpec``'s splits, of either kind (``raytrain_tasks.api.Splits``): map-style torch datasets, or Ray
+Datasets. What the spec's loop needs of them: their kind, an example batch, this worker's batches of each split.
+
+Ray Datasets: ``train`` is split across the workers by Ray Train (``DATA_CONFIG``: one disjoint shard each);
+``val`` and ``test`` are not split (a split with ``equal=True`` would leave rows out of the scores): every worker
+streams them whole and scores every world-th batch, and the sums are all-reduced, so the figures are exact over
+each whole split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from raytrain_tasks.api import Splits
+from raytrain_tasks.errors import DatasetError, UserCodeError
+
+SPLIT_NAMES = ("train", "val", "test")
+# Rows a worker's train shard is shuffled within, with a seed of (seed, epoch, rank): Ray Data's local shuffle.
+SHUFFLE_BUFFER_ROWS = 10_000
+
+
+def is_ray_dataset(dataset: Any) -> bool:
+    """A ``ray.data.Dataset`` (checked by its class's module, so torch-only code never imports Ray Data)."""
+    return any(klass.__module__.startswith("ray.data") for klass in type(dataset).__mro__)
+
+
+def uses_ray_data(splits: Splits) -> bool:
+    """Whether the splits are Ray Datasets; UserCodeError for a mixture (one kind for all three)."""
+    kinds = {name: is_ray_dataset(getattr(splits, name)) for name in SPLIT_NAMES if getattr(splits, name) is not None}
+    if len(set(kinds.values())) > 1:
+        raise UserCodeError(
+            "TrainSpec.data returned Splits of two kinds ("
+            + ", ".join(f"{name}: {'a Ray Dataset' if ray else 'a torch Dataset'}" for name, ray in kinds.items())
+            + "): give all three as torch Datasets, or all three as Ray Datasets"
+        )
+    return any(kinds.values())
+
+
+def check_ray_splits(splits: Splits) -> None:
+    """Every Ray Dataset split has the two columns ``Splits.columns`` names (from its schema, without reading it
+    whole); DatasetError naming the split and the columns it has otherwise."""
+    for name in SPLIT_NAMES:
+        schema = getattr(splits, name).schema(fetch_if_missing=True)
+        have = list(schema.names) if schema is not None else []
+        if missing := [column for column in splits.columns if column not in have]:
+            raise DatasetError(
+                f"TrainSpec.data's {name} split (a Ray Dataset) has no column {', '.join(map(repr, missing))} "
+                f"(its columns: {', '.join(map(repr, have)) or 'none'}); name its inputs' and target's columns "
+                f"with Splits(..., columns=(inputs, target))"
+            )
+
+
+def example_inputs(splits: Splits, rows: int) -> Any:
+    """The first ``rows`` train inputs, as a batch: what builds the model (shapes) and the exported example."""
+    if is_ray_dataset(splits.train):
+        batch = splits.train.take_batch(rows, batch_format="numpy")
+        return torch.as_tensor(batch[splits.columns[0]])
+    from torch.utils.data import DataLoader
+
+    inputs, _ = next(iter(DataLoader(splits.train, batch_size=rows)))
+    return inputs
+
+
+def ray_train_batches(splits: Splits, batch_size: int, seed: int, epoch: int, rank: int) -> Iterator[Any]:
+    """This worker's shard of ``train`` for ``epoch``: (inputs, targets) on its device, shuffled locally."""
+    import ray.train
+
+    shard = ray.train.get_dataset_shard("train")
+    inputs, target = splits.columns
+    for batch in shard.iter_torch_batches(
+        batch_size=batch_size,
+        local_shuffle_buffer_size=SHUFFLE_BUFFER_ROWS,
+        local_shuffle_seed=(seed * 100_003 + epoch) * 1_009 + rank,
+    ):
+        yield batch[inputs], batch[target]
+
+
+def ray_held_out_batches(splits: Splits, name: str, batch_size: int, rank: int, world: int) -> Iterator[Any]:
+    """Every world-th batch of the whole ``name`` split (not split across workers), from this rank's."""
+    import ray.train
+
+    inputs, target = splits.columns
+    for index, batch in enumerate(ray.train.get_dataset_shard(name).iter_torch_batches(batch_size=batch_size)):
+        if index % world == rank:
+            yield batch[inputs], batch[target]
+
+
+def driver_batches(splits: Splits, name: str, batch_size: int) -> Iterator[Any]:
+    """The whole ``name`` split, here (the driver: a gate's ``evaluate``), whichever its kind."""
+    dataset = getattr(splits, name)
+    if is_ray_dataset(dataset):
+        inputs, target = splits.columns
+        for batch in dataset.iter_torch_batches(batch_size=batch_size):
+            yield batch[inputs], batch[target]
+        return
+    from torch.utils.data import DataLoader
+
+    yield from DataLoader(dataset, batch_size=batch_size)
+
+
+def trainer_datasets(splits: Splits) -> dict[str, Any]:
+    """``TorchTrainer``'s ``datasets=`` and ``dataset_config=`` for Ray Dataset splits: ``train`` split across the
+    workers, ``val`` and ``test`` whole to each."""
+    import ray.data
+    import ray.train
+
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = False  # one line per epoch is the pipeline's; Ray Data's bars flood the logs
+    context.print_on_execution_start = False
+    return {
+        "datasets": {name: getattr(splits, name) for name in SPLIT_NAMES},
+        "dataset_config": ray.train.DataConfig(datasets_to_split=["train"]),
+    }
