@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict
 
 from raytrain_driver import builtin_register
 from raytrain_driver.builtin_register import SCHEMA_TAG
-from raytrain_driver.evaluation import scores_as_metrics
+from raytrain_driver.evaluation import EVALUATION_ARTIFACT_DIR, scores_as_metrics
 from raytrain_driver.fit_record import FitResult
 from raytrain_driver.hooks import run_logger, stopped_by
 from raytrain_driver.origin import version_description
@@ -33,7 +33,7 @@ from raytrain_driver.promotion import (
     decide_promotion,
 )
 from raytrain_driver.registry_lock import LockHandle, model_lock
-from raytrain_driver.user_register import assess_user_champion, registering, user_model
+from raytrain_driver.user_register import assess_user_champion, registering, user_artifacts, user_model
 from raytrain_driver.user_register import version_tags as user_version_tags
 from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig, check_run_key
@@ -303,7 +303,9 @@ def _log_model(
         digest = pins.recorded_digest(client, fit.mlflow_run_id, fit.best_checkpoint_uri)
         model, example = user_model(config, fit, spec, digest, data_dir)
         lineage = {"dataset_hash": dataset.content_hash} if dataset is not None else {}
-        return _log_pt2(fit, model, example, {"run_key": fit.run_key, "train_code": config.train_code} | lineage)
+        with user_artifacts(config, spec, model, data_dir) as artifacts:
+            metadata = {"run_key": fit.run_key, "train_code": config.train_code} | lineage
+            return _log_pt2(fit, model, example, metadata, artifacts=artifacts)
     assert is_builtin_dataset(dataset), "the built-in classifier trains on its prepared table"
     model, example, metadata, texts = builtin_register.builtin_model(
         config, dataset, fit, pins.recorded_digest(client, fit.mlflow_run_id, fit.best_checkpoint_uri)
@@ -312,15 +314,22 @@ def _log_model(
 
 
 def _log_pt2(
-    fit: FitResult, model: Any, example: Any, metadata: dict[str, str], texts: dict[str, str] | None = None
+    fit: FitResult,
+    model: Any,
+    example: Any,
+    metadata: dict[str, str],
+    texts: dict[str, str] | None = None,
+    artifacts: Path | None = None,
 ) -> str:
-    """Log ``model`` (and ``texts`` as run artifacts) in the fit's MLflow run, in the pt2 format; its model URI."""
+    """Log ``model`` (``texts`` and the files in ``artifacts`` as run artifacts) in the fit's MLflow run; its URI."""
     import mlflow
     import torch
 
     with mlflow.start_run(run_id=fit.mlflow_run_id):
         for name, text in (texts or {}).items():
             mlflow.log_text(text, name)
+        if artifacts is not None:
+            mlflow.log_artifacts(str(artifacts), EVALUATION_ARTIFACT_DIR)
         info = mlflow.pytorch.log_model(
             model,
             name=LOGGED_MODEL_NAME,
@@ -340,9 +349,8 @@ def _create_version(
     """Register one version of ``model_uri`` (``models:/<model_id>``) with its tags and description in one call.
 
     MlflowClient, not ``mlflow.register_model``: the fluent call prints to stderr on its own ("Successfully
-    registered model ...", which the register-model log line says already) and sets the description in a
-    second request, which a crash in between would leave unset.
-    """
+    registered model ...") and sets the description in a second request, which a crash in between would leave
+    unset."""
     from mlflow.exceptions import MlflowException
 
     try:

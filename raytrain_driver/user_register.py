@@ -219,3 +219,23 @@ def registering(config: TrainingConfig, fit: FitResult) -> Iterator[None]:
     with ray_session(config) if fit.ray_datasets else contextlib.nullcontext():
         with tracking.using_tracking_uri(config.mlflow_tracking_uri):
             yield
+
+
+@contextlib.contextmanager
+def user_artifacts(config: TrainingConfig, spec: TrainFunc, model: Any, data_dir: Path | None) -> Iterator[Path | None]:
+    """A folder holding what the code's ``artifacts(model, config, folder)`` wrote about the model to register
+    (None without ``artifacts``); UserCodeError with the user's frames when it fails: nothing is registered."""
+    if spec.artifacts is None:
+        yield None
+        return
+    from raytrain_tasks.user_code import user_config, user_frames
+
+    with tempfile.TemporaryDirectory(prefix="prt-artifacts-") as tmp:
+        try:
+            spec.artifacts(model, user_config(config, spec, data_dir), Path(tmp))
+        except Exception as exc:  # the user's function: named with its frames (test_own_code's artifacts test)
+            raise UserCodeError(
+                f"train_code {config.train_code!r}: artifacts(...) failed, so nothing was registered: "
+                f"{user_frames(exc)}"
+            ) from exc
+        yield Path(tmp)

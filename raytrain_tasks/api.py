@@ -172,6 +172,11 @@ class TrainFunc:
             same data (a champion trained on last month's data is judged on today's). None: the gate compares the
             scores recorded when each was trained, which is like with like only while the data does not change. A
             ``TrainSpec`` has one: its test split, loss and metrics.
+        artifacts: ``artifacts(model, config, folder)``: files about the registered model (plots, a confusion
+            matrix, per-class scores, a report...), written into ``folder`` (an empty local directory) on the driver
+            when the run registers, with the model ``load_model`` gives; the pipeline logs them to the run's MLflow
+            artifacts under ``evaluation/``. An error in it fails registration with your frames (nothing is
+            registered; ``resume`` registers once it is fixed). Needs ``load_model``.
         prepare: ``prepare(config, folder)``: the run's prepare-data step. Load or download your data, split and
             preprocess it, and write the result, in any files and format, into ``folder`` (an empty local
             directory). It runs once per run, where the flow runs, before any worker is asked for. The pipeline
@@ -195,6 +200,7 @@ class TrainFunc:
     evaluate: Callable[[Any, dict[str, Any]], Mapping[str, float]] | None = None
     prepare: Prepare | None = None
     settings: type | None = None
+    artifacts: Callable[[Any, dict[str, Any], Path], None] | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.train_func):
@@ -207,9 +213,12 @@ class TrainFunc:
         if (self.load_model is None) != (self.input_example is None):
             raise TypeError("TrainFunc needs load_model and input_example together (both, or neither)")
         check_code_config("TrainFunc", self.defaults, self.settings, self.prepare)
-        if self.evaluate is not None and self.load_model is None:
-            raise TypeError("TrainFunc(evaluate=...) scores registered models: it needs load_model and input_example")
-        for name in ("load_model", "input_example", "datasets", "evaluate", "prepare"):
+        for name in ("evaluate", "artifacts"):
+            if getattr(self, name) is not None and self.load_model is None:
+                raise TypeError(
+                    f"TrainFunc({name}=...) works on registered models: it needs load_model and input_example"
+                )
+        for name in ("load_model", "input_example", "datasets", "evaluate", "prepare", "artifacts"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise TypeError(f"TrainFunc({name}=...) must be a function, got {value!r}")
@@ -277,6 +286,7 @@ class TrainSpec:
             of the train split.
         defaults: values for ``config`` that apply when neither ``train_config`` nor the pipeline sets them.
         settings: your code's own settings as a class, instead of ``defaults``, as for ``TrainFunc``.
+        artifacts: ``artifacts(model, config, folder)``: files about the registered model, as for ``TrainFunc``.
         prepare: ``prepare(config, folder)``, as for ``TrainFunc``: ``data(config)`` then reads the files from
             ``config["data_dir"]``, the same on the driver and every worker, wherever they run.
     """
@@ -291,6 +301,7 @@ class TrainSpec:
     defaults: Mapping[str, Any] = field(default_factory=dict)
     prepare: Prepare | None = None
     settings: type | None = None
+    artifacts: Callable[[Any, dict[str, Any], Path], None] | None = None
 
     def __post_init__(self) -> None:
         for name in ("data", "model", "loss"):
@@ -303,8 +314,9 @@ class TrainSpec:
             )
         if isinstance(self.metric, Metric) and (problem := spec_metric_problem(self, self.metric)):
             raise TypeError(problem)
-        if self.prepare is not None and not callable(self.prepare):
-            raise TypeError(f"TrainSpec(prepare=...) must be a function, got {self.prepare!r}")
+        for name in ("prepare", "artifacts"):
+            if getattr(self, name) is not None and not callable(getattr(self, name)):
+                raise TypeError(f"TrainSpec({name}=...) must be a function, got {getattr(self, name)!r}")
         check_code_config("TrainSpec", self.defaults, self.settings, self.prepare)
 
 

@@ -60,6 +60,7 @@ def as_train_func(spec: TrainSpec, metric: Metric | None = None) -> TrainFunc:
         evaluate=spec_evaluate(spec),
         prepare=spec.prepare,
         settings=spec.settings,
+        artifacts=spec.artifacts,
     )
 
 

@@ -20,6 +20,7 @@ code shows one typed field per setting in the Prefect UI's run form.
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from raytrain_tasks.api import Metric, Splits, TrainSpec
 
@@ -106,6 +107,18 @@ def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Te
     return {"accuracy": (outputs.argmax(1) == targets).float().mean()}
 
 
+def artifacts(model: nn.Module, config: dict[str, Any], folder: Path) -> None:
+    """Files about the model being registered, which the pipeline logs to its MLflow run under evaluation/: here
+    the test split's confusion matrix (rows: true class, columns: predicted)."""
+    classes = sorted(p.name for p in Path(config["data_dir"]).iterdir() if p.is_dir())
+    matrix = torch.zeros(len(classes), len(classes), dtype=torch.int64)
+    with torch.no_grad():
+        for inputs, targets in DataLoader(data(config).test, batch_size=256):
+            for true, predicted in zip(targets.tolist(), model(inputs).argmax(1).tolist(), strict=True):
+                matrix[true, predicted] += 1
+    (folder / "confusion_matrix.json").write_text(json.dumps({"classes": classes, "matrix": matrix.tolist()}))
+
+
 training = TrainSpec(
     data=data,
     model=build_model,
@@ -114,4 +127,5 @@ training = TrainSpec(
     metric=Metric("accuracy", higher_is_better=True),
     prepare=prepare,
     settings=Settings,
+    artifacts=artifacts,
 )

@@ -6,6 +6,7 @@ test_cli runs that default, and four server starts here cost about a minute."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -72,3 +73,8 @@ def test_every_command_of_the_guide_runs_from_a_fresh_folder(tmp_path: Path, pre
     (my_images,) = [run for run in runs if run.data.params["train_code"] == "my_images.train:training"]
     prepared = tmp_path / ".pipeline" / "storage" / "datasets" / my_images.data.tags["prefect_raytrain.dataset_hash"]
     assert len(list((prepared / "files").glob("*/*.png"))) == 1797  # its prepare's PNG files, stored by content
+    # Its artifacts(...) wrote the registered model's confusion matrix, logged under the run's evaluation/.
+    matrix = json.loads(
+        Path(client.download_artifacts(my_images.info.run_id, "evaluation/confusion_matrix.json")).read_text()
+    )
+    assert len(matrix["classes"]) == 10 and sum(map(sum, matrix["matrix"])) > 0, matrix

@@ -199,3 +199,33 @@ def test_an_input_example_the_model_does_not_take_is_named_before_mlflow_exports
     assert "prefect-raytrain resume 20261127-040000-abcdef" in str(refused.value)
     model, example = user_model(config, fit, code(1), local_folder_digest(checkpoint))
     assert example.shape == (2, 1) and float(model.weight) == 2.0
+
+
+def test_an_artifacts_function_that_fails_stops_registration_naming_its_frames() -> None:
+    """The code's artifacts(...) runs before the model is logged or a version created: its error (with the user's
+    own frame) fails registration, and nothing is registered."""
+    from raytrain_driver.user_register import user_artifacts
+    from raytrain_tasks.errors import UserCodeError
+
+    def my_confusion_matrix(model: Any, config: dict[str, Any], folder: Path) -> None:
+        raise ValueError("no plot backend")
+
+    def load_model(path: Path, config: dict[str, Any]) -> nn.Module:
+        return nn.Linear(1, 1)
+
+    spec = TrainFunc(
+        lambda config: None,
+        metric=Metric("val_loss", higher_is_better=False),
+        load_model=load_model,
+        input_example=lambda config: torch.zeros(1, 1),
+        artifacts=my_confusion_matrix,
+    )
+    config = TrainingConfig(train_code="my.code:training")
+    with pytest.raises(UserCodeError, match=r"artifacts\(...\) failed, so nothing was registered: ValueError: no "):
+        with user_artifacts(config, spec, nn.Linear(1, 1), None):
+            pytest.fail("the model was logged after a failed artifacts(...)")
+    with pytest.raises(UserCodeError, match=r"in my_confusion_matrix"):
+        with user_artifacts(config, spec, nn.Linear(1, 1), None):
+            pass
+    with pytest.raises(TypeError, match=r"TrainFunc\(artifacts=...\) works on registered models"):
+        TrainFunc(lambda config: None, metric=spec.metric, artifacts=my_confusion_matrix)
