@@ -75,6 +75,8 @@ def code_form(deployment: Any, train_code: str | None) -> None:
     form = form_schema(settings)
     schema.definitions = {**(schema.definitions or {}), **form.pop("definitions", {})}
     schema.properties["train_config"] = form | {"position": schema.properties["train_config"].get("position")}
+    # The form is this code's: a run may not point the deployment at other code (as Prefect's freeze() marks it).
+    schema.properties["train_code"] |= {"readOnly": True, "enum": [train_code]}
 
 
 def work_pool_deployments(names: list[str]) -> list[str]:

@@ -61,8 +61,7 @@ def check_spec_data(config: TrainingConfig, spec: TrainFunc | None, dataset: Run
         return spec is not None and spec.datasets is not None
     prepared = dataset if isinstance(dataset, PreparedData) else None
     code_config = user_config(config, spec, data_dir_of(prepared, config.storage_options))
-    spec.train_func.check_data(code_config)
-    return spec.train_func.uses_ray_data(code_config)
+    return spec.train_func.check_data(code_config)
 
 
 def code_params(config: TrainingConfig, spec: TrainFunc | None) -> dict[str, Any] | None:

@@ -6,6 +6,7 @@ registered model without a ``champion`` alias counts as having no champion.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 
@@ -79,6 +80,13 @@ def decide_promotion(
             Promotion.UNDECIDED,
             f"champion version {champion.version or '?'} could not be assessed, so it keeps its alias: "
             f"{champion.error}",
+            candidate_score,
+            score,
+        )
+    if not math.isfinite(candidate_score):  # NaN compares false either way: it must not win by default
+        return PromotionDecision(
+            Promotion.UNDECIDED,
+            f"this run's score is {candidate_score}, not a number the gate can compare: no alias moves",
             candidate_score,
             score,
         )

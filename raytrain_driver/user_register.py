@@ -216,6 +216,10 @@ def registering(config: TrainingConfig, fit: FitResult) -> Iterator[None]:
     on Ray Datasets builds them again to load, export and score its model: Ray is connected for it."""
     from raytrain_driver.cluster import ray_session
 
+    if fit.ray_datasets:
+        from raytrain_tasks.spec_data import quiet_ray_data
+
+        quiet_ray_data()
     with ray_session(config) if fit.ray_datasets else contextlib.nullcontext():
         with tracking.using_tracking_uri(config.mlflow_tracking_uri):
             yield

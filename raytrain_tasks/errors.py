@@ -4,6 +4,8 @@ Each message names what failed, where, the likely cause and the setting to chang
 message, so they pickle across Ray workers unchanged.
 """
 
+import traceback
+
 
 class PipelineError(Exception):
     """Root of every error the pipeline raises on purpose."""
@@ -70,3 +72,14 @@ class PromotionError(PipelineError):
 
 class SettingsError(PipelineError):
     """A flow run's parameters do not make a valid training config."""
+
+
+def user_frames(exc: BaseException) -> str:
+    """The exception with the user's own frames (not this module's or importlib's)."""
+    frames = [
+        frame
+        for frame in traceback.extract_tb(exc.__traceback__)
+        if "importlib" not in frame.filename and not frame.filename.endswith(("user_code.py", "spec_loop.py"))
+    ]
+    where = "".join(traceback.format_list(frames)).rstrip()
+    return f"{type(exc).__name__}: {exc}" + (f"\n{where}" if where else "")

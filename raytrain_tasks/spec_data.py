@@ -40,9 +40,11 @@ def uses_ray_data(splits: Splits) -> bool:
 
 
 def check_ray_splits(splits: Splits) -> None:
-    """Every Ray Dataset split has the two columns ``Splits.columns`` names (from its schema, without reading it
-    whole); DatasetError naming the split and the columns it has otherwise."""
+    """Every Ray Dataset split has a row and the two columns ``Splits.columns`` names (from its first row and its
+    schema, without reading it whole); DatasetError naming the split otherwise."""
     for name in SPLIT_NAMES:
+        if not getattr(splits, name).take(1):
+            raise DatasetError(f"TrainSpec.data returned an empty {name} split (a Ray Dataset with no row)")
         schema = getattr(splits, name).schema(fetch_if_missing=True)
         have = list(schema.names) if schema is not None else []
         if missing := [column for column in splits.columns if column not in have]:
@@ -103,14 +105,25 @@ def driver_batches(splits: Splits, name: str, batch_size: int) -> Iterator[Any]:
 
 def trainer_datasets(splits: Splits) -> dict[str, Any]:
     """``TorchTrainer``'s ``datasets=`` and ``dataset_config=`` for Ray Dataset splits: ``train`` split across the
-    workers, ``val`` and ``test`` whole to each."""
-    import ray.data
+    workers, ``val`` and ``test`` whole to each, in order (every worker sees the same batches, of which each scores
+    every world-th: a partition of the split only if the order is the same everywhere)."""
     import ray.train
 
-    context = ray.data.DataContext.get_current()
-    context.enable_progress_bars = False  # one line per epoch is the pipeline's; Ray Data's bars flood the logs
-    context.print_on_execution_start = False
+    in_order = ray.train.DataConfig.default_ingest_options()
+    in_order.preserve_order = True
     return {
         "datasets": {name: getattr(splits, name) for name in SPLIT_NAMES},
-        "dataset_config": ray.train.DataConfig(datasets_to_split=["train"]),
+        "dataset_config": ray.train.DataConfig(
+            datasets_to_split=["train"], execution_options={"val": in_order, "test": in_order}
+        ),
     }
+
+
+def quiet_ray_data() -> None:
+    """No progress bars or execution plans from Ray Data in this process (one line per epoch is the pipeline's):
+    set before the Datasets are built, which take the context as it is then."""
+    import ray.data
+
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = False
+    context.print_on_execution_start = False

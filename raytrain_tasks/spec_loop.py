@@ -7,7 +7,8 @@ splits on disjoint, unpadded slices whose sums are all-reduced (so the figures a
 then one ``ray.train.report`` with a checkpoint from rank 0 holding the model, optimizer, RNG state, the epoch and
 the data's content hash. A resume restores all of it, so a resumed run on torch datasets follows the uninterrupted
 trajectory (Ray Data decides which rows reach which shard: there, a resume continues from the checkpoint on rows
-in another order); a resume on other data is refused.
+in another order); a resume on other data is refused (Ray Datasets are pinned only by a ``prepare``'s stored
+version: hashing them here would read them whole).
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from raytrain_tasks import spec_data
 from raytrain_tasks.api import Metric, Splits, TrainFunc, TrainSpec
-from raytrain_tasks.errors import DatasetError, UserCodeError
+from raytrain_tasks.errors import DatasetError, UserCodeError, user_frames
 from raytrain_tasks.spec_data import (
     check_ray_splits,
     driver_batches,
     is_ray_dataset,
+    quiet_ray_data,
     ray_held_out_batches,
     ray_train_batches,
     trainer_datasets,
@@ -71,25 +73,34 @@ class SpecTrainFunc:
     def __init__(self, spec: TrainSpec) -> None:
         self.spec = spec
         self._run = _spec_loop(spec)
+        self.ray_data = False  # what check_data found
 
     def __call__(self, config: dict[str, Any]) -> None:
         self._run(config)
 
-    def check_data(self, config: dict[str, Any]) -> None:
-        """``data(config)`` once, here: Splits of the wrong kind, an empty split or no test split are refused in
-        seconds on the driver, not by every worker once it has started; Ray Datasets must have their columns."""
-        splits = _splits(self.spec, config)
-        if uses_ray_data(splits):
+    def check_data(self, config: dict[str, Any]) -> bool:
+        """``data(config)`` once, here (with Ray connected: it may build Ray Datasets), and whether it gives Ray
+        Datasets. Splits of the wrong kind, an empty split, no test split or a missing column are refused in
+        seconds on the driver, not by every worker once it has started; an error in ``data`` is the user's."""
+        quiet_ray_data()
+        try:
+            splits = _splits(self.spec, config)
+        except (UserCodeError, DatasetError):
+            raise
+        except Exception as exc:  # the user's data(): named with its frames, not retried (test_own_code)
+            raise UserCodeError(f"TrainSpec.data failed on the driver: {user_frames(exc)}") from exc
+        self.ray_data = uses_ray_data(splits)
+        if self.ray_data:
             check_ray_splits(splits)
-
-    def uses_ray_data(self, config: dict[str, Any]) -> bool:
-        """Whether ``data(config)`` gives Ray Datasets (built here: call it where Ray is connected)."""
-        return uses_ray_data(_splits(self.spec, config))
+        return self.ray_data
 
     def trainer_data(self, config: dict[str, Any]) -> dict[str, Any]:
-        """``TorchTrainer``'s ``datasets=``/``dataset_config=`` (none for torch Datasets, which every worker builds)."""
-        splits = _splits(self.spec, config)
-        return trainer_datasets(splits) if uses_ray_data(splits) else {}
+        """``TorchTrainer``'s ``datasets=``/``dataset_config=`` for Ray Dataset splits, built here; none for torch
+        Datasets, which every worker builds (known from ``check_data``, called first on this object)."""
+        if not self.ray_data:
+            return {}
+        quiet_ray_data()
+        return trainer_datasets(_splits(self.spec, config))
 
 
 def spec_train_func(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:
@@ -247,9 +258,14 @@ def _sums(spec: TrainSpec, model: Any, batches: Any, device: Any) -> tuple[dict[
 def _score(spec: TrainSpec, model: Any, batches: Any, split: str) -> dict[str, float]:
     """Loss and metrics over the whole split: this rank scores its batches, the sums are all-reduced."""
     model.eval()
-    with torch.no_grad():
-        sums, count = _sums(spec, model, batches, ray.train.torch.get_device())
-    keys = sorted(sums) or ["loss"]
+    with torch.no_grad():  # the module itself: a DDP forward may sync buffers, which a rank with no batch skips
+        sums, count = _sums(spec, getattr(model, "module", model), batches, ray.train.torch.get_device())
+    keys = sorted(sums)
+    if dist.is_available() and dist.is_initialized():  # a rank with no batch of the split knows no metric names
+        gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(gathered, keys)
+        keys = sorted(set().union(*gathered))
+    keys = keys or ["loss"]
     vector = torch.tensor([sums.get(key, 0.0) for key in keys] + [count], dtype=torch.float64)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(vector)

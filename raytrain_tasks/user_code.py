@@ -14,12 +14,11 @@ import importlib
 import os
 import pkgutil
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
 from raytrain_tasks.api import DATA_DIR_KEY, TRAIN_CONFIG_KEYS, Metric, TrainFunc, TrainSpec
-from raytrain_tasks.errors import UserCodeError
+from raytrain_tasks.errors import UserCodeError, user_frames
 
 TRAIN_CODE_PATTERN = r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$"
 
@@ -84,7 +83,7 @@ def bind(spec: TrainFunc, config: Any) -> TrainFunc:
     except Exception as exc:  # the user's function: its own error, with its frames (test_code_settings)
         raise UserCodeError(f"{where} failed: {user_frames(exc)}") from exc
     if not isinstance(chosen, Metric):
-        raise UserCodeError(f"{where} returned {chosen!r}, not a raytrain_tasks.api.Metric")
+        raise UserCodeError(f"{where} returned a {type(chosen).__name__}, not a raytrain_tasks.api.Metric")
     if isinstance(spec.train_func, SpecTrainFunc):
         if problem := spec_metric_problem(spec.train_func.spec, chosen):
             raise UserCodeError(f"{where} chose {chosen.name!r}: {problem}")
@@ -230,17 +229,6 @@ def _not_found(missing: str, where: str) -> str:
         f"runs in, {os.getcwd()}, and the installed packages); run from the folder that holds {missing!r} or "
         "install it"
     )
-
-
-def user_frames(exc: BaseException) -> str:
-    """The exception with the user's own frames (not this module's or importlib's)."""
-    frames = [
-        frame
-        for frame in traceback.extract_tb(exc.__traceback__)
-        if "importlib" not in frame.filename and not frame.filename.endswith("user_code.py")
-    ]
-    where = "".join(traceback.format_list(frames)).rstrip()
-    return f"{type(exc).__name__}: {exc}" + (f"\n{where}" if where else "")
 
 
 def code_error_stopper(train_code: str) -> Any:

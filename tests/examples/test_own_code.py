@@ -218,16 +218,21 @@ def test_a_train_spec_on_ray_datasets_streams_shards_survives_a_killed_worker_an
             rows = [{"x": value, "y": 3 * value} for value in x]
             return Splits(*(ray.data.from_items(rows[start::3]) for start in range(3)), columns=("x", "y"))
 
-        training = TrainSpec(data=data, model=lambda config, example: torch.nn.Linear(example.shape[1], 1),
-                             loss=torch.nn.functional.mse_loss, metric=Metric("loss", higher_is_better=False),
+        def model(config, example):  # BatchNorm: buffers a DDP forward would sync
+            return torch.nn.Sequential(torch.nn.BatchNorm1d(example.shape[1]), torch.nn.Linear(example.shape[1], 1))
+
+        training = TrainSpec(data=data, model=model, loss=torch.nn.functional.mse_loss,
+                             metrics=lambda outputs, targets: {"mae": (outputs - targets).abs().mean()},
+                             metric=Metric("loss", higher_is_better=False),
                              optimizer=lambda parameters, config: torch.optim.SGD(parameters, lr=0.5))
     """
     code = f"{_module(tmp_path, monkeypatch, source, name='ray_data_spec')}:training"
-    first = _finished_in_one_run_despite_a_killed_worker(
-        tmp_path, own_config(tmp_path, code, register=True), "val_loss"
-    )
+    # One batch of 128 holds each 80-row split: the second worker scores no batch of val or test, yet reduces the
+    # same metrics as the first.
+    config = own_config(tmp_path, code, register=True, batch_size=128)
+    first = _finished_in_one_run_despite_a_killed_worker(tmp_path, config, "val_loss")
     assert first.model is not None and first.model.aliases == ("champion",), first.model
-    assert first.fit.scores["test_loss"] < 0.05, first.fit.scores  # y = 3x, learned
+    assert first.fit.scores["test_loss"] < 0.1 and first.fit.best_metrics["val_mae"] < 0.3, first.fit  # y = 3x
     # Exact over the whole split: val_loss as the workers reported it (each scored a share of the batches, the
     # sums all-reduced) is the loss of the registered (best) checkpoint's model over all 80 validation rows.
     import mlflow
@@ -239,10 +244,10 @@ def test_a_train_spec_on_ray_datasets_streams_shards_survives_a_killed_worker_an
     x = torch.from_numpy(np.linspace(-1, 1, 240, dtype=np.float32).reshape(-1, 1)[1::3])
     with torch.no_grad():
         assert first.fit.best_metrics["val_loss"] == pytest.approx(float(((model(x) - 3 * x) ** 2).mean()), rel=1e-4)
-    second = training_pipeline(**parameters_of(own_config(tmp_path, code, epochs=2, register=True)))
+    second = training_pipeline(**parameters_of(own_config(tmp_path, code, epochs=2, register=True, batch_size=128)))
     assert second.model is not None
     tags = mlflow_client(tmp_path).get_model_version("digits-test", second.model.version).tags
-    assert float(tags["promotion.champion_score"]) < 0.05, tags  # the champion, scored on the driver
+    assert float(tags["promotion.champion_score"]) < 0.1, tags  # the champion, scored on the driver
 
 
 def _finished_in_one_run_despite_a_killed_worker(tmp_path: Path, config: Any, metric: str = "val_rmse") -> Any:
@@ -564,6 +569,45 @@ def test_a_train_spec_without_a_test_split_fails_the_run_before_ray_or_an_mlflow
     assert calls.read_text().split() == [str(os.getpid())]  # once, here: no Ray Train worker ran data()
     assert only_run(tmp_path) is None and not (tmp_path / "storage" / "runs").exists()
     assert client_versions(tmp_path) == []
+
+
+def test_an_error_in_a_train_specs_data_on_the_driver_is_the_users_with_its_frames() -> None:
+    """data() fails where the fit checks it first: a UserCodeError (not retried) with the user's own frame, not a
+    bare KeyError that Prefect would retry `fit_retries` times."""
+    from raytrain_tasks.api import TrainSpec
+    from raytrain_tasks.spec_loop import SpecTrainFunc
+
+    def my_data(config: dict[str, Any]) -> Any:
+        return config["source_dir"]
+
+    spec = TrainSpec(data=my_data, model=print, loss=print, metric=Metric("loss", higher_is_better=False))
+    with pytest.raises(UserCodeError, match=r"TrainSpec.data failed on the driver: KeyError: 'source_dir'\n.*my_data"):
+        SpecTrainFunc(spec).check_data({})
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster")
+def test_an_empty_ray_dataset_split_or_a_missing_column_is_refused_on_the_driver() -> None:
+    """A Ray Dataset split with no row would score NaN (which must never take an alias): refused where the fit
+    checks the data, as a missing column is, before any worker."""
+    import ray.data
+
+    from raytrain_tasks.api import Splits, TrainSpec
+    from raytrain_tasks.errors import DatasetError
+    from raytrain_tasks.spec_loop import SpecTrainFunc
+
+    rows = ray.data.from_items([{"x": [float(i)], "y": [2.0 * i]} for i in range(8)])
+
+    def spec_of(splits: Splits) -> SpecTrainFunc:
+        return SpecTrainFunc(
+            TrainSpec(data=lambda config: splits, model=print, loss=print, metric=Metric("loss", False))
+        )
+
+    with pytest.raises(DatasetError, match="empty test split"):
+        spec_of(Splits(rows, rows, rows.filter(lambda row: False), columns=("x", "y"))).check_data({})
+    with pytest.raises(DatasetError, match="no column 'features'"):
+        spec_of(Splits(rows, rows, rows, columns=("features", "y"))).check_data({})
+    assert spec_of(Splits(rows, rows, rows, columns=("x", "y"))).check_data({}) is True  # Ray Datasets, usable
 
 
 def test_settings_of_the_built_in_classifier_set_beside_train_code_are_named_as_ignored() -> None:

@@ -68,3 +68,12 @@ def test_an_incomparable_champion_is_kept_unless_replacing_it_is_asked_for() -> 
     assert "replace_incomparable_champion" in kept.reason
     replaced = decide_promotion(0.5, other, replace_incomparable=True)
     assert replaced.action is Promotion.REPLACE_INCOMPARABLE and replaced.action.moves_champion
+
+
+@pytest.mark.parametrize("higher_is_better", [True, False])
+@pytest.mark.parametrize("champion", [Champion.absent(), Champion("3", score=0.5)], ids=["no champion", "champion"])
+def test_a_score_that_is_not_a_number_takes_no_alias(champion: Champion, higher_is_better: bool) -> None:
+    """A NaN score (a split that scored no row, a diverged model) compares false both ways: it must not take
+    `champion` for want of one to beat, nor by any direction's arithmetic."""
+    decision = decide_promotion(float("nan"), champion, higher_is_better=higher_is_better)
+    assert decision.action is Promotion.UNDECIDED and "not a number" in decision.reason

@@ -139,12 +139,16 @@ def test_a_served_deployment_of_code_with_settings_has_a_typed_form(prefect_api:
     assert form["properties"]["image_dir"]["type"] == "string" and form["additionalProperties"] is False
     assert form["position"] == plain._parameter_openapi_schema.properties["train_config"]["position"]
     assert plain._parameter_openapi_schema.properties["train_config"]["additionalProperties"] is True
+    # The typed form is its code's: other code, with settings of its own, cannot be pointed at from this deployment.
+    assert own._parameter_openapi_schema.properties["train_code"]["enum"] == [IMAGE]
     deployment_id = own.apply()
     with get_client(sync_client=True) as client:
         for wrong, says in (({"chanels": 8}, "'chanels' was unexpected"), ({"channels": "x"}, "train_config.channels")):
             with pytest.raises(PrefectHTTPStatusError, match="409") as refused:
                 client.create_flow_run_from_deployment(deployment_id, parameters={"train_config": wrong})
             assert says in refused.value.response.text
+        with pytest.raises(PrefectHTTPStatusError, match="409"):
+            client.create_flow_run_from_deployment(deployment_id, parameters={"train_code": "other.code:training"})
         run = client.create_flow_run_from_deployment(deployment_id, parameters={"train_config": {"channels": 8}})
         assert run.parameters["train_config"] == {"channels": 8}
         client.delete_flow_run(run.id)  # nobody serves it: it would stay Scheduled
@@ -193,7 +197,7 @@ def test_a_setting_chooses_the_metric_that_picks_the_checkpoint_and_gates() -> N
 @pytest.mark.parametrize(
     ("choose", "says"),
     [
-        (lambda config: "val_mae", r"its metric=... function returned 'val_mae', not a raytrain_tasks.api.Metric"),
+        (lambda config: "val_mae", r"its metric=... function returned a str, not a raytrain_tasks.api.Metric"),
         (lambda config: Metric("f1", True), r"chose 'f1': TrainSpec\(metric='f1'\) needs metrics"),
         (lambda config: Metric(config["nope"], True), r"its metric=... function failed: KeyError: 'nope'\n.*File"),
     ],
