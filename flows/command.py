@@ -107,7 +107,8 @@ def describe_run(client: Any, run: Any) -> dict[str, str]:
     done = committed_epochs(client, run)
     planned = run.data.params.get("epochs", "?")
     if state in ("failed", "stopped", "interrupted"):
-        resumable = "yes" if done else "no (no checkpoint: start again)"
+        # `resume` continues either way: from the last checkpoint, or from epoch 1 in the same MLflow run.
+        resumable = "yes" if done else "yes (from epoch 1)"
     else:
         resumable = "-"
     params = run.data.params

@@ -127,8 +127,9 @@ def assess_recorded_champion(
     ):
         return Champion(
             version,
-            incomparable=f"its gate metric was {tags.get(GATE_METRIC_TAG)!r} (higher is better: "
-            f"{tags.get(GATE_DIRECTION_TAG)}), this run's is {spec.gate.name!r} ({spec.gate.higher_is_better})",
+            incomparable=f"its gate metric was {tags.get(GATE_METRIC_TAG)!r} ("
+            f"{'higher' if tags.get(GATE_DIRECTION_TAG) == 'true' else 'lower'} is better), this run's is "
+            f"{spec.gate.name!r} ({'higher' if spec.gate.higher_is_better else 'lower'} is better)",
         )
     if spec.evaluate is not None:
         return _evaluated_champion(name, version, config, spec, data_dir)

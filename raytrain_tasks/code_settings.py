@@ -47,7 +47,7 @@ def code_values(spec: Any, train_config: Mapping[str, Any], train_code: str) -> 
     except ValidationError as exc:
         problems = "; ".join(
             f"train_config.{'.'.join(map(str, error['loc'])) or '?'}: {error['msg']}"
-            + ("" if error["type"] == "missing" else f" (got a {type(error['input']).__name__})")
+            + ("" if error["type"] == "missing" else f" (got {type(error['input']).__name__})")
             for error in exc.errors()
         )
         raise UserCodeError(
@@ -65,6 +65,8 @@ def describe(settings: type) -> str:
     parts = []
     for name, field in schema.get("properties", {}).items():
         kind = field.get("type") or "/".join(str(o.get("type", "?")) for o in field.get("anyOf", ())) or "any"
+        if "enum" in field:
+            kind = " or ".join(map(repr, field["enum"]))
         parts.append(f"{name} ({kind}, {'required' if name in required else 'default ' + repr(field.get('default'))})")
     return ", ".join(parts) or "none"
 

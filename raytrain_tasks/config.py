@@ -90,14 +90,15 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
         ge=0.0,
         le=1.0,
         title="Minimum improvement",
-        description="How much a candidate must beat the champion by on `promotion_metric` to take 'champion'.",
+        description="How much a candidate must beat the champion by on the gate's metric to take 'champion'.",
     )
     replace_incomparable_champion: bool = Field(
         default=False,
         title="Replace incomparable champion",
         description=(
-            "A champion with another input schema (feature names or order, class labels) cannot be compared. "
-            "Off: it keeps 'champion' and the reason is recorded. On: the new version replaces it."
+            "A champion that cannot be compared with this run's model (another input schema: feature names or order, "
+            "class labels; or, for your code, another gate metric or direction) keeps 'champion' while this is off, "
+            "and the reason is recorded. On: the new version replaces it."
         ),
     )
 

@@ -9,6 +9,7 @@ each whole split.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,7 +60,7 @@ def example_inputs(splits: Splits, rows: int) -> Any:
     """The first ``rows`` train inputs, as a batch: what builds the model (shapes) and the exported example."""
     if is_ray_dataset(splits.train):
         batch = splits.train.take_batch(rows, batch_format="numpy")
-        return torch.as_tensor(batch[splits.columns[0]])
+        return torch.tensor(batch[splits.columns[0]])  # a copy: Ray's arrays are read-only
     from torch.utils.data import DataLoader
 
     inputs, _ = next(iter(DataLoader(splits.train, batch_size=rows)))
@@ -127,3 +128,4 @@ def quiet_ray_data() -> None:
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False
     context.print_on_execution_start = False
+    logging.getLogger("ray.data").setLevel(logging.WARNING)  # "Progress bars disabled", each execution's plan

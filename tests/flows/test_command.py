@@ -127,3 +127,20 @@ def test_runs_says_what_each_run_trains(tmp_path: Path) -> None:
             client.log_param(run.info.run_id, name, value)
         shown[key] = describe_run(client, client.get_run(run.info.run_id))["trains"]
     assert shown == {"20261127-040000-aaaaaa": "my_images.train:training", "20261127-040000-bbbbbb": "mlp on digits"}
+
+
+def test_runs_calls_a_stopped_run_with_no_checkpoint_resumable_from_its_first_epoch(tmp_path: Path) -> None:
+    """`resume` continues a run that stopped before its first checkpoint (from epoch 1, in the same MLflow run), as
+    the failure's own message says: `runs` must not tell the user to start again."""
+    from flows.command import describe_run
+    from raytrain_tasks.tracking import runs as tracking
+    from tests.helpers import seed_mlflow_store
+
+    seed_mlflow_store(tmp_path / "mlflow.db")
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.create_experiment("runs", artifact_location=str(tmp_path / "artifacts"))
+    run = client.create_run(experiment, tags={tracking.RUN_KEY_TAG: "20261127-040000-cccccc"})
+    client.log_param(run.info.run_id, "epochs", "3")
+    client.set_terminated(run.info.run_id, "FAILED")
+    shown = describe_run(client, client.get_run(run.info.run_id))
+    assert (shown["state"], shown["epochs"], shown["resumable"]) == ("failed", "0/3", "yes (from epoch 1)")

@@ -73,7 +73,7 @@ def test_a_refused_value_is_not_repeated_in_the_message() -> None:
     value's type only."""
     with pytest.raises(UserCodeError) as refused:
         code_values(_func(settings=Settings), {"hidden": "hunter2-token"}, "my.code:training")
-    assert "hunter2-token" not in str(refused.value) and "(got a str)" in str(refused.value)
+    assert "hunter2-token" not in str(refused.value) and "(got str)" in str(refused.value)
 
 
 def test_a_misspelt_key_beside_plain_defaults_is_refused_and_a_key_of_ones_own_passes() -> None:
