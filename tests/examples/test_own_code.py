@@ -213,22 +213,25 @@ def test_a_train_spec_on_ray_datasets_streams_shards_survives_a_killed_worker_an
         import numpy as np, ray.data, torch
         from raytrain_tasks.api import Metric, Splits, TrainSpec
 
+        def rows(count, end):  # y = 3x on [-end, end]
+            x = np.linspace(-end, end, count, dtype=np.float32).reshape(-1, 1)
+            return ray.data.from_items([{"x": value, "y": 3 * value} for value in x])
+
         def data(config):
-            x = np.linspace(-1, 1, 240, dtype=np.float32).reshape(-1, 1)
-            rows = [{"x": value, "y": 3 * value} for value in x]
-            return Splits(*(ray.data.from_items(rows[start::3]) for start in range(3)), columns=("x", "y"))
+            return Splits(rows(1024, 1.0), rows(80, 0.99), rows(80, 0.98), columns=("x", "y"))
 
         def model(config, example):  # BatchNorm: buffers a DDP forward would sync
-            return torch.nn.Sequential(torch.nn.BatchNorm1d(example.shape[1]), torch.nn.Linear(example.shape[1], 1))
+            return torch.nn.Sequential(torch.nn.BatchNorm1d(example.shape[1], momentum=None),
+                                       torch.nn.Linear(example.shape[1], 1))
 
         training = TrainSpec(data=data, model=model, loss=torch.nn.functional.mse_loss,
                              metrics=lambda outputs, targets: {"mae": (outputs - targets).abs().mean()},
                              metric=Metric("loss", higher_is_better=False),
-                             optimizer=lambda parameters, config: torch.optim.SGD(parameters, lr=0.5))
+                             optimizer=lambda parameters, config: torch.optim.SGD(parameters, lr=0.1))
     """
     code = f"{_module(tmp_path, monkeypatch, source, name='ray_data_spec')}:training"
-    # One batch of 128 holds each 80-row split: the second worker scores no batch of val or test, yet reduces the
-    # same metrics as the first.
+    # Each worker trains 4 batches of 128 an epoch; one batch holds each 80-row held-out split, so the second
+    # worker scores no batch of val or test, yet reduces the same metrics as the first.
     config = own_config(tmp_path, code, register=True, batch_size=128)
     first = _finished_in_one_run_despite_a_killed_worker(tmp_path, config, "val_loss")
     assert first.model is not None and first.model.aliases == ("champion",), first.model
@@ -241,7 +244,7 @@ def test_a_train_spec_on_ray_datasets_streams_shards_survives_a_killed_worker_an
 
     with _tracking(tmp_path):
         model = mlflow.pytorch.load_model(f"models:/digits-test/{first.model.version}")
-    x = torch.from_numpy(np.linspace(-1, 1, 240, dtype=np.float32).reshape(-1, 1)[1::3])
+    x = torch.from_numpy(np.linspace(-0.99, 0.99, 80, dtype=np.float32).reshape(-1, 1))
     with torch.no_grad():
         assert first.fit.best_metrics["val_loss"] == pytest.approx(float(((model(x) - 3 * x) ** 2).mean()), rel=1e-4)
     second = training_pipeline(**parameters_of(own_config(tmp_path, code, epochs=2, register=True, batch_size=128)))
