@@ -550,7 +550,10 @@ def test_the_examples_train_and_register_through_a_served_deployment(
     # train_config by the code's settings class, and the server refuses a run whose train_config does not fit.
     images = _api(prefect_server, lambda client: client.read_deployment_by_name("training-pipeline/images"))
     with pytest.raises(PrefectHTTPStatusError, match="409"):
-        _api(prefect_server, lambda c: c.create_flow_run_from_deployment(images.id, {"train_config": {"chanels": 8}}))
+        _api(
+            prefect_server,
+            lambda c: c.create_flow_run_from_deployment(images.id, parameters={"train_config": {"chanels": 8}}),
+        )
     for example in EXAMPLES:
         parameters = {
             "train_code": f"examples.{example}.train:training",
@@ -565,7 +568,9 @@ def test_the_examples_train_and_register_through_a_served_deployment(
             del parameters["train_code"]  # the deployment's
         created = _api(
             prefect_server,
-            lambda c, parameters=parameters, target=target: c.create_flow_run_from_deployment(target.id, parameters),
+            lambda c, parameters=parameters, target=target: c.create_flow_run_from_deployment(
+                target.id, parameters=parameters
+            ),
         )
         flow_run = _wait_for_final_state(prefect_server, created.id)
         assert flow_run.state_type.value == "COMPLETED", (example, serve_log.read_text()[-5000:])
