@@ -218,6 +218,8 @@ def _prepare_resume(
                 resume_point.why,
             )
             client.set_tag(run_id, "prefect_raytrain.resume_fallback", resume_point.why[:4000])
+        elif resume_point.start:
+            logger.info("run %s resumes from its checkpoint %s (its files verified)", run_key, resume_point.start)
     else:
         announce_resume(logger, config, run_dir, preexisting, pinned)
     return OpenRun(run_id, experiment_id, reopened, backend, journal, preexisting, pinned, resume_point)

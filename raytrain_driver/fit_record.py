@@ -105,6 +105,7 @@ class ResumePoint:
     rejected: frozenset[str] = frozenset()
     fallback: str | None = None
     why: str = ""
+    start: str | None = None  # the checkpoint it starts from (verified); None: from the first epoch
 
 
 @dataclass(frozen=True)

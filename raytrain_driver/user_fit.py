@@ -103,7 +103,7 @@ def choose_resume_point(run_dir: StorageLocation, pinned: dict[str, str]) -> Res
         else:
             location = run_dir.child(name)
             if folder_digest(location.filesystem, location.path) == expected:
-                return ResumePoint(frozenset(rejected), name if rejected else None, "; ".join(reasons))
+                return ResumePoint(frozenset(rejected), name if rejected else None, "; ".join(reasons), start=name)
             reasons.append(f"{name}: its files do not hash to the digest recorded when it was committed")
         rejected.append(name)
     if rejected:

@@ -1,0 +1,38 @@
+"""Which checkpoint a resume of the user's code starts from (raytrain_driver.user_fit); no Ray."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from raytrain_driver.user_fit import choose_resume_point
+from raytrain_tasks.errors import CheckpointError
+from raytrain_tasks.integrity import folder_digest
+from raytrain_tasks.storage.locations import locate
+
+OLDER, NEWER = "checkpoint_2026-11-27_08-00-00.000001", "checkpoint_2026-11-27_08-00-05.000001"
+
+
+def _checkpoints(tmp_path: Path) -> dict[str, str]:
+    """Two committed checkpoints of one run and the digests MLflow recorded for them."""
+    run_dir = locate(str(tmp_path))
+    for name in (OLDER, NEWER):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "state.pt").write_bytes(name.encode())
+    return {name: folder_digest(run_dir.filesystem, run_dir.child(name).path) for name in (OLDER, NEWER)}
+
+
+def test_a_resume_names_the_verified_checkpoint_it_starts_from(tmp_path: Path) -> None:
+    """The newest checkpoint whose files hash to the recorded digest: the log line 'resumes from its checkpoint'
+    names it (the README promises which checkpoint a continued run resumes from)."""
+    pinned = _checkpoints(tmp_path)
+    point = choose_resume_point(locate(str(tmp_path)), pinned)
+    assert (point.start, point.rejected, point.fallback) == (NEWER, frozenset(), None)
+    (tmp_path / NEWER / "state.pt").write_bytes(b"tampered")
+    point = choose_resume_point(locate(str(tmp_path)), pinned)
+    assert (point.start, point.rejected, point.fallback) == (OLDER, frozenset({NEWER}), OLDER)
+    assert choose_resume_point(locate(str(tmp_path / "never-started")), {}).start is None
+    (tmp_path / OLDER / "state.pt").write_bytes(b"tampered")
+    with pytest.raises(CheckpointError, match="no checkpoint of run .* verifies"):
+        choose_resume_point(locate(str(tmp_path)), pinned)
