@@ -60,6 +60,30 @@ class PromotionDecision:
     champion_score: float | None
 
 
+NOT_COMPARABLE = "not a number the gate can compare"
+
+
+def decide_again(reason: str, run_key: str) -> str:
+    """What to do about a decision that could not be made for ``reason``: run again, unless the candidate's own
+    score made it (a resume reads the same score)."""
+    if NOT_COMPARABLE in reason:
+        return "its score will not change: fix what made it not a number, and train a new run"
+    return f"run again with `resume={run_key}` to decide again"
+
+
+def _not_a_number(candidate_score: float, champion: Champion) -> PromotionDecision | None:
+    """NaN compares false either way: a candidate scored NaN must not win for want of a champion, and a champion
+    scored NaN (promoted before this check existed) must not win every comparison by default."""
+    if not math.isfinite(candidate_score):
+        reason = f"this run's score is {candidate_score}, {NOT_COMPARABLE}: no alias moves"
+        return PromotionDecision(Promotion.UNDECIDED, reason, candidate_score, champion.score)
+    if champion.version and not champion.incomparable and champion.score is not None:
+        if not math.isfinite(champion.score):
+            reason = f"the champion's score is {champion.score}, not a number: any scored model beats it"
+            return PromotionDecision(Promotion.PROMOTE, reason, candidate_score, champion.score)
+    return None
+
+
 def decide_promotion(
     candidate_score: float,
     champion: Champion,
@@ -83,13 +107,8 @@ def decide_promotion(
             candidate_score,
             score,
         )
-    if not math.isfinite(candidate_score):  # NaN compares false either way: it must not win by default
-        return PromotionDecision(
-            Promotion.UNDECIDED,
-            f"this run's score is {candidate_score}, not a number the gate can compare: no alias moves",
-            candidate_score,
-            score,
-        )
+    if (unscored := _not_a_number(candidate_score, champion)) is not None:
+        return unscored
     if champion.version is None:
         return PromotionDecision(Promotion.PROMOTE, "no champion yet", candidate_score, None)
     if champion.incomparable:

@@ -86,7 +86,7 @@ def fit_as_ray_job(
     from raytrain_driver.cluster import ray_session
     from raytrain_driver.fit_record import finished_fit
     from raytrain_driver.hooks import run_logger
-    from raytrain_driver.preflight import check_cluster, check_spec_data, resolve_code
+    from raytrain_driver.preflight import check_cluster, resolve_code
     from raytrain_tasks.tracking import runs as tracking
 
     logger = run_logger()
@@ -94,7 +94,8 @@ def fit_as_ray_job(
     mlflow = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
     spec = resolve_code(config)  # fails here, naming train_code, before anything is submitted
     with ray_session(config):
-        check_cluster(config, dataset, runs, mlflow, run_key, check_spec_data(config, spec, dataset))
+        # The job's own pre-flight on the cluster runs the code's data check (check_spec_data) where its data is.
+        check_cluster(config, dataset, runs, mlflow, run_key, spec is not None and spec.datasets is not None)
     client = connect(config)
     submission_id = _attach_or_submit(client, config, dataset, run_key, run_dir, origin, logger)
     status, message = follow(client, submission_id, logger)

@@ -30,6 +30,7 @@ from raytrain_driver.promotion import (
     Champion,
     Promotion,
     PromotionDecision,
+    decide_again,
     decide_promotion,
 )
 from raytrain_driver.registry_lock import LockHandle, model_lock
@@ -99,8 +100,7 @@ def _register_model(
 ) -> ModelRef:
     logger = run_logger()
     client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
-    # The user's own code (train_code) declares its gate metric and direction; the built-in classifier's is the
-    # config's (the test split's counterpart of `promotion_metric`).
+    # Your code's gate (metric and direction), or the built-in's: the test split's counterpart of `promotion_metric`.
     spec = bind(resolve(config.train_code), config) if config.train_code else None
     gate = spec.gate if spec is not None else config.gate
     metric, higher_is_better = gate.name, gate.higher_is_better
@@ -148,7 +148,7 @@ def _register_model(
     if ref.decision == Promotion.UNDECIDED.value:
         raise PromotionError(
             f"{config.model_name} version {ref.version} is registered as '{CHALLENGER}', but the champion decision "
-            f"could not be made: {ref.reason}. No alias moved; run again with `resume={fit.run_key}` to decide again"
+            f"could not be made: {ref.reason}. No alias moved; {decide_again(ref.reason, fit.run_key)}"
         )
     return ref
 

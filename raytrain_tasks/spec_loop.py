@@ -258,16 +258,24 @@ def _sums(spec: TrainSpec, model: Any, batches: Any, device: Any) -> tuple[dict[
 def _score(spec: TrainSpec, model: Any, batches: Any, split: str) -> dict[str, float]:
     """Loss and metrics over the whole split: this rank scores its batches, the sums are all-reduced."""
     model.eval()
-    with torch.no_grad():  # the module itself: a DDP forward may sync buffers, which a rank with no batch skips
-        sums, count = _sums(spec, getattr(model, "module", model), batches, ray.train.torch.get_device())
+    net = getattr(model, "module", model)  # not DDP's forward: it may sync buffers, which a rank with no batch skips
+    distributed = dist.is_available() and dist.is_initialized()
+    if distributed:  # every rank scores with rank 0's buffers (BatchNorm statistics), which its checkpoint holds
+        for buffer in net.buffers():
+            dist.broadcast(buffer, src=0)
+    with torch.no_grad():
+        sums, count = _sums(spec, net, batches, ray.train.torch.get_device())
     keys = sorted(sums)
-    if dist.is_available() and dist.is_initialized():  # a rank with no batch of the split knows no metric names
+    if distributed:  # a rank with no batch of the split knows no metric names
         gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
         dist.all_gather_object(gathered, keys)
         keys = sorted(set().union(*gathered))
     keys = keys or ["loss"]
-    vector = torch.tensor([sums.get(key, 0.0) for key in keys] + [count], dtype=torch.float64)
-    if dist.is_available() and dist.is_initialized():
+    # On the device: NCCL reduces CUDA tensors only.
+    vector = torch.tensor(
+        [sums.get(key, 0.0) for key in keys] + [count], dtype=torch.float64, device=ray.train.torch.get_device()
+    )
+    if distributed:
         dist.all_reduce(vector)
     *totals, seen = vector.tolist()
     return _mean({f"{split}_{key}": (total, seen) for key, total in zip(keys, totals, strict=True)})

@@ -77,3 +77,9 @@ def test_a_score_that_is_not_a_number_takes_no_alias(champion: Champion, higher_
     `champion` for want of one to beat, nor by any direction's arithmetic."""
     decision = decide_promotion(float("nan"), champion, higher_is_better=higher_is_better)
     assert decision.action is Promotion.UNDECIDED and "not a number" in decision.reason
+
+
+def test_a_champion_whose_score_is_not_a_number_is_replaced_by_a_scored_model() -> None:
+    """A champion promoted with a NaN score (before NaN was refused) would win every comparison by default."""
+    decision = decide_promotion(0.2, Champion("3", score=float("nan")), higher_is_better=False)
+    assert decision.action is Promotion.PROMOTE and "not a number" in decision.reason
