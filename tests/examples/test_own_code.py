@@ -218,7 +218,7 @@ def test_a_train_spec_on_ray_datasets_streams_shards_survives_a_killed_worker_an
             return ray.data.from_items([{"x": value, "y": 3 * value} for value in x])
 
         def data(config):
-            return Splits(rows(1024, 1.0), rows(80, 0.99), rows(80, 0.98), columns=("x", "y"))
+            return Splits(rows(1024, 1.0), rows(160, 0.99), rows(80, 0.98), columns=("x", "y"))
 
         def model(config, example):  # BatchNorm: buffers a DDP forward would sync
             return torch.nn.Sequential(torch.nn.BatchNorm1d(example.shape[1], momentum=None),
@@ -230,21 +230,22 @@ def test_a_train_spec_on_ray_datasets_streams_shards_survives_a_killed_worker_an
                              optimizer=lambda parameters, config: torch.optim.SGD(parameters, lr=0.1))
     """
     code = f"{_module(tmp_path, monkeypatch, source, name='ray_data_spec')}:training"
-    # Each worker trains 4 batches of 128 an epoch; one batch holds each 80-row held-out split, so the second
-    # worker scores no batch of val or test, yet reduces the same metrics as the first.
+    # Each worker trains 4 batches of 128 an epoch. The 80 test rows are one batch: the second worker scores none,
+    # yet reduces the same metrics as the first. The 160 val rows are two: each worker scores one, with rank 0's
+    # BatchNorm statistics (those of the checkpoint), not its own.
     config = own_config(tmp_path, code, register=True, batch_size=128)
     first = _finished_in_one_run_despite_a_killed_worker(tmp_path, config, "val_loss")
     assert first.model is not None and first.model.aliases == ("champion",), first.model
     assert first.fit.scores["test_loss"] < 0.1 and first.fit.best_metrics["val_mae"] < 0.3, first.fit  # y = 3x
     # Exact over the whole split: val_loss as the workers reported it (each scored a share of the batches, the
-    # sums all-reduced) is the loss of the registered (best) checkpoint's model over all 80 validation rows.
+    # sums all-reduced) is the loss of the registered (best) checkpoint's model over all 160 validation rows.
     import mlflow
     import numpy as np
     import torch
 
     with _tracking(tmp_path):
         model = mlflow.pytorch.load_model(f"models:/digits-test/{first.model.version}")
-    x = torch.from_numpy(np.linspace(-0.99, 0.99, 80, dtype=np.float32).reshape(-1, 1))
+    x = torch.from_numpy(np.linspace(-0.99, 0.99, 160, dtype=np.float32).reshape(-1, 1))
     with torch.no_grad():
         assert first.fit.best_metrics["val_loss"] == pytest.approx(float(((model(x) - 3 * x) ** 2).mean()), rel=1e-4)
     second = training_pipeline(**parameters_of(own_config(tmp_path, code, epochs=2, register=True, batch_size=128)))
