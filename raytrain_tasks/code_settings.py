@@ -8,7 +8,9 @@ default. What the code then receives is plain JSON values, the same that MLflow 
 
 from __future__ import annotations
 
+import copy
 import difflib
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,7 +32,7 @@ def code_values(spec: Any, train_config: Mapping[str, Any], train_code: str) -> 
     if spec.settings is None:
         _check_spelling(dict(spec.defaults), train_config, train_code)
         return {**dict(spec.defaults), **train_config}
-    from pydantic import TypeAdapter, ValidationError
+    from pydantic import ValidationError
 
     settings = spec.settings
     names = setting_names(settings, settings.__name__)
@@ -41,7 +43,7 @@ def code_values(spec: Any, train_config: Mapping[str, Any], train_code: str) -> 
             f"train_code {train_code!r}: train_config sets {', '.join(map(repr, unknown))}, which its settings "
             f"class {settings.__name__} does not declare{hints}. Its settings: {describe(settings)}"
         )
-    adapter: Any = TypeAdapter(settings)
+    adapter = _adapter(settings)
     try:
         value = adapter.validate_python(dict(train_config))
     except ValidationError as exc:
@@ -86,16 +88,32 @@ def form_schema(settings: type) -> dict[str, Any]:
 
 
 def _schema(settings: type, where: str, ref_template: str = "#/$defs/{model}") -> dict[str, Any]:
+    """The class's JSON schema (a copy: callers may change it); TypeError naming ``where`` when pydantic cannot
+    validate the class."""
     import dataclasses
 
-    from pydantic import BaseModel, PydanticUserError, TypeAdapter
+    from pydantic import BaseModel, PydanticUserError
 
     if not (dataclasses.is_dataclass(settings) or issubclass(settings, BaseModel)):
         raise TypeError(f"{where} must be a pydantic BaseModel subclass or a dataclass, got {settings!r}")
     try:
-        schema: dict[str, Any] = TypeAdapter(settings).json_schema(ref_template=ref_template)
+        schema = _json_schema(settings, ref_template)
     except PydanticUserError as exc:  # a field of a type pydantic cannot validate (an arbitrary class)
         raise TypeError(f"{where}: pydantic cannot describe its fields ({type(exc).__name__}: {exc})") from None
+    return copy.deepcopy(schema)
+
+
+@functools.cache
+def _adapter(settings: type) -> Any:
+    """One pydantic TypeAdapter per class: ``config`` is built from it several times a run, on every worker."""
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(settings)
+
+
+@functools.cache
+def _json_schema(settings: type, ref_template: str) -> dict[str, Any]:
+    schema: dict[str, Any] = _adapter(settings).json_schema(ref_template=ref_template)
     return schema
 
 
