@@ -66,10 +66,13 @@ def trainer_function(
 
     loop_config = user_config(config, spec)
     data: dict[str, Any] = {}
-    if spec.datasets is not None:
-        data["datasets"] = dict(spec.datasets(user_config(config, spec, data_dir_of(prepared, config.storage_options))))
-    if isinstance(spec.train_func, SpecTrainFunc):  # a TrainSpec of Ray Datasets: built here, sharded by Ray Train
-        data |= spec.train_func.trainer_data(user_config(config, spec, data_dir_of(prepared, config.storage_options)))
+    ray_spec = isinstance(spec.train_func, SpecTrainFunc) and spec.train_func.ray_data  # what check_data found
+    if spec.datasets is not None or ray_spec:  # Ray Datasets, built here: the data's local folder found once
+        here = user_config(config, spec, data_dir_of(prepared, config.storage_options))
+        if spec.datasets is not None:
+            data["datasets"] = dict(spec.datasets(here))
+        if isinstance(spec.train_func, SpecTrainFunc):  # a TrainSpec of Ray Datasets: sharded by Ray Train
+            data |= spec.train_func.trainer_data(here)
     resume = resume or ResumePoint()
     return (
         run_train_func,

@@ -238,7 +238,7 @@ def user_artifacts(config: TrainingConfig, spec: TrainFunc, model: Any, data_dir
     with tempfile.TemporaryDirectory(prefix="prt-artifacts-") as tmp:
         try:
             spec.artifacts(model, user_config(config, spec, data_dir), Path(tmp))
-        except Exception as exc:  # the user's function: named with its frames (test_own_code's artifacts test)
+        except Exception as exc:  # the user's function: named with its frames (test_user_gate's artifacts test)
             raise UserCodeError(
                 f"train_code {config.train_code!r}: artifacts(...) failed, so nothing was registered: "
                 f"{user_frames(exc)}"
