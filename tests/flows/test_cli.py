@@ -146,3 +146,33 @@ def test_the_help_shows_every_default() -> None:
         shown = ",".join(map(str, default)) if isinstance(default, list) else str(default)
         assert f"(default: {shown})" in text, (name, shown)
     assert "--learning-rate LEARNING_RATE Adam step size. (default: 0.003)" in text
+
+
+STOP_IN_A_FINALIZER = """
+import os, signal, time
+import flows.cli as cli
+
+class Transport:  # as asyncio's transports: an object whose __del__ runs when the main thread drops it
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, inside the finalizer
+        time.sleep(0.2)
+
+signal.signal(signal.SIGTERM, cli._stop)  # raises TerminationSignal, as Prefect's handler does
+cli._send_again_a_stop_that_a_finalizer_swallowed()
+try:
+    Transport()
+    time.sleep(10)
+    print("went on as if no signal had come")
+except BaseException as exc:
+    print("stopped by", type(exc).__name__)
+"""
+
+
+def test_a_stop_signal_that_lands_in_a_finalizer_still_stops_the_command() -> None:
+    """Seen in CI: a SIGTERM whose handler ran inside an asyncio transport's ``__del__`` raised TerminationSignal
+    there, Python dropped it ("Exception ignored in"), and the run went on until the stop deadline exited it with
+    its MLflow run left RUNNING. The CLI sends such a stop again, outside the finalizer."""
+    finished = subprocess.run(
+        [sys.executable, "-c", STOP_IN_A_FINALIZER], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert finished.stdout.strip() == "stopped by TerminationSignal", finished.stdout + finished.stderr
