@@ -21,6 +21,7 @@ from prefect.exceptions import TerminationSignal
 from pydantic import ValidationError
 
 from flows.console import quiet_console
+from flows.stop_signals import send_again_a_stop_that_a_finalizer_swallowed
 from raytrain_driver.process_groups import end_ray_groups
 from raytrain_tasks.config import TrainingConfig, describe_validation_error, parameters_of
 from raytrain_tasks.errors import ClusterError
@@ -103,7 +104,7 @@ def main(
         quiet_console()
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     _exit_at_the_latest_after_a_signal()
-    unraisable_hook = _send_again_a_stop_that_a_finalizer_swallowed()
+    unraisable_hook = send_again_a_stop_that_a_finalizer_swallowed()
     try:
         with local_services(config):
             state = pipeline(**parameters_of(config), return_state=True)
@@ -174,30 +175,6 @@ def _exit_at_the_latest_after_a_signal() -> None:
             os._exit(128 + received[0])
 
     threading.Thread(target=watch, name="stop-deadline", daemon=True).start()
-
-
-def _send_again_a_stop_that_a_finalizer_swallowed() -> Callable[[Any], object]:
-    """Python runs a signal's handler in whatever the main thread is executing. When that is an object's
-    ``__del__`` (asyncio's transports have one), the exception the handler raises (Prefect's TerminationSignal,
-    ours, KeyboardInterrupt) is printed as "Exception ignored in" and dropped: the run went on as if no signal had
-    come, and the stop deadline then exited it with its MLflow run left RUNNING (seen in CI). A stop dropped so is
-    sent again from another thread, a moment later, so that its handler runs outside the finalizer. Returns the
-    hook it replaced."""
-    previous = sys.unraisablehook
-
-    def hook(unraisable: Any) -> None:
-        error = unraisable.exc_value
-        if isinstance(error, TerminationSignal):
-            signum = error.signal
-        elif isinstance(error, KeyboardInterrupt):
-            signum = signal.SIGINT
-        else:
-            previous(unraisable)
-            return
-        threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
-
-    sys.unraisablehook = hook
-    return previous
 
 
 def _train_code_problem(config: TrainingConfig) -> str:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict
 from flows.continuation import already_continued, continuation_of, log_continuation, prepare_recovery
 from flows.parameters import with_settings_as_parameters
 from flows.run_settings import check_deployment_pins
+from flows.stop_signals import send_again_a_stop_that_a_finalizer_swallowed
 from raytrain_driver.fit_record import FitResult
 from raytrain_tasks.config import (
     TrainingConfig,
@@ -55,6 +56,7 @@ def training_pipeline(continue_flow_run: str | None = None, **settings: Any) -> 
             (the other parameters are not used). A second run continuing the same crash ends Cancelled at once.
     """
     install_log_redaction("prefect", "prefect.flow_runs", "prefect.task_runs", "ray", "mlflow")
+    send_again_a_stop_that_a_finalizer_swallowed()  # a cancelled served run is stopped with SIGTERM
     with redacted_errors():
         if continue_flow_run:
             if duplicate := already_continued(continue_flow_run):

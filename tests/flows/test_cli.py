@@ -151,6 +151,7 @@ def test_the_help_shows_every_default() -> None:
 STOP_IN_A_FINALIZER = """
 import os, signal, time
 import flows.cli as cli
+from flows.stop_signals import send_again_a_stop_that_a_finalizer_swallowed
 
 class Transport:  # as asyncio's transports: an object whose __del__ runs when the main thread drops it
     def __del__(self):
@@ -158,7 +159,7 @@ class Transport:  # as asyncio's transports: an object whose __del__ runs when t
         time.sleep(0.2)
 
 signal.signal(signal.SIGTERM, cli._stop)  # raises TerminationSignal, as Prefect's handler does
-cli._send_again_a_stop_that_a_finalizer_swallowed()
+send_again_a_stop_that_a_finalizer_swallowed()
 try:
     Transport()
     time.sleep(10)
@@ -171,7 +172,8 @@ except BaseException as exc:
 def test_a_stop_signal_that_lands_in_a_finalizer_still_stops_the_command() -> None:
     """Seen in CI: a SIGTERM whose handler ran inside an asyncio transport's ``__del__`` raised TerminationSignal
     there, Python dropped it ("Exception ignored in"), and the run went on until the stop deadline exited it with
-    its MLflow run left RUNNING. The CLI sends such a stop again, outside the finalizer."""
+    its MLflow run left RUNNING. The CLI (and the flow, for a cancelled served run) sends such a stop again, outside
+    the finalizer."""
     finished = subprocess.run(
         [sys.executable, "-c", STOP_IN_A_FINALIZER], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
     )
