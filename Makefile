@@ -15,7 +15,7 @@ export PREFECT_HOME ?= $(CURDIR)/.pipeline/prefect
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: install run test lint typecheck s3 server serve bench bench-smoke docs clean
+.PHONY: install run test test-fast lint typecheck s3 server serve bench bench-smoke docs clean
 
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,13 @@ run: install
 test: install
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Everything but the end-to-end tests, in two processes (pytest-xdist): most of their time is imports and
+# subprocesses. The end-to-end tests stay serial in `make test`: each trains on both cores, and their stop and
+# heartbeat windows are measured in seconds.
+test-fast: install
+	$(VENV)/bin/lint-imports
+	$(PY) -m pytest -m "not slow" -n 2 $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .
