@@ -219,7 +219,12 @@ def _prepare_resume(
             )
             client.set_tag(run_id, "prefect_raytrain.resume_fallback", resume_point.why[:4000])
         elif resume_point.start:
-            logger.info("run %s resumes from its checkpoint %s (its files verified)", run_key, resume_point.start)
+            logger.info(
+                "run %s resumes from its checkpoint %s (%sits files verified)",
+                run_key,
+                resume_point.start,
+                f"epoch {resume_point.epoch}; " if resume_point.epoch else "",
+            )
     else:
         announce_resume(logger, config, run_dir, preexisting, pinned)
     return OpenRun(run_id, experiment_id, reopened, backend, journal, preexisting, pinned, resume_point)

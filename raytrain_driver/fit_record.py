@@ -106,6 +106,7 @@ class ResumePoint:
     fallback: str | None = None
     why: str = ""
     start: str | None = None  # the checkpoint it starts from (verified); None: from the first epoch
+    epoch: int | None = None  # the epoch (from 1) that ``start`` holds, when its report said (``epoch``)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ cluster, the trainer's function and config, and the record of what the user's re
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from typing import TYPE_CHECKING, Any
@@ -106,7 +107,13 @@ def choose_resume_point(run_dir: StorageLocation, pinned: dict[str, str]) -> Res
         else:
             location = run_dir.child(name)
             if folder_digest(location.filesystem, location.path) == expected:
-                return ResumePoint(frozenset(rejected), name if rejected else None, "; ".join(reasons), start=name)
+                return ResumePoint(
+                    frozenset(rejected),
+                    name if rejected else None,
+                    "; ".join(reasons),
+                    start=name,
+                    epoch=reported_epoch(run_dir, name),
+                )
             reasons.append(f"{name}: its files do not hash to the digest recorded when it was committed")
         rejected.append(name)
     if rejected:
@@ -115,6 +122,23 @@ def choose_resume_point(run_dir: StorageLocation, pinned: dict[str, str]) -> Res
             "can write `storage_path`; start a new run (a new run key) to train from scratch"
         )
     return ResumePoint()
+
+
+# Ray Train's record of a run's checkpoints and what each one's report said, beside them in the run's folder.
+RAY_CHECKPOINT_RECORD = "checkpoint_manager_snapshot.json"
+
+
+def reported_epoch(run_dir: StorageLocation, name: str) -> int | None:
+    """The epoch number (from 1) that checkpoint ``name``'s report said (its ``epoch``, 0-based, as the examples and
+    a TrainSpec report it), from Ray Train's record of the run; None when the report said none or the record
+    cannot be read (Ray Train's own file, whose shape may change): the resume line then names the folder alone."""
+    try:
+        results = json.loads(run_dir.child(RAY_CHECKPOINT_RECORD).read_text())["checkpoint_results"]
+        metrics = next(r["metrics"] for r in results if r.get("checkpoint_dir_name") == name)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, StopIteration):
+        return None
+    epoch = metrics.get("epoch") if isinstance(metrics, dict) else None
+    return epoch_number(epoch) if isinstance(epoch, int | float) and not isinstance(epoch, bool) else None
 
 
 def history_of(result: ray.train.Result, logged: list[dict[str, float]]) -> list[dict[str, float]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import difflib
 import functools
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,7 +46,8 @@ def code_values(spec: Any, train_config: Mapping[str, Any], train_code: str) -> 
         )
     adapter = _adapter(settings)
     try:
-        value = adapter.validate_python(dict(train_config))
+        # Strict, on JSON types (what a flag, a form or a deployment gives): "64" is not an int, true not an int.
+        value = adapter.validate_json(json.dumps(dict(train_config)), strict=True)
     except ValidationError as exc:
         problems = "; ".join(
             f"train_config.{'.'.join(map(str, error['loc'])) or '?'}: {error['msg']}"

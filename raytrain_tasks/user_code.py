@@ -245,8 +245,9 @@ def code_error_stopper(train_code: str) -> Any:
                 if isinstance(base, TypeError | ImportError | UserCodeError):
                     raise UserCodeError(
                         f"train_code {train_code!r} failed on worker rank {rank}: {str(base)[-4000:]}\nNot retried: "
-                        "an error of the code itself fails the same way on every attempt; fix the code, then "
-                        "continue the run with `resume`"
+                        "an error of the code itself fails the same way on every attempt. A fault in the code: fix "
+                        "it, then continue the run with `resume`. A value of train_config the code cannot use: "
+                        "start a new run with a corrected train_config (a resume keeps the run's settings)"
                     )
 
     return StopOnCodeErrors()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -36,3 +37,22 @@ def test_a_resume_names_the_verified_checkpoint_it_starts_from(tmp_path: Path) -
     (tmp_path / OLDER / "state.pt").write_bytes(b"tampered")
     with pytest.raises(CheckpointError, match="no checkpoint of run .* verifies"):
         choose_resume_point(locate(str(tmp_path)), pinned)
+
+
+def test_a_resume_says_which_epoch_its_checkpoint_holds_when_the_report_said(tmp_path: Path) -> None:
+    """Ray Train names your code's checkpoint folders by time: the resume line adds the epoch the checkpoint's
+    report said (Ray Train's record of the run, beside them), and names the folder alone when it cannot tell."""
+    pinned = _checkpoints(tmp_path)
+    assert choose_resume_point(locate(str(tmp_path)), pinned).epoch is None  # no record: no epoch
+    record = tmp_path / "checkpoint_manager_snapshot.json"
+    results = [{"checkpoint_dir_name": OLDER, "metrics": {"epoch": 1}}, {"checkpoint_dir_name": NEWER, "metrics": {}}]
+    record.write_text(json.dumps({"checkpoint_results": results}))
+    assert choose_resume_point(locate(str(tmp_path)), pinned).epoch is None  # its report said no epoch
+    results[1]["metrics"] = {"epoch": 2, "val_loss": 0.1}
+    record.write_text(json.dumps({"checkpoint_results": results}))
+    point = choose_resume_point(locate(str(tmp_path)), pinned)
+    assert (point.start, point.epoch) == (NEWER, 3)  # reported 0-based, said from 1
+    record.write_text('{"checkpoint_results": [')  # a record cut short, or of another shape: the folder alone
+    assert choose_resume_point(locate(str(tmp_path)), pinned).epoch is None
+    record.write_text('{"checkpoint_results": {"a": 1}}')
+    assert choose_resume_point(locate(str(tmp_path)), pinned).epoch is None

@@ -37,7 +37,7 @@ def _func(**kwargs: object) -> TrainFunc:
 
 
 def test_a_settings_class_types_the_config_the_code_receives() -> None:
-    config = TrainingConfig(train_code="my.code:training", train_config={"hidden": "64", "sizes": [2]}, epochs=3)
+    config = TrainingConfig(train_code="my.code:training", train_config={"hidden": 64, "sizes": [2]}, epochs=3)
     received = user_config(config, _func(settings=Settings))
     # Typed and complete (defaults filled), as plain JSON values the code and MLflow both see; the pipeline's own.
     assert received["epochs"] == 3
@@ -57,6 +57,9 @@ def test_a_settings_class_types_the_config_the_code_receives() -> None:
         (Settings, {"hiden": 64}, r"train_config sets 'hiden', which its settings class Settings does not declare "
          r"\(did you mean 'hidden' for 'hiden'\?\)"),
         (Settings, {"hidden": "many"}, r"train_config.hidden: Input should be a valid integer"),
+        # Strict JSON types: a quoted number or a boolean is not an int (it trained on 64 and on 1 before)
+        (Settings, {"hidden": "64"}, r"train_config.hidden: Input should be a valid integer \(got str\)"),
+        (Settings, {"hidden": True}, r"train_config.hidden: Input should be a valid integer \(got bool\)"),
         (Settings, {"activation": "tanh"}, r"train_config.activation: Input should be 'relu' or 'gelu'"),
         (Required, {}, r"train_config.source: Field required. Its settings: source \(string, required\), hidden"),
     ],
