@@ -25,9 +25,10 @@ if TYPE_CHECKING:
     from raytrain_tasks.prepared import PreparedData
     from raytrain_tasks.storage.locations import StorageLocation
 
-# Ray Train names a reported checkpoint folder checkpoint_<timestamp> when the code passes no checkpoint_dir_name
-# (and keeps checkpoint_manager_snapshot.json beside them, which is not one).
-RAY_CHECKPOINT_NAME = re.compile(r"checkpoint_\d{4}-\d{2}-\d{2}_[\d.-]+")
+# The folders of a run's checkpoints: Ray Train names one checkpoint_<timestamp> when the code passes no
+# checkpoint_dir_name (a train_func's); a TrainSpec's are named for their epoch, epoch-0003 (epoch-0003-r1 for
+# its retraining). Ray Train keeps checkpoint_manager_snapshot.json beside them, which is not one.
+CHECKPOINT_FOLDER = re.compile(r"checkpoint_\d{4}-\d{2}-\d{2}_[\d.-]+|epoch-\d{4,}(-r\d+)?")
 
 # How long the import check on a worker of the cluster may take (a cold worker imports torch and the user's code).
 IMPORT_CHECK_TIMEOUT_S = 120.0
@@ -95,7 +96,7 @@ def choose_resume_point(run_dir: StorageLocation, pinned: dict[str, str]) -> Res
     committed; every newer one is rejected, and why. CheckpointError when checkpoints exist and none verifies."""
     from raytrain_tasks.integrity import folder_digest
 
-    names = sorted(name for name in run_dir.list_names() if RAY_CHECKPOINT_NAME.fullmatch(name))
+    names = sorted(name for name in run_dir.list_names() if CHECKPOINT_FOLDER.fullmatch(name))
     rejected: list[str] = []
     reasons: list[str] = []
     for name in reversed(names):

@@ -5,10 +5,11 @@ Each epoch: train on this worker's shard (``prepare_data_loader``: a Distributed
 for Ray Dataset splits, its ``get_dataset_shard("train")``, shuffled locally), then score the validation and test
 splits on disjoint, unpadded slices whose sums are all-reduced (so the figures are exact over each whole split),
 then one ``ray.train.report`` with a checkpoint from rank 0 holding the model, optimizer, RNG state, the epoch and
-the data's content hash. A resume restores all of it, so a resumed run on torch datasets follows the uninterrupted
-trajectory (Ray Data decides which rows reach which shard: there, a resume continues from the checkpoint on rows
-in another order); a resume on other data is refused (Ray Datasets are pinned only by a ``prepare``'s stored
-version: hashing them here would read them whole).
+the data's content hash, in a folder named for its epoch (``epoch-0003``; ``epoch-0003-r1`` when a folder of that
+name is already in the run's storage: an earlier attempt's is never written into). A resume restores all of it,
+so a resumed run on torch datasets follows the uninterrupted trajectory (Ray Data decides which rows reach which
+shard: there, a resume continues from the checkpoint on rows in another order); a resume on other data is refused
+(Ray Datasets are pinned only by a ``prepare``'s stored version: hashing them here would read them whole).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.fs as pafs
 import ray.train
 import ray.train.torch
 import torch
@@ -31,6 +33,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 from raytrain_tasks import spec_data
 from raytrain_tasks.api import Metric, Splits, TrainFunc, TrainSpec
 from raytrain_tasks.errors import DatasetError, UserCodeError, user_frames
+from raytrain_tasks.resume import checkpoint_dir_name
 from raytrain_tasks.spec_data import (
     check_ray_splits,
     driver_batches,
@@ -129,6 +132,7 @@ def _spec_loop(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:
             else torch.optim.Adam(model.parameters(), lr=float(config["lr"]))
         )
         start = _resume(model, optimizer, digest)
+        taken = _run_folders()
         for epoch in range(start, int(config["epochs"])):
             started = time.perf_counter()
             sampler = getattr(train_loader, "sampler", None)
@@ -155,7 +159,7 @@ def _spec_loop(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:
             metrics["epoch_seconds"] = time.perf_counter() - started
             if spec.prepare is None and digest:  # with prepare, the run's dataset hash is the stored version's
                 metrics[DATASET_DIGEST_KEY] = digest  # the controller records it as the run's dataset hash
-            _report(metrics, model, optimizer, epoch, digest, rank)
+            _report(metrics, model, optimizer, epoch, digest, rank, checkpoint_dir_name(epoch, taken))
 
     return train_func
 
@@ -285,7 +289,19 @@ def _mean(sums: dict[str, tuple[float, float]]) -> dict[str, float]:
     return {key: total / count if count else float("nan") for key, (total, count) in sums.items()}
 
 
-def _report(metrics: dict[str, Any], model: Any, optimizer: Any, epoch: int, digest: str, rank: int) -> None:
+def _run_folders() -> frozenset[str]:
+    """The folders in this run's storage as the worker group starts (the same on every rank: nothing writes there
+    until the first report), which a checkpoint of this attempt must not be named as."""
+    storage = ray.train.get_context().get_storage()
+    found = storage.storage_filesystem.get_file_info(
+        pafs.FileSelector(storage.experiment_fs_path, allow_not_found=True)
+    )
+    return frozenset(info.base_name for info in found if info.type == pafs.FileType.Directory)
+
+
+def _report(
+    metrics: dict[str, Any], model: Any, optimizer: Any, epoch: int, digest: str, rank: int, folder_name: str
+) -> None:
     with tempfile.TemporaryDirectory(prefix="prt-spec-") as folder:
         checkpoint = None
         if rank == 0:
@@ -298,7 +314,7 @@ def _report(metrics: dict[str, Any], model: Any, optimizer: Any, epoch: int, dig
             }
             torch.save(state, Path(folder) / STATE_FILE)
             checkpoint = ray.train.Checkpoint.from_directory(folder)
-        ray.train.report(metrics, checkpoint=checkpoint)
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=folder_name)  # the same on every rank
 
 
 def _resume(model: Any, optimizer: Any, digest: str) -> int:

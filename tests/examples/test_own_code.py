@@ -383,6 +383,64 @@ def test_a_setting_of_the_code_chooses_the_metric_that_picks_the_checkpoint_and_
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster", "prefect_api")
+def test_a_train_specs_checkpoints_are_named_by_epoch_and_a_retrained_epoch_gets_a_folder_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A TrainSpec's checkpoint folders are named for their epoch (epoch-0001, ...), as the built-in classifier's
+    are. A resume that passes over a tampered newest checkpoint retrains that epoch into epoch-0002-r1: the folder
+    of the checkpoint it replaces is never written into (Ray Train, evicting the old entry later, would delete the
+    new checkpoint with it), and the run finishes in the same MLflow run."""
+    source = """
+        from pathlib import Path
+        import torch
+        from torch.utils.data import Subset, TensorDataset
+        from raytrain_tasks.api import Metric, Splits, TrainSpec
+
+        STOP = Path(__file__).with_name("stop-in-epoch-3")
+
+        class Stopping(torch.optim.SGD):  # 2 steps per worker and epoch: fails as epoch 3 starts while STOP exists
+            steps = 0
+
+            def step(self, closure=None):
+                Stopping.steps += 1
+                if Stopping.steps > 4 and STOP.exists():
+                    raise RuntimeError("stopped in epoch 3")
+                return super().step(closure)
+
+        def data(config):
+            x = torch.linspace(-1, 1, 96).unsqueeze(1)
+            rows = TensorDataset(x, 3 * x)
+            return Splits(Subset(rows, range(64)), Subset(rows, range(64, 80)), Subset(rows, range(80, 96)))
+
+        training = TrainSpec(data=data, model=lambda config, example: torch.nn.Linear(1, 1),
+                             loss=torch.nn.functional.mse_loss,
+                             metrics=lambda outputs, targets: {"mae": (outputs - targets).abs().mean()},
+                             metric=Metric("loss", higher_is_better=False),
+                             optimizer=lambda parameters, config: Stopping(parameters, lr=0.1))
+    """
+    code = f"{_module(tmp_path, monkeypatch, source, name='retrained')}:training"
+    (tmp_path / "stop-in-epoch-3").touch()
+    settings = {"epochs": 3, "batch_size": 16, "max_failures": 0, "fit_retries": 0, "checkpoints_to_keep": 10}
+    failed = training_pipeline(**parameters_of(own_config(tmp_path, code, **settings)), return_state=True)
+    assert failed.is_failed(), failed
+    (run_dir,) = (tmp_path / "storage" / "runs").iterdir()
+    assert sorted(p.name for p in run_dir.iterdir() if p.is_dir()) == ["epoch-0001", "epoch-0002"]
+    (run_dir / "epoch-0002" / "spec_state.pt").write_bytes(b"tampered")
+    (tmp_path / "stop-in-epoch-3").unlink()
+    resumed = training_pipeline(**parameters_of(own_config(tmp_path, code, resume=run_dir.name, **settings)))
+    folders = sorted(p.name for p in run_dir.iterdir() if p.is_dir())
+    assert folders == ["epoch-0001", "epoch-0002", "epoch-0002-r1", "epoch-0003"], folders
+    assert (run_dir / "epoch-0002" / "spec_state.pt").read_bytes() == b"tampered"  # never written into
+    best = resumed.fit.best_checkpoint_uri.rstrip("/").rsplit("/", 1)[-1]
+    assert best in {"epoch-0001", "epoch-0002-r1", "epoch-0003"}, best  # never the tampered one
+    run = only_run(tmp_path)
+    assert run.info.status == "FINISHED" and "epoch-0002" in run.data.tags["prefect_raytrain.resume_fallback"]
+    steps = sorted(m.step for m in mlflow_client(tmp_path).get_metric_history(run.info.run_id, "val_loss"))
+    assert steps == [1, 2, 3], steps  # epoch 2 retrained: logged once
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster", "prefect_api")
 def test_prepared_data_is_versioned_read_by_every_worker_and_pinned_to_its_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
