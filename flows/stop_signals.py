@@ -28,14 +28,26 @@ def send_again_a_stop_that_a_finalizer_swallowed() -> Callable[[Any], object]:
 
     def hook(unraisable: Any) -> None:
         error = unraisable.exc_value
-        if isinstance(error, TerminationSignal):
-            signum = error.signal
-        elif isinstance(error, KeyboardInterrupt):
-            signum = signal.SIGINT
-        else:
+        signum = (
+            error.signal
+            if isinstance(error, TerminationSignal)
+            else signal.SIGINT
+            if isinstance(error, KeyboardInterrupt)
+            else None
+        )
+        # Signal handlers run in the main thread only: a stop dropped in another thread, or while the interpreter
+        # shuts down, is not a signal this process still has to act on.
+        if signum is None or threading.current_thread() is not threading.main_thread() or sys.is_finalizing():
             previous(unraisable)
             return
-        threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
+
+        def send_again() -> None:
+            if sys.unraisablehook is hook:  # not once the CLI has returned (it puts back the hook it replaced)
+                os.kill(os.getpid(), signum)
+
+        timer = threading.Timer(0.05, send_again)
+        timer.daemon = True  # never holds up the process's exit
+        timer.start()
 
     hook.sends_stops_again = True  # type: ignore[attr-defined]
     sys.unraisablehook = hook

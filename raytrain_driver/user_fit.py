@@ -17,7 +17,13 @@ from raytrain_driver.hooks import run_logger
 from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import CheckpointError, TrainingError, UserCodeError
-from raytrain_tasks.tracking.controller import checkpoint_name, epoch_number, numeric_metrics, report_step
+from raytrain_tasks.tracking.controller import (
+    CHECKPOINT_PREFIX,
+    checkpoint_name,
+    epoch_number,
+    numeric_metrics,
+    report_step,
+)
 
 if TYPE_CHECKING:
     import ray.train
@@ -96,7 +102,7 @@ def choose_resume_point(run_dir: StorageLocation, pinned: dict[str, str]) -> Res
     committed; every newer one is rejected, and why. CheckpointError when checkpoints exist and none verifies."""
     from raytrain_tasks.integrity import folder_digest
 
-    names = sorted(name for name in run_dir.list_names() if CHECKPOINT_FOLDER.fullmatch(name))
+    names = sorted((name for name in run_dir.list_names() if CHECKPOINT_FOLDER.fullmatch(name)), key=_oldest_first)
     rejected: list[str] = []
     reasons: list[str] = []
     for name in reversed(names):
@@ -125,6 +131,15 @@ def choose_resume_point(run_dir: StorageLocation, pinned: dict[str, str]) -> Res
     return ResumePoint()
 
 
+def _oldest_first(name: str) -> tuple[int, ...]:
+    """Order of a run's checkpoint folders: by time for Ray's names; by epoch, then retraining, for epoch-NNNN-rK
+    (as numbers: epoch-0002-r10 after epoch-0002-r9, epoch-10000 after epoch-9999)."""
+    if not name.startswith(CHECKPOINT_PREFIX):
+        return (0, *map(int, re.findall(r"\d+", name)))
+    epoch, _, retrained = name.removeprefix(CHECKPOINT_PREFIX).partition("-r")
+    return (1, int(epoch), int(retrained or 0))
+
+
 # Ray Train's record of a run's checkpoints and what each one's report said, beside them in the run's folder.
 RAY_CHECKPOINT_RECORD = "checkpoint_manager_snapshot.json"
 
@@ -135,11 +150,10 @@ def reported_epoch(run_dir: StorageLocation, name: str) -> int | None:
     cannot be read (Ray Train's own file, whose shape may change): the resume line then names the folder alone."""
     try:
         results = json.loads(run_dir.child(RAY_CHECKPOINT_RECORD).read_text())["checkpoint_results"]
-        metrics = next(r["metrics"] for r in results if r.get("checkpoint_dir_name") == name)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, StopIteration):
+        epoch = next(r["metrics"] for r in results if r.get("checkpoint_dir_name") == name).get("epoch")
+        return epoch_number(epoch) if isinstance(epoch, int | float) and not isinstance(epoch, bool) else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, StopIteration, OverflowError):
         return None
-    epoch = metrics.get("epoch") if isinstance(metrics, dict) else None
-    return epoch_number(epoch) if isinstance(epoch, int | float) and not isinstance(epoch, bool) else None
 
 
 def history_of(result: ray.train.Result, logged: list[dict[str, float]]) -> list[dict[str, float]]:

@@ -290,8 +290,8 @@ def _mean(sums: dict[str, tuple[float, float]]) -> dict[str, float]:
 
 
 def _run_folders() -> frozenset[str]:
-    """The folders in this run's storage as the worker group starts (the same on every rank: nothing writes there
-    until the first report), which a checkpoint of this attempt must not be named as."""
+    """The folders in this run's storage as the worker group starts, which a checkpoint of this attempt must not be
+    named as. (Ray Train takes rank 0's ``checkpoint_dir_name`` for all ranks; every rank computes it alike.)"""
     storage = ray.train.get_context().get_storage()
     found = storage.storage_filesystem.get_file_info(
         pafs.FileSelector(storage.experiment_fs_path, allow_not_found=True)
@@ -314,7 +314,7 @@ def _report(
             }
             torch.save(state, Path(folder) / STATE_FILE)
             checkpoint = ray.train.Checkpoint.from_directory(folder)
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=folder_name)  # the same on every rank
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=folder_name)
 
 
 def _resume(model: Any, optimizer: Any, digest: str) -> int:

@@ -178,3 +178,32 @@ def test_a_stop_signal_that_lands_in_a_finalizer_still_stops_the_command() -> No
         [sys.executable, "-c", STOP_IN_A_FINALIZER], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
     )
     assert finished.stdout.strip() == "stopped by TerminationSignal", finished.stdout + finished.stderr
+
+
+STOP_IN_ANOTHER_THREAD = """
+import threading, time
+from flows.stop_signals import send_again_a_stop_that_a_finalizer_swallowed
+
+class Dropped:  # a KeyboardInterrupt a finalizer drops in a thread that is not the main one: no signal came
+    def __del__(self):
+        raise KeyboardInterrupt
+
+send_again_a_stop_that_a_finalizer_swallowed()
+thread = threading.Thread(target=Dropped)
+thread.start()
+thread.join()
+try:
+    time.sleep(1)
+    print("went on")
+except BaseException as exc:
+    print("stopped by", type(exc).__name__)
+"""
+
+
+def test_a_stop_dropped_in_another_thread_is_not_sent_to_the_process() -> None:
+    """Signal handlers run in the main thread only: an interrupt some library's finalizer drops in another thread
+    is not a signal the process received, and must not stop it."""
+    finished = subprocess.run(
+        [sys.executable, "-c", STOP_IN_ANOTHER_THREAD], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert finished.stdout.strip() == "went on", finished.stdout + finished.stderr

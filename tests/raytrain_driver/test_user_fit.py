@@ -56,3 +56,21 @@ def test_a_resume_says_which_epoch_its_checkpoint_holds_when_the_report_said(tmp
     assert choose_resume_point(locate(str(tmp_path)), pinned).epoch is None
     record.write_text('{"checkpoint_results": {"a": 1}}')
     assert choose_resume_point(locate(str(tmp_path)), pinned).epoch is None
+
+
+@pytest.mark.parametrize(
+    ("older", "newer"),
+    [("epoch-0002-r9", "epoch-0002-r10"), ("epoch-9999", "epoch-10000"), ("epoch-0002", "epoch-0002-r1"),
+     ("epoch-0002-r1", "epoch-0003"), (NEWER, "epoch-0001")],
+)  # fmt: skip
+def test_the_newest_checkpoint_is_found_by_epoch_and_retraining_as_numbers(
+    tmp_path: Path, older: str, newer: str
+) -> None:
+    """A TrainSpec's folders are epoch-NNNN(-rK): compared as text, epoch-0002-r10 would come before epoch-0002-r9
+    and a resume would start from the older one."""
+    run_dir = locate(str(tmp_path))
+    for name in (older, newer):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "state.pt").write_bytes(name.encode())
+    pinned = {name: folder_digest(run_dir.filesystem, run_dir.child(name).path) for name in (older, newer)}
+    assert choose_resume_point(run_dir, pinned).start == newer
