@@ -18,8 +18,8 @@ from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import CheckpointError, TrainingError, UserCodeError
 from raytrain_tasks.tracking.controller import (
-    CHECKPOINT_PREFIX,
     checkpoint_name,
+    checkpoint_order,
     epoch_number,
     numeric_metrics,
     report_step,
@@ -102,7 +102,7 @@ def choose_resume_point(run_dir: StorageLocation, pinned: dict[str, str]) -> Res
     committed; every newer one is rejected, and why. CheckpointError when checkpoints exist and none verifies."""
     from raytrain_tasks.integrity import folder_digest
 
-    names = sorted((name for name in run_dir.list_names() if CHECKPOINT_FOLDER.fullmatch(name)), key=_oldest_first)
+    names = sorted((name for name in run_dir.list_names() if CHECKPOINT_FOLDER.fullmatch(name)), key=checkpoint_order)
     rejected: list[str] = []
     reasons: list[str] = []
     for name in reversed(names):
@@ -129,15 +129,6 @@ def choose_resume_point(run_dir: StorageLocation, pinned: dict[str, str]) -> Res
             "can write `storage_path`; start a new run (a new run key) to train from scratch"
         )
     return ResumePoint()
-
-
-def _oldest_first(name: str) -> tuple[int, ...]:
-    """Order of a run's checkpoint folders: by time for Ray's names; by epoch, then retraining, for epoch-NNNN-rK
-    (as numbers: epoch-0002-r10 after epoch-0002-r9, epoch-10000 after epoch-9999)."""
-    if not name.startswith(CHECKPOINT_PREFIX):
-        return (0, *map(int, re.findall(r"\d+", name)))
-    epoch, _, retrained = name.removeprefix(CHECKPOINT_PREFIX).partition("-r")
-    return (1, int(epoch), int(retrained or 0))
 
 
 # Ray Train's record of a run's checkpoints and what each one's report said, beside them in the run's folder.

@@ -21,7 +21,7 @@ from ray.train import Checkpoint
 
 from raytrain_tasks.checkpoint import LoadedCheckpoint, load_checkpoint, manifest_digest
 from raytrain_tasks.errors import CheckpointError, UnsafeCheckpointError
-from raytrain_tasks.tracking.controller import CHECKPOINT_PREFIX, epoch_number
+from raytrain_tasks.tracking.controller import CHECKPOINT_PREFIX, checkpoint_order, epoch_number
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +55,9 @@ def existing_checkpoint_names(latest: Checkpoint) -> frozenset[str]:
 
 
 def resume_order(latest: str, siblings: list[str]) -> list[str]:
-    """``latest`` first, then the run's older checkpoint folders, newest first."""
-    older = [name for name in siblings if name.startswith(CHECKPOINT_PREFIX) and name < latest]
-    return [latest, *sorted(older, reverse=True)]
+    """``latest`` first, then the run's older checkpoint folders, newest first (compared as numbers)."""
+    older = [n for n in siblings if n.startswith(CHECKPOINT_PREFIX) and checkpoint_order(n) < checkpoint_order(latest)]
+    return [latest, *sorted(older, key=checkpoint_order, reverse=True)]
 
 
 @dataclass(frozen=True)

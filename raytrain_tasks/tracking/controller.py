@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from typing import Any
@@ -52,6 +53,15 @@ CHECKPOINT_PREFIX = "epoch-"  # the built-in loop's checkpoint folders: epoch-00
 def checkpoint_epoch(name: str) -> int:
     """The epoch number in a checkpoint folder's name (``epoch-0003-r1`` -> 3)."""
     return int(name.removeprefix(CHECKPOINT_PREFIX).split("-", 1)[0])
+
+
+def checkpoint_order(name: str) -> tuple[int, ...]:
+    """Sort key of a run's checkpoint folders, oldest first: by time for Ray Train's checkpoint_<timestamp>; by
+    epoch, then retraining, for epoch-NNNN-rK, as numbers (epoch-0002-r10 after -r9, epoch-10000 after 9999)."""
+    if not name.startswith(CHECKPOINT_PREFIX):
+        return (0, *map(int, re.findall(r"\d+", name)))
+    epoch, _, retrained = name.removeprefix(CHECKPOINT_PREFIX).partition("-r")
+    return (1, int(epoch), int(retrained or 0))
 
 
 def checkpoint_name(path: str) -> str:

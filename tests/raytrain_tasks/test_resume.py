@@ -21,6 +21,13 @@ from raytrain_tasks.resume import checkpoint_dir_name, load_newest_intact, resum
         ("epoch-0002", ["epoch-0001", "epoch-0002", "epoch-0003"], ["epoch-0002", "epoch-0001"]),  # newer unregistered
         ("epoch-0000", ["epoch-0000", "checkpoint_manager_snapshot.json"], ["epoch-0000"]),
         ("epoch-0010", ["epoch-0009", "epoch-0010", ".tmp"], ["epoch-0010", "epoch-0009"]),
+        # as numbers, not text: -r10 is newer than -r9, epoch 10000 than 9999
+        (
+            "epoch-0002-r10",
+            ["epoch-0002-r9", "epoch-0002-r10", "epoch-0002"],
+            ["epoch-0002-r10", "epoch-0002-r9", "epoch-0002"],
+        ),
+        ("epoch-10000", ["epoch-9999", "epoch-10000"], ["epoch-10000", "epoch-9999"]),
     ],
 )
 def test_resume_order(latest: str, siblings: list[str], expected: list[str]) -> None:
