@@ -55,9 +55,13 @@ def existing_checkpoint_names(latest: Checkpoint) -> frozenset[str]:
 
 
 def resume_order(latest: str, siblings: list[str]) -> list[str]:
-    """``latest`` first, then the run's older checkpoint folders, newest first (compared as numbers)."""
-    older = [n for n in siblings if n.startswith(CHECKPOINT_PREFIX) and checkpoint_order(n) < checkpoint_order(latest)]
-    return [latest, *sorted(older, key=checkpoint_order, reverse=True)]
+    """``latest`` first, then the run's older checkpoint folders, newest first (compared as numbers). A ``latest``
+    this project did not name (Ray Train's snapshot pointed elsewhere) has no place among them: every one follows
+    it, each checked against its recorded digest like any other."""
+    ours = [n for n in siblings if n.startswith(CHECKPOINT_PREFIX) and n != latest]
+    if latest.startswith(CHECKPOINT_PREFIX):
+        ours = [n for n in ours if checkpoint_order(n) < checkpoint_order(latest)]
+    return [latest, *sorted(ours, key=checkpoint_order, reverse=True)]
 
 
 @dataclass(frozen=True)

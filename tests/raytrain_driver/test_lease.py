@@ -214,12 +214,29 @@ def test_a_holder_that_cannot_renew_in_time_must_stop(s3_server: Any) -> None:
         with run_lease(run_dir, KEY, "holder-a", 6) as lease:
             door.shut()
             assert lease.lost_event.wait(timeout=12), "the holder kept its lease through a 12 s outage"
-            # Lost before the lease could have expired on any clock: nobody else can have taken the run yet.
-            assert time.monotonic() - lease.renewed_at < lease.duration_s
+            # How soon (LOST_AFTER, before the lease can expire for anyone else) is the rule tested on its own below
+            # and a figure of bench.waits: a timed assertion here failed in CI when the whole process stalled 2 s.
             with pytest.raises(RunLeaseLostError, match="could not be renewed"):
                 lease.check()
     finally:
         door.shut()
+
+
+@pytest.mark.parametrize(("unrenewed_fraction", "lost"), [(0.7, False), (0.8, True), (0.99, True)])
+def test_an_unrenewed_lease_counts_as_lost_before_it_could_expire(
+    tmp_path: Path, unrenewed_fraction: float, lost: bool
+) -> None:
+    """The holder's rule: unrenewed for LOST_AFTER (3/4) of its length, the lease is lost to its holder, while
+    another driver must still wait out the whole length before taking it: the two can never drive at once."""
+    from raytrain_driver.lease import LOST_AFTER, HeldLease
+
+    assert LOST_AFTER < 1
+    duration = 600.0  # long, so that the test's own seconds cannot move the result across the boundary
+    held = HeldLease(
+        locate(str(tmp_path)), KEY, "holder-a", duration, "v1", time.monotonic() - unrenewed_fraction * duration
+    )
+    assert (held.lost() is not None) is lost
+    assert held.lost_event.is_set() is lost
 
 
 @pytest.mark.slow

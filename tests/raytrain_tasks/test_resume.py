@@ -28,6 +28,8 @@ from raytrain_tasks.resume import checkpoint_dir_name, load_newest_intact, resum
             ["epoch-0002-r10", "epoch-0002-r9", "epoch-0002"],
         ),
         ("epoch-10000", ["epoch-9999", "epoch-10000"], ["epoch-10000", "epoch-9999"]),
+        # a snapshot pointed at a folder this project never names: all of the run's own follow it, newest first
+        ("planted-0002", ["epoch-0001", "epoch-0002", "planted-0002"], ["planted-0002", "epoch-0002", "epoch-0001"]),
     ],
 )
 def test_resume_order(latest: str, siblings: list[str], expected: list[str]) -> None:
