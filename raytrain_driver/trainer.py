@@ -37,7 +37,13 @@ from raytrain_tasks.prepared import PreparedData, RunData, is_builtin_dataset
 from raytrain_tasks.storage.locations import StorageLocation
 from raytrain_tasks.tracking import pins
 from raytrain_tasks.tracking import runs as tracking
-from raytrain_tasks.tracking.controller import CHECKPOINT_PREFIX, checkpoint_name, epoch_number, pinned_digests
+from raytrain_tasks.tracking.controller import (
+    CHECKPOINT_PREFIX,
+    checkpoint_epoch,
+    checkpoint_name,
+    epoch_number,
+    pinned_digests,
+)
 
 START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 ABORT_TIMEOUT_S = 10.0
@@ -341,10 +347,8 @@ def record_builtin(
     if added:
         run_logger().warning("logged %d epoch(s) to MLflow that the controller could not log live", added)
     tracking.log_summary(client, run_id, fit.history, config.selection.name, fit.best_epoch)
-    kept = {
-        checkpoint_name(checkpoint.path): checkpoint_uri(run_dir, checkpoint)
-        for checkpoint, _ in result.best_checkpoints or []
-    }
+    names = {checkpoint_name(checkpoint.path): checkpoint for checkpoint, _ in result.best_checkpoints or []}
+    kept = {name: (checkpoint_uri(run_dir, checkpoint), checkpoint_epoch(name)) for name, checkpoint in names.items()}
     model_ids = tracking.log_checkpoint_models(
         client, opened.experiment_id, run_id, kept, pinned_digests(client.get_run(run_id).data.tags)
     )

@@ -255,6 +255,7 @@ def record_user_fit(
     best = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
     best.pop("epoch", None)
     log_user_summary(run_logger(), spec, step, best)
+    model_ids = log_kept_checkpoints(client, result, run_dir, opened, rejected, history)
     fit = FitResult(
         run_key=run_key,
         run_uri=run_dir.uri,
@@ -269,7 +270,31 @@ def record_user_fit(
         history=history,
         reopened_mlflow_run=opened.reopened,
         scores={spec.gate.name: best[spec.gate.name]},
+        best_checkpoint_model_id=model_ids.get(checkpoint_name(checkpoint.path)),
     )
     client.set_tag(run_id, "summary.best_epoch", str(step))
     client.set_tag(run_id, f"summary.best_{spec.selection.name}", f"{best[spec.selection.name]:.6f}")
     return fit
+
+
+def log_kept_checkpoints(
+    client: Any,
+    result: ray.train.Result,
+    run_dir: StorageLocation,
+    opened: OpenRun,
+    rejected: frozenset[str],
+    history: list[dict[str, float]],
+) -> dict[str, str]:
+    """Each checkpoint the run kept (not a rejected one), as a LoggedModel linked to its report's metrics, as the
+    built-in classifier's are (tracking.log_checkpoint_models); checkpoint folder name -> model_id."""
+    from raytrain_tasks.tracking.controller import pinned_digests
+    from raytrain_tasks.tracking.runs import log_checkpoint_models
+
+    kept = {
+        checkpoint_name(c.path): (checkpoint_uri(run_dir, c), step_of(metrics, history))
+        for c, metrics in result.best_checkpoints or []
+        if checkpoint_name(c.path) not in rejected
+    }
+    keys = sorted({key for entry in history for key in entry} - {"epoch"})
+    digests = pinned_digests(client.get_run(opened.run_id).data.tags)
+    return log_checkpoint_models(client, opened.experiment_id, opened.run_id, kept, digests, keys)

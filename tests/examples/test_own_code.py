@@ -284,9 +284,43 @@ def test_the_gate_moves_champion_only_to_a_lower_rmse(tmp_path: Path) -> None:
     assert "does not beat champion" in worse.model.reason
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert str(client.get_registered_model("digits-test").aliases["champion"]) == good.model.version
+    _kept_checkpoints_are_models_sorted_by_the_metric(client, good, "val_rmse", higher_is_better=False)
     with _tracking(tmp_path):
         predicted = mlflow.pyfunc.load_model("models:/digits-test@champion").predict(np.zeros((3, 10), np.float32))
     assert np.asarray(predicted).shape == (3, 1)
+
+
+def _kept_checkpoints_are_models_sorted_by_the_metric(
+    client: MlflowClient, result: Any, metric: str, *, higher_is_better: bool
+) -> None:
+    """Your code's kept checkpoints are LoggedModels in the Models tab as the built-in's are: one per checkpoint
+    folder, its report's metrics linked at its step, so the best checkpoint is a sort on your metric in its
+    direction; the registered version's model names the checkpoint model it was made from."""
+    fit = result.fit
+    models = client.search_logged_models(
+        [fit.mlflow_experiment_id],
+        filter_string=f"source_run_id = '{fit.mlflow_run_id}'",
+        order_by=[{"field_name": f"metrics.{metric}", "ascending": not higher_is_better}],
+    )
+    checkpoints = [m for m in models if m.model_type == "checkpoint"]
+    run_dir = Path(fit.run_uri)
+    folders = sorted(p.name for p in run_dir.iterdir() if p.is_dir() and p.name.startswith(("checkpoint_", "epoch-")))
+    where = sorted(Path(m.tags["prefect_raytrain.checkpoint_uri"]).name for m in checkpoints)
+    assert folders and where == folders, (folders, where)
+    history = {m.step: m.value for m in client.get_metric_history(fit.mlflow_run_id, metric)}
+    for model in checkpoints:
+        linked = {m.key: m for m in model.metrics}
+        step = int(model.tags["prefect_raytrain.epoch"])
+        assert linked[metric].step == step and linked[metric].value == history[step], model.name
+        assert model.name == Path(model.tags["prefect_raytrain.checkpoint_uri"]).name.replace(".", "-")
+    value = {m.model_id: next(x.value for x in m.metrics if x.key == metric) for m in checkpoints}
+    first = [m.model_id for m in checkpoints if value[m.model_id] == value[checkpoints[0].model_id]]  # ties
+    assert fit.best_checkpoint_model_id in first, "the sort's first is the fit's best"
+    version = client.get_model_version(result.model.name, result.model.version)
+    registered = client.get_logged_model(version.source.removeprefix("models:/"))
+    assert registered.tags["prefect_raytrain.checkpoint_model_id"] == fit.best_checkpoint_model_id
+    # Linking re-logged the run's own points: each step is still in the run once.
+    assert len(client.get_metric_history(fit.mlflow_run_id, metric)) == len(history)
 
 
 @pytest.mark.slow
@@ -379,6 +413,9 @@ def test_a_setting_of_the_code_chooses_the_metric_that_picks_the_checkpoint_and_
     assert run.data.tags["summary.best_val_mae"] and run.data.params["train_config.select_by"] == "mae"
     version = mlflow_client(tmp_path).get_model_version("digits-test", result.model.version)
     assert version.tags["gate.metric"] == "test_mae", version.tags
+    _kept_checkpoints_are_models_sorted_by_the_metric(
+        mlflow_client(tmp_path), result, "val_mae", higher_is_better=False
+    )
 
 
 @pytest.mark.slow
