@@ -45,7 +45,7 @@ class FitResult(BaseModel):
     reopened_mlflow_run: bool
     # The best checkpoint scored once, on the driver: val_accuracy, val_loss, test_accuracy, test_loss.
     scores: dict[str, float] = {}
-    # The MLflow LoggedModel that stands for the best checkpoint (tracking.log_checkpoint_models).
+    # The MLflow LoggedModel that stands for the best checkpoint (tracking.outcome.log_checkpoint_models).
     best_checkpoint_model_id: str | None = None
     # What summaries show of the metrics, in order (empty: all of them, sorted).
     shown_metrics: tuple[str, ...] = ()

@@ -34,7 +34,7 @@ from raytrain_driver.promotion import (
     decide_promotion,
 )
 from raytrain_driver.registry_lock import LockHandle, model_lock
-from raytrain_driver.user_register import assess_user_champion, registering, user_artifacts, user_model
+from raytrain_driver.user_register import assess_user_champion, registering, user_artifacts, user_metadata, user_model
 from raytrain_driver.user_register import version_tags as user_version_tags
 from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig, check_run_key
@@ -43,6 +43,7 @@ from raytrain_tasks.prepared import RunData, data_dir_of, is_builtin_dataset
 from raytrain_tasks.redact import redacted_errors
 from raytrain_tasks.tracking import pins
 from raytrain_tasks.tracking import runs as tracking
+from raytrain_tasks.tracking.outcome import CHECKPOINT_URI_TAG
 from raytrain_tasks.user_code import bind, resolve
 
 if TYPE_CHECKING:
@@ -50,8 +51,7 @@ if TYPE_CHECKING:
 
     from mlflow import MlflowClient
 
-# On a model version (the MLflow run carries raytrain_tasks.tracking.runs.RUN_KEY_TAG): which run key registered
-# it, so a resumed registration finds the version instead of making a second one.
+# On a model version: the run key that registered it, so a resumed registration finds it and makes no second one.
 VERSION_RUN_KEY_TAG = "run_key"
 APPLIED_TAG = "promotion.applied"
 LOGGED_MODEL_NAME = "model"
@@ -303,9 +303,9 @@ def _log_model(
         digest = pins.recorded_digest(client, fit.mlflow_run_id, fit.best_checkpoint_uri)
         model, example = user_model(config, fit, spec, digest, data_dir)
         lineage = {"dataset_hash": dataset.content_hash} if dataset is not None else {}
+        metadata = user_metadata(config, spec, data_dir) | {"run_key": fit.run_key, "train_code": config.train_code}
         with user_artifacts(config, spec, model, data_dir) as artifacts:
-            metadata = {"run_key": fit.run_key, "train_code": config.train_code} | lineage
-            return _log_pt2(fit, model, example, metadata, artifacts=artifacts)
+            return _log_pt2(fit, model, example, metadata | lineage, artifacts=artifacts)
     assert is_builtin_dataset(dataset), "the built-in classifier trains on its prepared table"
     model, example, metadata, texts = builtin_register.builtin_model(
         config, dataset, fit, pins.recorded_digest(client, fit.mlflow_run_id, fit.best_checkpoint_uri)
@@ -317,7 +317,7 @@ def _log_pt2(
     fit: FitResult,
     model: Any,
     example: Any,
-    metadata: dict[str, str],
+    metadata: dict[str, Any],
     texts: dict[str, str] | None = None,
     artifacts: Path | None = None,
 ) -> str:
@@ -376,7 +376,7 @@ def _link_logged_model(client: MlflowClient, fit: FitResult, model_id: str) -> N
     tags = {
         "prefect_raytrain.run_key": fit.run_key,
         "prefect_raytrain.epoch": str(fit.best_epoch),
-        tracking.CHECKPOINT_URI_TAG: fit.best_checkpoint_uri,
+        CHECKPOINT_URI_TAG: fit.best_checkpoint_uri,
     }
     if fit.best_checkpoint_model_id:
         tags["prefect_raytrain.checkpoint_model_id"] = fit.best_checkpoint_model_id

@@ -35,7 +35,7 @@ from raytrain_tasks.errors import (
 )
 from raytrain_tasks.prepared import PreparedData, RunData, is_builtin_dataset
 from raytrain_tasks.storage.locations import StorageLocation
-from raytrain_tasks.tracking import pins
+from raytrain_tasks.tracking import outcome, pins
 from raytrain_tasks.tracking import runs as tracking
 from raytrain_tasks.tracking.controller import (
     CHECKPOINT_PREFIX,
@@ -346,10 +346,10 @@ def record_builtin(
     added = tracking.reconcile_epochs(client, run_id, fit.history)
     if added:
         run_logger().warning("logged %d epoch(s) to MLflow that the controller could not log live", added)
-    tracking.log_summary(client, run_id, fit.history, config.selection.name, fit.best_epoch)
+    outcome.log_summary(client, run_id, fit.history, config.selection.name, fit.best_epoch)
     names = {checkpoint_name(checkpoint.path): checkpoint for checkpoint, _ in result.best_checkpoints or []}
     kept = {name: (checkpoint_uri(run_dir, checkpoint), checkpoint_epoch(name)) for name, checkpoint in names.items()}
-    model_ids = tracking.log_checkpoint_models(
+    model_ids = outcome.log_checkpoint_models(
         client, opened.experiment_id, run_id, kept, pinned_digests(client.get_run(run_id).data.tags)
     )
     model_id = model_ids.get(checkpoint_name(fit.best_checkpoint_uri))

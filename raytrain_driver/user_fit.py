@@ -22,8 +22,10 @@ from raytrain_tasks.tracking.controller import (
     checkpoint_order,
     epoch_number,
     numeric_metrics,
+    pinned_digests,
     report_step,
 )
+from raytrain_tasks.tracking.outcome import log_checkpoint_models, log_summary
 
 if TYPE_CHECKING:
     import ray.train
@@ -272,8 +274,12 @@ def record_user_fit(
         scores={spec.gate.name: best[spec.gate.name]},
         best_checkpoint_model_id=model_ids.get(checkpoint_name(checkpoint.path)),
     )
-    client.set_tag(run_id, "summary.best_epoch", str(step))
-    client.set_tag(run_id, f"summary.best_{spec.selection.name}", f"{best[spec.selection.name]:.6f}")
+    keys = sorted({key for entry in history for key in entry} - {"epoch"})
+    firsts = [spec.selection.name, spec.gate.name, "train_loss", "val_loss"]
+    columns = [key for key in dict.fromkeys([*firsts, *keys]) if key in keys][:5]
+    if not log_summary(client, run_id, history, spec.selection.name, step, keys, columns):
+        client.set_tag(run_id, "summary.best_epoch", str(step))  # a pick the history lacks: its score alone
+        client.set_tag(run_id, f"summary.best_{spec.selection.name}", f"{best[spec.selection.name]:.6f}")
     return fit
 
 
@@ -286,10 +292,7 @@ def log_kept_checkpoints(
     history: list[dict[str, float]],
 ) -> dict[str, str]:
     """Each checkpoint the run kept (not a rejected one), as a LoggedModel linked to its report's metrics, as the
-    built-in classifier's are (tracking.log_checkpoint_models); checkpoint folder name -> model_id."""
-    from raytrain_tasks.tracking.controller import pinned_digests
-    from raytrain_tasks.tracking.runs import log_checkpoint_models
-
+    built-in classifier's are (tracking.outcome.log_checkpoint_models); checkpoint folder name -> model_id."""
     kept = {
         checkpoint_name(c.path): (checkpoint_uri(run_dir, c), step_of(metrics, history))
         for c, metrics in result.best_checkpoints or []

@@ -13,13 +13,13 @@ from __future__ import annotations
 import contextlib
 import json
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from raytrain_driver.champion import check_model_layout, download_model, pickle_deserialization_off, read_champion
 from raytrain_driver.promotion import Champion
-from raytrain_tasks.api import TrainFunc
+from raytrain_tasks.api import PIPELINE_METADATA, TrainFunc
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import UnsafeCheckpointError, UserCodeError
 from raytrain_tasks.storage.locations import download_dir, locate
@@ -224,6 +224,30 @@ def registering(config: TrainingConfig, fit: FitResult) -> Iterator[None]:
     with ray_session(config) if fit.ray_datasets else contextlib.nullcontext():
         with tracking.using_tracking_uri(config.mlflow_tracking_uri):
             yield
+
+
+def user_metadata(config: TrainingConfig, spec: TrainFunc, data_dir: Path | None) -> dict[str, Any]:
+    """What the code's ``model_metadata(config)`` says about the model to register ({} without it): a mapping of
+    JSON values that leaves the pipeline's own keys alone. UserCodeError (the user's frames) otherwise: nothing is
+    registered, and ``resume`` registers once the code is fixed."""
+    if spec.model_metadata is None:
+        return {}
+    from raytrain_tasks.user_code import user_config, user_frames
+
+    where = f"train_code {config.train_code!r}: model_metadata(config)"
+    try:
+        given = spec.model_metadata(user_config(config, spec, data_dir))
+    except Exception as exc:  # the user's function: named with its frames (test_user_gate's metadata test)
+        raise UserCodeError(f"{where} failed, so nothing was registered: {user_frames(exc)}") from exc
+    if not isinstance(given, Mapping) or not all(isinstance(key, str) for key in given):
+        raise UserCodeError(f"{where} returned {type(given).__name__}, not a dict with str keys; nothing registered")
+    if taken := sorted(set(given) & set(PIPELINE_METADATA)):
+        raise UserCodeError(f"{where} may not set {taken}: the pipeline sets them; name yours otherwise")
+    try:
+        json.dumps(dict(given), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise UserCodeError(f"{where} returned a value that is not JSON ({exc}); nothing was registered") from exc
+    return dict(given)
 
 
 @contextlib.contextmanager

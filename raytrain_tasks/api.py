@@ -85,6 +85,9 @@ def data_dir_refused(keys: Any, where: str) -> str:
 
 
 Prepare = Callable[[dict[str, Any], Path], None]
+ModelMetadata = Callable[[dict[str, Any]], Mapping[str, Any]]
+# Keys of the registered model's MLflow metadata that the pipeline sets; ``model_metadata`` may not.
+PIPELINE_METADATA = ("run_key", "train_code", "dataset_hash")
 
 
 def check_code_config(kind: str, defaults: Mapping[str, Any], settings: Any, prepare: Any) -> None:
@@ -177,6 +180,12 @@ class TrainFunc:
             when the run registers, with the model ``load_model`` gives; the pipeline logs them to the run's MLflow
             artifacts under ``evaluation/``. An error in it fails registration with your frames (nothing is
             registered; ``resume`` registers once it is fixed). Needs ``load_model``.
+        model_metadata: ``model_metadata(config) -> {key: JSON value}``: what the registered model carries in its
+            MLflow metadata (its ``MLmodel`` file) beside the pipeline's own ``run_key``, ``train_code`` and
+            ``dataset_hash``, which it may not set: class labels, feature names, units, what the output means.
+            Called on the driver when the run registers; whoever loads the model reads it back with
+            ``mlflow.models.get_model_info(model_uri).metadata``. An error in it fails registration as one in
+            ``artifacts`` does. Needs ``load_model``.
         prepare: ``prepare(config, folder)``: the run's prepare-data step. Load or download your data, split and
             preprocess it, and write the result, in any files and format, into ``folder`` (an empty local
             directory). It runs once per run, where the flow runs, before any worker is asked for. The pipeline
@@ -201,6 +210,7 @@ class TrainFunc:
     prepare: Prepare | None = None
     settings: type | None = None
     artifacts: Callable[[Any, dict[str, Any], Path], None] | None = None
+    model_metadata: ModelMetadata | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.train_func):
@@ -213,12 +223,12 @@ class TrainFunc:
         if (self.load_model is None) != (self.input_example is None):
             raise TypeError("TrainFunc needs load_model and input_example together (both, or neither)")
         check_code_config("TrainFunc", self.defaults, self.settings, self.prepare)
-        for name in ("evaluate", "artifacts"):
+        for name in ("evaluate", "artifacts", "model_metadata"):
             if getattr(self, name) is not None and self.load_model is None:
                 raise TypeError(
                     f"TrainFunc({name}=...) works on registered models: it needs load_model and input_example"
                 )
-        for name in ("load_model", "input_example", "datasets", "evaluate", "prepare", "artifacts"):
+        for name in ("load_model", "input_example", "datasets", "evaluate", "prepare", "artifacts", "model_metadata"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise TypeError(f"TrainFunc({name}=...) must be a function, got {value!r}")
@@ -287,6 +297,8 @@ class TrainSpec:
         defaults: values for ``config`` that apply when neither ``train_config`` nor the pipeline sets them.
         settings: your code's own settings as a class, instead of ``defaults``, as for ``TrainFunc``.
         artifacts: ``artifacts(model, config, folder)``: files about the registered model, as for ``TrainFunc``.
+        model_metadata: ``model_metadata(config) -> {key: JSON value}``: the registered model's MLflow metadata
+            (class labels, ...), as for ``TrainFunc``.
         prepare: ``prepare(config, folder)``, as for ``TrainFunc``: ``data(config)`` then reads the files from
             ``config["data_dir"]``, the same on the driver and every worker, wherever they run.
     """
@@ -302,6 +314,7 @@ class TrainSpec:
     prepare: Prepare | None = None
     settings: type | None = None
     artifacts: Callable[[Any, dict[str, Any], Path], None] | None = None
+    model_metadata: ModelMetadata | None = None
 
     def __post_init__(self) -> None:
         for name in ("data", "model", "loss"):
@@ -314,7 +327,7 @@ class TrainSpec:
             )
         if isinstance(self.metric, Metric) and (problem := spec_metric_problem(self, self.metric)):
             raise TypeError(problem)
-        for name in ("prepare", "artifacts"):
+        for name in ("prepare", "artifacts", "model_metadata"):
             if getattr(self, name) is not None and not callable(getattr(self, name)):
                 raise TypeError(f"TrainSpec({name}=...) must be a function, got {getattr(self, name)!r}")
         check_code_config("TrainSpec", self.defaults, self.settings, self.prepare)

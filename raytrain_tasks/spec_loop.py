@@ -66,6 +66,7 @@ def as_train_func(spec: TrainSpec, metric: Metric | None = None) -> TrainFunc:
         prepare=spec.prepare,
         settings=spec.settings,
         artifacts=spec.artifacts,
+        model_metadata=spec.model_metadata,
     )
 
 

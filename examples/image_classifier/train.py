@@ -119,6 +119,13 @@ def artifacts(model: nn.Module, config: dict[str, Any], folder: Path) -> None:
     (folder / "confusion_matrix.json").write_text(json.dumps({"classes": classes, "matrix": matrix.tolist()}))
 
 
+def model_metadata(config: dict[str, Any]) -> dict[str, Any]:
+    """What the registered model carries in its MLflow metadata, for whoever serves it: which class each output
+    stands for (``mlflow.models.get_model_info("models:/<name>@champion").metadata["class_labels"]``)."""
+    classes = sorted(p.name for p in Path(config["data_dir"]).iterdir() if p.is_dir())
+    return {"class_labels": classes, "output": "logits; argmax is the index into class_labels"}
+
+
 training = TrainSpec(
     data=data,
     model=build_model,
@@ -128,4 +135,5 @@ training = TrainSpec(
     prepare=prepare,
     settings=Settings,
     artifacts=artifacts,
+    model_metadata=model_metadata,
 )

@@ -5,9 +5,8 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 import subprocess
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,7 +15,7 @@ from raytrain_tasks.config import RESUME_MAY_CHANGE, check_run_key
 from raytrain_tasks.environment import apply_mlflow_client_defaults
 from raytrain_tasks.errors import TrackingError
 from raytrain_tasks.redact import redact, redact_exception, redact_uri
-from raytrain_tasks.tracking.controller import EPOCH_METRICS, epoch_number, log_epoch
+from raytrain_tasks.tracking.controller import epoch_number, log_epoch
 from raytrain_tasks.tracking.run_owner import DRIVER_TAG, KILLED_TAG, driver_alive, this_driver
 
 if TYPE_CHECKING:
@@ -173,106 +172,6 @@ def reconcile_epochs(client: MlflowClient, run_id: str, history: list[dict[str, 
 
 
 NOTE_TAG = "mlflow.note.content"  # the run's description in the MLflow UI (Markdown)
-SUMMARY_TAG_PREFIX = "summary."
-RESULT_HEADING = "\n\n#### Result\n"
-
-
-def log_summary(
-    client: MlflowClient, run_id: str, history: list[dict[str, float]], metric: str, best_epoch: int
-) -> None:
-    """The best epoch (``best_epoch``, the number of the checkpoint the fit chose) and the final one, as tags
-    (``summary.best_epoch``, ``summary.best_<metric>``, ``summary.final_<key>``: searchable, a column in the
-    runs table) and a table at the end of the run's description.
-
-    Not as metrics: the MLflow UI draws every metric as a chart, and one-point charts of values the per-epoch
-    curves already hold would sit among those curves.
-    """
-    from mlflow.entities import RunTag
-
-    if not history:
-        return
-    last = history[-1]
-    best = next(entry for entry in history if epoch_number(entry["epoch"]) == best_epoch)
-    summary = {"best_epoch": str(epoch_number(best["epoch"])), f"best_{metric}": f"{best[metric]:.6f}"}
-    summary |= {f"final_{key}": f"{last[key]:.6f}" for key in EPOCH_METRICS if key in last}
-    columns = [key for key in ("train_loss", "val_loss", "val_accuracy") if key in last]
-    table = [
-        f"| epoch | {' | '.join(columns)} |",
-        f"|---|{'---|' * len(columns)}",
-        *(
-            f"| {label} {epoch_number(entry['epoch'])} | {' | '.join(f'{entry[key]:.4f}' for key in columns)} |"
-            for label, entry in ((f"best by {metric}:", best), ("final:", last))
-        ),
-    ]
-    description = client.get_run(run_id).data.tags.get(NOTE_TAG, "").split(RESULT_HEADING, 1)[0]
-    tags = [RunTag(SUMMARY_TAG_PREFIX + key, value) for key, value in summary.items()]
-    tags.append(RunTag(NOTE_TAG, description + RESULT_HEADING + "\n".join(table)))
-    client.log_batch(run_id, tags=tags)
-
-
-CHECKPOINT_MODEL_TYPE = "checkpoint"  # the model_type of the LoggedModels that stand for kept checkpoints
-CHECKPOINT_URI_TAG = "prefect_raytrain.checkpoint_uri"
-
-
-def logged_model_name(folder: str) -> str:
-    """The LoggedModel name of checkpoint folder ``folder``: the folder's name, with the characters MLflow refuses
-    in a model name (Ray Train's ``checkpoint_2026-11-27_14-07-45.703975`` has a dot) as ``-``."""
-    return re.sub(r"[/:.%\"']", "-", folder)
-
-
-def log_checkpoint_models(
-    client: MlflowClient,
-    experiment_id: str,
-    run_id: str,
-    kept: dict[str, tuple[str, int]],
-    digests: dict[str, str],
-    metric_keys: Iterable[str] = EPOCH_METRICS,
-) -> dict[str, str]:
-    """Each checkpoint Ray Train kept, as an MLflow 3 LoggedModel of the run linked to its step's metrics;
-    returns checkpoint folder name -> model_id. ``kept``: folder name -> (URI, the MLflow step of its report).
-
-    In the experiment's Models tab the kept checkpoints are then rows with their epoch's metrics (``metric_keys``
-    of the run's history at that step), so the best one is a sort: the built-in classifier's and your code's
-    alike. The LoggedModel holds no copy of the weights: its tags say where the checkpoint is and its recorded
-    digest. Idempotent: a retry or a resume finds the models an earlier attempt created, and links a metric once
-    (MLflow skips a metric it already has). They are created once the fit is done, when Ray Train deletes no more
-    checkpoints of the run (a resume cannot change ``epochs`` or ``checkpoints_to_keep``), so every one of them
-    points to a checkpoint in storage.
-    """
-    from mlflow.entities import LoggedModelStatus, Metric
-
-    existing = {
-        model.name: model
-        for model in client.search_logged_models([experiment_id], filter_string=f"source_run_id = '{run_id}'")
-        if model.model_type == CHECKPOINT_MODEL_TYPE
-    }
-    keys = list(dict.fromkeys(metric_keys))
-    histories = {key: {int(m.step): m for m in client.get_metric_history(run_id, key)} for key in keys}
-    model_ids = {}
-    for name, (uri, step) in sorted(kept.items()):
-        model = existing.get(logged_model_name(name))
-        if model is None:
-            tags = {CHECKPOINT_URI_TAG: uri, "prefect_raytrain.epoch": str(step)}
-            if name in digests:
-                tags["prefect_raytrain.checkpoint_sha256"] = digests[name]
-            model = client.create_logged_model(
-                experiment_id,
-                name=logged_model_name(name),
-                source_run_id=run_id,
-                tags=tags,
-                model_type=CHECKPOINT_MODEL_TYPE,
-            )
-        if model.status != LoggedModelStatus.READY:
-            # The run's own points (same timestamp, step and value), now also linked to the model.
-            linked = [
-                Metric(key, point.value, point.timestamp, point.step, model_id=model.model_id)
-                for key in keys
-                if (point := histories[key].get(step)) is not None
-            ]
-            client.log_batch(run_id, metrics=linked)
-            client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
-        model_ids[name] = model.model_id
-    return model_ids
 
 
 def finish_run(client: MlflowClient, run_id: str) -> None:

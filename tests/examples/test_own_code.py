@@ -399,7 +399,8 @@ def test_a_setting_of_the_code_chooses_the_metric_that_picks_the_checkpoint_and_
                              loss=torch.nn.functional.mse_loss,
                              metrics=lambda outputs, targets: {"mae": (outputs - targets).abs().mean()},
                              metric=lambda config: Metric(config["select_by"], higher_is_better=False),
-                             settings=Settings)
+                             settings=Settings,
+                             model_metadata=lambda config: {"output": "3x", "chosen_by": config["select_by"]})
     """
     code = f"{_module(tmp_path, monkeypatch, source, name='chosen_metric')}:training"
     with pytest.raises(UserCodeError, match=r"train_config.select_by: Input should be 'loss' or 'mae'"):
@@ -411,8 +412,18 @@ def test_a_setting_of_the_code_chooses_the_metric_that_picks_the_checkpoint_and_
     assert result.model is not None and set(result.fit.scores) == {"test_mae"}, result.fit.scores
     run = only_run(tmp_path)
     assert run.data.tags["summary.best_val_mae"] and run.data.params["train_config.select_by"] == "mae"
+    # The run's summary, as the built-in's: the final value of every reported metric, and the table of best and final
+    assert {"summary.final_val_mae", "summary.final_val_loss", "summary.final_train_loss"} <= set(run.data.tags)
+    table = run.data.tags["mlflow.note.content"].split("#### Result", 1)[1]
+    assert "| epoch | val_mae | train_loss | val_loss |" in table and "best by val_mae:" in table, table
     version = mlflow_client(tmp_path).get_model_version("digits-test", result.model.version)
     assert version.tags["gate.metric"] == "test_mae", version.tags
+    with _tracking(tmp_path):  # the code's model_metadata beside the pipeline's own keys
+        import mlflow
+
+        metadata = mlflow.models.get_model_info(f"models:/digits-test/{result.model.version}").metadata
+    assert metadata["output"] == "3x" and metadata["chosen_by"] == "mae", metadata
+    assert metadata["run_key"] == result.run_key and metadata["train_code"] == code, metadata
     _kept_checkpoints_are_models_sorted_by_the_metric(
         mlflow_client(tmp_path), result, "val_mae", higher_is_better=False
     )

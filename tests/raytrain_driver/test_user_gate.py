@@ -229,3 +229,39 @@ def test_an_artifacts_function_that_fails_stops_registration_naming_its_frames()
             pass
     with pytest.raises(TypeError, match=r"TrainFunc\(artifacts=...\) works on registered models"):
         TrainFunc(lambda config: None, metric=spec.metric, artifacts=my_confusion_matrix)
+
+
+@pytest.mark.parametrize(
+    ("metadata", "says"),
+    [
+        ({"class_labels": ["cat", "dog"], "output": "logits"}, ""),
+        ({"run_key": "mine"}, r"may not set \['run_key'\]: the pipeline sets them"),
+        ({"scale": float("nan")}, r"returned a value that is not JSON"),
+        ({"labels": {"a", "b"}}, r"returned a value that is not JSON"),
+        (["cat", "dog"], r"returned list, not a dict with str keys"),
+        (None, r"failed, so nothing was registered: KeyError: 'labels'(.|\n)*in my_metadata"),
+    ],
+)
+def test_model_metadata_is_checked_before_anything_is_registered(metadata: Any, says: str) -> None:
+    """``model_metadata(config)`` gives the registered model's MLflow metadata (class labels, ...): JSON values, the
+    pipeline's own keys left alone; anything else (or an error in it, with the user's frame) fails registration
+    before a model is logged, naming `model_metadata`."""
+    from raytrain_driver.user_register import user_metadata
+    from raytrain_tasks.errors import UserCodeError
+
+    def my_metadata(config: dict[str, Any]) -> Any:
+        return config["labels"] if metadata is None else metadata
+
+    spec = TrainFunc(
+        lambda config: None,
+        metric=Metric("val_loss", higher_is_better=False),
+        load_model=lambda path, config: nn.Linear(1, 1),
+        input_example=lambda config: torch.zeros(1, 1),
+        model_metadata=my_metadata,
+    )
+    config = TrainingConfig(train_code="my.code:training")
+    if not says:
+        assert user_metadata(config, spec, None) == metadata
+        return
+    with pytest.raises(UserCodeError, match=rf"train_code 'my.code:training': model_metadata\(config\) (.|\n)*{says}"):
+        user_metadata(config, spec, None)
