@@ -109,6 +109,8 @@ def describe_run(client: Any, run: Any) -> dict[str, str]:
     if state in ("failed", "stopped", "interrupted"):
         # `resume` continues either way: from the last checkpoint, or from epoch 1 in the same MLflow run.
         resumable = "yes" if done else "yes (from epoch 1)"
+        if run.data.tags.get(tracking.ERROR_TAG, "").startswith("UserCodeError"):
+            resumable = "after a code fix"  # its error says so; a train_config at fault needs a new run instead
     else:
         resumable = "-"
     params = run.data.params

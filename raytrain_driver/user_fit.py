@@ -16,7 +16,7 @@ from raytrain_driver.fit_record import FitResult, OpenRun, ResumePoint, checkpoi
 from raytrain_driver.hooks import run_logger
 from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig
-from raytrain_tasks.errors import CheckpointError, TrainingError, UserCodeError
+from raytrain_tasks.errors import CheckpointError, UserCodeError
 from raytrain_tasks.tracking.controller import (
     checkpoint_name,
     checkpoint_order,
@@ -169,10 +169,11 @@ def best_checkpoint(
     """(the best kept checkpoint by the spec's metric, its reported metrics; never a rejected one); TrainingError
     when the user's code reported no checkpoint or never the gate's metric (nothing can be registered from it)."""
     kept = [(c, m) for c, m in result.best_checkpoints or [] if checkpoint_name(c.path) not in rejected]
-    if not kept:
-        raise TrainingError(
+    if not kept:  # the code's own doing, the same on every attempt: not retried
+        raise UserCodeError(
             f"training run {run_key}: train_func never passed a checkpoint to ray.train.report(..., checkpoint=...); "
-            "nothing can be resumed or registered. Report one at least at the end of each epoch"
+            "nothing can be resumed or registered. Report one at least at the end of each epoch, then start a new "
+            "run"
         )
     name = spec.selection.name
     needed = {name, spec.gate.name}

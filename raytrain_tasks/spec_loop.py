@@ -132,6 +132,8 @@ def _spec_loop(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:
             if spec.optimizer is not None
             else torch.optim.Adam(model.parameters(), lr=float(config["lr"]))
         )
+        if not ray_data:  # the metric's name, checked on one batch before any training (Ray Data's: below)
+            check_metric_named(spec, config, _batch_metric_names(spec, model, splits.val, rank, world, batch_size))
         start = _resume(model, optimizer, digest)
         taken = _run_folders()
         for epoch in range(start, int(config["epochs"])):
@@ -157,6 +159,8 @@ def _spec_loop(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:
                     else _slice_batches(getattr(splits, name), rank, world, batch_size)
                 )
                 metrics |= _score(spec, model, held_out, name)
+            if epoch == start:
+                check_metric_named(spec, config, [key.removeprefix("val_") for key in metrics if key[:4] == "val_"])
             metrics["epoch_seconds"] = time.perf_counter() - started
             if spec.prepare is None and digest:  # with prepare, the run's dataset hash is the stored version's
                 metrics[DATASET_DIGEST_KEY] = digest  # the controller records it as the run's dataset hash
@@ -284,6 +288,46 @@ def _score(spec: TrainSpec, model: Any, batches: Any, split: str) -> dict[str, f
         dist.all_reduce(vector)
     *totals, seen = vector.tolist()
     return _mean({f"{split}_{key}": (total, seen) for key, total in zip(keys, totals, strict=True)})
+
+
+def _batch_metric_names(
+    spec: TrainSpec, model: Any, val: Any, rank: int, world: int, batch_size: int
+) -> list[str] | None:
+    """The names ``loss`` and ``metrics`` give on this rank's first validation batch (None when it has none), from
+    the model as built: no training, no random number drawn (the trajectory stays the uninterrupted one's)."""
+    net = getattr(model, "module", model)  # not DDP's forward: no collective for a check some ranks may skip
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        batch = next(iter(_slice_batches(val, rank, world, batch_size)), None)
+        if batch is None:
+            return None
+        was_training = net.training
+        net.eval()
+        try:
+            sums, _ = _sums(spec, net, [batch], ray.train.torch.get_device())
+        finally:
+            net.train(was_training)
+    return sorted(sums)
+
+
+def check_metric_named(spec: TrainSpec, config: dict[str, Any], names: list[str] | None) -> None:
+    """UserCodeError (not retried) when the spec's metric for this run is not one its ``loss``/``metrics`` give:
+    found before the first epoch trains, not after the last one, where no checkpoint could be picked."""
+    if names is None:
+        return
+    chosen = spec.metric if isinstance(spec.metric, Metric) else spec.metric(config)
+    if chosen.name in names:
+        return
+    import difflib
+
+    lowered = {name.lower(): name for name in names}
+    close = [lowered[chosen.name.lower()]] if chosen.name.lower() in lowered else []
+    close = close or difflib.get_close_matches(chosen.name, names, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise UserCodeError(
+        f"TrainSpec(metric={chosen.name!r}) names no metric this spec computes: its loss and metrics=... give "
+        f"{names}{hint}. val_<metric> picks the best checkpoint and test_<metric> is what the gate compares: name "
+        "one of those (or 'loss'), or return it from metrics=..."
+    )
 
 
 def _mean(sums: dict[str, tuple[float, float]]) -> dict[str, float]:

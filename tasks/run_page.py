@@ -37,6 +37,7 @@ class EpochProgress:
         self.view = view or EpochView()
         self._seen: set[int] = set()
         self._warned = False
+        self._past_epochs_warned = False
         self._stop = threading.Event()
         self._artifact_id: Any = None
         self._thread: threading.Thread | None = None
@@ -115,6 +116,16 @@ class EpochProgress:
             took = f" ({seconds:.1f} s)" if seconds is not None else ""
             self.logger.info("epoch %d/%d committed: %s%s", step, self.epochs, values, took)
             self._seen.add(step)
+            if step > self.epochs and not self._past_epochs_warned:
+                self._past_epochs_warned = True
+                self.logger.warning(
+                    "train_code committed step %d of `epochs` %d: it trains on past `epochs` (--epochs), which "
+                    "your code gets as config['epochs']: read that in your loop (not a key of your own, such as "
+                    "num_epochs), or report `epoch` with each checkpoint if it checkpoints more than once an epoch; "
+                    "the progress, `runs` and a resume count to `epochs`",
+                    step,
+                    self.epochs,
+                )
         missing = [name for name in self.view.expects if name not in histories]
         if missing and not self._warned:
             # Said at the first epoch instead of after the last: the run fails then unless a later report has them.
@@ -132,7 +143,7 @@ class EpochProgress:
         return self._steps(self._histories([marker]) if marker is not None else self._histories())
 
     def _percent(self) -> float:
-        return round(100.0 * len(self._seen) / self.epochs, 1)
+        return min(100.0, round(100.0 * len(self._seen) / self.epochs, 1))  # code training past `epochs` stops at 100
 
 
 LEARNING_CURVES = "evaluation/learning_curves.png"  # logged by raytrain_driver.evaluation

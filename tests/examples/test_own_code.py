@@ -620,6 +620,79 @@ def test_a_type_error_in_the_users_code_is_not_retried_and_shows_their_frames(
     assert run is not None and run.info.status == "FAILED"
 
 
+NO_CHECKPOINT = """
+    import ray.train, torch
+    from raytrain_tasks.api import Metric, TrainFunc
+
+    def train_func(config):
+        with open(config["starts"], "a") as out:
+            out.write("start\\n")
+        for epoch in range(config["epochs"]):
+            ray.train.report({"epoch": epoch, "val_loss": 1.0 / (epoch + 1)})  # no checkpoint=
+
+    training = TrainFunc(train_func, metric=Metric("val_loss", higher_is_better=False), defaults={"starts": ""},
+                         load_model=lambda path, config: torch.nn.Linear(1, 1),
+                         input_example=lambda config: torch.zeros(1, 1))
+"""
+MISNAMED_METRIC = """
+    import torch
+    from torch.utils.data import TensorDataset
+    from raytrain_tasks.api import Metric, Splits, TrainSpec
+
+    def data(config):
+        with open(config["starts"], "a") as out:
+            out.write("start\\n")
+        rows = TensorDataset(torch.linspace(-1, 1, 30).unsqueeze(1), torch.linspace(-3, 3, 30).unsqueeze(1))
+        return Splits(rows, rows, rows)
+
+    training = TrainSpec(data=data, model=lambda config, example: torch.nn.Linear(1, 1),
+                         loss=torch.nn.functional.mse_loss,
+                         metrics=lambda outputs, targets: {"mae": (outputs - targets).abs().mean()},
+                         metric=Metric("MAE", higher_is_better=False), defaults={"starts": ""})
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster", "prefect_api")
+@pytest.mark.parametrize(
+    ("source", "says"),
+    [
+        (NO_CHECKPOINT, "never passed a checkpoint to ray.train.report"),
+        (MISNAMED_METRIC, r"TrainSpec\(metric='MAE'\) names no metric .* \(did you mean 'mae'\?\)"),
+    ],
+    ids=["no-checkpoint", "misnamed-metric"],
+)
+def test_code_that_can_never_give_a_model_fails_once_without_retries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, says: str
+) -> None:
+    """Code that reports no checkpoint, or a TrainSpec whose metric its metrics=... never computes, fails the same
+    way on every attempt: the run fails at once (no worker-group restart, no Prefect retry), says why, registers
+    nothing. The misnamed metric is found on the first batch, before an epoch trains (it was found after the last)."""
+    starts = tmp_path / "starts.txt"
+    name = _module(tmp_path, monkeypatch, source, name=f"hopeless_{len(source)}")  # one module name per code
+    config = own_config(
+        tmp_path,
+        f"{name}:training",
+        epochs=2,
+        register=True,
+        max_failures=2,
+        fit_retries=2,
+        train_config={"starts": str(starts)},
+    )
+    with ThreadPoolExecutor(1) as pool:
+        state = start_flow(pool, config).result(timeout=600)
+    error = state.result(raise_on_failure=False)
+    assert state.is_failed() and isinstance(error, UserCodeError), repr(error)
+    assert re.search(says, str(error)), str(error)
+    run = only_run(tmp_path)
+    assert run is not None and run.info.status == "FAILED"
+    steps = sorted(m.step for m in mlflow_client(tmp_path).get_metric_history(run.info.run_id, "val_loss"))
+    assert steps == [], steps  # no report without a checkpoint is logged; the misnamed metric stops before epoch 1
+    assert client_versions(tmp_path) == []
+    # One attempt: each worker (and, for the spec, the driver's check of its data) started once.
+    assert starts.read_text().count("start") == (2 if source is NO_CHECKPOINT else 3), starts.read_text()
+
+
 def test_a_train_spec_without_a_held_out_test_split_is_refused_before_training() -> None:
     """The gate compares test_<metric>: without a test split it would never be reported, and the run used to fail
     only after its last epoch, with advice for a TrainFunc. The spec's loop refuses it as the data is loaded."""

@@ -144,3 +144,8 @@ def test_runs_calls_a_stopped_run_with_no_checkpoint_resumable_from_its_first_ep
     client.set_terminated(run.info.run_id, "FAILED")
     shown = describe_run(client, client.get_run(run.info.run_id))
     assert (shown["state"], shown["epochs"], shown["resumable"]) == ("failed", "0/3", "yes (from epoch 1)")
+    # A run that failed on an error of the user's code: `resume` helps only once the code is fixed (its error says
+    # so, and that a train_config value at fault needs a new run instead).
+    client.set_tag(run.info.run_id, tracking.ERROR_TAG, "UserCodeError: train_code 'my.code:training' failed")
+    shown = describe_run(client, client.get_run(run.info.run_id))
+    assert (shown["state"], shown["resumable"]) == ("failed", "after a code fix")

@@ -74,3 +74,22 @@ def test_an_mlflow_outage_at_the_end_of_the_progress_display_masks_neither_an_er
             stop_process_group(server)
         assert any("progress" in record.getMessage() for record in caplog.records), caplog.text
         caplog.clear()
+
+
+def test_code_that_trains_past_epochs_is_told_to_read_config_epochs_once(caplog: Any) -> None:
+    """A train_func ported from Ray's docs reads its own `num_epochs`: at the first step past `epochs` the log says
+    to read config['epochs'] (once), and the run page's progress stops at 100%, not 166.7%."""
+    import logging
+
+    from tasks.run_page import EpochProgress
+
+    logger = logging.getLogger("prt-progress-test")
+    progress = EpochProgress(None, "0" * 32, 3, logger)  # type: ignore[arg-type]  # no MLflow: steps handed in
+    history = {"val_loss": {step: 1.0 / step for step in range(1, 6)}}
+    with caplog.at_level(logging.INFO, logger=logger.name):
+        progress._log_committed([1, 2, 3], history)
+        assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+        progress._log_committed([4, 5], history)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "step 4 of `epochs` 3" in warnings[0] and "config['epochs']" in warnings[0]
+    assert "epoch 5/3 committed" in caplog.text and progress._percent() == 100.0
