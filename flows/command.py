@@ -142,7 +142,7 @@ def runs(argv: Sequence[str]) -> int:
     print("  ".join(c.upper().ljust(widths[c]) for c in columns).rstrip())
     for row in rows:
         print("  ".join(row[c].ljust(widths[c]) for c in columns).rstrip())
-    if any(row["resumable"] == "yes" for row in rows):
+    if any(row["resumable"] != "-" for row in rows):
         print(f"\ncontinue one with: {PROG} resume <run key>")
     return 0
 

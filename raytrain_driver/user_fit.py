@@ -18,6 +18,7 @@ from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import CheckpointError, UserCodeError
 from raytrain_tasks.tracking.controller import (
+    EPOCH_FOLDER,
     checkpoint_name,
     checkpoint_order,
     epoch_number,
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 # The folders of a run's checkpoints: Ray Train names one checkpoint_<timestamp> when the code passes no
 # checkpoint_dir_name (a train_func's); a TrainSpec's are named for their epoch, epoch-0003 (epoch-0003-r1 for
 # its retraining). Ray Train keeps checkpoint_manager_snapshot.json beside them, which is not one.
-CHECKPOINT_FOLDER = re.compile(r"checkpoint_\d{4}-\d{2}-\d{2}_[\d.-]+|epoch-\d{4,}(-r\d+)?")
+CHECKPOINT_FOLDER = re.compile(rf"checkpoint_\d{{4}}-\d{{2}}-\d{{2}}_[\d.-]+|{EPOCH_FOLDER.pattern}")
 
 # How long the import check on a worker of the cluster may take (a cold worker imports torch and the user's code).
 IMPORT_CHECK_TIMEOUT_S = 120.0
@@ -172,8 +173,8 @@ def best_checkpoint(
     if not kept:  # the code's own doing, the same on every attempt: not retried
         raise UserCodeError(
             f"training run {run_key}: train_func never passed a checkpoint to ray.train.report(..., checkpoint=...); "
-            "nothing can be resumed or registered. Report one at least at the end of each epoch, then start a new "
-            "run"
+            "nothing can be resumed or registered. Report one at least at the end of each epoch, then continue the "
+            f"run with `resume={run_key}` (from epoch 1, in the same MLflow run)"
         )
     name = spec.selection.name
     needed = {name, spec.gate.name}
@@ -197,9 +198,8 @@ def step_of(metrics: dict[str, Any], history: list[dict[str, float]]) -> int:
         return epoch_number(metrics["epoch"])
     values = numeric_metrics(metrics)
     for entry in history:
-        if all(
-            abs(entry.get(key, float("nan")) - value) <= 1e-9 * max(1.0, abs(value)) for key, value in values.items()
-        ):
+        shared = [key for key in values if key in entry and key != "epoch"]  # MLflow's history lacks test_*
+        if shared and all(abs(entry[key] - values[key]) <= 1e-9 * max(1.0, abs(values[key])) for key in shared):
             return epoch_number(entry["epoch"])
     return len(history)
 

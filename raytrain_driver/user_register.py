@@ -243,11 +243,18 @@ def user_metadata(config: TrainingConfig, spec: TrainFunc, data_dir: Path | None
         raise UserCodeError(f"{where} returned {type(given).__name__}, not a dict with str keys; nothing registered")
     if taken := sorted(set(given) & set(PIPELINE_METADATA)):
         raise UserCodeError(f"{where} may not set {taken}: the pipeline sets them; name yours otherwise")
-    try:
-        json.dumps(dict(given), allow_nan=False)
+    try:  # as plain JSON types: MLflow writes them with yaml.safe_dump, which refuses numpy scalars and enums
+        return dict(json.loads(json.dumps(dict(given), allow_nan=False, default=_scalar)))
     except (TypeError, ValueError) as exc:
         raise UserCodeError(f"{where} returned a value that is not JSON ({exc}); nothing was registered") from exc
-    return dict(given)
+
+
+def _scalar(value: Any) -> Any:
+    """A numpy (or torch) scalar as its Python number, for ``json.dumps``; TypeError for anything else."""
+    item = getattr(value, "item", None)
+    if callable(item):
+        return item()  # ValueError for an array of several values: "not JSON", as for a set
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ from ray.train import Checkpoint
 
 from raytrain_tasks.checkpoint import LoadedCheckpoint, load_checkpoint, manifest_digest
 from raytrain_tasks.errors import CheckpointError, UnsafeCheckpointError
-from raytrain_tasks.tracking.controller import CHECKPOINT_PREFIX, checkpoint_order, epoch_number
+from raytrain_tasks.tracking.controller import CHECKPOINT_PREFIX, EPOCH_FOLDER, checkpoint_order, epoch_number
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +58,8 @@ def resume_order(latest: str, siblings: list[str]) -> list[str]:
     """``latest`` first, then the run's older checkpoint folders, newest first (compared as numbers). A ``latest``
     this project did not name (Ray Train's snapshot pointed elsewhere) has no place among them: every one follows
     it, each checked against its recorded digest like any other."""
-    ours = [n for n in siblings if n.startswith(CHECKPOINT_PREFIX) and n != latest]
-    if latest.startswith(CHECKPOINT_PREFIX):
+    ours = [n for n in siblings if EPOCH_FOLDER.fullmatch(n) and n != latest]
+    if EPOCH_FOLDER.fullmatch(latest):
         ours = [n for n in ours if checkpoint_order(n) < checkpoint_order(latest)]
     return [latest, *sorted(ours, key=checkpoint_order, reverse=True)]
 

@@ -132,8 +132,9 @@ def _spec_loop(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:
             if spec.optimizer is not None
             else torch.optim.Adam(model.parameters(), lr=float(config["lr"]))
         )
-        if not ray_data:  # the metric's name, checked on one batch before any training (Ray Data's: below)
-            check_metric_named(spec, config, _batch_metric_names(spec, model, splits.val, rank, world, batch_size))
+        if not ray_data:  # a typo in the metric's name, found on one batch before any training (all else: below)
+            names = _batch_metric_names(spec, model, splits.val, rank, world, batch_size, ray.train.torch.get_device())
+            check_metric_named(spec, config, names, typos_only=True)
         start = _resume(model, optimizer, digest)
         taken = _run_folders()
         for epoch in range(start, int(config["epochs"])):
@@ -291,7 +292,7 @@ def _score(spec: TrainSpec, model: Any, batches: Any, split: str) -> dict[str, f
 
 
 def _batch_metric_names(
-    spec: TrainSpec, model: Any, val: Any, rank: int, world: int, batch_size: int
+    spec: TrainSpec, model: Any, val: Any, rank: int, world: int, batch_size: int, device: Any
 ) -> list[str] | None:
     """The names ``loss`` and ``metrics`` give on this rank's first validation batch (None when it has none), from
     the model as built: no training, no random number drawn (the trajectory stays the uninterrupted one's)."""
@@ -303,15 +304,19 @@ def _batch_metric_names(
         was_training = net.training
         net.eval()
         try:
-            sums, _ = _sums(spec, net, [batch], ray.train.torch.get_device())
+            sums, _ = _sums(spec, net, [batch], device)
         finally:
             net.train(was_training)
     return sorted(sums)
 
 
-def check_metric_named(spec: TrainSpec, config: dict[str, Any], names: list[str] | None) -> None:
+def check_metric_named(
+    spec: TrainSpec, config: dict[str, Any], names: list[str] | None, typos_only: bool = False
+) -> None:
     """UserCodeError (not retried) when the spec's metric for this run is not one its ``loss``/``metrics`` give:
-    found before the first epoch trains, not after the last one, where no checkpoint could be picked."""
+    found at the first epoch, not after the last one, where no checkpoint could be picked. ``typos_only``: only
+    when one of ``names`` is close to it (names from one batch: a metric may leave a key out of a batch of one
+    class, and is judged on the whole split after the first epoch's validation)."""
     if names is None:
         return
     chosen = spec.metric if isinstance(spec.metric, Metric) else spec.metric(config)
@@ -322,6 +327,8 @@ def check_metric_named(spec: TrainSpec, config: dict[str, Any], names: list[str]
     lowered = {name.lower(): name for name in names}
     close = [lowered[chosen.name.lower()]] if chosen.name.lower() in lowered else []
     close = close or difflib.get_close_matches(chosen.name, names, n=1)
+    if typos_only and not close:
+        return
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     raise UserCodeError(
         f"TrainSpec(metric={chosen.name!r}) names no metric this spec computes: its loss and metrics=... give "

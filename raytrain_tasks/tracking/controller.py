@@ -48,6 +48,9 @@ def epoch_number(index: int | float) -> int:
 
 
 CHECKPOINT_PREFIX = "epoch-"  # the built-in loop's checkpoint folders: epoch-0001, epoch-0002, ...
+# The whole name of such a folder: the epoch, and after a retraining the attempt (epoch-0002-r1). Anything else
+# that starts with the prefix (epoch-0002.tmp, epoch-planted) is not one this project wrote.
+EPOCH_FOLDER = re.compile(r"epoch-\d{4,}(-r\d+)?")
 
 
 def checkpoint_epoch(name: str) -> int:
@@ -58,7 +61,7 @@ def checkpoint_epoch(name: str) -> int:
 def checkpoint_order(name: str) -> tuple[int, ...]:
     """Sort key of a run's checkpoint folders, oldest first: by time for Ray Train's checkpoint_<timestamp>; by
     epoch, then retraining, for epoch-NNNN-rK, as numbers (epoch-0002-r10 after -r9, epoch-10000 after 9999)."""
-    if not name.startswith(CHECKPOINT_PREFIX):
+    if not EPOCH_FOLDER.fullmatch(name):
         return (0, *map(int, re.findall(r"\d+", name)))
     epoch, _, retrained = name.removeprefix(CHECKPOINT_PREFIX).partition("-r")
     return (1, int(epoch), int(retrained or 0))

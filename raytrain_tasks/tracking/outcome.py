@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from raytrain_tasks.tracking.controller import EPOCH_METRICS, epoch_number
 from raytrain_tasks.tracking.runs import NOTE_TAG
@@ -92,11 +92,7 @@ def log_checkpoint_models(
     """
     from mlflow.entities import LoggedModelStatus, Metric
 
-    existing = {
-        model.name: model
-        for model in client.search_logged_models([experiment_id], filter_string=f"source_run_id = '{run_id}'")
-        if model.model_type == CHECKPOINT_MODEL_TYPE
-    }
+    existing = {model.name: model for model in _run_models(client, experiment_id, run_id)}
     keys = list(dict.fromkeys(metric_keys))
     histories = {key: {int(m.step): m for m in client.get_metric_history(run_id, key)} for key in keys}
     model_ids = {}
@@ -124,3 +120,17 @@ def log_checkpoint_models(
             client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
         model_ids[name] = model.model_id
     return model_ids
+
+
+def _run_models(client: MlflowClient, experiment_id: str, run_id: str) -> list[Any]:
+    """Every checkpoint LoggedModel of the run, all pages (a page holds 100; a run may keep up to 1000)."""
+    found: list[Any] = []
+    token: str | None = None
+    while True:
+        page = client.search_logged_models(
+            [experiment_id], filter_string=f"source_run_id = '{run_id}'", page_token=token
+        )
+        found += [model for model in page if model.model_type == CHECKPOINT_MODEL_TYPE]
+        token = page.token
+        if not token:
+            return found

@@ -74,3 +74,15 @@ def test_the_newest_checkpoint_is_found_by_epoch_and_retraining_as_numbers(
         (tmp_path / name / "state.pt").write_bytes(name.encode())
     pinned = {name: folder_digest(run_dir.filesystem, run_dir.child(name).path) for name in (older, newer)}
     assert choose_resume_point(run_dir, pinned).start == newer
+
+
+def test_a_report_without_epoch_is_matched_to_its_step_by_the_metrics_mlflow_has() -> None:
+    """A train_func that reports no `epoch`, with a `test_loss` (a gate_metric) that MLflow's per-step history of the
+    run does not hold: each checkpoint still gets its own step (they all got the last one, so the Models tab and the
+    summary showed the last epoch for every checkpoint)."""
+    from raytrain_driver.user_fit import step_of
+
+    history = [{"epoch": 0.0, "val_loss": 0.5, "train_loss": 0.9}, {"epoch": 1.0, "val_loss": 0.4, "train_loss": 0.7}]
+    assert step_of({"val_loss": 0.5, "test_loss": 0.55, "train_loss": 0.9}, history) == 1
+    assert step_of({"val_loss": 0.4, "test_loss": 0.45}, history) == 2
+    assert step_of({"epoch": 0, "val_loss": 0.4}, history) == 1  # a report's own epoch decides

@@ -4,9 +4,11 @@ recorded at training time are compared. Real SQLite registry, real pt2 models; n
 
 from __future__ import annotations
 
+import enum
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from mlflow import MlflowClient
@@ -231,13 +233,20 @@ def test_an_artifacts_function_that_fails_stops_registration_naming_its_frames()
         TrainFunc(lambda config: None, metric=spec.metric, artifacts=my_confusion_matrix)
 
 
+class Kind(enum.StrEnum):
+    LOGITS = "logits"
+
+
 @pytest.mark.parametrize(
     ("metadata", "says"),
     [
         ({"class_labels": ["cat", "dog"], "output": "logits"}, ""),
+        # numpy scalars and str enums pass json.dumps but not MLflow's yaml.safe_dump: handed on as plain JSON
+        ({"threshold": np.float64(0.5), "kind": Kind.LOGITS, "sizes": [np.int64(3)]}, ""),
         ({"run_key": "mine"}, r"may not set \['run_key'\]: the pipeline sets them"),
         ({"scale": float("nan")}, r"returned a value that is not JSON"),
         ({"labels": {"a", "b"}}, r"returned a value that is not JSON"),
+        ({"weights": np.zeros(3)}, r"returned a value that is not JSON"),
         (["cat", "dog"], r"returned list, not a dict with str keys"),
         (None, r"failed, so nothing was registered: KeyError: 'labels'(.|\n)*in my_metadata"),
     ],
@@ -261,7 +270,11 @@ def test_model_metadata_is_checked_before_anything_is_registered(metadata: Any, 
     )
     config = TrainingConfig(train_code="my.code:training")
     if not says:
-        assert user_metadata(config, spec, None) == metadata
+        import yaml
+
+        given = user_metadata(config, spec, None)
+        plain = {"threshold": 0.5, "kind": "logits", "sizes": [3]} if "kind" in metadata else metadata
+        assert given == plain and yaml.safe_load(yaml.safe_dump(given)) == given
         return
     with pytest.raises(UserCodeError, match=rf"train_code 'my.code:training': model_metadata\(config\) (.|\n)*{says}"):
         user_metadata(config, spec, None)

@@ -30,6 +30,13 @@ from raytrain_tasks.resume import checkpoint_dir_name, load_newest_intact, resum
         ("epoch-10000", ["epoch-9999", "epoch-10000"], ["epoch-10000", "epoch-9999"]),
         # a snapshot pointed at a folder this project never names: all of the run's own follow it, newest first
         ("planted-0002", ["epoch-0001", "epoch-0002", "planted-0002"], ["planted-0002", "epoch-0002", "epoch-0001"]),
+        # names that only start like ours are not ours (they raised ValueError, failing every attempt)
+        ("epoch-planted", ["epoch-0001", "epoch-planted"], ["epoch-planted", "epoch-0001"]),
+        (
+            "epoch-0002",
+            ["epoch-0001", "epoch-0001.tmp", "epoch-0001-r1-old", "epoch-0002"],
+            ["epoch-0002", "epoch-0001"],
+        ),
     ],
 )
 def test_resume_order(latest: str, siblings: list[str], expected: list[str]) -> None:
