@@ -258,7 +258,8 @@ def record_user_fit(
     best = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
     best.pop("epoch", None)
     log_user_summary(run_logger(), spec, step, best)
-    model_ids = log_kept_checkpoints(client, result, run_dir, opened, rejected, history)
+    keys = sorted({key for entry in history for key in entry} - {"epoch"})  # every metric the code reported
+    model_ids = log_kept_checkpoints(client, result, run_dir, opened, rejected, history, keys)
     fit = FitResult(
         run_key=run_key,
         run_uri=run_dir.uri,
@@ -275,7 +276,6 @@ def record_user_fit(
         scores={spec.gate.name: best[spec.gate.name]},
         best_checkpoint_model_id=model_ids.get(checkpoint_name(checkpoint.path)),
     )
-    keys = sorted({key for entry in history for key in entry} - {"epoch"})
     firsts = [spec.selection.name, spec.gate.name, "train_loss", "val_loss"]
     columns = [key for key in dict.fromkeys([*firsts, *keys]) if key in keys][:5]
     if not log_summary(client, run_id, history, spec.selection.name, step, keys, columns):
@@ -291,6 +291,7 @@ def log_kept_checkpoints(
     opened: OpenRun,
     rejected: frozenset[str],
     history: list[dict[str, float]],
+    keys: list[str],
 ) -> dict[str, str]:
     """Each checkpoint the run kept (not a rejected one), as a LoggedModel linked to its report's metrics, as the
     built-in classifier's are (tracking.outcome.log_checkpoint_models); checkpoint folder name -> model_id."""
@@ -299,6 +300,5 @@ def log_kept_checkpoints(
         for c, metrics in result.best_checkpoints or []
         if checkpoint_name(c.path) not in rejected
     }
-    keys = sorted({key for entry in history for key in entry} - {"epoch"})
     digests = pinned_digests(client.get_run(opened.run_id).data.tags)
     return log_checkpoint_models(client, opened.experiment_id, opened.run_id, kept, digests, keys)
