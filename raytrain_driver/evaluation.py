@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from raytrain_driver.reports import dataset_summary, evaluation_report, write_report_files
 from raytrain_tasks.data import DatasetRef, read_split
+from raytrain_tasks.prepared import RunData, is_builtin_dataset
+from raytrain_tasks.reports import dataset_summary, evaluation_report, write_report_files
 from raytrain_tasks.storage.filesystem import StorageOptions
 from raytrain_tasks.storage.locations import download_dir, locate
 
@@ -85,14 +86,20 @@ def score(logits: np.ndarray, labels: np.ndarray) -> Scores:
     return Scores(accuracy=float((logits.argmax(axis=1) == labels).mean()), loss=loss)
 
 
-def log_dataset_input(client: MlflowClient, run_id: str, dataset: DatasetRef) -> None:
-    """Record the prepared dataset version as the run's training input (lineage in the MLflow UI)."""
+def log_dataset_input(client: MlflowClient, run_id: str, dataset: RunData) -> None:
+    """Record the run's prepared data version as its training input (lineage in the MLflow UI's Datasets column
+    and run page): the built-in classifier's table, with its feature columns as the schema, or the folder your
+    code's ``prepare`` wrote, by its content hash."""
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
     from mlflow.entities import DatasetInput, InputTag
     from mlflow.types import ColSpec, DataType, Schema
 
-    schema = Schema([ColSpec(DataType.float, name) for name in dataset.feature_names])
+    schema = (
+        Schema([ColSpec(DataType.float, name) for name in dataset.feature_names])
+        if is_builtin_dataset(dataset)
+        else None
+    )
     with warnings.catch_warnings():
         # MLflow registers LocalArtifactDatasetSource twice and warns that a local path "can be interpreted in
         # multiple ways" (the two are the same class): nothing for the user to act on.
@@ -101,7 +108,7 @@ def log_dataset_input(client: MlflowClient, run_id: str, dataset: DatasetRef) ->
     meta = MetaDataset(  # type: ignore[abstract]  # concrete at runtime; the stub marks profile abstract
         source,
         name=f"{dataset.source}-{dataset.content_hash}",
-        digest=dataset.content_hash,
+        digest=dataset.content_hash[:36],  # MLflow keeps at most 36 characters of a digest
         schema=schema,
     )
     entity = DatasetInput(meta._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", "training")])

@@ -169,7 +169,7 @@ def _start_run(
         | {tracking.NOTE_TAG: run_description(config, run_key, run_dir, origin)},
         params=config.public_params(code_params(config, spec)),
     )
-    if not reopened and is_builtin_dataset(dataset):
+    if not reopened and dataset is not None:
         evaluation.log_dataset_input(client, run_id, dataset)
     run_logger().info(
         "run key %s: %s MLflow run %s; checkpoints in %s",

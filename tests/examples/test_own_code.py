@@ -525,6 +525,12 @@ def test_prepared_data_is_versioned_read_by_every_worker_and_pinned_to_its_run(
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = client.get_run(first.fit.mlflow_run_id)
     assert run.data.tags["prefect_raytrain.dataset_hash"] == first.dataset.content_hash
+    # The MLflow UI's lineage: the stored version is the run's training input, named by its content.
+    (used,) = run.inputs.dataset_inputs
+    assert first.dataset.content_hash.startswith(used.dataset.digest) and used.dataset.name.endswith(
+        first.dataset.content_hash
+    )
+    assert json.loads(used.dataset.source)["uri"] == first.dataset.uri
     assert client.get_model_version("digits-test", first.model.version).tags["dataset_hash"] == (
         first.dataset.content_hash
     )

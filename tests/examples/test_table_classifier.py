@@ -1,0 +1,108 @@
+"""raytrain_tasks/table_classifier.py: the built-in classifier's model and data as a plain ``TrainSpec``, run
+through the whole pipeline the way a user runs their own table: a CSV file, a label column of names, a key
+column, trained, registered behind the gate, served from the registry on raw rows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from flows.training import training_pipeline
+from raytrain_tasks.config import parameters_of
+from raytrain_tasks.errors import UserCodeError
+from raytrain_tasks.integrity import local_folder_digest
+from raytrain_tasks.table_classifier import Settings, data, prepare
+from raytrain_tasks.tracking.runs import using_tracking_uri
+from raytrain_tasks.user_code import resolve
+from tests.helpers import mlflow_client, only_run, small_config
+
+CLASSIFIER = "raytrain_tasks.table_classifier:classifier"
+FEATURES = ("tenure", "spend", "visits", "tickets")
+PLANS = ("basic", "family", "pro")
+
+
+def write_table(path: Path, rows: int = 900) -> Path:
+    """Customers: a key column, four numeric features on very different scales, and a plan name to predict."""
+    import pandas as pd
+    from sklearn.datasets import make_classification
+
+    x, y = make_classification(
+        n_samples=rows, n_features=4, n_informative=3, n_redundant=0, n_classes=3, class_sep=2.0, random_state=7
+    )
+    frame = pd.DataFrame(x * np.array([1.0, 100.0, 10.0, 0.1]) + np.array([5.0, 300.0, 0.0, 1.0]), columns=FEATURES)
+    frame.insert(0, "customer_id", [f"c{i:05d}" for i in range(rows)])
+    frame["plan"] = [PLANS[label] for label in y]
+    frame.to_csv(path, index=False)
+    return path
+
+
+def table_config(csv: Path, **settings: Any) -> dict[str, Any]:
+    chosen = {"dataset": str(csv), "label_column": "plan", "split_key_column": "customer_id", **settings}
+    return {**Settings(**chosen).model_dump(), "seed": 0, "data_dir": None}
+
+
+def test_the_same_table_prepares_the_same_bytes_and_each_row_lands_in_one_split(tmp_path: Path) -> None:
+    csv = write_table(tmp_path / "customers.csv")
+    folders = [tmp_path / "first", tmp_path / "second"]
+    for folder in folders:
+        folder.mkdir()
+        prepare(table_config(csv), folder)
+    assert local_folder_digest(folders[0]) == local_folder_digest(folders[1])  # one stored version for both
+    splits = data({**table_config(csv), "data_dir": str(folders[0])})
+    sizes = [len(split) for split in (splits.train, splits.val, splits.test)]
+    assert sum(sizes) == 900 and min(sizes) > 50, sizes
+    rows = {tuple(np.round(x.numpy(), 5)) for split in (splits.train, splits.val, splits.test) for x, _ in split}
+    assert len(rows) == 900, "a row in two splits, or one lost"
+    assert {int(y) for _, y in splits.train} == {0, 1, 2}
+
+
+def test_a_label_column_the_table_lacks_is_named_before_anything_trains(tmp_path: Path) -> None:
+    csv = write_table(tmp_path / "customers.csv")
+    (tmp_path / "out").mkdir()
+    with pytest.raises(Exception, match="label column 'plann' is not in dataset .*set `label_column`"):
+        prepare(table_config(csv, label_column="plann"), tmp_path / "out")
+    with pytest.raises(UserCodeError, match="'hiden_sizes'.*did you mean 'hidden_sizes'"):
+        from raytrain_tasks.code_settings import code_values
+
+        code_values(resolve(CLASSIFIER), {"hiden_sizes": [8]}, CLASSIFIER)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster", "prefect_api")
+def test_a_csv_table_trains_registers_and_its_model_takes_raw_rows(tmp_path: Path) -> None:
+    """The spec trains a CSV table through the flow; the registered champion names its features and classes in
+    its metadata, has the validation confusion matrix beside it, and predicts the raw rows of the file (its
+    standardisation inside) as well as the run scored it on the test split."""
+    import mlflow
+    import pandas as pd
+
+    csv = write_table(tmp_path / "customers.csv")
+    settings = {"dataset": str(csv), "label_column": "plan", "split_key_column": "customer_id", "hidden_sizes": [32]}
+    config = small_config(
+        tmp_path, train_code=CLASSIFIER, train_config=json.dumps(settings), epochs=4, register=True, batch_size=64
+    )
+    result = training_pipeline(**parameters_of(config))
+
+    assert result.model is not None and result.model.aliases == ("champion",), result.model
+    assert result.fit.best_metrics["val_accuracy"] > 0.8, result.fit.best_metrics
+    run = only_run(tmp_path)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["train_config.label_column"] == "plan"
+    client = mlflow_client(tmp_path)
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val_accuracy")] == [1, 2, 3, 4]
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "evaluation")}
+    assert {"evaluation/confusion_matrix.png", "evaluation/per_class_report.json"} <= artifacts, artifacts
+
+    with using_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}"):
+        info = mlflow.models.get_model_info("models:/digits-test@champion")
+        model = mlflow.pyfunc.load_model("models:/digits-test@champion")
+    assert info.metadata["class_labels"] == list(PLANS) and info.metadata["feature_names"] == list(FEATURES)
+    frame = pd.read_csv(csv)
+    logits = np.asarray(model.predict(frame[list(FEATURES)].to_numpy(np.float32)))
+    predicted = [info.metadata["class_labels"][i] for i in logits.argmax(1)]
+    accuracy = float(np.mean(np.array(predicted) == frame["plan"].to_numpy()))
+    assert accuracy > 0.8, "the served model takes raw rows: standardising them twice (or never) fails this"
