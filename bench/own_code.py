@@ -9,6 +9,9 @@
 2. Checkpoints written by every rank (issue 37): FSDP2 on 2 workers, each epoch's checkpoint saved with
    torch.distributed.checkpoint by both ranks, beside the same model gathered into a full state dict and saved
    by rank 0; checkpoint time (save + report) as a share of epoch time.
+3. The built-in classifier and the same model and data as a TrainSpec (raytrain_tasks/table_classifier.py, which
+   is to replace it: issue 32 item 3), through the CLI on a 100,000-row synthetic table: seconds per epoch
+   (training and scoring: the spec scores its test split every epoch too); goal: spec/built-in <= 1.05.
 """
 
 from __future__ import annotations
@@ -71,6 +74,36 @@ def flow_fit(config: dict[str, Any], workdir: Path) -> list[float]:
     return [m.value for m in client.get_metric_history(run.info.run_id, "loop_seconds")]
 
 
+def classifier_epoch_seconds(as_spec: bool, rows: int, epochs: int, workdir: Path) -> list[float]:
+    """The built-in classifier (``--dataset synthetic``), or the same model and data as a TrainSpec
+    (raytrain_tasks/table_classifier.py), through ``prefect-raytrain train``: each epoch's seconds (training and
+    scoring, as each logs ``epoch_seconds``)."""
+    from mlflow import MlflowClient
+
+    experiment = "bench-classifier-spec" if as_spec else "bench-classifier-builtin"
+    command = [str(Path(sys.executable).with_name("prefect-raytrain")), "train", "--epochs", str(epochs)]
+    command += ["--no-register", "--experiment-name", experiment, "--batch-size", "64"]
+    if as_spec:
+        settings = {"dataset": "synthetic", "synthetic_samples": rows}
+        command += [
+            "--train-code",
+            "raytrain_tasks.table_classifier:classifier",
+            "--train-config",
+            json.dumps(settings),
+        ]
+    else:
+        command += ["--dataset", "synthetic", "--synthetic-samples", str(rows)]
+    env = {**os.environ, "PREFECT_HOME": str(workdir / ".prefect")}
+    done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(done.stdout[-3000:] + done.stderr[-3000:])
+    client = MlflowClient(f"sqlite:///{workdir / '.pipeline' / 'mlflow.db'}")
+    found = client.get_experiment_by_name(experiment)
+    assert found is not None
+    run = client.search_runs([found.experiment_id], order_by=["attributes.start_time DESC"], max_results=1)[0]
+    return [m.value for m in client.get_metric_history(run.info.run_id, "epoch_seconds")]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
@@ -91,13 +124,22 @@ def main(argv: list[str] | None = None) -> None:
             reports = bare_fit({**config, "mode": mode, "hidden": 256}, sharded_func, Path(tmp) / f"fsdp-{mode}")
             timed = [r for r in reports if not math.isnan(float(r.get("epoch_seconds", math.nan)))]
             sharded[mode] = [float(r["checkpoint_seconds"]) / float(r["epoch_seconds"]) for r in timed]
+        classifier: dict[bool, list[float]] = {False: [], True: []}
+        for rep in range(reps):
+            for as_spec in (False, True):
+                workdir = Path(tmp) / f"classifier-{rep}"
+                workdir.mkdir(exist_ok=True)
+                classifier[as_spec] += classifier_epoch_seconds(as_spec, 20_000 if args.smoke else 100_000, 3, workdir)
     figures = {
         "in_loop_bare_s": statistics.median(bare),
         "in_loop_flow_s": statistics.median(flow),
         "in_loop_ratio": statistics.median(flow) / statistics.median(bare),
         "checkpoint_share_every_rank_dcp": statistics.median(sharded["dcp"]),
         "checkpoint_share_rank0_full_state_dict": statistics.median(sharded["full"]),
+        "classifier_builtin_epoch_s": statistics.median(classifier[False]),
+        "classifier_spec_epoch_s": statistics.median(classifier[True]),
     }
+    figures["classifier_spec_ratio"] = figures["classifier_spec_epoch_s"] / figures["classifier_builtin_epoch_s"]
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "own_code.json").write_text(json.dumps({"smoke": args.smoke, **figures}, indent=1))
     table = "\n".join(
@@ -111,6 +153,12 @@ def main(argv: list[str] | None = None) -> None:
             f"{figures['checkpoint_share_every_rank_dcp']:.1%} |",
             f"| FSDP2, checkpoint share of epoch, full state dict from rank 0 | "
             f"{figures['checkpoint_share_rank0_full_state_dict']:.1%} |",
+            f"| built-in classifier, seconds per epoch (synthetic table) | "
+            f"{figures['classifier_builtin_epoch_s']:.3f} |",
+            f"| the same as a TrainSpec (raytrain_tasks/table_classifier.py) | "
+            f"{figures['classifier_spec_epoch_s']:.3f} |",
+            f"| TrainSpec/built-in (goal <= 1.05 before the spec replaces the built-in) | "
+            f"{figures['classifier_spec_ratio']:.3f} |",
         ]
     )
     (RESULTS / "own_code.md").write_text(f"# Own code ({time.strftime('%Y-%m-%d %H:%M')})\n\n{table}\n")

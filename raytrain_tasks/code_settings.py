@@ -32,6 +32,7 @@ def code_values(spec: Any, train_config: Mapping[str, Any], train_code: str) -> 
     with ``train_config`` over them, checked. UserCodeError naming ``train_config.<key>`` otherwise."""
     if spec.settings is None:
         _check_spelling(dict(spec.defaults), train_config, train_code)
+        _check_quoted_numbers(dict(spec.defaults), train_config, train_code)
         return {**dict(spec.defaults), **train_config}
     from pydantic import ValidationError
 
@@ -132,3 +133,24 @@ def _check_spelling(defaults: dict[str, Any], train_config: Mapping[str, Any], t
                 f"mean {near[0]!r}? (its defaults: {', '.join(map(repr, defaults))}). If the code reads {key!r} "
                 "itself, give it a default too (or declare its settings with settings=...)"
             )
+
+
+def _check_quoted_numbers(defaults: dict[str, Any], train_config: Mapping[str, Any], train_code: str) -> None:
+    """A quoted number where the code's default is a number (``{"hidden": "64"}`` beside ``hidden: 32``) is
+    refused: the code would get the text, and fail on a worker minutes later (or repeat a string 64 times). Other
+    types are left to the code, whose defaults do not say which it accepts (``settings=`` checks them all). The
+    value is not repeated: it may be a secret pasted into the wrong key."""
+    for key, value in train_config.items():
+        default = defaults.get(key)
+        if not isinstance(value, str) or isinstance(default, bool) or not isinstance(default, int | float):
+            continue
+        try:
+            float(value)
+        except ValueError:
+            continue
+        kind = "an integer" if isinstance(default, int) else "a number"
+        raise UserCodeError(
+            f"train_code {train_code!r}: train_config.{key} is a quoted number (a string), while its default "
+            f"{default!r} is {kind}: write it as a JSON number, without quotes, or declare "
+            "the code's settings with settings=... to have every value's type checked"
+        )

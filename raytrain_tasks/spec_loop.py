@@ -116,8 +116,11 @@ def _spec_loop(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:
         _seed(int(config["seed"]))
         splits = _splits(spec, config)
         ray_data = uses_ray_data(splits)
-        # Ray Datasets are pinned by prepare's stored version alone (hashing them here would read them whole).
-        digest = "" if ray_data else data_digest(splits)
+        # With prepare, the data is pinned by its stored version's content hash, checked before any worker starts
+        # (a resume on other data is refused there): hashing every item again here would cost each worker a pass
+        # over the data. Ray Datasets are pinned by prepare's stored version alone (hashing them would read them
+        # whole).
+        digest = "" if ray_data or spec.prepare is not None else data_digest(splits)
         context = ray.train.get_context()
         rank, world = context.get_world_rank(), context.get_world_size()
         batch_size, seed = int(config["batch_size"]), int(config["seed"])
@@ -376,7 +379,8 @@ def _resume(model: Any, optimizer: Any, digest: str) -> int:
         return 0
     with checkpoint.as_directory() as folder:
         state = torch.load(Path(folder) / STATE_FILE, map_location="cpu", weights_only=True)
-    if state["data_sha256"] != digest:
+    # "" on either side: the data is pinned by prepare's stored version (an older release hashed it here too).
+    if state["data_sha256"] and digest and state["data_sha256"] != digest:
         raise DatasetError(
             f"the data changed since this run's last checkpoint (content hash {state['data_sha256'][:12]}... then, "
             f"{digest[:12]}... now): a resume continues on the data it started with. Start a new run instead"

@@ -88,6 +88,26 @@ def test_a_misspelt_key_beside_plain_defaults_is_refused_and_a_key_of_ones_own_p
     assert code_values(spec, {"hidden": 1, "hiden": 2}, "my.code:training")["hiden"] == 2
 
 
+def test_a_quoted_number_beside_a_numeric_default_is_refused_before_any_worker() -> None:
+    """{"hidden": "64"} beside defaults={"hidden": 32} reached the workers as text and failed there, half a
+    minute later; other types are the code's own business (a default does not say what else it accepts)."""
+    spec = _func(defaults={"hidden": 32, "dropout": 0.1, "layers": "auto", "verbose": False})
+    with pytest.raises(UserCodeError, match=r"train_config.hidden is a quoted number .* default 32 is an integer: "):
+        code_values(spec, {"hidden": "64"}, "my.code:training")
+    with pytest.raises(
+        UserCodeError, match=r"dropout is a quoted number .*a number: write it as a JSON number"
+    ) as raised:
+        code_values(spec, {"dropout": "0.25"}, "my.code:training")
+    assert "0.25" not in str(raised.value)
+    assert code_values(spec, {"layers": 3, "verbose": "1", "hidden": 64, "dropout": 1}, "my.code:training") == {
+        "hidden": 64,
+        "dropout": 1,
+        "layers": 3,
+        "verbose": "1",
+    }
+    assert code_values(spec, {"hidden": "wide"}, "my.code:training")["hidden"] == "wide"  # not a number: the code's
+
+
 def test_the_examples_settings_are_checked_where_the_run_starts() -> None:
     """The image example declares its settings: the driver's check (the CLI's, the flow's) refuses what does not
     fit, before prepare-data or any worker."""
