@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from raytrain_tasks.errors import PIPELINE_KEY_ALIASES
+
 __all__ = ["DATA_DIR_KEY", "Metric", "MetricChoice", "Splits", "TrainFunc", "TrainSpec", "TRAIN_CONFIG_KEYS"]
 
 # What ``settings=`` may be: a pydantic model class, or a dataclass; its fields are your code's settings.
@@ -47,20 +49,33 @@ SETTINGS_KINDS = "a pydantic BaseModel subclass or a dataclass"
 
 
 def pipeline_keys_refused(keys: Any, where: str) -> str:
-    """ "" when ``keys`` set none of ``TRAIN_CONFIG_KEYS``; else why ``where`` may not set them."""
+    """ "" when ``keys`` set none of ``TRAIN_CONFIG_KEYS`` nor their usual other names (``PIPELINE_KEY_ALIASES``);
+    else why ``where`` may not set them."""
     taken = [key for key in TRAIN_CONFIG_KEYS if key in keys]
-    if not taken:
+    aliases = [key for key in PIPELINE_KEY_ALIASES if key in keys]
+    if not taken and not aliases:
         return ""
 
-    def setting(key: str) -> str:
-        name = PIPELINE_SETTING.get(key, key)
-        return f"{key} from the setting `{name}` (--{name.replace('_', '-')})"
+    def flag(key: str) -> str:
+        return "--" + PIPELINE_SETTING.get(key, key).replace("_", "-")
 
-    return (
-        f"{where} may not set {', '.join(taken)}: your code gets the pipeline's own value ("
-        f"{'; '.join(setting(key) for key in taken)}), so that the run's MLflow params, its progress and a resume "
-        "agree with what trained; set the setting instead"
-    )
+    reasons = []
+    if taken:
+        reasons.append(
+            f"{where} may not set {', '.join(taken)}: your code gets the pipeline's own value ("
+            + "; ".join(f"{key} from the setting `{PIPELINE_SETTING.get(key, key)}` ({flag(key)})" for key in taken)
+            + "), so that the run's MLflow params, its progress and a resume agree with what trained; set the "
+            "setting instead"
+        )
+    if aliases:
+        targets = sorted({PIPELINE_KEY_ALIASES[key] for key in aliases})
+        reasons.append(
+            f"{where} sets {', '.join(aliases)}, another name of the pipeline's own "
+            + " and ".join(f"config[{key!r}] (set with {flag(key)})" for key in targets)
+            + f": code reading {', '.join(aliases)} would not follow the run's settings, nor would its progress, "
+            "params and resume; set the setting, and read the pipeline's key"
+        )
+    return ". ".join(reasons)
 
 
 # The keys the pipeline puts into the ``config`` your ``train_func`` receives, from its own settings (the setting

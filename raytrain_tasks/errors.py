@@ -6,6 +6,12 @@ message, so they pickle across Ray workers unchanged.
 
 import traceback
 
+# Names Ray Train's guides and most training scripts give the pipeline's own keys. Code that reads
+# config["num_epochs"] trains its own count whatever --epochs says (and the run's progress, params and resume say
+# otherwise): refused (raytrain_tasks.api) where ``defaults``, ``settings`` or ``train_config`` set them, and
+# named where a KeyError on one fails the code.
+PIPELINE_KEY_ALIASES = {"num_epochs": "epochs", "n_epochs": "epochs", "max_epochs": "epochs", "learning_rate": "lr"}
+
 
 class PipelineError(Exception):
     """Root of every error the pipeline raises on purpose."""
@@ -82,4 +88,12 @@ def user_frames(exc: BaseException) -> str:
         if "importlib" not in frame.filename and not frame.filename.endswith(("user_code.py", "spec_loop.py"))
     ]
     where = "".join(traceback.format_list(frames)).rstrip()
-    return f"{type(exc).__name__}: {exc}" + (f"\n{where}" if where else "")
+    return f"{type(exc).__name__}: {exc}{_key_hint(exc)}" + (f"\n{where}" if where else "")
+
+
+def _key_hint(exc: BaseException) -> str:
+    """For a KeyError on another name of a key the pipeline puts into ``config`` (``num_epochs``): which one."""
+    key = exc.args[0] if isinstance(exc, KeyError) and exc.args else None
+    if not isinstance(key, str) or key not in PIPELINE_KEY_ALIASES:
+        return ""
+    return f" (the pipeline puts this value into config as {PIPELINE_KEY_ALIASES[key]!r}: read that key)"

@@ -108,6 +108,28 @@ def test_a_quoted_number_beside_a_numeric_default_is_refused_before_any_worker()
     assert code_values(spec, {"hidden": "wide"}, "my.code:training")["hidden"] == "wide"  # not a number: the code's
 
 
+@dataclass
+class OwnEpochs:
+    num_epochs: int = 5
+
+
+def test_another_name_for_a_pipeline_key_is_refused_and_a_keyerror_on_one_says_which_key_to_read() -> None:
+    """Code ported from Ray's docs that reads config["num_epochs"] trained its own count whatever --epochs said
+    (and the run's progress passed 100%): its defaults, settings class or train_config naming it are refused before
+    anything starts, and a KeyError on it (no default anywhere) names the key the pipeline gives."""
+    from raytrain_tasks.errors import user_frames
+
+    with pytest.raises(TypeError, match=r"sets num_epochs, another name of the pipeline's own config\['epochs'\] "):
+        _func(defaults={"num_epochs": 5, "hidden": 2})
+    with pytest.raises(TypeError, match=r"config\['epochs'\] \(set with --epochs\)"):
+        _func(settings=OwnEpochs)
+    with pytest.raises(ValueError, match=r"config\['lr'\] \(set with --learning-rate\)"):
+        TrainingConfig(train_code="my.code:training", train_config={"learning_rate": 0.1})
+    assert "as 'epochs': read that key" in user_frames(KeyError("num_epochs"))
+    assert user_frames(KeyError("hidden")) == "KeyError: 'hidden'"
+    assert _func(defaults={"warmup_epochs": 1}).defaults == {"warmup_epochs": 1}  # a name of its own passes
+
+
 def test_the_examples_settings_are_checked_where_the_run_starts() -> None:
     """The image example declares its settings: the driver's check (the CLI's, the flow's) refuses what does not
     fit, before prepare-data or any worker."""
