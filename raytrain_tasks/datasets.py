@@ -1,7 +1,7 @@
 """Named datasets: the one place to plug in your own source.
 
 A loader returns the raw table (feature columns plus the label column). Splitting, standardising and
-versioning happen in ``raytrain_driver/dataset.py``; files (``.csv``/``.parquet``) need no loader here.
+versioning happen in ``raytrain_tasks/tables.py``; files (``.csv``/``.parquet``) need no loader here.
 """
 
 from __future__ import annotations

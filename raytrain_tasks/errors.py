@@ -10,7 +10,8 @@ import traceback
 # config["num_epochs"] trains its own count whatever --epochs says (and the run's progress, params and resume say
 # otherwise): refused (raytrain_tasks.api) where ``defaults``, ``settings`` or ``train_config`` set them, and
 # named where a KeyError on one fails the code.
-PIPELINE_KEY_ALIASES = {"num_epochs": "epochs", "n_epochs": "epochs", "max_epochs": "epochs", "learning_rate": "lr"}
+# Only names that mean nothing else: `max_epochs` may be a scheduler's horizon, `n_epochs` a warm-up's length.
+PIPELINE_KEY_ALIASES = {"num_epochs": "epochs", "learning_rate": "lr"}
 
 
 class PipelineError(Exception):

@@ -5,7 +5,8 @@ Each epoch: train on this worker's shard (``prepare_data_loader``: a Distributed
 for Ray Dataset splits, its ``get_dataset_shard("train")``, shuffled locally), then score the validation and test
 splits on disjoint, unpadded slices whose sums are all-reduced (so the figures are exact over each whole split),
 then one ``ray.train.report`` with a checkpoint from rank 0 holding the model, optimizer, RNG state, the epoch and
-the data's content hash, in a folder named for its epoch (``epoch-0003``; ``epoch-0003-r1`` when a folder of that
+the data's content hash (none for a spec with ``prepare``, whose stored version's hash pins the data before any
+worker starts), in a folder named for its epoch (``epoch-0003``; ``epoch-0003-r1`` when a folder of that
 name is already in the run's storage: an earlier attempt's is never written into). A resume restores all of it,
 so a resumed run on torch datasets follows the uninterrupted trajectory (Ray Data decides which rows reach which
 shard: there, a resume continues from the checkpoint on rows in another order); a resume on other data is refused

@@ -1,12 +1,13 @@
 """A classifier for a labelled table, written as your own code is: a ``TrainSpec`` of the public API
 (raytrain_tasks.api) and nothing else of the pipeline's. It is the built-in classifier's model and data (the same
-table preparation, split rule and train-split standardisation) as code you can run, copy and change::
+table preparation, split rule and train-split standardisation) as code you can run and read::
 
     prefect-raytrain train --train-code raytrain_tasks.table_classifier:classifier \\
         --train-config '{"dataset": "data/customers.csv", "label_column": "churned"}'
 
 ``dataset`` is ``"digits"`` (scikit-learn's bundled 8x8 digits), ``"synthetic"`` (a generated 4-class problem) or
-a CSV/Parquet file (a local path, or a URI this machine's own credentials can read) with numeric feature columns
+a CSV/Parquet file (a local path, or a URI this machine's own credentials and endpoint can read: the run's
+``s3_endpoint_url`` and storage options are not handed to your code) with numeric feature columns
 and a label column. ``prepare`` loads it, assigns each row to train, validation or test by a hash of its key (a row
 keeps its split as the table grows), and writes the three splits as Parquet with a ``dataset.json`` describing
 them (feature names, class labels, the train split's mean and deviation); the pipeline stores that folder by its
@@ -23,8 +24,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from pathlib import Path, PurePosixPath
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
@@ -58,13 +59,18 @@ class Settings(BaseModel):
     test_fraction: float = Field(default=0.1, gt=0.0, lt=0.9, description="share of rows the gate compares on")
     synthetic_samples: int = Field(default=4000, ge=100, le=10_000_000, description="rows of 'synthetic'")
     synthetic_features: int = Field(default=20, ge=2, le=10_000, description="feature columns of 'synthetic'")
-    hidden_sizes: list[int] = Field(default=[128, 64], min_length=1, description="the MLP's hidden layer widths")
+    hidden_sizes: list[Annotated[int, Field(ge=1, le=65_536)]] = Field(
+        default=[128, 64], min_length=1, max_length=16, description="the MLP's hidden layer widths"
+    )
     metric: Literal["accuracy", "loss"] = Field(
         default="accuracy", description="picks the best checkpoint (val_) and is what the gate compares (test_)"
     )
     data_loader: Literal["torch", "ray_data"] = Field(
         default="torch",
-        description="'torch': every worker reads the splits; 'ray_data': Ray Datasets, the train split sharded",
+        description=(
+            "'torch': every worker reads the splits; 'ray_data': Ray Datasets read from the driver's copy of them, "
+            "the train split sharded (one node: Ray Data's read tasks run where the cluster puts them)"
+        ),
     )
     input_example: Literal["synthetic", "validation_rows"] = Field(
         default="synthetic",
@@ -96,8 +102,11 @@ def prepare(config: dict[str, Any], folder: Path) -> None:
     content_hash = dataset_hash(frame, table)
     target = locate(folder.as_posix())
     planned, splits = plan_version(frame, table, target, content_hash)
-    # The folder's own path is not part of what it holds: data() reads it from wherever the pipeline put it.
-    write_version(planned.model_copy(update={"uri": "."}), splits, target)
+    # Neither the folder's path (data() reads it wherever the pipeline put it) nor how the table's path was spelt
+    # is part of what it holds. (pyarrow writes its version into each Parquet file: after an upgrade the same
+    # table is a new stored version, and a run started before it is refused a resume.)
+    source = PurePosixPath(table.dataset.rstrip("/")).name or table.dataset
+    write_version(planned.model_copy(update={"uri": ".", "source": source}), splits, target)
 
 
 def described(config: dict[str, Any]) -> DatasetRef:
@@ -133,9 +142,12 @@ def build_model(config: dict[str, Any], example: torch.Tensor) -> nn.Module:
     dataset = described(config)
     net = build_mlp(dataset.num_features, dataset.num_classes, config["hidden_sizes"])
     model = with_standardisation(net, dataset.feature_mean, dataset.feature_std)
-    # The mean and deviation are constants: DDP would broadcast them from rank 0 before every forward pass (a
-    # collective per step, a tenth of an epoch's time on CPUs), as it does buffers that training may change.
-    model._ddp_params_and_buffers_to_ignore = [name for name, _ in model.named_buffers()]  # type: ignore[assignment]
+    # The standardisation's mean and deviation are constants, the same on every rank: DDP would broadcast them from
+    # rank 0 before every forward pass (a collective per step, a tenth of an epoch's time on CPUs), as it must
+    # buffers that training changes (a BatchNorm's, which stay synchronised). DistributedDataParallel reads this
+    # attribute when it wraps the model (torch 2.x; a test checks it still does).
+    standardise = next(iter(model.children()))
+    model._ddp_params_and_buffers_to_ignore = [f"0.{name}" for name, _ in standardise.named_buffers()]  # type: ignore[assignment]
     return model
 
 

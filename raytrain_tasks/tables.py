@@ -70,7 +70,7 @@ def load_raw_frame(config: TableSettings) -> pd.DataFrame:
         )
         frame = BUILTIN_DATASETS[config.dataset](request)
     else:
-        frame = read_table_file(config.dataset, config)
+        frame = _read_table_file(config.dataset, config)
     if config.label_column not in frame.columns:
         raise DatasetError(
             f"label column {config.label_column!r} is not in dataset {config.dataset!r} "
@@ -160,7 +160,7 @@ def dataset_hash(frame: pd.DataFrame, config: TableSettings) -> str:
     return digest.hexdigest()[:16]
 
 
-def read_table_file(uri: str, config: TableSettings) -> pd.DataFrame:
+def _read_table_file(uri: str, config: TableSettings) -> pd.DataFrame:
     import pyarrow.csv as pacsv
 
     location = locate(uri, config.storage_options)
@@ -180,7 +180,7 @@ def read_table_file(uri: str, config: TableSettings) -> pd.DataFrame:
 def plan_version(
     frame: pd.DataFrame, config: TableSettings, target: StorageLocation, content_hash: str
 ) -> tuple[DatasetRef, dict[str, pa.Table]]:
-    """The version's description (without split digests) and its split tables, as ``_write_version`` stores them."""
+    """The version's description (without split digests) and its split tables, as ``write_version`` stores them."""
     labels = frame[config.label_column]
     class_values = sorted(labels.unique(), key=str)
     class_index = {value: i for i, value in enumerate(class_values)}

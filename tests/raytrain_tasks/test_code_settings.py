@@ -127,7 +127,7 @@ def test_another_name_for_a_pipeline_key_is_refused_and_a_keyerror_on_one_says_w
         TrainingConfig(train_code="my.code:training", train_config={"learning_rate": 0.1})
     assert "as 'epochs': read that key" in user_frames(KeyError("num_epochs"))
     assert user_frames(KeyError("hidden")) == "KeyError: 'hidden'"
-    assert _func(defaults={"warmup_epochs": 1}).defaults == {"warmup_epochs": 1}  # a name of its own passes
+    assert _func(defaults={"max_epochs": 1}).defaults == {"max_epochs": 1}  # may be a scheduler's: passes
 
 
 def test_the_examples_settings_are_checked_where_the_run_starts() -> None:

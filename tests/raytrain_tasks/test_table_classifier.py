@@ -60,6 +60,41 @@ def test_the_same_table_prepares_the_same_bytes_and_each_row_lands_in_one_split(
     assert {int(y) for _, y in splits.train} == {0, 1, 2}
 
 
+def test_the_same_table_by_another_path_is_the_same_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    csv = write_table(tmp_path / "customers.csv")
+    monkeypatch.chdir(tmp_path)
+    folders = [tmp_path / "absolute", tmp_path / "relative"]
+    for folder, spelt in zip(folders, (str(csv), "./customers.csv"), strict=True):
+        folder.mkdir()
+        prepare(table_config(csv, dataset=spelt), folder)
+    assert local_folder_digest(folders[0]) == local_folder_digest(folders[1])
+
+
+def test_ddp_does_not_broadcast_the_standardisation_constants_every_step(tmp_path: Path) -> None:
+    """The model's mean and deviation are the same on every rank: DDP is told to leave them out of the buffers it
+    broadcasts before each forward pass (a collective per step), and still syncs a buffer training changes."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from raytrain_tasks.table_classifier import build_model
+
+    csv = write_table(tmp_path / "customers.csv")
+    (tmp_path / "data").mkdir()
+    prepare(table_config(csv), tmp_path / "data")
+    config = {**table_config(csv), "data_dir": str(tmp_path / "data"), "hidden_sizes": [8]}
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = DistributedDataParallel(build_model(config, torch.zeros(2, 4)))
+        assert not model.will_sync_module_buffers()
+        with_norm = build_model(config, torch.zeros(2, 4))
+        with_norm.append(torch.nn.BatchNorm1d(3))
+        assert DistributedDataParallel(with_norm).will_sync_module_buffers()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_label_column_the_table_lacks_is_named_before_anything_trains(tmp_path: Path) -> None:
     csv = write_table(tmp_path / "customers.csv")
     (tmp_path / "out").mkdir()
