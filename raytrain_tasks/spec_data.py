@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from raytrain_tasks.api import Splits
 from raytrain_tasks.errors import DatasetError, UserCodeError
@@ -129,3 +130,20 @@ def quiet_ray_data() -> None:
     context.enable_progress_bars = False
     context.print_on_execution_start = False
     logging.getLogger("ray.data").setLevel(logging.WARNING)  # "Progress bars disabled", each execution's plan
+
+
+def train_loader_of(dataset: Any, batch_size: int, seed: int, rank: int, world: int) -> DataLoader[Any]:
+    """The train split's loader, shuffled by the run's ``seed``: on several workers, each gets its share through a
+    DistributedSampler seeded with it (``prepare_data_loader`` adds one with seed 0 whatever the run's seed is, and
+    leaves one that is there); on one, the global RNG seeded with it draws the order."""
+    if world > 1:
+        sampler: DistributedSampler[Any] = DistributedSampler(
+            dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed
+        )
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=True)
+
+
+def slice_batches(dataset: Any, rank: int, world: int, batch_size: int) -> Any:
+    """This rank's disjoint, unpadded slice of a map-style split: every world-th item."""
+    return DataLoader(Subset(dataset, range(rank, len(dataset), world)), batch_size=batch_size)

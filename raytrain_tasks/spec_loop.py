@@ -29,7 +29,7 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DistributedSampler
 
 from raytrain_tasks import spec_data
 from raytrain_tasks.api import Metric, Splits, TrainFunc, TrainSpec
@@ -42,6 +42,8 @@ from raytrain_tasks.spec_data import (
     quiet_ray_data,
     ray_held_out_batches,
     ray_train_batches,
+    slice_batches,
+    train_loader_of,
     trainer_datasets,
     uses_ray_data,
 )
@@ -128,7 +130,7 @@ def _spec_loop(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:
         train_loader = (
             None
             if ray_data
-            else ray.train.torch.prepare_data_loader(DataLoader(splits.train, batch_size=batch_size, shuffle=True))
+            else ray.train.torch.prepare_data_loader(train_loader_of(splits.train, batch_size, seed, rank, world))
         )
         model = ray.train.torch.prepare_model(spec.model(config, example_inputs(splits)))
         optimizer = (
@@ -161,7 +163,7 @@ def _spec_loop(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:
                 held_out = (
                     ray_held_out_batches(splits, name, batch_size, rank, world)
                     if ray_data
-                    else _slice_batches(getattr(splits, name), rank, world, batch_size)
+                    else slice_batches(getattr(splits, name), rank, world, batch_size)
                 )
                 metrics |= _score(spec, model, held_out, name)
             if epoch == start:
@@ -248,11 +250,6 @@ def _empty(dataset: Any) -> bool:
     return dataset is None or (not is_ray_dataset(dataset) and len(dataset) == 0)
 
 
-def _slice_batches(dataset: Any, rank: int, world: int, batch_size: int) -> Any:
-    """This rank's disjoint, unpadded slice of a map-style split: every world-th item."""
-    return DataLoader(Subset(dataset, range(rank, len(dataset), world)), batch_size=batch_size)
-
-
 def _sums(spec: TrainSpec, model: Any, batches: Any, device: Any) -> tuple[dict[str, float], int]:
     """({"loss": sum, <metric>: sum, ...}, rows) over ``batches``, each batch's means weighted by its rows."""
     sums: dict[str, float] = {}
@@ -302,7 +299,7 @@ def _batch_metric_names(
     the model as built: no training, no random number drawn (the trajectory stays the uninterrupted one's)."""
     net = getattr(model, "module", model)  # not DDP's forward: no collective for a check some ranks may skip
     with torch.random.fork_rng(devices=[]), torch.no_grad():
-        batch = next(iter(_slice_batches(val, rank, world, batch_size)), None)
+        batch = next(iter(slice_batches(val, rank, world, batch_size)), None)
         if batch is None:
             return None
         was_training = net.training

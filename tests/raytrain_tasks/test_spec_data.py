@@ -1,0 +1,29 @@
+"""A TrainSpec's train split: its order follows the run's `seed`. No Ray."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import TensorDataset
+
+from raytrain_tasks.spec_data import train_loader_of
+
+ROWS = TensorDataset(torch.arange(40).unsqueeze(1), torch.zeros(40))
+
+
+def _order(seed: int, rank: int, world: int, epoch: int = 0) -> list[int]:
+    loader = train_loader_of(ROWS, 4, seed, rank, world)
+    if hasattr(loader.sampler, "set_epoch"):
+        loader.sampler.set_epoch(epoch)
+    torch.manual_seed(seed)  # what the loop does first, for the one-worker order
+    return [int(x) for inputs, _ in loader for x in inputs[:, 0]]
+
+
+def test_the_train_order_follows_the_runs_seed_on_one_worker_and_on_several() -> None:
+    """Ray's prepare_data_loader shuffles with a DistributedSampler of seed 0 whatever the run's seed: two runs
+    with other seeds saw the same order on two workers. Each worker's share still covers the split once."""
+    for world in (1, 2):
+        assert _order(1, 0, world) == _order(1, 0, world)
+        assert _order(1, 0, world) != _order(2, 0, world), f"{world} worker(s): the seed does not change the order"
+    shares = _order(1, 0, 2) + _order(1, 1, 2)
+    assert sorted(shares) == list(range(40))
+    assert _order(1, 0, 2, epoch=1) != _order(1, 0, 2, epoch=0)  # reshuffled each epoch, as set_epoch asks
