@@ -107,10 +107,16 @@ def version_tags(config: TrainingConfig, spec: TrainFunc | None, score: float) -
 
 
 def assess_recorded_champion(
-    client: MlflowClient, name: str, config: TrainingConfig, spec: TrainFunc, data_dir: Path | None = None
+    client: MlflowClient,
+    name: str,
+    config: TrainingConfig,
+    spec: TrainFunc,
+    data_dir: Path | None = None,
+    candidate_uri: str | None = None,
 ) -> Champion:
     """The champion's score as recorded when it was registered; incomparable unless the same training code
-    registered it on the same metric. Only a missing alias means there is none; a registry error leaves it open."""
+    registered it on the same metric, and (given the candidate's ``candidate_uri``) with the same MLflow signature.
+    Only a missing alias means there is none; a registry error leaves it open."""
     found = read_champion(client, name)
     if isinstance(found, Champion):
         return found
@@ -131,6 +137,15 @@ def assess_recorded_champion(
             f"{'higher' if tags.get(GATE_DIRECTION_TAG) == 'true' else 'lower'} is better), this run's is "
             f"{spec.gate.name!r} ({'higher' if spec.gate.higher_is_better else 'lower'} is better)",
         )
+    if candidate_uri is not None:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            differs = signature_change(f"models:/{name}/{version}", candidate_uri)
+        except (MlflowException, OSError) as exc:  # the registry or artifact store: decided later, nothing moves
+            return Champion(version, error=f"reading {name} version {version}'s signature failed: {_named(exc)}")
+        if differs:
+            return Champion(version, incomparable=differs)
     if spec.evaluate is not None:
         return _evaluated_champion(name, version, config, spec, data_dir)
     recorded = tags.get(GATE_SCORE_TAG, tags.get(spec.gate.name))
@@ -151,7 +166,7 @@ def assess_user_champion(
 ) -> tuple[Champion, float]:
     """(the champion, the candidate's score) as the gate compares them: both scored by the code's ``evaluate`` on
     this run's data when it has one and the champion is comparable; else the scores recorded at training time."""
-    champion = assess_recorded_champion(client, name, config, spec, data_dir)
+    champion = assess_recorded_champion(client, name, config, spec, data_dir, candidate_uri)
     if spec.evaluate is None or champion.score is None:
         return champion, recorded
     try:
@@ -159,6 +174,23 @@ def assess_user_champion(
     except Exception as exc:  # noqa: BLE001 - a candidate that cannot be scored like the champion moves nothing (tested)
         failed = f"scoring this run's model with evaluate failed: {_named(exc)}"
         return Champion(champion.version, error=failed), recorded
+
+
+def signature_change(champion_uri: str, candidate_uri: str) -> str:
+    """Why the two models' MLflow signatures (their inputs' and outputs' names, types and shapes) differ; "" when
+    they agree or either has none. A model another shape of input or output cannot stand in for the champion
+    (whoever calls it would break), nor be scored on the same data as it: incomparable, as the built-in
+    classifier's champion of another input schema is."""
+    from mlflow.models import get_model_info
+
+    theirs = get_model_info(champion_uri).signature
+    ours = get_model_info(candidate_uri).signature
+    if theirs is None or ours is None or theirs.to_dict() == ours.to_dict():
+        return ""
+    return (
+        f"its signature (inputs {theirs.inputs}, outputs {theirs.outputs}) differs from this run's model's (inputs "
+        f"{ours.inputs}, outputs {ours.outputs}): a client of the champion could not call it in its place"
+    )
 
 
 def _evaluated_champion(

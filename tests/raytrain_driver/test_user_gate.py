@@ -137,6 +137,41 @@ def test_an_evaluate_that_fails_moves_nothing_and_says_why(
     assert decide_promotion(candidate, champion, higher_is_better=False).action is Promotion.UNDECIDED
 
 
+@pytest.mark.parametrize("evaluate", [mse_today, None], ids=["scored today", "recorded scores"])
+def test_a_champion_of_another_signature_is_kept_as_incomparable_not_scored(
+    registry: tuple[MlflowClient, TrainingConfig, str], evaluate: Any
+) -> None:
+    """The team's inputs grew from 3 features to 1... or any other shape: the champion cannot be called like this
+    run's model, nor scored on its data (evaluate would raise, leaving every later run undecided, nothing ever
+    registered as champion). It is incomparable: it keeps its alias unless replace_incomparable_champion asks."""
+    import mlflow
+
+    client, config, candidate_uri = registry
+    uri = config.mlflow_tracking_uri
+    experiment = client.get_experiment_by_name("gate")
+    assert experiment is not None
+    with tracking.using_tracking_uri(uri), mlflow.start_run(experiment_id=experiment.experiment_id):
+        wide = mlflow.pytorch.log_model(
+            nn.Linear(3, 1), name="model", input_example=torch.zeros(2, 3).numpy(), serialization_format="pt2"
+        ).model_uri
+    name = f"gate-test-wider-{'scored' if evaluate else 'recorded'}"
+    client.create_registered_model(name)
+    with tracking.using_tracking_uri(uri):
+        version = client.create_model_version(
+            name, wide, tags=version_tags(config, spec(), 0.001), model_id=wide.split("/")[-1]
+        )
+    client.set_registered_model_alias(name, "champion", version.version)
+
+    with tracking.using_tracking_uri(uri):
+        champion, candidate = assess_user_champion(client, name, config, spec(evaluate), candidate_uri, recorded=0.5)
+    assert champion.version == str(version.version) and champion.score is None and not champion.error, champion
+    assert "signature" in champion.incomparable and "3" in champion.incomparable, champion
+    kept = decide_promotion(candidate, champion, higher_is_better=False)
+    assert kept.action is Promotion.KEEP_INCOMPARABLE, kept
+    replaced = decide_promotion(candidate, champion, higher_is_better=False, replace_incomparable=True)
+    assert replaced.action is Promotion.REPLACE_INCOMPARABLE, replaced
+
+
 def test_a_train_spec_evaluates_on_its_test_split_with_its_loss_and_metrics() -> None:
     """What a TrainSpec's evaluate computes: the mean loss and metrics over the whole test split (batched)."""
     spec = TrainSpec(
