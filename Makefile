@@ -34,10 +34,11 @@ test: install
 
 # Everything but the end-to-end tests, in two processes (pytest-xdist): most of their time is imports and
 # subprocesses. The end-to-end tests stay serial in `make test`: each trains on both cores, and their stop and
-# heartbeat windows are measured in seconds.
+# heartbeat windows are measured in seconds. --dist loadscope keeps each module in one process: its module-scoped
+# fixtures (an MLflow server, a prepared dataset) start once, and its tests run in file order.
 test-fast: install
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -m "not slow" -n 2 $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" -n 2 --dist loadscope $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
 
-from raytrain_driver import builtin_register
+from raytrain_driver import builtin_register, user_register
 from raytrain_driver.builtin_register import SCHEMA_TAG
 from raytrain_driver.evaluation import EVALUATION_ARTIFACT_DIR, scores_as_metrics
 from raytrain_driver.fit_record import FitResult
@@ -325,7 +325,7 @@ def _log_pt2(
     import mlflow
     import torch
 
-    with mlflow.start_run(run_id=fit.mlflow_run_id):
+    with user_register.EXPORT_LOCK, mlflow.start_run(run_id=fit.mlflow_run_id):
         for name, text in (texts or {}).items():
             mlflow.log_text(text, name)
         if artifacts is not None:

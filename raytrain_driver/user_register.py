@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import tempfile
+import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -91,6 +92,12 @@ def _check_example_accepted(config: TrainingConfig, fit: FitResult, model: Any, 
             f"shaped like your data's inputs; fix it, then `prefect-raytrain resume {fit.run_key}` registers this run "
             "without training it again"
         ) from exc
+
+
+# torch.export keeps the module it exports in module-level globals (torch/export/_trace.py) and clears them when
+# done: two exports at once in one process (two pipelines run in threads) failed with "_EXPORT_MODULE_HIERARCHY
+# must not be None" (seen in test_registry's two pipelines registering at once). One export at a time.
+EXPORT_LOCK = threading.Lock()
 
 
 def version_tags(config: TrainingConfig, spec: TrainFunc | None, score: float) -> dict[str, str]:

@@ -19,6 +19,7 @@ from raytrain_driver.fit_record import FitResult
 from raytrain_driver.register import APPLIED_TAG
 from raytrain_driver.registry_lock import QUEUE_SUFFIX
 from raytrain_tasks.errors import PromotionError
+from raytrain_tasks.tracking import runs as tracking
 from tests.helpers import (
     REPO_ROOT,
     MlflowServer,
@@ -77,12 +78,10 @@ def registry(
 ) -> dict[str, Any]:
     workdir = tmp_path_factory.mktemp("registry")
     config = small_config(workdir, mlflow_tracking_uri=str(mlflow_server), model_name="gate", experiment_name="gate")
-    return {
-        "config": config,
-        "workdir": workdir,
-        "dataset": prepare_dataset(config),
-        "client": MlflowClient(mlflow_server),
-    }
+    client = MlflowClient(mlflow_server)
+    # Here, not by whichever test fits first: each test stands alone (pytest-xdist may run them in two processes).
+    tracking.ensure_experiment(client, config.experiment_name, config.mlflow_tracking_uri, config.storage_path)
+    return {"config": config, "workdir": workdir, "dataset": prepare_dataset(config), "client": client}
 
 
 def _versions(client: MlflowClient, name: str) -> list[str]:
