@@ -12,7 +12,7 @@ import numpy as np
 
 from raytrain_tasks.data import DatasetRef, read_split
 from raytrain_tasks.prepared import RunData, is_builtin_dataset
-from raytrain_tasks.reports import dataset_summary, evaluation_report, write_report_files
+from raytrain_tasks.reports import EVALUATION_ARTIFACT_DIR, dataset_summary, evaluation_report, write_report_files
 from raytrain_tasks.storage.filesystem import StorageOptions
 from raytrain_tasks.storage.locations import download_dir, locate
 
@@ -21,8 +21,6 @@ if TYPE_CHECKING:
     from mlflow.entities import Metric
 
     from raytrain_driver.fit_record import FitResult
-
-EVALUATION_ARTIFACT_DIR = "evaluation"
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from raytrain_driver.hooks import run_logger
 from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import CheckpointError, UserCodeError
+from raytrain_tasks.reports import log_learning_curves
 from raytrain_tasks.tracking.controller import (
     EPOCH_FOLDER,
     checkpoint_name,
@@ -281,6 +282,7 @@ def record_user_fit(
     if not log_summary(client, run_id, history, spec.selection.name, step, keys, columns):
         client.set_tag(run_id, "summary.best_epoch", str(step))  # a pick the history lacks: its score alone
         client.set_tag(run_id, f"summary.best_{spec.selection.name}", f"{best[spec.selection.name]:.6f}")
+    log_learning_curves(client, run_id, history)  # the run page links it
     return fit
 
 

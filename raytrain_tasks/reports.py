@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.tracking.controller import epoch_number
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
+EVALUATION_ARTIFACT_DIR = "evaluation"  # the MLflow run's folder of plots and reports (tasks/run_page links it)
+LEARNING_CURVES_FILE = "learning_curves.png"
 
 
 def evaluation_report(logits: np.ndarray, labels: np.ndarray, class_labels: tuple[str, ...]) -> dict[str, Any]:
@@ -65,7 +72,7 @@ def write_report_files(
     """Write the PNGs and JSON files into ``directory``; returns the paths written."""
     directory.mkdir(parents=True, exist_ok=True)
     files = {
-        "learning_curves.png": lambda path: plot_learning_curves(history, path),
+        LEARNING_CURVES_FILE: lambda path: plot_learning_curves(history, path),
         "confusion_matrix.png": lambda path: plot_confusion_matrix(evaluation["confusion_matrix"], class_labels, path),
         "per_class_report.json": lambda path: path.write_text(json.dumps(evaluation, indent=1)),
         "dataset_summary.json": lambda path: path.write_text(json.dumps(summary, indent=1)),
@@ -79,18 +86,51 @@ def write_report_files(
     return written
 
 
+# Bookkeeping a report may carry beside its scores: not a learning curve.
+NOT_CURVES = frozenset({"epoch", "epoch_seconds", "samples_per_second", "workers"})
+SPLIT_PREFIXES = (("train_", "train"), ("val_", "validation"), ("test_", "test"))
+MAX_PANELS = 6
+
+
+def curve_panels(history: list[dict[str, float]]) -> dict[str, dict[str, str]]:
+    """The learning curves of a run's history, one panel per measure: ``{measure: {key: label}}``. A measure's
+    train_/val_/test_ keys share its panel (``train_loss`` and ``val_loss`` in "loss"); a key without such a prefix
+    is a measure of its own. Losses first; at most ``MAX_PANELS``."""
+    panels: dict[str, dict[str, str]] = {}
+    keys = dict.fromkeys(key for entry in history for key in entry if key not in NOT_CURVES)
+    for key in keys:
+        measure, label = next(
+            ((key.removeprefix(prefix), name) for prefix, name in SPLIT_PREFIXES if key.startswith(prefix)), (key, key)
+        )
+        panels.setdefault(measure, {})[key] = label
+    ordered = sorted(panels, key=lambda measure: "loss" not in measure)  # stable: the report's order otherwise
+    return {measure: panels[measure] for measure in ordered[:MAX_PANELS]}
+
+
+def log_learning_curves(client: MlflowClient, run_id: str, history: list[dict[str, float]]) -> None:
+    """The run's learning curves as ``evaluation/learning_curves.png`` in its MLflow run (a retry replaces it)."""
+    with tempfile.TemporaryDirectory(prefix="prt-curves-") as tmp:
+        path = Path(tmp) / LEARNING_CURVES_FILE
+        plot_learning_curves(history, path)
+        client.log_artifact(run_id, str(path), artifact_path=EVALUATION_ARTIFACT_DIR)
+
+
 def plot_learning_curves(history: list[dict[str, float]], path: Path) -> None:
-    figure, (loss_axis, accuracy_axis) = _figure(ncols=2, size=(10, 4))
+    """Every measure the run reported per epoch (``curve_panels``), against the epoch number."""
+    from matplotlib.ticker import MaxNLocator
+
+    panels = curve_panels(history) or {"no metric reported": {}}
+    figure, axes = _figure(ncols=len(panels), size=(5 * len(panels), 4))
     epochs = [epoch_number(entry["epoch"]) for entry in history]
-    loss_axis.plot(epochs, [e["train_loss"] for e in history], marker="o", label="train")
-    loss_axis.plot(epochs, [e["val_loss"] for e in history], marker="o", label="validation")
-    loss_axis.set(title="Loss", xlabel="epoch", ylabel="cross-entropy")
-    loss_axis.legend()
-    accuracy_axis.plot(epochs, [e["val_accuracy"] for e in history], marker="o", color="tab:green")
-    accuracy_axis.set(title="Validation accuracy", xlabel="epoch", ylabel="accuracy", ylim=(0, 1.02))
-    for axis in (loss_axis, accuracy_axis):
+    for axis, (measure, series) in zip(axes, panels.items(), strict=True):
+        for key, label in series.items():
+            points = [(epoch, entry[key]) for epoch, entry in zip(epochs, history, strict=True) if key in entry]
+            axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+        axis.set(title=measure, xlabel="epoch")
+        if len(series) > 1:
+            axis.legend()
         axis.grid(alpha=0.3)
-        axis.set_xticks(epochs)
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # whole epochs, however many
     _save(figure, path)
 
 

@@ -10,10 +10,13 @@ each whole split.
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from raytrain_tasks.api import Splits
@@ -147,3 +150,21 @@ def train_loader_of(dataset: Any, batch_size: int, seed: int, rank: int, world: 
 def slice_batches(dataset: Any, rank: int, world: int, batch_size: int) -> Any:
     """This rank's disjoint, unpadded slice of a map-style split: every world-th item."""
     return DataLoader(Subset(dataset, range(rank, len(dataset), world)), batch_size=batch_size)
+
+
+def epoch_figures(loss_total: torch.Tensor, rows: int, started: float, device: Any) -> dict[str, float]:
+    """An epoch's train loss over every worker's rows (not rank 0's alone), and how fast the group trained: the
+    epoch's seconds, the train rows of all workers per second, and the number of workers. Every rank calls it."""
+    sums = torch.tensor([float(loss_total), float(rows)], dtype=torch.float64, device=device)  # NCCL: on the device
+    world = 1
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(sums)
+        world = dist.get_world_size()
+    total, count = sums.tolist()
+    seconds = time.perf_counter() - started
+    return {
+        "train_loss": total / count if count else math.nan,
+        "epoch_seconds": seconds,
+        "samples_per_second": count / seconds if seconds > 0 else math.nan,
+        "workers": float(world),
+    }

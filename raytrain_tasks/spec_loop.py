@@ -38,6 +38,7 @@ from raytrain_tasks.resume import checkpoint_dir_name
 from raytrain_tasks.spec_data import (
     check_ray_splits,
     driver_batches,
+    epoch_figures,
     is_ray_dataset,
     quiet_ray_data,
     ray_held_out_batches,
@@ -158,7 +159,7 @@ def _spec_loop(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:
                 optimizer.step()
                 total += loss.detach().to(torch.float64).cpu() * len(targets)
                 count += len(targets)
-            metrics: dict[str, Any] = {"epoch": epoch, **_mean({"train_loss": (float(total), count)})}
+            metrics: dict[str, Any] = {"epoch": epoch}
             for name in ("val", "test"):
                 held_out = (
                     ray_held_out_batches(splits, name, batch_size, rank, world)
@@ -168,7 +169,7 @@ def _spec_loop(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:
                 metrics |= _score(spec, model, held_out, name)
             if epoch == start:
                 check_metric_named(spec, config, [key.removeprefix("val_") for key in metrics if key[:4] == "val_"])
-            metrics["epoch_seconds"] = time.perf_counter() - started
+            metrics = {"epoch": epoch, **epoch_figures(total, count, started, ray.train.torch.get_device()), **metrics}
             if spec.prepare is None and digest:  # with prepare, the run's dataset hash is the stored version's
                 metrics[DATASET_DIGEST_KEY] = digest  # the controller records it as the run's dataset hash
             _report(metrics, model, optimizer, epoch, digest, rank, checkpoint_dir_name(epoch, taken))

@@ -146,7 +146,8 @@ class EpochProgress:
         return min(100.0, round(100.0 * len(self._seen) / self.epochs, 1))  # code training past `epochs` stops at 100
 
 
-LEARNING_CURVES = "evaluation/learning_curves.png"  # logged by raytrain_driver.evaluation
+# Every fit logs it (raytrain_tasks.reports.log_learning_curves; its name not imported: reports loads Ray Train).
+LEARNING_CURVES = "evaluation/learning_curves.png"
 
 
 def mlflow_ui_base(tracking_uri: str) -> str | None:

@@ -179,6 +179,8 @@ def test_a_seed_shaped_train_func_survives_a_killed_worker_in_one_mlflow_run(
     assert run.data.params["train_code"] == SEED_DDP and run.data.params["train_config.hidden"] == "32"
     pins = [key for key in run.data.tags if key.startswith("prefect_raytrain.checkpoint_sha256.")]
     assert len(pins) >= 4, sorted(run.data.tags)
+    # The learning curves of what the function reported, which the run page links.
+    assert "evaluation/learning_curves.png" in [a.path for a in client.list_artifacts(run.info.run_id, "evaluation")]
 
 
 @pytest.mark.slow
@@ -427,6 +429,13 @@ def test_a_setting_of_the_code_chooses_the_metric_that_picks_the_checkpoint_and_
     _kept_checkpoints_are_models_sorted_by_the_metric(
         mlflow_client(tmp_path), result, "val_mae", higher_is_better=False
     )
+    # As the built-in classifier's runs show them: the learning curves the run page links, and each epoch how fast
+    # the whole group trained and on how many workers.
+    client = mlflow_client(tmp_path)
+    assert "evaluation/learning_curves.png" in [a.path for a in client.list_artifacts(run.info.run_id, "evaluation")]
+    for key, plausible in (("samples_per_second", lambda value: value > 0), ("workers", lambda value: value == 2)):
+        points = client.get_metric_history(run.info.run_id, key)
+        assert sorted(p.step for p in points) == [1, 2, 3] and all(plausible(p.value) for p in points), (key, points)
 
 
 @pytest.mark.slow
