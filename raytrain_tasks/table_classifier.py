@@ -6,10 +6,10 @@ table preparation, split rule and train-split standardisation) as code you can r
         --train-config '{"dataset": "data/customers.csv", "label_column": "churned"}'
 
 ``dataset`` is ``"digits"`` (scikit-learn's bundled 8x8 digits), ``"synthetic"`` (a generated 4-class problem) or
-a CSV/Parquet file (a local path, or a URI this machine's own credentials and endpoint can read: the run's
-``s3_endpoint_url`` and storage options are not handed to your code) with numeric feature columns
-and a label column. ``prepare`` loads it, assigns each row to train, validation or test by a hash of its key (a row
-keeps its split as the table grows), and writes the three splits as Parquet with a ``dataset.json`` describing
+a CSV/Parquet file (a local path, or an ``s3://`` URI: the store's endpoint in the ``s3_endpoint_url`` setting
+or the environment, its credentials in the environment) with numeric feature columns and a label column.
+``prepare`` loads it, assigns each row to train, validation or test by a hash of its key (a row keeps its split
+as the table grows), and writes the three splits as Parquet with a ``dataset.json`` describing
 them (feature names, class labels, the train split's mean and deviation); the pipeline stores that folder by its
 content hash. The model is an MLP behind a fixed standardisation layer, so the registered model takes raw feature
 rows; its MLflow metadata names the features and the classes, and the run's ``evaluation/`` artifacts hold the
@@ -23,14 +23,16 @@ are internal, so a copy of it would depend on them: examples/ holds the specs to
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal
+from urllib.parse import urlparse
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -76,6 +78,24 @@ class Settings(BaseModel):
         default="synthetic",
         description="what the registered model is exported with: rows made of the train statistics, or 5 real ones",
     )
+    s3_endpoint_url: str = Field(
+        default="",
+        description=(
+            "the S3-compatible store holding an s3:// dataset, e.g. 'http://127.0.0.1:8333' (credentials from the "
+            "environment); empty: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, else AWS"
+        ),
+    )
+    s3_region: str = Field(default="", description="the region of an s3:// dataset's bucket (empty: us-east-1)")
+
+    @field_validator("s3_endpoint_url")
+    @classmethod
+    def _no_credentials_in_the_endpoint(cls, value: str) -> str:
+        if "@" in urlparse(value).netloc:  # train_config is logged as MLflow params
+            raise ValueError(
+                "holds credentials: give the host alone, with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the "
+                "environment"
+            )
+        return value
 
 
 @dataclass(frozen=True)
@@ -97,7 +117,9 @@ def prepare(config: dict[str, Any], folder: Path) -> None:
     """prepare-data: the table's train/val/test splits as Parquet, and ``dataset.json`` describing them. The same
     table and settings write the same bytes, so the pipeline stores one version of it however many runs use it."""
     names = _Table.__dataclass_fields__.keys() - {"storage_options"}
-    table = _Table(**{name: config[name] for name in names})
+    endpoint = config["s3_endpoint_url"] or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    options = StorageOptions(endpoint_url=endpoint or "", region=config["s3_region"])
+    table = _Table(**{name: config[name] for name in names}, storage_options=options)
     frame = load_raw_frame(table)
     content_hash = dataset_hash(frame, table)
     target = locate(folder.as_posix())

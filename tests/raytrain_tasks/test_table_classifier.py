@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from devtools.s3_server import LocalS3
 from flows.training import training_pipeline
 from raytrain_tasks.config import parameters_of
 from raytrain_tasks.errors import UserCodeError
@@ -68,6 +69,33 @@ def test_the_same_table_by_another_path_is_the_same_version(tmp_path: Path, monk
         folder.mkdir()
         prepare(table_config(csv, dataset=spelt), folder)
     assert local_folder_digest(folders[0]) == local_folder_digest(folders[1])
+
+
+def test_a_table_in_an_s3_compatible_store_is_read_through_its_endpoint_setting(
+    s3_server: LocalS3, tmp_path: Path
+) -> None:
+    """`dataset` as an s3:// URI of a store other than AWS, its endpoint in the `s3_endpoint_url` setting (the
+    credentials in the environment): the same version as the same table read from a local file. An endpoint holding
+    credentials is refused: train_config is logged as MLflow params."""
+    import boto3
+    from pydantic import ValidationError
+
+    csv = write_table(tmp_path / "customers.csv")
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint_url, region_name="us-east-1")
+    if "prt-tables" not in [bucket["Name"] for bucket in client.list_buckets().get("Buckets", [])]:
+        client.create_bucket(Bucket="prt-tables")
+    client.upload_file(str(csv), "prt-tables", "raw/customers.csv")
+    folders = [tmp_path / "local", tmp_path / "s3"]
+    for folder in folders:
+        folder.mkdir()
+    prepare(table_config(csv), folders[0])
+    prepare(
+        table_config(csv, dataset="s3://prt-tables/raw/customers.csv", s3_endpoint_url=s3_server.endpoint_url),
+        folders[1],
+    )
+    assert local_folder_digest(folders[0]) == local_folder_digest(folders[1])
+    with pytest.raises(ValidationError, match=r"(?s)s3_endpoint_url.*holds credentials"):
+        Settings(s3_endpoint_url="http://prt-admin:prt-admin-secret@127.0.0.1:8333")
 
 
 def test_ddp_does_not_broadcast_the_standardisation_constants_every_step(tmp_path: Path) -> None:
