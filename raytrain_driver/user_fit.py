@@ -12,6 +12,7 @@ import logging
 import re
 from typing import TYPE_CHECKING, Any
 
+from raytrain_driver.evaluation import scores_as_metrics
 from raytrain_driver.fit_record import FitResult, OpenRun, ResumePoint, checkpoint_uri
 from raytrain_driver.hooks import run_logger
 from raytrain_tasks.api import TrainFunc
@@ -283,6 +284,10 @@ def record_user_fit(
         client.set_tag(run_id, "summary.best_epoch", str(step))  # a pick the history lacks: its score alone
         client.set_tag(run_id, f"summary.best_{spec.selection.name}", f"{best[spec.selection.name]:.6f}")
     log_learning_curves(client, run_id, history)  # the run page links it
+    # The best checkpoint's held-out scores, as the built-in's: best_checkpoint_<key> at its step, on its model.
+    names = (spec.selection.name, spec.gate.name)
+    held_out = {k: v for k, v in best.items() if k.startswith(("val_", "test_")) or k in names}
+    client.log_batch(run_id, metrics=scores_as_metrics(held_out, step, fit.best_checkpoint_model_id))
     return fit
 
 

@@ -436,6 +436,9 @@ def test_a_setting_of_the_code_chooses_the_metric_that_picks_the_checkpoint_and_
     for key, plausible in (("samples_per_second", lambda value: value > 0), ("workers", lambda value: value == 2)):
         points = client.get_metric_history(run.info.run_id, key)
         assert sorted(p.step for p in points) == [1, 2, 3] and all(plausible(p.value) for p in points), (key, points)
+    # The best checkpoint's held-out scores on the run, at its step, as the built-in classifier's.
+    best = client.get_metric_history(run.info.run_id, "best_checkpoint_val_mae")
+    assert [(p.step, p.value) for p in best] == [(result.fit.best_epoch, result.fit.best_metrics["val_mae"])], best
 
 
 @pytest.mark.slow
