@@ -41,6 +41,7 @@ from raytrain_tasks.tracking.controller import (
     STEP_KEY,
     MlflowEpochLogger,
     OpenMlflowEarly,
+    RestartGuard,
     checkpoint_epoch,
     pinned_digests,
 )
@@ -251,9 +252,8 @@ def _train(
     else:
         from raytrain_tasks.user_code import code_error_stopper
 
-        callbacks.append(
-            MlflowEpochLogger(uri, run_id, step_key=spec.selection.name, keys=None, journal=opened.journal)
-        )
+        epochs = MlflowEpochLogger(uri, run_id, step_key=spec.selection.name, keys=None, journal=opened.journal)
+        callbacks += [epochs, RestartGuard(epochs)]
         callbacks.append(code_error_stopper(config.train_code))
     trainer = build_trainer(
         config,

@@ -253,7 +253,7 @@ def training_error(exc: BaseException, run_key: str, config: TrainingConfig) -> 
     stopped = getattr(exc, "controller_failure", None)
     if isinstance(stopped, UserCodeError):  # raytrain_tasks.user_code.code_error_stopper
         return UserCodeError(f"training run {run_key}: {stopped}")
-    for failure in getattr(exc, "worker_failures", {}).values():
+    for failure in [*getattr(exc, "worker_failures", {}).values(), stopped]:  # the controller's: a restart check
         cause: BaseException | None = failure
         while cause is not None:
             if isinstance(cause, CheckpointError):

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from ray.train import Checkpoint, UserCallback
-from ray.train.v2._internal.execution.callback import ControllerCallback
+from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 
 from raytrain_tasks.redact import redact
 from raytrain_tasks.tracking.pin_journal import JournalEntry, PinJournal
@@ -171,6 +171,9 @@ class MlflowEpochLogger(UserCallback):
 
     An MLflow error skips that epoch's live write only: the next report tries again (and first re-reads
     which epochs the run already has), and the driver logs whatever is still missing once ``fit()`` returns.
+
+    For your own code it also keeps the latest checkpoint committed in this fit with its digest then, which
+    ``RestartGuard`` checks before a restarted worker group is given it.
     """
 
     def __init__(
@@ -189,6 +192,8 @@ class MlflowEpochLogger(UserCallback):
         self.step_key, self.keys = step_key, keys
         self._client: Any = None
         self._logged: set[int] | None = None
+        # The latest checkpoint committed in this fit, and its digest then (None: it could not be taken).
+        self.latest_committed: tuple[Checkpoint, str | None] | None = None
 
     def _digest(self, metrics: dict[str, Any], checkpoint: Checkpoint) -> str | None:
         """The pin of ``checkpoint``: the built-in loop's manifest digest (rank 0 reports it); for the user's own
@@ -216,8 +221,12 @@ class MlflowEpochLogger(UserCallback):
             # Only epochs with a persisted checkpoint count; anything else would be redone on resume.
             return
         epoch_metrics = metrics[0]
+        if self.keys is None:
+            self.latest_committed = (checkpoint, None)  # unverifiable until its digest is taken
         try:
             digest = self._digest(epoch_metrics, checkpoint)
+            if self.keys is None:
+                self.latest_committed = (checkpoint, digest)
             if digest is not None:
                 self._journal(epoch_metrics, checkpoint, digest)  # before MLflow, which may be down
             if self._client is None:
@@ -247,3 +256,37 @@ class MlflowEpochLogger(UserCallback):
                 self.run_id,
                 redact(f"{type(exc).__name__}: {exc}"),
             )
+
+
+class RestartGuard(WorkerGroupCallback):
+    """Guards a restart inside the fit, for your own code: the checkpoint Ray Train hands a restarted worker group
+    is the latest one committed in this fit, and its files must still hash to the digest ``logger`` took when it
+    was committed. (The driver checks a run's checkpoints only where a fit starts; the built-in loop's workers
+    check their own.) A separate object: Ray Train calls a ``UserCallback`` only through its report and exception
+    hooks. Both reach the controller in one list, so this one reads the logger's state there."""
+
+    def __init__(self, logger: MlflowEpochLogger) -> None:
+        self.logger = logger
+
+    def before_init_train_context(self, workers: list[Any]) -> dict[str, list[Any]]:
+        """CheckpointError (the fit stops, nothing of the checkpoint is loaded) when the latest checkpoint committed
+        in this fit no longer hashes to its digest at commit, or that digest could not be taken then."""
+        latest = self.logger.latest_committed
+        if latest is None:
+            return {}  # the group's first start: the driver verified what it resumes from
+        from raytrain_tasks.errors import CheckpointError
+        from raytrain_tasks.integrity import folder_digest
+
+        checkpoint, committed = latest
+        now = folder_digest(checkpoint.filesystem, checkpoint.path) if committed is not None else None
+        if now is None or now != committed:
+            why = (
+                "its files no longer hash to the digest taken when it was committed"
+                if committed is not None
+                else "its digest could not be taken when it was committed, so it cannot be verified"
+            )
+            raise CheckpointError(
+                f"the restarted workers were not given checkpoint {checkpoint.path}: {why}. Nothing of it was "
+                "loaded. Check who can write `storage_path`; a resume starts from the newest checkpoint that verifies"
+            )
+        return {}

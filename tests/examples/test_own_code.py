@@ -186,6 +186,40 @@ def test_a_seed_shaped_train_func_survives_a_killed_worker_in_one_mlflow_run(
 @pytest.mark.slow
 @pytest.mark.chaos
 @pytest.mark.usefixtures("ray_cluster", "prefect_api")
+def test_a_checkpoint_changed_before_a_restart_inside_the_fit_is_not_handed_to_the_restarted_workers(
+    tmp_path: Path,
+) -> None:
+    """Someone with write access to storage replaces the weights in the checkpoints of a running fit (valid files:
+    the function's own `torch.load(weights_only=True)` takes them), then a worker is lost. The restarted group is
+    not given the changed checkpoint: the fit stops with CheckpointError naming storage_path, is not retried, and
+    the MLflow run is FAILED. Before, the run went on from the replaced weights and finished."""
+    import torch
+
+    from examples.seed_ddp.train import CHECKPOINT_FILE
+    from raytrain_tasks.errors import CheckpointError
+
+    def replace_the_weights(epoch: int) -> None:
+        (run_dir,) = (tmp_path / "storage" / "runs").iterdir()
+        folders = sorted(path for path in run_dir.glob("checkpoint_*") if path.is_dir())  # not Ray's .json
+        assert folders, sorted(run_dir.iterdir())
+        for folder in folders:
+            state = torch.load(folder / CHECKPOINT_FILE, weights_only=True)
+            state["model"] = {key: torch.zeros_like(value) for key, value in state["model"].items()}
+            torch.save(state, folder / CHECKPOINT_FILE)
+
+    config = own_config(tmp_path, SEED_DDP, max_failures=1, fit_retries=2)
+    state, _ = run_killing_a_worker(tmp_path, config, before_kill=replace_the_weights)
+    assert state.is_failed(), state
+    error = state.result(raise_on_failure=False)
+    assert isinstance(error, CheckpointError), error
+    assert "no longer hash" in str(error) and "storage_path" in str(error), error
+    run = only_run(tmp_path)
+    assert run.info.status == "FAILED" and "CheckpointError" in run.data.tags["prefect_raytrain.error"], run.data.tags
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+@pytest.mark.usefixtures("ray_cluster", "prefect_api")
 def test_a_ray_data_train_func_reads_its_shards_survives_a_killed_worker_and_registers(tmp_path: Path) -> None:
     """examples/seed_ray_data, the seeds' `train_ray_ddp_with_ray_data.py` shape: `TrainFunc(datasets=...)`
     reaches `TorchTrainer(datasets=...)`, each worker reads `get_dataset_shard`, a killed worker resumes through the
@@ -592,6 +626,7 @@ def test_user_code_outside_the_project_that_never_reports_the_gate_metric_fails_
     assert state.is_failed()
     error = state.result(raise_on_failure=False)
     assert isinstance(error, TrainingError | Exception) and "val_score" in str(error), error
+    assert "start a new run" in str(error) and "resume=" in str(error), error  # which fix a resume can take
     run = only_run(tmp_path)
     assert run is not None and run.info.status == "FAILED"
     assert client_versions(tmp_path) == []
