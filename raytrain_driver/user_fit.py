@@ -277,7 +277,12 @@ def record_user_fit(
         final_metrics={k: v for k, v in history[-1].items() if k != "epoch"} if history else best,
         history=history,
         reopened_mlflow_run=opened.reopened,
-        scores={spec.gate.name: best[spec.gate.name]},
+        # The best checkpoint's held-out figures (the gate's among them): the run's summary and the version's tags.
+        scores={
+            k: v
+            for k, v in best.items()
+            if k.startswith(("val_", "test_")) or k in (spec.selection.name, spec.gate.name)
+        },
         best_checkpoint_model_id=model_ids.get(checkpoint_name(checkpoint.path)),
     )
     firsts = [spec.selection.name, spec.gate.name, "train_loss", "val_loss"]
@@ -287,9 +292,7 @@ def record_user_fit(
         client.set_tag(run_id, f"summary.best_{spec.selection.name}", f"{best[spec.selection.name]:.6f}")
     log_learning_curves(client, run_id, history)  # the run page links it
     # The best checkpoint's held-out scores, as the built-in's: best_checkpoint_<key> at its step, on its model.
-    names = (spec.selection.name, spec.gate.name)
-    held_out = {k: v for k, v in best.items() if k.startswith(("val_", "test_")) or k in names}
-    client.log_batch(run_id, metrics=scores_as_metrics(held_out, step, fit.best_checkpoint_model_id))
+    client.log_batch(run_id, metrics=scores_as_metrics(fit.scores, step, fit.best_checkpoint_model_id))
     return fit
 
 

@@ -445,7 +445,7 @@ def test_a_setting_of_the_code_chooses_the_metric_that_picks_the_checkpoint_and_
     result = training_pipeline(
         **parameters_of(own_config(tmp_path, code, epochs=3, register=True, train_config={"select_by": "mae"}))
     )
-    assert result.model is not None and set(result.fit.scores) == {"test_mae"}, result.fit.scores
+    assert result.model is not None and set(result.fit.scores) == {"val_mae", "val_loss", "test_mae", "test_loss"}
     run = only_run(tmp_path)
     assert run.data.tags["summary.best_val_mae"] and run.data.params["train_config.select_by"] == "mae"
     # The run's summary, as the built-in's: the final value of every reported metric, and the table of best and final
