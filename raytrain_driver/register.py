@@ -392,9 +392,9 @@ def _version_tags(
         else user_version_tags(config, spec, fit.scores[spec.gate.name] if spec is not None else 0.0)
         | ({"dataset_hash": dataset.content_hash} if dataset is not None else {})
     )
-    return {
+    return {  # the scores first: a metric of your code named like one of the pipeline's tags never replaces it
+        **{key: f"{value:.6f}" for key, value in sorted(fit.scores.items())},
         VERSION_RUN_KEY_TAG: fit.run_key,
         **lineage,
         "best_epoch": str(fit.best_epoch),
-        **{key: f"{value:.6f}" for key, value in sorted(fit.scores.items())},
     }

@@ -31,6 +31,7 @@ from raytrain_tasks.errors import (
     RepeatedFailureError,
     TrainingError,
     UnsafeCheckpointError,
+    UnverifiedCheckpointError,
     UserCodeError,
 )
 from raytrain_tasks.prepared import PreparedData, RunData, is_builtin_dataset
@@ -256,7 +257,7 @@ def training_error(exc: BaseException, run_key: str, config: TrainingConfig) -> 
     for failure in [*getattr(exc, "worker_failures", {}).values(), stopped]:  # the controller's: a restart check
         cause: BaseException | None = failure
         while cause is not None:
-            if isinstance(cause, CheckpointError):
+            if isinstance(cause, CheckpointError | UnverifiedCheckpointError):  # RestartGuard's, or a worker's
                 return type(cause)(f"training run {run_key}: {cause}")  # UnsafeCheckpointError stays one
             cause = cause.__cause__ or getattr(cause, "cause", None)
     repeated = getattr(exc, "controller_failure", None)

@@ -186,10 +186,11 @@ def best_checkpoint(
         reported = sorted(numeric_metrics(kept[-1][1]))
         raise UserCodeError(
             f"training run {run_key}: train_func never reported {sorted(missing or needed)} with a checkpoint "
-            f"(it reported {reported}); nothing is registered. Either name metrics it reports in TrainFunc(metric="
-            f"..., gate_metric=...) and continue with `resume={run_key}` (the kept checkpoints' reports are read "
-            "again), or make train_func report them (beside what `evaluate` returns: the reported figure is the "
-            "version's recorded score) and start a new run: the epochs trained hold no such figure"
+            f"(it reported {reported}); nothing is registered. Either name metrics it reports in the code's "
+            f"TrainFunc(metric=..., gate_metric=...) and continue with `resume={run_key}` (the kept checkpoints' "
+            "reports are read again; a resume keeps train_config as it was), or make train_func report them "
+            "(beside what `evaluate` returns: the reported figure is the version's recorded score) and start a new "
+            "run: the epochs trained hold no such figure"
         )
     sign = 1.0 if spec.selection.higher_is_better else -1.0
     return max(scored, key=lambda pair: sign * float(pair[1][name]))

@@ -69,6 +69,11 @@ class TrainingError(PipelineError):
     """Training failed beyond what Ray Train's restarts could recover."""
 
 
+class UnverifiedCheckpointError(TrainingError):
+    """A checkpoint could not be verified for lack of a reading (storage unreadable then, not shown changed): another
+    attempt resumes from the newest checkpoint that verifies."""
+
+
 class RepeatedFailureError(TrainingError):
     """The training raised the same exception on two attempts in a row: a bug that another attempt repeats."""
 

@@ -95,7 +95,7 @@ MAX_PANELS = 6
 def curve_panels(history: list[dict[str, float]]) -> dict[str, dict[str, str]]:
     """The learning curves of a run's history, one panel per measure: ``{measure: {key: label}}``. A measure's
     train_/val_/test_ keys share its panel (``train_loss`` and ``val_loss`` in "loss"); a key without such a prefix
-    is a measure of its own. Losses first; at most ``MAX_PANELS``."""
+    names its measure (``accuracy``; ``loss`` joins the "loss" panel). Losses first; at most ``MAX_PANELS``."""
     panels: dict[str, dict[str, str]] = {}
     keys = dict.fromkeys(key for entry in history for key in entry if key not in NOT_CURVES)
     for key in keys:

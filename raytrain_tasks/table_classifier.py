@@ -89,12 +89,14 @@ class Settings(BaseModel):
 
     @field_validator("s3_endpoint_url")
     @classmethod
-    def _no_credentials_in_the_endpoint(cls, value: str) -> str:
-        if "@" in urlparse(value).netloc:  # train_config is logged as MLflow params
+    def _an_address_without_credentials(cls, value: str) -> str:
+        if "@" in value or "?" in value:  # train_config is logged as MLflow params
             raise ValueError(
-                "holds credentials: give the host alone, with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the "
-                "environment"
+                "holds credentials: give the address alone (e.g. http://127.0.0.1:8333), with AWS_ACCESS_KEY_ID / "
+                "AWS_SECRET_ACCESS_KEY in the environment"
             )
+        if value and urlparse(value).scheme not in ("http", "https"):
+            raise ValueError(f"{value!r} is not an http:// or https:// address (e.g. http://127.0.0.1:8333)")
         return value
 
 

@@ -269,24 +269,27 @@ class RestartGuard(WorkerGroupCallback):
         self.logger = logger
 
     def before_init_train_context(self, workers: list[Any]) -> dict[str, list[Any]]:
-        """CheckpointError (the fit stops, nothing of the checkpoint is loaded) when the latest checkpoint committed
-        in this fit no longer hashes to its digest at commit, or that digest could not be taken then."""
+        """CheckpointError (the fit stops, not retried: nothing of the checkpoint is loaded) when the latest
+        checkpoint committed in this fit no longer hashes to its digest at commit; UnverifiedCheckpointError (the
+        fit stops; Prefect's retry resumes from the newest checkpoint that verifies) when it cannot be read now, or
+        its digest could not be taken at commit."""
         latest = self.logger.latest_committed
         if latest is None:
-            return {}  # the group's first start: the driver verified what it resumes from
-        from raytrain_tasks.errors import CheckpointError
+            return {}  # no commit in this fit yet: the workers get what the driver verified where the fit started
+        from raytrain_tasks.errors import CheckpointError, UnverifiedCheckpointError
         from raytrain_tasks.integrity import folder_digest
 
         checkpoint, committed = latest
-        now = folder_digest(checkpoint.filesystem, checkpoint.path) if committed is not None else None
-        if now is None or now != committed:
-            why = (
-                "its files no longer hash to the digest taken when it was committed"
-                if committed is not None
-                else "its digest could not be taken when it was committed, so it cannot be verified"
-            )
+        refused = f"the restarted workers were not given checkpoint {checkpoint.path}"
+        if committed is None:
+            raise UnverifiedCheckpointError(f"{refused}: its digest could not be taken when it was committed")
+        try:
+            now = folder_digest(checkpoint.filesystem, checkpoint.path)
+        except OSError as exc:
+            raise UnverifiedCheckpointError(f"{refused}: it could not be read to verify it ({exc})") from exc
+        if now != committed:
             raise CheckpointError(
-                f"the restarted workers were not given checkpoint {checkpoint.path}: {why}. Nothing of it was "
+                f"{refused}: its files no longer hash to the digest taken when it was committed. Nothing of it was "
                 "loaded. Check who can write `storage_path`; a resume starts from the newest checkpoint that verifies"
             )
         return {}

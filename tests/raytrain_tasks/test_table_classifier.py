@@ -94,8 +94,11 @@ def test_a_table_in_an_s3_compatible_store_is_read_through_its_endpoint_setting(
         folders[1],
     )
     assert local_folder_digest(folders[0]) == local_folder_digest(folders[1])
-    with pytest.raises(ValidationError, match=r"(?s)s3_endpoint_url.*holds credentials"):
-        Settings(s3_endpoint_url="http://prt-admin:prt-admin-secret@127.0.0.1:8333")
+    for spelt in ("http://prt-admin:prt-admin-secret@127.0.0.1:8333", "prt-admin:prt-admin-secret@127.0.0.1:8333"):
+        with pytest.raises(ValidationError, match=r"(?s)s3_endpoint_url.*holds credentials"):
+            Settings(s3_endpoint_url=spelt)
+    with pytest.raises(ValidationError, match=r"(?s)s3_endpoint_url.*not an http:// or https:// address"):
+        Settings(s3_endpoint_url="127.0.0.1:8333")  # pyarrow would take "127.0.0.1" for the scheme
 
 
 def test_ddp_does_not_broadcast_the_standardisation_constants_every_step(tmp_path: Path) -> None:

@@ -177,3 +177,54 @@ def test_no_pin_journal_inside_a_local_storage_path(tmp_path: Path, monkeypatch:
         assert (
             pins.pin_journal(TrainingConfig(storage_path=str(tmp_path)), "20260101-000000-abcdef", state_dir()) is None
         )
+
+
+def test_a_restarted_worker_group_gets_only_a_checkpoint_that_verifies_and_an_unreadable_one_is_retried(
+    tmp_path: Path,
+) -> None:
+    """RestartGuard, on the controller, before a worker group of your code restarts inside a fit: the latest
+    checkpoint committed in it is handed over only if it still hashes to its digest at commit. Changed: the fit
+    stops and Prefect does not retry it (a retry would find the same files). Unreadable now, or no digest taken at
+    commit: the fit stops and Prefect retries it, and the retry resumes from the newest checkpoint that verifies.
+    (The changed case end to end, with a killed worker: test_own_code.)"""
+    import pyarrow.fs as pafs
+    import ray.train
+
+    from raytrain_driver.trainer import training_error
+    from raytrain_tasks.errors import CheckpointError, UnverifiedCheckpointError
+    from raytrain_tasks.integrity import folder_digest
+    from raytrain_tasks.tracking.controller import RestartGuard
+    from tasks.fit import NOT_RETRYABLE
+    from tests.helpers import small_config
+
+    folder = tmp_path / "checkpoint_2026-11-27_21-30-00.000000"
+    folder.mkdir()
+    (folder / "checkpoint.pt").write_bytes(b"the weights as committed")
+    filesystem = pafs.LocalFileSystem()
+    epochs = MlflowEpochLogger(f"sqlite:///{tmp_path / 'mlflow.db'}", "run-id", keys=None)
+    guard = RestartGuard(epochs)
+    assert guard.before_init_train_context([]) == {}  # no commit in this fit yet: the driver verified its start
+    checkpoint = ray.train.Checkpoint(str(folder), filesystem=filesystem)
+    epochs.latest_committed = (checkpoint, folder_digest(filesystem, str(folder)))
+    assert guard.before_init_train_context([]) == {}
+
+    (folder / "checkpoint.pt").write_bytes(b"weights someone else wrote")
+    with pytest.raises(CheckpointError, match="no longer hash.*storage_path") as changed:
+        guard.before_init_train_context([])
+    config = small_config(tmp_path)
+    as_the_task_raises = training_error(ray.train.ControllerError(changed.value), "run-key", config)
+    assert isinstance(as_the_task_raises, CheckpointError) and isinstance(as_the_task_raises, NOT_RETRYABLE)
+
+    unreadable = []
+    epochs.latest_committed = (checkpoint, None)
+    with pytest.raises(UnverifiedCheckpointError, match="could not be taken when it was committed") as unverified:
+        guard.before_init_train_context([])
+    unreadable.append(unverified.value)
+    epochs.latest_committed = (ray.train.Checkpoint(str(tmp_path / "gone"), filesystem=filesystem), "0" * 64)
+    with pytest.raises(UnverifiedCheckpointError, match="could not be read to verify it") as unverified:
+        guard.before_init_train_context([])
+    unreadable.append(unverified.value)
+    for error in unreadable:
+        as_the_task_raises = training_error(ray.train.ControllerError(error), "run-key", config)
+        assert isinstance(as_the_task_raises, UnverifiedCheckpointError), as_the_task_raises
+        assert not isinstance(as_the_task_raises, NOT_RETRYABLE)  # Prefect's retry resumes from what verifies
