@@ -33,7 +33,7 @@ from raytrain_tasks.settings import (
     TrainingSettings,
     _dataset_stem,
 )
-from raytrain_tasks.storage.filesystem import StorageOptions, is_s3
+from raytrain_tasks.storage.filesystem import StorageOptions, is_s3, s3_endpoint_and_region
 
 # train_config's JSON text at most: it is an MLflow param (mlflow.utils.validation.MAX_PARAM_VAL_LENGTH).
 TRAIN_CONFIG_MAX_CHARS = 6000
@@ -252,8 +252,7 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
         tracking = self.mlflow_tracking_uri or environ.get("MLFLOW_TRACKING_URI", "")
         if not tracking:
             tracking = f"sqlite:///{(base_dir / DEFAULT_STATE_DIR / 'mlflow.db').resolve()}"
-        endpoint = self.s3_endpoint_url or environ.get("AWS_ENDPOINT_URL_S3", "") or environ.get("AWS_ENDPOINT_URL", "")
-        region = self.s3_region or environ.get("AWS_REGION", "") or environ.get("AWS_DEFAULT_REGION", "")
+        endpoint, region = s3_endpoint_and_region(self.s3_endpoint_url, self.s3_region, environ)
         model_name = self.model_name
         if model_name == type(self).model_fields["model_name"].default:
             # The digits classifier's name is no name for a user's model or data: it would land behind that

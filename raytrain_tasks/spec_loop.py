@@ -159,7 +159,7 @@ def _spec_loop(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:
                 optimizer.step()
                 total += loss.detach().to(torch.float64).cpu() * len(targets)
                 count += len(targets)
-            metrics: dict[str, Any] = {"epoch": epoch}
+            metrics: dict[str, Any] = {}
             for name in ("val", "test"):
                 held_out = (
                     ray_held_out_batches(splits, name, batch_size, rank, world)

@@ -40,7 +40,7 @@ from raytrain_tasks.api import DATA_DIR_KEY, Metric, Splits, TrainSpec
 from raytrain_tasks.data import LABEL_INDEX_COLUMN, MANIFEST_NAME, SPLITS, DatasetRef, read_split
 from raytrain_tasks.models import build_mlp, with_standardisation
 from raytrain_tasks.reports import dataset_summary, evaluation_report, plot_confusion_matrix
-from raytrain_tasks.storage.filesystem import StorageOptions
+from raytrain_tasks.storage.filesystem import StorageOptions, s3_endpoint_and_region
 from raytrain_tasks.storage.locations import locate
 from raytrain_tasks.tables import dataset_hash, load_raw_frame, plan_version, write_version
 
@@ -85,7 +85,10 @@ class Settings(BaseModel):
             "environment); empty: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, else AWS"
         ),
     )
-    s3_region: str = Field(default="", description="the region of an s3:// dataset's bucket (empty: us-east-1)")
+    s3_region: str = Field(
+        default="",
+        description="the region of an s3:// dataset's bucket (empty: AWS_REGION / AWS_DEFAULT_REGION, else us-east-1)",
+    )
 
     @field_validator("s3_endpoint_url")
     @classmethod
@@ -119,8 +122,8 @@ def prepare(config: dict[str, Any], folder: Path) -> None:
     """prepare-data: the table's train/val/test splits as Parquet, and ``dataset.json`` describing them. The same
     table and settings write the same bytes, so the pipeline stores one version of it however many runs use it."""
     names = _Table.__dataclass_fields__.keys() - {"storage_options"}
-    endpoint = config["s3_endpoint_url"] or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    options = StorageOptions(endpoint_url=endpoint or "", region=config["s3_region"])
+    endpoint, region = s3_endpoint_and_region(config["s3_endpoint_url"], config["s3_region"], os.environ)
+    options = StorageOptions(endpoint_url=endpoint, region=region)
     table = _Table(**{name: config[name] for name in names}, storage_options=options)
     frame = load_raw_frame(table)
     content_hash = dataset_hash(frame, table)

@@ -8,6 +8,7 @@ alike: they are never part of the config, and never copied to a cluster unless
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -26,6 +27,12 @@ class StorageOptions(BaseModel):
     region: str = ""
     # Tries per S3 request (AWS standard retry mode: exponential backoff, capped at 20 s between tries).
     max_attempts: int = 8
+
+
+def s3_endpoint_and_region(endpoint_url: str, region: str, environ: Mapping[str, str]) -> tuple[str, str]:
+    """The S3 endpoint and region as set, else as the AWS environment variables give them ("" for AWS's own)."""
+    endpoint = endpoint_url or environ.get("AWS_ENDPOINT_URL_S3", "") or environ.get("AWS_ENDPOINT_URL", "")
+    return endpoint, region or environ.get("AWS_REGION", "") or environ.get("AWS_DEFAULT_REGION", "")
 
 
 def is_s3(uri: str) -> bool:
