@@ -199,8 +199,15 @@ def _watch(held: HeldLease, stop: threading.Event) -> None:
         pass
 
 
+def renewal_due_in(held: HeldLease) -> float:
+    """Seconds until the next renewal: a third of the lease after the last write known to have landed, whenever
+    its confirmation came. A write confirmed late (a lost reply found landed, a slow call) is dated when it was
+    sent, so waiting a full third from the confirmation would leave less than the lease's margin."""
+    return max(0.0, held.renewed_at + held.duration_s / 3 - time.monotonic())
+
+
 def _renew(held: HeldLease, stop: threading.Event) -> None:
-    delay = held.duration_s / 3
+    delay = renewal_due_in(held)
     while not stop.wait(delay):
         sent = time.monotonic()
         try:
@@ -234,7 +241,7 @@ def _renew(held: HeldLease, stop: threading.Event) -> None:
             held.version = renewed  # still ours to release
             return
         held.version, held.renewed_at, held.renewals = renewed, sent, held.renewals + 1
-        delay = held.duration_s / 3
+        delay = renewal_due_in(held)
 
 
 def _own_write(location: StorageLocation, holder: str, renewals: int) -> tuple[str, float] | None:

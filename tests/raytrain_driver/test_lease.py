@@ -222,6 +222,23 @@ def test_a_holder_that_cannot_renew_in_time_must_stop(s3_server: Any) -> None:
         door.shut()
 
 
+@pytest.mark.parametrize("confirmed_after", [0.0, 4.0, 250.0])
+def test_a_renewal_is_due_a_third_of_the_lease_after_the_write_it_renews_however_late_that_was_confirmed(
+    tmp_path: Path, confirmed_after: float
+) -> None:
+    """A write whose reply was lost is found landed seconds later and dated when it was sent (and S3's
+    whole-second clock dates it earlier still). The next renewal used to wait a full third of the lease from
+    that confirmation, so the holder's margin before LOST_AFTER shrank by the delay: CI saw a healthy holder
+    count its lease lost after a lost reply. It is due a third of the lease after the write, at once if past."""
+    from raytrain_driver.lease import HeldLease, renewal_due_in
+
+    duration = 600.0
+    held = HeldLease(locate(str(tmp_path)), KEY, "holder-a", duration, "v1", time.monotonic() - confirmed_after)
+    due = renewal_due_in(held)
+    assert duration / 3 - confirmed_after - 5 < due <= max(0.0, duration / 3 - confirmed_after)
+    assert held.lost() is None
+
+
 @pytest.mark.parametrize(("unrenewed_fraction", "lost"), [(0.7, False), (0.8, True), (0.99, True)])
 def test_an_unrenewed_lease_counts_as_lost_before_it_could_expire(
     tmp_path: Path, unrenewed_fraction: float, lost: bool
