@@ -313,3 +313,36 @@ def test_model_metadata_is_checked_before_anything_is_registered(metadata: Any, 
         return
     with pytest.raises(UserCodeError, match=rf"train_code 'my.code:training': model_metadata\(config\) (.|\n)*{says}"):
         user_metadata(config, spec, None)
+
+
+def test_a_version_description_fits_mlflows_column_however_large_the_train_config_and_scores(tmp_path: Path) -> None:
+    """MLflow stores a version's description in 5000 characters: PostgreSQL and MySQL refuse a longer one, and
+    the registration with it. A train_config of a few thousand characters (a vocabulary, a list of layers) and
+    many reported figures made one; the description now shows the start of each and stays in the column."""
+    from raytrain_driver.fit_record import FitResult
+    from raytrain_driver.origin import DESCRIPTION_LIMIT, version_description
+    from tests.helpers import small_config
+
+    vocabulary = {f"token_{index}": index for index in range(340)}  # train_config stays under 6000 (a param)
+    config = small_config(tmp_path, train_code=TRAIN_CODE, train_config={"dropout": 0.1, "vocabulary": vocabulary})
+    scores = {f"val_class_{index}_recall": index / 400 for index in range(400)}
+    fit = FitResult(
+        run_key="20261128-010000-abcdef",
+        run_uri=str(tmp_path),
+        mlflow_run_id="r",
+        mlflow_experiment_id="0",
+        backend="gloo",
+        epochs_completed=1,
+        best_epoch=1,
+        best_checkpoint_uri=str(tmp_path),
+        best_metrics={},
+        final_metrics={},
+        history=[],
+        reopened_mlflow_run=False,
+        scores=scores,
+    )
+    description = version_description(config, None, fit, "val_mse")
+    assert len(config.train_config_text()) > DESCRIPTION_LIMIT
+    assert len(description) <= DESCRIPTION_LIMIT
+    assert description.startswith(f"{TRAIN_CODE} trained by run") and '"dropout":0.1' in description
+    assert "whole in the run's params" in description and "val_class_0_recall 0.0000" in description
