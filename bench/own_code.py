@@ -10,8 +10,12 @@
    torch.distributed.checkpoint by both ranks, beside the same model gathered into a full state dict and saved
    by rank 0; checkpoint time (save + report) as a share of epoch time.
 3. The built-in classifier and the same model and data as a TrainSpec (raytrain_tasks/table_classifier.py, which
-   is to replace it: issue 32 item 3), through the CLI on a 100,000-row synthetic table: seconds per epoch
-   (training and scoring: the spec scores its test split every epoch too); goal: spec/built-in <= 1.05.
+   is to replace it: issue 32 item 3), through the CLI on a 100,000-row synthetic table, with each data loader
+   (``torch``; ``ray_data``, where the built-in keeps the splits in the object store and the spec streams them
+   from Parquet): seconds per epoch (training and scoring: the spec scores its test split every epoch too);
+   goal: spec/built-in <= 1.05 for each loader.
+
+    python -m bench.own_code --only classifier   # part 3 alone; the other figures in own_code.json are kept
 """
 
 from __future__ import annotations
@@ -74,17 +78,17 @@ def flow_fit(config: dict[str, Any], workdir: Path) -> list[float]:
     return [m.value for m in client.get_metric_history(run.info.run_id, "loop_seconds")]
 
 
-def classifier_epoch_seconds(as_spec: bool, rows: int, epochs: int, workdir: Path) -> list[float]:
+def classifier_epoch_seconds(as_spec: bool, rows: int, epochs: int, workdir: Path, loader: str) -> list[float]:
     """The built-in classifier (``--dataset synthetic``), or the same model and data as a TrainSpec
     (raytrain_tasks/table_classifier.py), through ``prefect-raytrain train``: each epoch's seconds (training and
     scoring, as each logs ``epoch_seconds``)."""
     from mlflow import MlflowClient
 
-    experiment = "bench-classifier-spec" if as_spec else "bench-classifier-builtin"
+    experiment = f"bench-classifier-{'spec' if as_spec else 'builtin'}-{loader}"
     command = [str(Path(sys.executable).with_name("prefect-raytrain")), "train", "--epochs", str(epochs)]
     command += ["--no-register", "--experiment-name", experiment, "--batch-size", "64"]
     if as_spec:
-        settings = {"dataset": "synthetic", "synthetic_samples": rows}
+        settings = {"dataset": "synthetic", "synthetic_samples": rows, "data_loader": loader}
         command += [
             "--train-code",
             "raytrain_tasks.table_classifier:classifier",
@@ -92,7 +96,7 @@ def classifier_epoch_seconds(as_spec: bool, rows: int, epochs: int, workdir: Pat
             json.dumps(settings),
         ]
     else:
-        command += ["--dataset", "synthetic", "--synthetic-samples", str(rows)]
+        command += ["--dataset", "synthetic", "--synthetic-samples", str(rows), "--data-loader", loader]
     env = {**os.environ, "PREFECT_HOME": str(workdir / ".prefect")}
     done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
@@ -104,15 +108,35 @@ def classifier_epoch_seconds(as_spec: bool, rows: int, epochs: int, workdir: Pat
     return [m.value for m in client.get_metric_history(run.info.run_id, "epoch_seconds")]
 
 
+LOADERS = ("torch", "ray_data")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--only", choices=["classifier"], help="one part; the other figures on file are kept")
     args = parser.parse_args(argv)
+    reps = 1 if args.smoke else 2
+    figures: dict[str, Any] = {}
+    if args.only is None:
+        figures |= _own_code_figures(args.smoke, reps)
+    figures |= _classifier_figures(args.smoke, reps)
+    RESULTS.mkdir(exist_ok=True)
+    on_file = RESULTS / "own_code.json"
+    if args.only is not None and on_file.exists():
+        figures = {**json.loads(on_file.read_text()), **figures}
+    on_file.write_text(json.dumps({**figures, "smoke": args.smoke}, indent=1))
+    table = render(figures)
+    (RESULTS / "own_code.md").write_text(f"# Own code ({time.strftime('%Y-%m-%d %H:%M')})\n\n{table}\n")
+    print(table)
+
+
+def _own_code_figures(smoke: bool, reps: int) -> dict[str, float]:
+    """Parts 1 and 2: level b bare vs through the flow, and FSDP2's checkpoint share."""
     from bench.own_code_func import sharded_func, train_func
 
-    reps = 1 if args.smoke else 2
-    config = {"epochs": 3 if args.smoke else 5, "batch_size": 128, "lr": 3e-3, "seed": 0}
-    config["rows"] = 4_000 if args.smoke else 60_000
+    config = {"epochs": 3 if smoke else 5, "batch_size": 128, "lr": 3e-3, "seed": 0}
+    config["rows"] = 4_000 if smoke else 60_000
     bare, flow = [], []
     with tempfile.TemporaryDirectory(prefix="bench-own-code-") as tmp:
         for rep in range(reps):  # contenders alternate
@@ -124,28 +148,42 @@ def main(argv: list[str] | None = None) -> None:
             reports = bare_fit({**config, "mode": mode, "hidden": 256}, sharded_func, Path(tmp) / f"fsdp-{mode}")
             timed = [r for r in reports if not math.isnan(float(r.get("epoch_seconds", math.nan)))]
             sharded[mode] = [float(r["checkpoint_seconds"]) / float(r["epoch_seconds"]) for r in timed]
-        classifier: dict[bool, list[float]] = {False: [], True: []}
-        for rep in range(reps):
-            for as_spec in (False, True):
-                workdir = Path(tmp) / f"classifier-{rep}"
-                workdir.mkdir(exist_ok=True)
-                classifier[as_spec] += classifier_epoch_seconds(as_spec, 20_000 if args.smoke else 100_000, 3, workdir)
-    figures = {
+    return {
         "in_loop_bare_s": statistics.median(bare),
         "in_loop_flow_s": statistics.median(flow),
         "in_loop_ratio": statistics.median(flow) / statistics.median(bare),
         "checkpoint_share_every_rank_dcp": statistics.median(sharded["dcp"]),
         "checkpoint_share_rank0_full_state_dict": statistics.median(sharded["full"]),
-        "classifier_builtin_epoch_s": statistics.median(classifier[False]),
-        "classifier_spec_epoch_s": statistics.median(classifier[True]),
     }
-    figures["classifier_spec_ratio"] = figures["classifier_spec_epoch_s"] / figures["classifier_builtin_epoch_s"]
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "own_code.json").write_text(json.dumps({"smoke": args.smoke, **figures}, indent=1))
-    table = "\n".join(
-        [
-            "| figure | value |",
-            "|---|---|",
+
+
+def _classifier_figures(smoke: bool, reps: int) -> dict[str, float]:
+    """Part 3: the built-in classifier and its TrainSpec, seconds per epoch with each loader (alternating)."""
+    seconds: dict[tuple[bool, str], list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-classifier-") as tmp:
+        for rep in range(reps):
+            workdir = Path(tmp) / f"classifier-{rep}"
+            workdir.mkdir()
+            for loader in LOADERS:
+                for as_spec in (False, True):
+                    rows = 20_000 if smoke else 100_000
+                    found = classifier_epoch_seconds(as_spec, rows, 3, workdir, loader)
+                    seconds.setdefault((as_spec, loader), []).extend(found)
+    figures: dict[str, float] = {}
+    for loader in LOADERS:
+        builtin, spec = statistics.median(seconds[False, loader]), statistics.median(seconds[True, loader])
+        figures |= {
+            f"classifier_builtin_{loader}_epoch_s": builtin,
+            f"classifier_spec_{loader}_epoch_s": spec,
+            f"classifier_spec_{loader}_ratio": spec / builtin,
+        }
+    return figures
+
+
+def render(figures: dict[str, Any]) -> str:
+    rows = ["| figure | value |", "|---|---|"]
+    if "in_loop_ratio" in figures:
+        rows += [
             f"| level b, seconds in the loop per epoch, bare TorchTrainer.fit() | {figures['in_loop_bare_s']:.3f} |",
             f"| level b, the same through the flow | {figures['in_loop_flow_s']:.3f} |",
             f"| level b in-loop ratio flow/bare (goal <= 1.03) | {figures['in_loop_ratio']:.3f} |",
@@ -153,16 +191,18 @@ def main(argv: list[str] | None = None) -> None:
             f"{figures['checkpoint_share_every_rank_dcp']:.1%} |",
             f"| FSDP2, checkpoint share of epoch, full state dict from rank 0 | "
             f"{figures['checkpoint_share_rank0_full_state_dict']:.1%} |",
-            f"| built-in classifier, seconds per epoch (synthetic table) | "
-            f"{figures['classifier_builtin_epoch_s']:.3f} |",
-            f"| the same as a TrainSpec (raytrain_tasks/table_classifier.py) | "
-            f"{figures['classifier_spec_epoch_s']:.3f} |",
-            f"| TrainSpec/built-in (goal <= 1.05 before the spec replaces the built-in) | "
-            f"{figures['classifier_spec_ratio']:.3f} |",
         ]
-    )
-    (RESULTS / "own_code.md").write_text(f"# Own code ({time.strftime('%Y-%m-%d %H:%M')})\n\n{table}\n")
-    print(table)
+    for loader in LOADERS:
+        if f"classifier_spec_{loader}_ratio" in figures:
+            rows += [
+                f"| built-in classifier, seconds per epoch (synthetic table, data_loader {loader}) | "
+                f"{figures[f'classifier_builtin_{loader}_epoch_s']:.3f} |",
+                f"| the same as a TrainSpec (raytrain_tasks/table_classifier.py), data_loader {loader} | "
+                f"{figures[f'classifier_spec_{loader}_epoch_s']:.3f} |",
+                f"| TrainSpec/built-in, data_loader {loader} (goal <= 1.05 before the spec replaces the built-in) | "
+                f"{figures[f'classifier_spec_{loader}_ratio']:.3f} |",
+            ]
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":
