@@ -29,6 +29,27 @@ X = torch.linspace(-1, 1, 16).unsqueeze(1)
 TODAY = TensorDataset(X, 2 * X)
 
 
+def finished_fit(tmp_path: Path, checkpoint: Path, scores: dict[str, float] | None = None) -> Any:
+    """What a fit of one epoch leaves behind, its best checkpoint at ``checkpoint``."""
+    from raytrain_driver.fit_record import FitResult
+
+    return FitResult(
+        run_key="20261127-040000-abcdef",
+        run_uri=str(tmp_path),
+        mlflow_run_id="r",
+        mlflow_experiment_id="0",
+        backend="gloo",
+        epochs_completed=1,
+        best_epoch=1,
+        best_checkpoint_uri=str(checkpoint),
+        best_metrics={},
+        final_metrics={},
+        history=[],
+        reopened_mlflow_run=False,
+        scores=scores or {},
+    )
+
+
 def linear(weight: float) -> nn.Module:
     model = nn.Linear(1, 1)
     with torch.no_grad():
@@ -192,7 +213,6 @@ def test_a_train_spec_evaluates_on_its_test_split_with_its_loss_and_metrics() ->
 def test_an_input_example_the_model_does_not_take_is_named_before_mlflow_exports_it(tmp_path: Path) -> None:
     """A wrong input_example (64 features for a 1-feature model) fails naming input_example, the shapes and the
     resume that registers without training, not with MLflow's export error about its serialization format."""
-    from raytrain_driver.fit_record import FitResult
     from raytrain_driver.user_register import user_model
     from raytrain_tasks.errors import UserCodeError
     from raytrain_tasks.integrity import local_folder_digest
@@ -207,20 +227,7 @@ def test_an_input_example_the_model_does_not_take_is_named_before_mlflow_exports
         model.load_state_dict(torch.load(path / "model.pt", weights_only=True))
         return model
 
-    fit = FitResult(
-        run_key="20261127-040000-abcdef",
-        run_uri=str(tmp_path),
-        mlflow_run_id="r",
-        mlflow_experiment_id="0",
-        backend="gloo",
-        epochs_completed=1,
-        best_epoch=1,
-        best_checkpoint_uri=str(checkpoint),
-        best_metrics={},
-        final_metrics={},
-        history=[],
-        reopened_mlflow_run=False,
-    )
+    fit = finished_fit(tmp_path, checkpoint)
     config = small_config(tmp_path, train_code=TRAIN_CODE)
 
     def code(inputs: int) -> TrainFunc:
@@ -319,28 +326,13 @@ def test_a_version_description_fits_mlflows_column_however_large_the_train_confi
     """MLflow stores a version's description in 5000 characters: PostgreSQL and MySQL refuse a longer one, and
     the registration with it. A train_config of a few thousand characters (a vocabulary, a list of layers) and
     many reported figures made one; the description now shows the start of each and stays in the column."""
-    from raytrain_driver.fit_record import FitResult
     from raytrain_driver.origin import DESCRIPTION_LIMIT, version_description
     from tests.helpers import small_config
 
     vocabulary = {f"token_{index}": index for index in range(340)}  # train_config stays under 6000 (a param)
     config = small_config(tmp_path, train_code=TRAIN_CODE, train_config={"dropout": 0.1, "vocabulary": vocabulary})
     scores = {f"val_class_{index}_recall": index / 400 for index in range(400)}
-    fit = FitResult(
-        run_key="20261128-010000-abcdef",
-        run_uri=str(tmp_path),
-        mlflow_run_id="r",
-        mlflow_experiment_id="0",
-        backend="gloo",
-        epochs_completed=1,
-        best_epoch=1,
-        best_checkpoint_uri=str(tmp_path),
-        best_metrics={},
-        final_metrics={},
-        history=[],
-        reopened_mlflow_run=False,
-        scores=scores,
-    )
+    fit = finished_fit(tmp_path, tmp_path, scores)
     description = version_description(config, None, fit, "val_mse")
     assert len(config.train_config_text()) > DESCRIPTION_LIMIT
     assert len(description) <= DESCRIPTION_LIMIT
