@@ -201,7 +201,7 @@ def rows() -> list[Row]:
             )
         )
     own = _load("own_code")
-    if own is None or own.get("smoke"):
+    if own is None or own.get("smoke") or "in_loop_ratio" not in own:
         out.append(("your own train_func: flow/bare in-loop <= 1.03x", "not measured", "-", "python -m bench.own_code"))
     else:
         out.append(
@@ -222,19 +222,19 @@ def rows() -> list[Row]:
                 "bench.own_code",
             )
         )
-        for loader in ("torch", "ray_data"):
-            if f"classifier_spec_{loader}_ratio" in own:
-                out.append(
-                    _ratio_row(
-                        f"the table classifier as a TrainSpec vs the built-in, data_loader {loader}: <= 1.05x",
-                        own[f"classifier_spec_{loader}_ratio"],
-                        1.05,
-                        True,
-                        f"{own[f'classifier_spec_{loader}_epoch_s']:.3f} s vs "
-                        f"{own[f'classifier_builtin_{loader}_epoch_s']:.3f} s per epoch",
-                        "bench.own_code --only classifier",
-                    )
+    for loader in ("torch", "ray_data"):
+        if own is not None and not own.get("smoke") and f"classifier_spec_{loader}_ratio" in own:
+            out.append(
+                _ratio_row(
+                    f"the table classifier as a TrainSpec vs the built-in, data_loader {loader}: <= 1.05x",
+                    own[f"classifier_spec_{loader}_ratio"],
+                    1.05,
+                    True,
+                    f"{own[f'classifier_spec_{loader}_epoch_s']:.3f} s vs "
+                    f"{own[f'classifier_builtin_{loader}_epoch_s']:.3f} s per epoch",
+                    "bench.own_code --only classifier",
                 )
+            )
     waits = _load("waits")
     if waits is None:
         out.append(("unreachable services are named in seconds", "not measured", "-", "python -m bench.waits"))
