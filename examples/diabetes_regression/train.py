@@ -57,7 +57,7 @@ def train_func(config: dict[str, Any]) -> None:
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as folder:
-            state = torch.load(Path(folder) / CHECKPOINT_FILE, weights_only=True)
+            state = torch.load(Path(folder) / CHECKPOINT_FILE, map_location="cpu", weights_only=True)
         getattr(model, "module", model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
@@ -78,7 +78,9 @@ def train_func(config: dict[str, Any]) -> None:
             for x, y in val_loader:
                 squared += float(((model(x) - y) ** 2).sum())
                 count += len(y)
-        sums = torch.tensor([squared, count], dtype=torch.float64)
+        sums = torch.tensor(
+            [squared, count], dtype=torch.float64, device=ray.train.torch.get_device()
+        )  # NCCL: on the GPU
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(sums)
         metrics = {"epoch": epoch, "val_rmse": float((sums[0] / sums[1]).sqrt())}
@@ -98,7 +100,7 @@ def train_func(config: dict[str, Any]) -> None:
 
 def load_model(checkpoint_dir: Path, config: dict[str, Any]) -> nn.Module:
     model = build_model(config)
-    model.load_state_dict(torch.load(checkpoint_dir / CHECKPOINT_FILE, weights_only=True)["model"])
+    model.load_state_dict(torch.load(checkpoint_dir / CHECKPOINT_FILE, map_location="cpu", weights_only=True)["model"])
     return model
 
 

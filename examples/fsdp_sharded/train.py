@@ -96,7 +96,9 @@ def train_func(config: dict[str, Any]) -> None:
             x, y = val_set[list(mine)]
             logits = model(x)
             sums = torch.tensor(
-                [float(loss_fn(logits, y)) * len(y), float((logits.argmax(1) == y).sum()), len(y)], dtype=torch.float64
+                [float(loss_fn(logits, y)) * len(y), float((logits.argmax(1) == y).sum()), len(y)],
+                dtype=torch.float64,
+                device=ray.train.torch.get_device(),  # NCCL reduces tensors on the GPU only
             )
         torch.distributed.all_reduce(sums)
         metrics = {"epoch": epoch, "val_loss": float(sums[0] / sums[2]), "val_accuracy": float(sums[1] / sums[2])}
@@ -117,7 +119,7 @@ def load_model(checkpoint_dir: Path, config: dict[str, Any]) -> nn.Module:
     with tempfile.TemporaryDirectory() as tmp:
         full = Path(tmp) / "full.pt"
         dcp_to_torch_save(checkpoint_dir, full)
-        state = torch.load(full, weights_only=False)["model"]
+        state = torch.load(full, map_location="cpu", weights_only=False)["model"]
     model = build_model(config)
     model.load_state_dict(state)
     return model

@@ -61,7 +61,7 @@ def train_func(config: dict[str, Any]) -> None:
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as folder:
-            state = torch.load(Path(folder) / CHECKPOINT_FILE, weights_only=True)
+            state = torch.load(Path(folder) / CHECKPOINT_FILE, map_location="cpu", weights_only=True)
         getattr(model, "module", model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
@@ -85,7 +85,9 @@ def train_func(config: dict[str, Any]) -> None:
                 val_loss += loss_fn(logits, y).item() * len(y)
                 correct += (logits.argmax(1) == y).sum().item()
                 total += len(y)
-        sums = torch.tensor([val_loss, correct, total], dtype=torch.float64)
+        sums = torch.tensor(
+            [val_loss, correct, total], dtype=torch.float64, device=ray.train.torch.get_device()
+        )  # NCCL: on the GPU
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(sums)
         metrics = {"epoch": epoch, "val_loss": float(sums[0] / sums[2]), "val_accuracy": float(sums[1] / sums[2])}
@@ -107,7 +109,7 @@ def train_func(config: dict[str, Any]) -> None:
 def load_model(checkpoint_dir: Path, config: dict[str, Any]) -> nn.Module:
     """The servable model from one of train_func's checkpoints (read with weights_only: no pickled code)."""
     model = build_model(config)
-    model.load_state_dict(torch.load(checkpoint_dir / CHECKPOINT_FILE, weights_only=True)["model"])
+    model.load_state_dict(torch.load(checkpoint_dir / CHECKPOINT_FILE, map_location="cpu", weights_only=True)["model"])
     return model
 
 

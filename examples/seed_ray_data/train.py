@@ -60,7 +60,7 @@ def train_func(config: dict[str, Any]) -> None:
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as folder:
-            state = torch.load(Path(folder) / CHECKPOINT_FILE, weights_only=True)
+            state = torch.load(Path(folder) / CHECKPOINT_FILE, map_location="cpu", weights_only=True)
         getattr(model, "module", model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start = state["epoch"] + 1
@@ -80,7 +80,9 @@ def train_func(config: dict[str, Any]) -> None:
             for batch in val_shard.iter_torch_batches(batch_size=256):
                 squared += float(((model(batch["features"]).squeeze(1) - batch["target"]) ** 2).sum())
                 count += len(batch["target"])
-        sums = torch.tensor([squared, count], dtype=torch.float64)
+        sums = torch.tensor(
+            [squared, count], dtype=torch.float64, device=ray.train.torch.get_device()
+        )  # NCCL: on the GPU
         if torch.distributed.is_initialized():  # each worker read its own share of "validation"
             torch.distributed.all_reduce(sums)
         metrics = {"epoch": epoch, "val_rmse": float(sums[0] / sums[1]) ** 0.5}
@@ -101,7 +103,7 @@ def train_func(config: dict[str, Any]) -> None:
 def load_model(checkpoint_dir: Path, config: dict[str, Any]) -> nn.Module:
     """The servable model from one of train_func's checkpoints (read with weights_only: no pickled code)."""
     model = build_model(config)
-    model.load_state_dict(torch.load(checkpoint_dir / CHECKPOINT_FILE, weights_only=True)["model"])
+    model.load_state_dict(torch.load(checkpoint_dir / CHECKPOINT_FILE, map_location="cpu", weights_only=True)["model"])
     return model
 
 

@@ -58,3 +58,64 @@ def test_training_on_gpus_uses_nccl_and_reaches_the_cpu_accuracy(
         f"{result.fit.final_metrics['samples_per_second']:.0f} samples/s, "
         f"val_accuracy {result.fit.final_metrics['val_accuracy']:.4f}"
     )
+
+
+# Your own code on GPUs: the examples a user copies, as they are, with use_gpu=True.
+OWN_CODE = {
+    "seed_ddp": ("examples.seed_ddp.train:training", '{"hidden": 32}', "val_accuracy", 0.9, (2, 64)),
+    "image_classifier": (
+        "examples.image_classifier.train:training",
+        '{"channels": 8}',
+        "val_accuracy",
+        0.8,
+        (2, 1, 8, 8),
+    ),
+}
+
+
+@pytest.mark.parametrize("example", list(OWN_CODE))
+def test_your_own_code_trains_on_gpus_over_nccl_and_its_champion_loads_where_no_gpu_is(
+    example: str, tmp_path: Path, gpu_ray: dict[str, float], prefect_api: None
+) -> None:
+    """A train_func (level b) and a TrainSpec (level a) copied from examples/, trained with NCCL on the GPU: the
+    metrics the example reduces across workers must be on the device NCCL reduces (a CPU tensor fails there), and
+    the checkpoint a GPU worker wrote must load through the example's own code on a machine without CUDA (a CPU
+    registry host or server)."""
+    import os
+    import subprocess
+    import sys
+
+    code, train_config, metric, floor, shape = OWN_CODE[example]
+    config = small_config(
+        tmp_path,
+        train_code=code,
+        train_config=train_config,
+        use_gpu=True,
+        num_workers=min(2, GPUS),
+        cpus_per_worker=1.0,
+        epochs=4,
+        register=True,
+    )
+    result = training_pipeline(**parameters_of(config))
+
+    assert result.fit.backend == "nccl"
+    assert result.fit.best_metrics[metric] >= floor, result.fit.best_metrics
+    assert result.model is not None and "champion" in result.model.aliases
+    run = MlflowClient(result.config.mlflow_tracking_uri).get_run(result.fit.mlflow_run_id)
+    assert run.data.tags["prefect_raytrain.backend"] == "nccl"
+    # The registered champion, loaded and run in a process that sees no GPU.
+    script = (
+        "import mlflow, numpy as np, torch; assert not torch.cuda.is_available();"
+        f"mlflow.set_tracking_uri({result.config.mlflow_tracking_uri!r});"
+        f"m = mlflow.pyfunc.load_model('models:/{config.model_name}@champion');"
+        f"print('predicted', np.asarray(m.predict(np.zeros({shape}, np.float32))).shape)"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    print(f"\n{example} on {config.num_workers} x {torch.cuda.get_device_name(0)}: {result.fit.best_metrics}")
