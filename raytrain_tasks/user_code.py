@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_tasks.api import DATA_DIR_KEY, TRAIN_CONFIG_KEYS, Metric, TrainFunc, TrainSpec
-from raytrain_tasks.errors import UserCodeError, user_frames
+from raytrain_tasks.errors import DatasetError, UserCodeError, user_frames
 
 TRAIN_CODE_PATTERN = r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$"
 
@@ -233,8 +233,9 @@ def _not_found(missing: str, where: str) -> str:
 
 def code_error_stopper(train_code: str) -> Any:
     """A Ray Train callback (it runs on the controller) that fails the fit at once when the user's code raised a
-    TypeError or ImportError (or could not be resolved on a worker): such an error repeats on every attempt, so
-    the worker-group restarts (``max_failures``) and Prefect's retries would only repeat it. Other exceptions are
+    TypeError or ImportError (or could not be resolved on a worker), or a worker refused the data (DatasetError:
+    changed since the run's last checkpoint, an empty split): such an error repeats on every attempt, so the
+    worker-group restarts (``max_failures``) and Prefect's retries would only repeat it. Other exceptions are
     retried from the last checkpoint as before."""
     from ray.train import UserCallback
 
@@ -242,6 +243,11 @@ def code_error_stopper(train_code: str) -> Any:
         def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
             for rank, error in sorted(worker_exceptions.items()):
                 base = getattr(error, "_base_exc", error)  # Ray Train's UserExceptionWithTraceback
+                if isinstance(base, DatasetError):  # refused data (changed since the checkpoint, an empty split)
+                    raise DatasetError(
+                        f"train_code {train_code!r} on worker rank {rank}: {str(base)[-4000:]}\nNot retried: the "
+                        "same data is refused on every attempt"
+                    )
                 if isinstance(base, TypeError | ImportError | UserCodeError):
                     raise UserCodeError(
                         f"train_code {train_code!r} failed on worker rank {rank}: {str(base)[-4000:]}\nNot retried: "

@@ -20,7 +20,7 @@ from mlflow import MlflowClient
 from flows.training import training_pipeline
 from raytrain_tasks.api import Metric, TrainFunc
 from raytrain_tasks.config import TrainingConfig, parameters_of
-from raytrain_tasks.errors import TrackingError, TrainingError, UserCodeError
+from raytrain_tasks.errors import DatasetError, TrackingError, TrainingError, UserCodeError
 from raytrain_tasks.prepared import PreparedData
 from raytrain_tasks.user_code import resolve
 from tests.helpers import mlflow_client, only_run, run_killing_a_worker, small_config, start_flow
@@ -671,6 +671,92 @@ def test_a_type_error_in_the_users_code_is_not_retried_and_shows_their_frames(
     assert starts.read_text().count("start") == 2  # once per worker: no restart, no Prefect retry
     run = only_run(tmp_path)
     assert run is not None and run.info.status == "FAILED"
+
+
+CHANGING_DATA = """
+    import os
+    import numpy as np, torch
+    from torch.utils.data import TensorDataset
+    from raytrain_tasks.api import Metric, Splits, TrainSpec
+
+    calls, stop_marker = 0, ""
+
+    def data(config):  # called on every worker too: where the test's marker is
+        global stop_marker
+        stop_marker = config["stop_marker"]
+        with open(config["starts"], "a") as out:
+            out.write("start\\n")
+        x = torch.from_numpy(np.load(config["data_file"])).unsqueeze(1)
+        rows = TensorDataset(x, 3 * x)
+        return Splits(rows, rows, rows)
+
+    def loss(outputs, targets):
+        global calls
+        calls += torch.is_grad_enabled()  # training (not scoring): 2 batches an epoch on each worker
+        if calls > 4 and os.path.exists(stop_marker):  # epoch 3 stops while the test's marker is there
+            raise TypeError("stopped by the test in epoch 3")
+        return torch.nn.functional.mse_loss(outputs, targets)
+
+    training = TrainSpec(data=data, model=lambda config, example: torch.nn.Linear(1, 1), loss=loss,
+                         metric=Metric("loss", higher_is_better=False),
+                         defaults={"data_file": "", "stop_marker": "", "starts": ""})
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster", "prefect_api")
+def test_a_resume_on_data_that_changed_since_the_last_checkpoint_is_refused_and_trains_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A TrainSpec without ``prepare`` is pinned by the content hash of its splits: a run continued after its
+    data changed would mix two datasets in one model and one MLflow run. The resume is refused, naming the
+    change and what to do; no epoch is trained or logged again and nothing is registered."""
+    import numpy as np
+
+    data_file, marker, starts = tmp_path / "rows.npy", tmp_path / "stop", tmp_path / "starts.txt"
+    np.save(data_file, np.linspace(-1, 1, 64, dtype=np.float32))
+    marker.touch()
+    name = _module(tmp_path, monkeypatch, CHANGING_DATA, name="changing_data")
+    config = own_config(
+        tmp_path,
+        f"{name}:training",
+        register=True,
+        batch_size=16,
+        train_config={"data_file": str(data_file), "stop_marker": str(marker), "starts": str(starts)},
+    )
+    with ThreadPoolExecutor(1) as pool:
+        first = start_flow(pool, config).result(timeout=600)
+    assert first.is_failed(), first
+    run = only_run(tmp_path)
+    client = mlflow_client(tmp_path)
+    logged = sorted(m.step for m in client.get_metric_history(run.info.run_id, "val_loss"))
+    assert logged in ([1], [1, 2]), logged  # stopped in epoch 3, after one or two committed checkpoints
+
+    np.save(data_file, np.linspace(-2, 2, 64, dtype=np.float32))  # other rows, the same shape
+    marker.unlink()
+    starts.unlink()
+    resumed = own_config(
+        tmp_path,
+        f"{name}:training",
+        register=True,
+        batch_size=16,
+        train_config={"data_file": str(data_file), "stop_marker": str(marker), "starts": str(starts)},
+        resume=run.data.tags["prefect_raytrain.run_key"],
+    )
+    with ThreadPoolExecutor(1) as pool:
+        second = start_flow(pool, resumed).result(timeout=600)
+    error = second.result(raise_on_failure=False)
+    assert second.is_failed(), second
+    assert isinstance(error, DatasetError), repr(error)
+    assert "the data changed since this run's last checkpoint" in str(error), repr(error)
+    assert "Start a new run instead" in str(error), repr(error)
+    after = only_run(tmp_path)  # the same MLflow run, not finished, and no epoch logged again
+    assert after.info.run_id == run.info.run_id and after.info.status != "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "val_loss")) == logged
+    assert client_versions(tmp_path) == []
+    # Refused once: every attempt would refuse the same (no worker-group restart, no Prefect retry). The data is
+    # read by the driver's check and once by each worker.
+    assert starts.read_text().count("start") == 3, starts.read_text()
 
 
 NO_CHECKPOINT = """
