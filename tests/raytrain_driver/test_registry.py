@@ -18,6 +18,7 @@ from raytrain_driver.dataset import prepare_dataset
 from raytrain_driver.fit_record import FitResult
 from raytrain_driver.register import APPLIED_TAG
 from raytrain_driver.registry_lock import QUEUE_SUFFIX
+from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import PromotionError
 from raytrain_tasks.tracking import runs as tracking
 from tests.helpers import (
@@ -93,6 +94,16 @@ def _champion(client: MlflowClient, name: str) -> str | None:
     return None if version is None else str(version)
 
 
+def _with_champion(registry: dict[str, Any], name: str, run_key: str) -> tuple[TrainingConfig, str]:
+    """The registry's config under its own model name, whose first version (val_accuracy 0.5) is its champion:
+    each test that needs a champion makes its own, so it passes alone, in any order or process."""
+    config = registry["config"].model_copy(update={"model_name": name})
+    fit = fit_for_registry(registry["client"], registry["workdir"], config, registry["dataset"], run_key, 0.5)
+    first = register_for_test(config, registry["dataset"], fit)
+    assert first.aliases == ("champion",), first
+    return config, first.version
+
+
 def test_one_version_per_run_key_however_often_register_runs(registry: dict[str, Any]) -> None:
     config, dataset, client = registry["config"], registry["dataset"], registry["client"]
     fit = fit_for_registry(client, registry["workdir"], config, dataset, "20261123-010000-aaaaaa", 0.5)
@@ -108,11 +119,10 @@ def test_one_version_per_run_key_however_often_register_runs(registry: dict[str,
 def test_a_champion_that_cannot_be_scored_keeps_its_alias_and_fails_the_task(
     registry: dict[str, Any], mlflow_server: MlflowServer
 ) -> None:
-    config, dataset, client = registry["config"], registry["dataset"], registry["client"]
-    champion = _champion(client, "gate")
-    assert champion is not None
+    dataset, client = registry["dataset"], registry["client"]
+    config, champion = _with_champion(registry, "unscorable", "20261123-011000-abcabc")
     # The champion's model files become unreadable (deleted from the artifact store behind MLflow's back).
-    source = client.get_model_version("gate", champion).source
+    source = client.get_model_version("unscorable", champion).source
     model_id = source.rsplit("/", 1)[-1]
     (model_dir,) = list(mlflow_server.artifacts.rglob(model_id))
     aside = model_dir.with_name(model_id + ".aside")
@@ -121,10 +131,10 @@ def test_a_champion_that_cannot_be_scored_keeps_its_alias_and_fails_the_task(
         fit = fit_for_registry(client, registry["workdir"], config, dataset, "20261123-020000-bbbbbb", 0.99)
         error = register_for_test(config, dataset, fit)
         assert isinstance(error, PromotionError) and "No alias moved" in str(error)
-        assert _champion(client, "gate") == champion  # not replaced by a model it could not be compared with
-        (candidate,) = [v for v in _versions(client, "gate") if v != champion]
-        assert str(client.get_registered_model("gate").aliases["challenger"]) == candidate
-        tags = client.get_model_version("gate", candidate).tags
+        assert _champion(client, "unscorable") == champion  # not replaced by a model it could not be compared with
+        (candidate,) = [v for v in _versions(client, "unscorable") if v != champion]
+        assert str(client.get_registered_model("unscorable").aliases["challenger"]) == candidate
+        tags = client.get_model_version("unscorable", candidate).tags
         assert tags["promotion.decision"] == "undecided"
         assert f"version {champion}" in tags["promotion.reason"] and "failed" in tags["promotion.reason"]
     finally:
@@ -132,26 +142,26 @@ def test_a_champion_that_cannot_be_scored_keeps_its_alias_and_fails_the_task(
     # The next attempt of the same run key redoes only the decision: same version, now promoted.
     retried = register_for_test(config, dataset, fit)
     assert retried.version == candidate and retried.decision == "promote"
-    assert _champion(client, "gate") == candidate
-    assert str(client.get_registered_model("gate").aliases["previous_champion"]) == champion
-    assert len(_versions(client, "gate")) == 2
+    assert _champion(client, "unscorable") == candidate
+    assert str(client.get_registered_model("unscorable").aliases["previous_champion"]) == champion
+    assert len(_versions(client, "unscorable")) == 2
 
 
 def test_a_champion_with_another_input_schema_is_kept_unless_asked(registry: dict[str, Any]) -> None:
-    config, client, workdir = registry["config"], registry["client"], registry["workdir"]
+    client, workdir = registry["client"], registry["workdir"]
+    config, champion = _with_champion(registry, "schema", "20261123-021000-abcabc")
     other = config.model_copy(update={"dataset": "synthetic", "synthetic_features": 8})
     dataset = prepare_dataset(other)
-    champion = _champion(client, "gate")
     fit = fit_for_registry(client, workdir, other, dataset, "20261123-030000-cccccc", 0.99)
     kept = register_for_test(other, dataset, fit)
     assert kept.decision == "keep_incomparable_champion" and kept.aliases == ("challenger",)
     assert "schema" in kept.reason and "replace_incomparable_champion" in kept.reason
-    assert _champion(client, "gate") == champion
+    assert _champion(client, "schema") == champion
 
     replacing = other.model_copy(update={"replace_incomparable_champion": True})
     fit = fit_for_registry(client, workdir, replacing, dataset, "20261123-040000-dddddd", 0.2)
     replaced = register_for_test(replacing, dataset, fit)
-    assert replaced.decision == "replace_incomparable_champion" and _champion(client, "gate") == replaced.version
+    assert replaced.decision == "replace_incomparable_champion" and _champion(client, "schema") == replaced.version
 
 
 def test_a_champion_stored_as_a_pickle_is_never_loaded(registry: dict[str, Any], tmp_path: Path) -> None:
