@@ -28,7 +28,7 @@ from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.errors import (
     CheckpointError,
-    DatasetError,
+    DataRefusedError,
     RepeatedFailureError,
     TrainingError,
     UnsafeCheckpointError,
@@ -253,7 +253,7 @@ def training_error(exc: BaseException, run_key: str, config: TrainingConfig) -> 
     if not isinstance(exc, ray.train.TrainingFailedError):
         return exc
     stopped = getattr(exc, "controller_failure", None)
-    if isinstance(stopped, UserCodeError | DatasetError):  # raytrain_tasks.user_code.code_error_stopper
+    if isinstance(stopped, UserCodeError | DataRefusedError):  # raytrain_tasks.user_code.code_error_stopper
         return type(stopped)(f"training run {run_key}: {stopped}")
     for failure in [*getattr(exc, "worker_failures", {}).values(), stopped]:  # the controller's: a restart check
         cause: BaseException | None = failure

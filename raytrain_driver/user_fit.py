@@ -79,13 +79,14 @@ def trainer_function(
 
     loop_config = user_config(config, spec)
     data: dict[str, Any] = {}
-    ray_spec = isinstance(spec.train_func, SpecTrainFunc) and spec.train_func.ray_data  # what check_data found
+    spec_func = spec.train_func if isinstance(spec.train_func, SpecTrainFunc) else None
+    ray_spec = spec_func is not None and spec_func.ray_data  # what check_data found
     if spec.datasets is not None or ray_spec:  # Ray Datasets, built here: the data's local folder found once
         here = user_config(config, spec, data_dir_of(prepared, config.storage_options))
         if spec.datasets is not None:
             data["datasets"] = dict(spec.datasets(here))
-        if isinstance(spec.train_func, SpecTrainFunc):  # a TrainSpec of Ray Datasets: sharded by Ray Train
-            data |= spec.train_func.trainer_data(here)
+        if spec_func is not None:  # a TrainSpec of Ray Datasets: sharded by Ray Train
+            data |= spec_func.trainer_data(here)
     resume = resume or ResumePoint()
     return (
         run_train_func,
@@ -97,6 +98,8 @@ def trainer_function(
             "fallback": resume.fallback,
             "data": prepared.model_dump(mode="json") if prepared is not None else None,
             "storage": config.storage_options.model_dump(mode="json"),
+            # A TrainSpec's Ray Dataset splits: columns and example, so no worker calls data() (trainer_data).
+            "ray_splits": spec_func.ray_splits if spec_func is not None and ray_spec else None,
         },
         data,
     )

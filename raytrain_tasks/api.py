@@ -293,9 +293,9 @@ class TrainSpec:
     test split scored for the gate). Point ``train_code`` at it as at a ``TrainFunc``.
 
     Attributes:
-        data: ``data(config) -> Splits``. Runs on every worker: it must give the same splits every time (read
-            files, or split with a fixed seed). The pipeline records a content hash of them, and a resume on other
-            data is refused.
+        data: ``data(config) -> Splits``. Torch Datasets: runs on every worker, and must give the same splits
+            every time (read files, or split with a fixed seed); the pipeline records a content hash of them, and a
+            resume on other data is refused. Ray Datasets: runs only where the flow runs (workers get shards).
         model: ``model(config, example) -> torch.nn.Module`` from the config and an example input batch (its shape
             tells input sizes).
         loss: ``loss(outputs, targets) -> scalar tensor``, the mean over the batch; trained on, and reported as

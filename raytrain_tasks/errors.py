@@ -22,6 +22,12 @@ class DatasetError(PipelineError):
     """The dataset cannot be loaded or does not fit the config (missing file, missing label column)."""
 
 
+class DataRefusedError(DatasetError):
+    """Data a worker refuses the same way on every attempt (it changed since the run's last checkpoint, a split is
+    empty): the fit ends at once, neither restarted by Ray Train nor retried by Prefect. A DatasetError from a
+    failed read stays retried."""
+
+
 class StorageError(PipelineError):
     """Shared storage is missing, unreachable or not writable."""
 

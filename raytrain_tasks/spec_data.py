@@ -9,10 +9,12 @@ each whole split.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -60,6 +62,18 @@ def check_ray_splits(splits: Splits) -> None:
             )
 
 
+def data_digest(splits: Splits) -> str:
+    """SHA-256 over every item of every split, in order: the data's content, for lineage and for a resume."""
+    digest = hashlib.sha256()
+    for name in ("train", "val", "test"):
+        dataset = getattr(splits, name)
+        digest.update(f"{name}:{0 if dataset is None else len(dataset)}".encode())
+        for index in range(0 if dataset is None else len(dataset)):
+            for part in dataset[index]:
+                digest.update(torch.as_tensor(part).detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
 def example_inputs(splits: Splits, rows: int) -> Any:
     """The first ``rows`` train inputs, as a batch: what builds the model (shapes) and the exported example."""
     if is_ray_dataset(splits.train):
@@ -71,12 +85,22 @@ def example_inputs(splits: Splits, rows: int) -> Any:
     return inputs
 
 
-def ray_train_batches(splits: Splits, batch_size: int, seed: int, epoch: int, rank: int) -> Iterator[Any]:
+@dataclass(frozen=True)
+class RaySplits:
+    """What a worker needs of Ray Dataset splits besides its shards, found once on the driver: the columns and an
+    example batch (for the model's shapes). A worker never calls ``data()`` for them, so a ``data()`` that
+    materializes its splits (as Ray Data's guide advises for data that fits in the object store) runs once."""
+
+    columns: tuple[str, str]
+    example: Any
+
+
+def ray_train_batches(columns: tuple[str, str], batch_size: int, seed: int, epoch: int, rank: int) -> Iterator[Any]:
     """This worker's shard of ``train`` for ``epoch``: (inputs, targets) on its device, shuffled locally."""
     import ray.train
 
     shard = ray.train.get_dataset_shard("train")
-    inputs, target = splits.columns
+    inputs, target = columns
     for batch in shard.iter_torch_batches(
         batch_size=batch_size,
         local_shuffle_buffer_size=SHUFFLE_BUFFER_ROWS,
@@ -85,11 +109,11 @@ def ray_train_batches(splits: Splits, batch_size: int, seed: int, epoch: int, ra
         yield batch[inputs], batch[target]
 
 
-def ray_held_out_batches(splits: Splits, name: str, batch_size: int, rank: int, world: int) -> Iterator[Any]:
+def ray_held_out_batches(columns: tuple[str, str], name: str, batch_size: int, rank: int, world: int) -> Iterator[Any]:
     """Every world-th batch of the whole ``name`` split (not split across workers), from this rank's."""
     import ray.train
 
-    inputs, target = splits.columns
+    inputs, target = columns
     for index, batch in enumerate(ray.train.get_dataset_shard(name).iter_torch_batches(batch_size=batch_size)):
         if index % world == rank:
             yield batch[inputs], batch[target]

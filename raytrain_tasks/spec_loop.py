@@ -1,21 +1,18 @@
 """The pipeline's own training loop for a ``TrainSpec`` (raytrain_tasks.api): the user's model, data, loss and
 metrics, trained the way Ray Train's guide trains them, as a plain ``train_func``.
 
-Each epoch: train on this worker's shard (``prepare_data_loader``: a DistributedSampler reshuffled per epoch; or,
-for Ray Dataset splits, its ``get_dataset_shard("train")``, shuffled locally), then score the validation and test
-splits on disjoint, unpadded slices whose sums are all-reduced (so the figures are exact over each whole split),
-then one ``ray.train.report`` with a checkpoint from rank 0 holding the model, optimizer, RNG state, the epoch and
-the data's content hash (none for a spec with ``prepare``, whose stored version's hash pins the data before any
-worker starts), in a folder named for its epoch (``epoch-0003``; ``epoch-0003-r1`` when a folder of that
-name is already in the run's storage: an earlier attempt's is never written into). A resume restores all of it,
-so a resumed run on torch datasets follows the uninterrupted trajectory (Ray Data decides which rows reach which
-shard: there, a resume continues from the checkpoint on rows in another order); a resume on other data is refused
-(Ray Datasets are pinned only by a ``prepare``'s stored version: hashing them here would read them whole).
+Each epoch: train on this worker's shard (``prepare_data_loader``'s DistributedSampler, reshuffled per epoch; or
+``get_dataset_shard("train")`` of Ray Dataset splits, shuffled locally), score the validation and test splits on
+disjoint, unpadded slices whose sums are all-reduced (exact figures over each whole split), then one
+``ray.train.report`` with a checkpoint from rank 0: model, optimizer, RNG state, epoch and the data's content hash
+(none with ``prepare``, whose stored version's hash pins the data before any worker starts), in a folder named for
+its epoch (``epoch-0003``; ``epoch-0003-r1`` when an earlier attempt's folder has that name). A resume restores
+all of it: on torch datasets it follows the uninterrupted trajectory (on Ray Datasets, Ray Data decides which rows
+reach which shard); a resume on other data is refused (Ray Datasets are pinned only by ``prepare``'s version).
 """
 
 from __future__ import annotations
 
-import hashlib
 import random
 import tempfile
 import time
@@ -28,15 +25,16 @@ import pyarrow.fs as pafs
 import ray.train
 import ray.train.torch
 import torch
-import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
 from raytrain_tasks import spec_data
 from raytrain_tasks.api import Metric, Splits, TrainFunc, TrainSpec
-from raytrain_tasks.errors import DatasetError, UserCodeError, user_frames
+from raytrain_tasks.errors import DataRefusedError, DatasetError, UserCodeError, user_frames
 from raytrain_tasks.resume import checkpoint_dir_name
 from raytrain_tasks.spec_data import (
+    RaySplits,
     check_ray_splits,
+    data_digest,
     driver_batches,
     epoch_figures,
     is_ray_dataset,
@@ -48,6 +46,7 @@ from raytrain_tasks.spec_data import (
     trainer_datasets,
     uses_ray_data,
 )
+from raytrain_tasks.spec_steps import batch_sums, mean_of, score_split, train_epoch
 from raytrain_tasks.tracking.controller import DATASET_DIGEST_KEY
 
 STATE_FILE = "spec_state.pt"
@@ -75,16 +74,17 @@ def as_train_func(spec: TrainSpec, metric: Metric | None = None) -> TrainFunc:
 
 
 class SpecTrainFunc:
-    """A spec's ``train_func`` (what ``TrainFunc.train_func`` holds for a ``TrainSpec``), which the driver can also
-    ask to check the spec's data before any worker starts."""
+    """A spec's ``train_func`` (``TrainFunc.train_func`` of a ``TrainSpec``); the driver also checks its data."""
 
     def __init__(self, spec: TrainSpec) -> None:
         self.spec = spec
         self._run = _spec_loop(spec)
         self.ray_data = False  # what check_data found
+        self._checked: tuple[dict[str, Any], Splits] | None = None  # its splits, for trainer_data
+        self.ray_splits: RaySplits | None = None  # set by trainer_data on the driver, by run_train_func on workers
 
     def __call__(self, config: dict[str, Any]) -> None:
-        self._run(config)
+        self._run(config, self.ray_splits)
 
     def check_data(self, config: dict[str, Any]) -> bool:
         """``data(config)`` once, here (with Ray connected: it may build Ray Datasets), and whether it gives Ray
@@ -100,46 +100,49 @@ class SpecTrainFunc:
         self.ray_data = uses_ray_data(splits)
         if self.ray_data:
             check_ray_splits(splits)
+            self._checked = (config, splits)
         return self.ray_data
 
     def trainer_data(self, config: dict[str, Any]) -> dict[str, Any]:
         """``TorchTrainer``'s ``datasets=``/``dataset_config=`` for Ray Dataset splits, built here; none for torch
         Datasets, which every worker builds (known from ``check_data``, called first on this object)."""
+        self.ray_splits = None
         if not self.ray_data:
             return {}
         quiet_ray_data()
-        return trainer_datasets(_splits(self.spec, config))
+        checked, self._checked = self._checked, None
+        splits = checked[1] if checked is not None and checked[0] == config else _splits(self.spec, config)
+        self.ray_splits = RaySplits(splits.columns, example_inputs(splits))
+        return trainer_datasets(splits)
 
 
 def spec_train_func(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:
     return SpecTrainFunc(spec)
 
 
-def _spec_loop(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:
-    def train_func(config: dict[str, Any]) -> None:
+def _spec_loop(spec: TrainSpec) -> Callable[[dict[str, Any], RaySplits | None], None]:
+    def train_func(config: dict[str, Any], ray_splits: RaySplits | None = None) -> None:
         _seed(int(config["seed"]))
-        splits = _splits(spec, config)
-        ray_data = uses_ray_data(splits)
+        splits, facts = _worker_splits(spec, config, ray_splits)
         # With prepare, the data is pinned by its stored version's content hash, checked before any worker starts
-        # (a resume on other data is refused there): hashing every item again here would cost each worker a pass
-        # over the data. Ray Datasets are pinned by prepare's stored version alone (hashing them would read them
-        # whole).
-        digest = "" if ray_data or spec.prepare is not None else data_digest(splits)
+        # (a resume on other data is refused there): no pass over the data here. Nor for Ray Datasets (pinned by
+        # prepare's stored version alone: hashing them would read them whole).
+        digest = "" if splits is None or spec.prepare is not None else data_digest(splits)
         context = ray.train.get_context()
         rank, world = context.get_world_rank(), context.get_world_size()
         batch_size, seed = int(config["batch_size"]), int(config["seed"])
         train_loader = (
             None
-            if ray_data
+            if splits is None
             else ray.train.torch.prepare_data_loader(train_loader_of(splits.train, batch_size, seed, rank, world))
         )
-        model = ray.train.torch.prepare_model(spec.model(config, example_inputs(splits)))
+        model = ray.train.torch.prepare_model(spec.model(config, facts.example))
         optimizer = (
             spec.optimizer(model.parameters(), config)
             if spec.optimizer is not None
             else torch.optim.Adam(model.parameters(), lr=float(config["lr"]))
         )
-        if not ray_data:  # a typo in the metric's name, found on one batch before any training (all else: below)
+        if splits is not None:  # a typo in the metric's name, found on one batch before any training (all else: below)
             names = _batch_metric_names(spec, model, splits.val, rank, world, batch_size, ray.train.torch.get_device())
             check_metric_named(spec, config, names, typos_only=True)
         start = _resume(model, optimizer, digest)
@@ -150,23 +153,18 @@ def _spec_loop(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:
             if isinstance(sampler, DistributedSampler):
                 sampler.set_epoch(epoch)
             model.train()
-            total, count = torch.zeros((), dtype=torch.float64), 0
-            batches = ray_train_batches(splits, batch_size, seed, epoch, rank) if train_loader is None else train_loader
-            for inputs, targets in batches:
-                optimizer.zero_grad(set_to_none=True)
-                loss = spec.loss(model(inputs), targets)
-                loss.backward()
-                optimizer.step()
-                total += loss.detach().to(torch.float64).cpu() * len(targets)
-                count += len(targets)
+            batches = (
+                ray_train_batches(facts.columns, batch_size, seed, epoch, rank) if splits is None else train_loader
+            )
+            total, count = train_epoch(spec, model, optimizer, batches)
             metrics: dict[str, Any] = {}
             for name in ("val", "test"):
                 held_out = (
-                    ray_held_out_batches(splits, name, batch_size, rank, world)
-                    if ray_data
+                    ray_held_out_batches(facts.columns, name, batch_size, rank, world)
+                    if splits is None
                     else slice_batches(getattr(splits, name), rank, world, batch_size)
                 )
-                metrics |= _score(spec, model, held_out, name)
+                metrics |= score_split(spec, model, held_out, name)
             if epoch == start:
                 check_metric_named(spec, config, [key.removeprefix("val_") for key in metrics if key[:4] == "val_"])
             metrics = {"epoch": epoch, **epoch_figures(total, count, started, ray.train.torch.get_device()), **metrics}
@@ -202,8 +200,8 @@ def spec_evaluate(spec: TrainSpec) -> Callable[[Any, dict[str, Any]], dict[str, 
         splits = _splits(spec, config)
         with torch.no_grad():
             batches = driver_batches(splits, "test", int(config["batch_size"]))
-            sums, count = _sums(spec, model, batches, torch.device("cpu"))
-        return _mean({f"test_{key}": (total, count) for key, total in sums.items()})
+            sums, count = batch_sums(spec, model, batches, torch.device("cpu"))
+        return mean_of({f"test_{key}": (total, count) for key, total in sums.items()})
 
     return evaluate
 
@@ -213,16 +211,15 @@ def example_inputs(splits: Splits) -> Any:
     return spec_data.example_inputs(splits, EXAMPLE_ROWS)
 
 
-def data_digest(splits: Splits) -> str:
-    """SHA-256 over every item of every split, in order: the data's content, for lineage and for a resume."""
-    digest = hashlib.sha256()
-    for name in ("train", "val", "test"):
-        dataset = getattr(splits, name)
-        digest.update(f"{name}:{0 if dataset is None else len(dataset)}".encode())
-        for index in range(0 if dataset is None else len(dataset)):
-            for part in dataset[index]:
-                digest.update(torch.as_tensor(part).detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
+def _worker_splits(spec: TrainSpec, config: dict[str, Any], given: RaySplits | None) -> tuple[Splits | None, RaySplits]:
+    """A worker's torch Dataset splits (None for Ray Datasets, whose shards Ray Train hands it) and their columns
+    and example. Those of Ray Datasets come from the driver (``trainer_data``): no worker calls ``data()`` for them."""
+    if given is not None:
+        return None, given
+    splits = _splits(spec, config)
+    if uses_ray_data(splits):
+        raise DataRefusedError("TrainSpec.data gave Ray Datasets on a worker, torch Datasets on the driver: one kind")
+    return splits, RaySplits(splits.columns, example_inputs(splits))
 
 
 def _splits(spec: TrainSpec, config: dict[str, Any]) -> Splits:
@@ -231,7 +228,7 @@ def _splits(spec: TrainSpec, config: dict[str, Any]) -> Splits:
         raise UserCodeError(f"TrainSpec.data must return raytrain_tasks.api.Splits, got {type(splits).__name__}")
     for name in ("train", "val"):
         if _empty(getattr(splits, name)):
-            raise DatasetError(f"TrainSpec.data returned an empty {name} split")
+            raise DataRefusedError(f"TrainSpec.data returned an empty {name} split")
     if _empty(splits.test):
         # Found before the workers start (check_data), not after the last epoch: the gate metric would never be
         # reported.
@@ -251,48 +248,6 @@ def _empty(dataset: Any) -> bool:
     return dataset is None or (not is_ray_dataset(dataset) and len(dataset) == 0)
 
 
-def _sums(spec: TrainSpec, model: Any, batches: Any, device: Any) -> tuple[dict[str, float], int]:
-    """({"loss": sum, <metric>: sum, ...}, rows) over ``batches``, each batch's means weighted by its rows."""
-    sums: dict[str, float] = {}
-    count = 0
-    for inputs, targets in batches:
-        inputs, targets = inputs.to(device), targets.to(device)
-        outputs = model(inputs)
-        batch = {"loss": spec.loss(outputs, targets)}
-        if spec.metrics is not None:
-            batch |= dict(spec.metrics(outputs, targets))
-        for key, value in batch.items():
-            sums[key] = sums.get(key, 0.0) + float(value) * len(targets)
-        count += len(targets)
-    return sums, count
-
-
-def _score(spec: TrainSpec, model: Any, batches: Any, split: str) -> dict[str, float]:
-    """Loss and metrics over the whole split: this rank scores its batches, the sums are all-reduced."""
-    model.eval()
-    net = getattr(model, "module", model)  # not DDP's forward: it may sync buffers, which a rank with no batch skips
-    distributed = dist.is_available() and dist.is_initialized()
-    if distributed:  # every rank scores with rank 0's buffers (BatchNorm statistics), which its checkpoint holds
-        for buffer in net.buffers():
-            dist.broadcast(buffer, src=0)
-    with torch.no_grad():
-        sums, count = _sums(spec, net, batches, ray.train.torch.get_device())
-    keys = sorted(sums)
-    if distributed:  # a rank with no batch of the split knows no metric names
-        gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
-        dist.all_gather_object(gathered, keys)
-        keys = sorted(set().union(*gathered))
-    keys = keys or ["loss"]
-    # On the device: NCCL reduces CUDA tensors only.
-    vector = torch.tensor(
-        [sums.get(key, 0.0) for key in keys] + [count], dtype=torch.float64, device=ray.train.torch.get_device()
-    )
-    if distributed:
-        dist.all_reduce(vector)
-    *totals, seen = vector.tolist()
-    return _mean({f"{split}_{key}": (total, seen) for key, total in zip(keys, totals, strict=True)})
-
-
 def _batch_metric_names(
     spec: TrainSpec, model: Any, val: Any, rank: int, world: int, batch_size: int, device: Any
 ) -> list[str] | None:
@@ -306,7 +261,7 @@ def _batch_metric_names(
         was_training = net.training
         net.eval()
         try:
-            sums, _ = _sums(spec, net, [batch], device)
+            sums, _ = batch_sums(spec, net, [batch], device)
         finally:
             net.train(was_training)
     return sorted(sums)
@@ -337,10 +292,6 @@ def check_metric_named(
         f"{names}{hint}. val_<metric> picks the best checkpoint and test_<metric> is what the gate compares: name "
         "one of those (or 'loss'), or return it from metrics=..."
     )
-
-
-def _mean(sums: dict[str, tuple[float, float]]) -> dict[str, float]:
-    return {key: total / count if count else float("nan") for key, (total, count) in sums.items()}
 
 
 def _run_folders() -> frozenset[str]:
@@ -380,7 +331,7 @@ def _resume(model: Any, optimizer: Any, digest: str) -> int:
         state = torch.load(Path(folder) / STATE_FILE, map_location="cpu", weights_only=True)
     # "" on either side: the data is pinned by prepare's stored version (an older release hashed it here too).
     if state["data_sha256"] and digest and state["data_sha256"] != digest:
-        raise DatasetError(
+        raise DataRefusedError(
             f"the data changed since this run's last checkpoint (content hash {state['data_sha256'][:12]}... then, "
             f"{digest[:12]}... now): a resume continues on the data it started with. Start a new run instead"
         )

@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from raytrain_tasks.api import DATA_DIR_KEY, Metric, Splits, TrainSpec
-from raytrain_tasks.data import LABEL_INDEX_COLUMN, MANIFEST_NAME, SPLITS, DatasetRef, read_split
+from raytrain_tasks.data import LABEL_INDEX_COLUMN, MANIFEST_NAME, SPLITS, DatasetRef, read_split, streams
 from raytrain_tasks.models import build_mlp, with_standardisation
 from raytrain_tasks.reports import dataset_summary, evaluation_report, plot_confusion_matrix
 from raytrain_tasks.storage.filesystem import StorageOptions, s3_endpoint_and_region
@@ -147,7 +147,14 @@ def data(config: dict[str, Any]) -> Splits:
     """Raw features and class indices of each split (the model standardises); Ray Datasets with ``ray_data``."""
     dataset = described(config)
     if config["data_loader"] == "ray_data":
-        return Splits(*(_ray_split(dataset, split) for split in SPLITS))
+        import ray
+
+        splits = [_ray_split(dataset, split) for split in SPLITS]
+        if not streams("ray_data", dataset, ray.cluster_resources().get("object_store_memory", 0.0)):
+            # Read and mapped once per fit, here, as Ray Data's guide advises for data that fits in the object
+            # store (the workers take their shards of these; none calls data()), not every epoch on every worker.
+            splits = [split.materialize() for split in splits]
+        return Splits(*splits)
     tensors = (read_split(dataset, split, standardised=False) for split in SPLITS)
     return Splits(*(TensorDataset(torch.from_numpy(x), torch.from_numpy(y)) for x, y in tensors))
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_tasks.api import DATA_DIR_KEY, TRAIN_CONFIG_KEYS, Metric, TrainFunc, TrainSpec
-from raytrain_tasks.errors import DatasetError, UserCodeError, user_frames
+from raytrain_tasks.errors import DataRefusedError, UserCodeError, user_frames
 
 TRAIN_CODE_PATTERN = r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$"
 
@@ -144,6 +144,15 @@ def run_train_func(loop_config: dict[str, Any]) -> None:
 
         data = PreparedData.model_validate(loop_config["data"])
         config[DATA_DIR_KEY] = str(local_data_dir(data, StorageOptions.model_validate(loop_config["storage"])))
+    if loop_config.get("ray_splits") is not None:  # a TrainSpec's Ray Dataset splits, as the driver found them
+        from raytrain_tasks.spec_loop import SpecTrainFunc
+
+        if not isinstance(spec.train_func, SpecTrainFunc):
+            raise UserCodeError(
+                f"train_code {loop_config['train_code']!r} is a TrainSpec of Ray Datasets where the flow runs, "
+                "not on this Ray Train worker: the code differs between the two (ship the same code to both)"
+            )
+        spec.train_func.ray_splits = loop_config["ray_splits"]
     try:
         spec.train_func(config)
     except (TypeError, ImportError) as exc:
@@ -233,18 +242,18 @@ def _not_found(missing: str, where: str) -> str:
 
 def code_error_stopper(train_code: str) -> Any:
     """A Ray Train callback (it runs on the controller) that fails the fit at once when the user's code raised a
-    TypeError or ImportError (or could not be resolved on a worker), or a worker refused the data (DatasetError:
-    changed since the run's last checkpoint, an empty split): such an error repeats on every attempt, so the
-    worker-group restarts (``max_failures``) and Prefect's retries would only repeat it. Other exceptions are
-    retried from the last checkpoint as before."""
+    TypeError or ImportError (or could not be resolved on a worker), or a worker refused the data
+    (DataRefusedError: changed since the run's last checkpoint, an empty split): such an error repeats on every
+    attempt, so the worker-group restarts (``max_failures``) and Prefect's retries would only repeat it. Other
+    exceptions (a failed read included) are retried from the last checkpoint as before."""
     from ray.train import UserCallback
 
     class StopOnCodeErrors(UserCallback):  # type: ignore[misc]
         def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
             for rank, error in sorted(worker_exceptions.items()):
                 base = getattr(error, "_base_exc", error)  # Ray Train's UserExceptionWithTraceback
-                if isinstance(base, DatasetError):  # refused data (changed since the checkpoint, an empty split)
-                    raise DatasetError(
+                if isinstance(base, DataRefusedError):  # data changed since the checkpoint, an empty split
+                    raise DataRefusedError(
                         f"train_code {train_code!r} on worker rank {rank}: {str(base)[-4000:]}\nNot retried: the "
                         "same data is refused on every attempt"
                     )

@@ -8,6 +8,7 @@ The examples under examples/ are the acceptance tests: each runs here as a user 
 from __future__ import annotations
 
 import json
+import os
 import re
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +21,7 @@ from mlflow import MlflowClient
 from flows.training import training_pipeline
 from raytrain_tasks.api import Metric, TrainFunc
 from raytrain_tasks.config import TrainingConfig, parameters_of
-from raytrain_tasks.errors import DatasetError, TrackingError, TrainingError, UserCodeError
+from raytrain_tasks.errors import DataRefusedError, TrackingError, TrainingError, UserCodeError
 from raytrain_tasks.prepared import PreparedData
 from raytrain_tasks.user_code import resolve
 from tests.helpers import mlflow_client, only_run, run_killing_a_worker, small_config, start_flow
@@ -245,7 +246,9 @@ def test_a_train_spec_on_ray_datasets_streams_shards_survives_a_killed_worker_an
     `train` sharded across the workers, `val` and `test` scored exactly over the whole split; a killed worker
     resumes in the same MLflow run; the second run's gate scores the champion on today's test split through Ray
     Data on the driver."""
+    callers = tmp_path / "data_called_by.txt"
     source = """
+        import os
         import numpy as np, ray.data, torch
         from raytrain_tasks.api import Metric, Splits, TrainSpec
 
@@ -254,6 +257,8 @@ def test_a_train_spec_on_ray_datasets_streams_shards_survives_a_killed_worker_an
             return ray.data.from_items([{"x": value, "y": 3 * value} for value in x])
 
         def data(config):
+            with open(CALLERS, "a") as out:
+                out.write(f"{os.getpid()}\\n")
             return Splits(rows(1024, 1.0), rows(160, 0.99), rows(80, 0.98), columns=("x", "y"))
 
         def model(config, example):  # BatchNorm: buffers a DDP forward would sync
@@ -265,6 +270,7 @@ def test_a_train_spec_on_ray_datasets_streams_shards_survives_a_killed_worker_an
                              metric=Metric("loss", higher_is_better=False),
                              optimizer=lambda parameters, config: torch.optim.SGD(parameters, lr=0.1))
     """
+    source = source.replace("CALLERS", repr(str(callers)))
     code = f"{_module(tmp_path, monkeypatch, source, name='ray_data_spec')}:training"
     # Each worker trains 4 batches of 128 an epoch. The 80 test rows are one batch: the second worker scores none,
     # yet reduces the same metrics as the first. The 160 val rows are two: each worker scores one, with rank 0's
@@ -272,6 +278,9 @@ def test_a_train_spec_on_ray_datasets_streams_shards_survives_a_killed_worker_an
     config = own_config(tmp_path, code, register=True, batch_size=128)
     first = _finished_in_one_run_despite_a_killed_worker(tmp_path, config, "val_loss")
     assert first.model is not None and first.model.aliases == ("champion",), first.model
+    # Only the driver builds the splits (its check, the fit, the registration): no worker, not even the restarted
+    # ones, so a data() that materializes its splits reads them once per fit, not once more per worker.
+    assert set(callers.read_text().split()) == {str(os.getpid())}, callers.read_text()
     assert first.fit.scores["test_loss"] < 0.1 and first.fit.best_metrics["val_mae"] < 0.3, first.fit  # y = 3x
     # Exact over the whole split: val_loss as the workers reported it (each scored a share of the batches, the
     # sums all-reduced) is the loss of the registered (best) checkpoint's model over all 160 validation rows.
@@ -716,7 +725,7 @@ def test_a_resume_on_data_that_changed_since_the_last_checkpoint_is_refused_and_
     data_file, marker, starts = tmp_path / "rows.npy", tmp_path / "stop", tmp_path / "starts.txt"
     np.save(data_file, np.linspace(-1, 1, 64, dtype=np.float32))
     marker.touch()
-    name = _module(tmp_path, monkeypatch, CHANGING_DATA, name="changing_data")
+    name = _module(tmp_path, monkeypatch, CHANGING_DATA, name="data_changed_since_its_checkpoint")  # its own name
     config = own_config(
         tmp_path,
         f"{name}:training",
@@ -747,7 +756,7 @@ def test_a_resume_on_data_that_changed_since_the_last_checkpoint_is_refused_and_
         second = start_flow(pool, resumed).result(timeout=600)
     error = second.result(raise_on_failure=False)
     assert second.is_failed(), second
-    assert isinstance(error, DatasetError), repr(error)
+    assert isinstance(error, DataRefusedError), repr(error)  # a DatasetError, which Prefect does not retry
     assert "the data changed since this run's last checkpoint" in str(error), repr(error)
     assert "Start a new run instead" in str(error), repr(error)
     after = only_run(tmp_path)  # the same MLflow run, not finished, and no epoch logged again
