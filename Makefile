@@ -28,9 +28,22 @@ install: $(VENV)/.installed
 run: install
 	$(PY) -m flows.training $(ARGS)
 
+# The whole suite in two passes: the tests without the marker `slow` in two processes as test-fast runs them,
+# then the end-to-end tests serially (each trains on both cores; their stop and heartbeat windows are measured in
+# seconds). Both passes run whatever the first's outcome; pytest's exit 5 (nothing selected) fails only when
+# neither pass selected a test. A PYTEST_ARGS with its own -m runs one serial pass with it instead.
 test: install
 	$(VENV)/bin/lint-imports
+ifneq (,$(findstring -m ,$(PYTEST_ARGS) ))
 	$(PY) -m pytest $(PYTEST_ARGS)
+else
+	@fast=0; slow=0; \
+	$(PY) -m pytest -m "not slow" -n 2 --dist loadscope $(PYTEST_ARGS) || fast=$$?; \
+	$(PY) -m pytest -m slow $(PYTEST_ARGS) || slow=$$?; \
+	echo "make test: not slow exit $$fast, slow exit $$slow (5: no test selected)"; \
+	for rc in $$fast $$slow; do [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || exit $$rc; done; \
+	[ $$fast -ne 5 ] || [ $$slow -ne 5 ] || exit 5
+endif
 
 # Everything but the end-to-end tests, in two processes (pytest-xdist): most of their time is imports and
 # subprocesses. The end-to-end tests stay serial in `make test`: each trains on both cores, and their stop and
