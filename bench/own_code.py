@@ -11,8 +11,8 @@
    by rank 0; checkpoint time (save + report) as a share of epoch time.
 3. The built-in classifier and the same model and data as a TrainSpec (raytrain_tasks/table_classifier.py, which
    is to replace it: issue 32 item 3), through the CLI on a 100,000-row synthetic table, with each data loader
-   (``torch``; ``ray_data``, where the built-in keeps the splits in the object store and the spec streams them
-   from Parquet): seconds per epoch (training and scoring: the spec scores its test split every epoch too);
+   (``torch``; ``ray_data``, where both keep the splits in the object store, divided among the workers on the
+   driver): seconds per epoch (training and scoring: the spec scores its test split every epoch too);
    goal: spec/built-in <= 1.05 for each loader.
 
     python -m bench.own_code --only classifier   # part 3 alone; the other figures in own_code.json are kept

@@ -144,6 +144,11 @@ class FitPlan(BaseModel):
     def elastic(self) -> bool:
         return self.max_workers > self.min_workers
 
+    @property
+    def fixed_workers(self) -> int:
+        """The worker group's size when it is fixed (what a kept split is divided among); 0 when elastic."""
+        return 0 if self.elastic else self.min_workers
+
 
 # The least CPU an automatically sized worker gets; smaller shares must be set by hand.
 MIN_SIZED_CPUS = 0.5

@@ -163,7 +163,8 @@ def build_trainer(
         from raytrain_driver.user_fit import trainer_function
 
         prepared = dataset if isinstance(dataset, PreparedData) else None
-        train_func, loop_config, data = trainer_function(config, spec, workers_code_dir(config), resume_point, prepared)
+        code, fixed = workers_code_dir(config), plan.fixed_workers
+        train_func, loop_config, data = trainer_function(config, spec, code, resume_point, prepared, fixed)
         score_attribute, score_order = spec.selection.name, spec.selection.order
     else:
         assert is_builtin_dataset(dataset), "the built-in loop trains on its prepared table"
@@ -174,8 +175,7 @@ def build_trainer(
         from raytrain_tasks.ingest import data_config, ray_datasets
 
         datasets = ray_datasets(config, dataset, run_logger())
-        fixed = 0 if plan.elastic else plan.min_workers  # the workers a split divides among, when it is known
-        data = {"datasets": datasets, "dataset_config": data_config(datasets["train"], fixed)}
+        data = {"datasets": datasets, "dataset_config": data_config(datasets["train"], plan.fixed_workers)}
     return RunTrainer(
         train_func,
         train_loop_config=loop_config,

@@ -70,9 +70,11 @@ def trainer_function(
     code_dir: str,
     resume: ResumePoint | None = None,
     prepared: PreparedData | None = None,
+    fixed_workers: int = 0,
 ) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     """(the function each worker runs, its ``train_loop_config``, ``TorchTrainer`` data kwargs). With ``prepared``
-    data, each worker finds its node's local copy (``config["data_dir"]``); the driver its own, for ``datasets``."""
+    data, each worker finds its node's local copy (``config["data_dir"]``); the driver its own, for ``datasets``.
+    ``fixed_workers``: the worker group's size when it is fixed (0: elastic), which kept splits are divided for."""
     from raytrain_tasks.prepared import data_dir_of
     from raytrain_tasks.spec_loop import SpecTrainFunc
     from raytrain_tasks.user_code import run_train_func, user_config
@@ -86,7 +88,7 @@ def trainer_function(
         if spec.datasets is not None:
             data["datasets"] = dict(spec.datasets(here))
         if spec_func is not None:  # a TrainSpec of Ray Datasets: sharded by Ray Train
-            data |= spec_func.trainer_data(here)
+            data |= spec_func.trainer_data(here, fixed_workers)
     resume = resume or ResumePoint()
     return (
         run_train_func,

@@ -273,8 +273,9 @@ class Splits:
       builds them (``data(config)`` runs there) and reads its share through ``prepare_data_loader``;
     - Ray Datasets (``ray.data.Dataset``), for data too large for that: built on the driver and handed to
       ``TorchTrainer(datasets=...)``; each worker streams its shard of ``train`` (``get_dataset_shard``) and a
-      share of the batches of ``val`` and ``test``. Each row holds the inputs and the target in the two columns
-      named by ``columns``.
+      share of the rows of ``val`` and ``test`` (splits you materialize are divided among a fixed number of
+      workers once, on the driver). Each row holds the inputs and the target in the two columns named by
+      ``columns``.
 
     ``test`` is held out: never trained on, never used to pick a checkpoint; the promotion gate compares its
     scores, so the pipeline needs it (Splits without it are refused before any worker starts: the fit calls

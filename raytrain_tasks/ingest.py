@@ -23,7 +23,6 @@ import ray.data
 import ray.train
 import ray.train.torch
 import torch
-from ray.data.dataset import MaterializedDataset
 
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import (
@@ -36,6 +35,7 @@ from raytrain_tasks.data import (
     standardise_batch,
     streams,
 )
+from raytrain_tasks.kept_shards import kept_shards
 from raytrain_tasks.storage.filesystem import open_filesystem
 
 logger = logging.getLogger(__name__)
@@ -91,40 +91,12 @@ def ray_datasets(
     return kept
 
 
-class KeptShards(ray.train.DataConfig):
-    """Ray Train's DataConfig, plus: a train split kept in the object store and divided on the driver into equal
-    shards, one per rank (``split(equal=True)``, in block order), is handed out as is. Each worker then iterates
-    its own blocks every epoch with no split coordinator in between (a coordinated epoch start cost about 2 s per
-    epoch here). A worker group of another size (elastic) gets Ray Train's ``streaming_split``, as do streamed
-    splits. The division happens on the driver because its tasks need CPUs that a running worker group holds."""
-
-    def __init__(self, shards: list[MaterializedDataset]) -> None:
-        # Only train is sharded: every worker sees the whole validation split and scores its rank's slice,
-        # so the all-reduced validation metrics cover every row exactly once.
-        super().__init__(datasets_to_split=["train"])
-        self._shards = shards
-
-    def configure(
-        self,
-        datasets: dict[str, ray.data.Dataset],
-        world_size: int,
-        worker_handles: Any,
-        worker_node_ids: Any,
-        **kwargs: Any,
-    ) -> list[dict[str, Any]]:
-        if len(self._shards) != world_size:
-            return super().configure(datasets, world_size, worker_handles, worker_node_ids, **kwargs)
-        rest = {name: ds for name, ds in datasets.items() if name != "train"}
-        output = super().configure(rest, world_size, worker_handles, worker_node_ids, **kwargs)
-        for rank, shard in enumerate(self._shards):
-            output[rank]["train"] = shard.iterator()
-        return output
-
-
 def data_config(train: ray.data.Dataset | None = None, world_size: int = 0) -> ray.train.DataConfig:
-    """The ``dataset_config`` of the TorchTrainer; ``world_size``: the worker group's size when it is fixed."""
-    kept = isinstance(train, MaterializedDataset) and world_size > 0
-    return KeptShards(train.split(world_size, equal=True) if kept else [])  # type: ignore[union-attr]
+    """The ``dataset_config`` of the TorchTrainer; ``world_size``: the worker group's size when it is fixed. Only
+    train is sharded: every worker sees the whole validation split and scores its rank's slice, so the all-reduced
+    validation metrics cover every row exactly once. A train split kept in the object store is divided on the
+    driver (raytrain_tasks.kept_shards)."""
+    return kept_shards({} if train is None else {"train": train}, world_size, datasets_to_split=["train"])
 
 
 class TrainBatches:

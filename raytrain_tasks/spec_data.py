@@ -27,6 +27,8 @@ from raytrain_tasks.errors import DatasetError, UserCodeError
 SPLIT_NAMES = ("train", "val", "test")
 # Rows a worker's train shard is shuffled within, with a seed of (seed, epoch, rank): Ray Data's local shuffle.
 SHUFFLE_BUFFER_ROWS = 10_000
+FETCH_ROWS = 4_096  # rows taken from a Ray Data iterator at a time (RaySplits.fetch_rows)
+FETCH_BYTES = 16 * 2**20  # ... and at most this many bytes of inputs
 
 
 def is_ray_dataset(dataset: Any) -> bool:
@@ -89,34 +91,60 @@ def example_inputs(splits: Splits, rows: int) -> Any:
 class RaySplits:
     """What a worker needs of Ray Dataset splits besides its shards, found once on the driver: the columns and an
     example batch (for the model's shapes). A worker never calls ``data()`` for them, so a ``data()`` that
-    materializes its splits (as Ray Data's guide advises for data that fits in the object store) runs once."""
+    materializes its splits (as Ray Data's guide advises for data that fits in the object store) runs once.
+    ``divided``: the splits the driver divided into one shard per rank for a group of ``world`` workers
+    (raytrain_tasks.kept_shards); a group of another size gets them as Ray Train hands them out."""
 
     columns: tuple[str, str]
     example: Any
+    divided: tuple[str, ...] = ()
+    world: int = 0
+
+    def own_shard(self, name: str, world: int) -> bool:
+        """Whether this worker's ``name`` is its own shard of the split, not the whole split."""
+        return name in self.divided and world == self.world
+
+    def fetch_rows(self, batch_size: int) -> int:
+        """Rows taken from a Ray Data iterator at a time, in whole batches, sliced into training batches on the
+        device: its iterator costs about 0.6 ms per batch it yields, as much as a whole step of a small model.
+        About FETCH_ROWS rows, fewer where rows are large (FETCH_BYTES), never less than one batch."""
+        example = self.example
+        row_bytes = example[0].numel() * example.element_size() if isinstance(example, torch.Tensor) else 0
+        rows = min(FETCH_ROWS, FETCH_BYTES // row_bytes) if row_bytes else batch_size
+        return max(1, rows // batch_size) * batch_size
 
 
-def ray_train_batches(columns: tuple[str, str], batch_size: int, seed: int, epoch: int, rank: int) -> Iterator[Any]:
+def ray_train_batches(facts: RaySplits, batch_size: int, seed: int, epoch: int, rank: int) -> Iterator[Any]:
     """This worker's shard of ``train`` for ``epoch``: (inputs, targets) on its device, shuffled locally."""
     import ray.train
 
-    shard = ray.train.get_dataset_shard("train")
-    inputs, target = columns
-    for batch in shard.iter_torch_batches(
-        batch_size=batch_size,
-        local_shuffle_buffer_size=SHUFFLE_BUFFER_ROWS,
+    fetch = facts.fetch_rows(batch_size)
+    chunks = ray.train.get_dataset_shard("train").iter_torch_batches(
+        batch_size=fetch,
+        local_shuffle_buffer_size=max(SHUFFLE_BUFFER_ROWS, 2 * fetch),
         local_shuffle_seed=(seed * 100_003 + epoch) * 1_009 + rank,
-    ):
-        yield batch[inputs], batch[target]
+    )
+    yield from _sliced(chunks, facts.columns, batch_size)
 
 
-def ray_held_out_batches(columns: tuple[str, str], name: str, batch_size: int, rank: int, world: int) -> Iterator[Any]:
-    """Every world-th batch of the whole ``name`` split (not split across workers), from this rank's."""
+def ray_held_out_batches(facts: RaySplits, name: str, batch_size: int, rank: int, world: int) -> Iterator[Any]:
+    """This rank's batches of the ``name`` split: all of its own shard when the driver divided the split, else
+    those of every world-th chunk of the whole split (which every worker streams, in the same order)."""
     import ray.train
 
+    chunks = ray.train.get_dataset_shard(name).iter_torch_batches(batch_size=facts.fetch_rows(batch_size))
+    if not facts.own_shard(name, world):
+        chunks = (chunk for index, chunk in enumerate(chunks) if index % world == rank)
+    yield from _sliced(chunks, facts.columns, batch_size)
+
+
+def _sliced(chunks: Iterator[dict[str, Any]], columns: tuple[str, str], batch_size: int) -> Iterator[Any]:
+    """(inputs, targets) batches as views of each chunk: no copy."""
     inputs, target = columns
-    for index, batch in enumerate(ray.train.get_dataset_shard(name).iter_torch_batches(batch_size=batch_size)):
-        if index % world == rank:
-            yield batch[inputs], batch[target]
+    for chunk in chunks:
+        x, y = chunk[inputs], chunk[target]
+        for start in range(0, len(y), batch_size):
+            yield x[start : start + batch_size], y[start : start + batch_size]
 
 
 def driver_batches(splits: Splits, name: str, batch_size: int) -> Iterator[Any]:
@@ -132,20 +160,27 @@ def driver_batches(splits: Splits, name: str, batch_size: int) -> Iterator[Any]:
     yield from DataLoader(dataset, batch_size=batch_size)
 
 
-def trainer_datasets(splits: Splits) -> dict[str, Any]:
-    """``TorchTrainer``'s ``datasets=`` and ``dataset_config=`` for Ray Dataset splits: ``train`` split across the
-    workers, ``val`` and ``test`` whole to each, in order (every worker sees the same batches, of which each scores
-    every world-th: a partition of the split only if the order is the same everywhere)."""
+def trainer_datasets(splits: Splits, world_size: int) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """(``TorchTrainer``'s ``datasets=`` and ``dataset_config=`` for Ray Dataset splits, the splits divided now).
+    ``train`` split across the workers; ``val`` and ``test`` whole to each, in order (every worker sees the same
+    chunks, of which each scores every world-th: a partition of the split only if the order is the same
+    everywhere). Splits kept in the object store (materialized) are divided here instead, one shard per rank of
+    a group of ``world_size`` workers (0: elastic), so no coordinator starts every epoch's stream."""
     import ray.train
+
+    from raytrain_tasks.kept_shards import kept_shards
 
     in_order = ray.train.DataConfig.default_ingest_options()
     in_order.preserve_order = True
-    return {
-        "datasets": {name: getattr(splits, name) for name in SPLIT_NAMES},
-        "dataset_config": ray.train.DataConfig(
-            datasets_to_split=["train"], execution_options={"val": in_order, "test": in_order}
-        ),
-    }
+    datasets = {name: getattr(splits, name) for name in SPLIT_NAMES}
+    config = kept_shards(
+        datasets,
+        world_size,
+        held_out=("val", "test"),
+        datasets_to_split=["train"],
+        execution_options={"val": in_order, "test": in_order},
+    )
+    return {"datasets": datasets, "dataset_config": config}, config.divides(world_size)
 
 
 def quiet_ray_data() -> None:

@@ -103,17 +103,19 @@ class SpecTrainFunc:
             self._checked = (config, splits)
         return self.ray_data
 
-    def trainer_data(self, config: dict[str, Any]) -> dict[str, Any]:
+    def trainer_data(self, config: dict[str, Any], world_size: int = 0) -> dict[str, Any]:
         """``TorchTrainer``'s ``datasets=``/``dataset_config=`` for Ray Dataset splits, built here; none for torch
-        Datasets, which every worker builds (known from ``check_data``, called first on this object)."""
+        Datasets, which every worker builds (known from ``check_data``, called first on this object).
+        ``world_size``: the worker group's size when it is fixed (0: elastic), to divide kept splits among."""
         self.ray_splits = None
         if not self.ray_data:
             return {}
         quiet_ray_data()
         checked, self._checked = self._checked, None
         splits = checked[1] if checked is not None and checked[0] == config else _splits(self.spec, config)
-        self.ray_splits = RaySplits(splits.columns, example_inputs(splits))
-        return trainer_datasets(splits)
+        data, divided = trainer_datasets(splits, world_size)
+        self.ray_splits = RaySplits(splits.columns, example_inputs(splits), divided, world_size)
+        return data
 
 
 def spec_train_func(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:
@@ -153,14 +155,12 @@ def _spec_loop(spec: TrainSpec) -> Callable[[dict[str, Any], RaySplits | None], 
             if isinstance(sampler, DistributedSampler):
                 sampler.set_epoch(epoch)
             model.train()
-            batches = (
-                ray_train_batches(facts.columns, batch_size, seed, epoch, rank) if splits is None else train_loader
-            )
+            batches = ray_train_batches(facts, batch_size, seed, epoch, rank) if splits is None else train_loader
             total, count = train_epoch(spec, model, optimizer, batches)
             metrics: dict[str, Any] = {}
             for name in ("val", "test"):
                 held_out = (
-                    ray_held_out_batches(facts.columns, name, batch_size, rank, world)
+                    ray_held_out_batches(facts, name, batch_size, rank, world)
                     if splits is None
                     else slice_batches(getattr(splits, name), rank, world, batch_size)
                 )
