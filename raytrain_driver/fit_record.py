@@ -4,6 +4,7 @@ makes a resume of a complete run train and log nothing again."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -107,6 +108,24 @@ class ResumePoint:
     why: str = ""
     start: str | None = None  # the checkpoint it starts from (verified); None: from the first epoch
     epoch: int | None = None  # the epoch (from 1) that ``start`` holds, when its report said (``epoch``)
+    # Every name in the run's folder as the fit starts: of these, only ``start`` may be handed to the code.
+    present: frozenset[str] = frozenset()
+
+
+def refuse_foreign_checkpoints(
+    result: ray.train.Result, run_key: str, run_dir: StorageLocation, ours: Callable[[str], bool], named: str
+) -> None:
+    """UnsafeCheckpointError when Ray Train's record of the run lists a checkpoint folder this pipeline never
+    writes (``ours`` tells; ``named`` says how its folders are named): someone pointed the record elsewhere.
+    Nothing is registered from such a run (test_security, test_own_code)."""
+    reported = (checkpoint_name(checkpoint.path) for checkpoint, _ in result.best_checkpoints or [])
+    if foreign := sorted(name for name in reported if not ours(name)):
+        raise UnsafeCheckpointError(
+            f"Ray Train's checkpoint record of run {run_key} (checkpoint_manager_snapshot.json in {run_dir.uri}) "
+            f"lists {', '.join(foreign)}, which this pipeline never writes (its checkpoints are {named}): "
+            "someone or something changed the run's storage. Nothing is registered from it; check who can write "
+            "`storage_path`, then start a new run (without `resume`)"
+        )
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,14 @@ from ray.train.v2.api.callback import RayTrainCallback
 
 from raytrain_driver import evaluation
 from raytrain_driver.cluster import WORKER_GROUP_START_TIMEOUT_S
-from raytrain_driver.fit_record import BUILTIN_SHOWN, FitResult, OpenRun, checkpoint_uri, write_fit_record
+from raytrain_driver.fit_record import (
+    BUILTIN_SHOWN,
+    FitResult,
+    OpenRun,
+    checkpoint_uri,
+    refuse_foreign_checkpoints,
+    write_fit_record,
+)
 from raytrain_driver.hooks import run_logger
 from raytrain_driver.lease import HeldLease
 from raytrain_driver.preflight import workers_code_dir
@@ -31,7 +38,6 @@ from raytrain_tasks.errors import (
     DataRefusedError,
     RepeatedFailureError,
     TrainingError,
-    UnsafeCheckpointError,
     UnverifiedCheckpointError,
     UserCodeError,
 )
@@ -336,13 +342,9 @@ def record_builtin(
     scored on the held-out test split, the fit record."""
     run_id = opened.run_id
     reported = [(checkpoint_name(checkpoint.path), metrics) for checkpoint, metrics in result.best_checkpoints or []]
-    if foreign := sorted(name for name, _ in reported if not name.startswith(CHECKPOINT_PREFIX)):
-        raise UnsafeCheckpointError(
-            f"Ray Train's checkpoint record of run {run_key} (checkpoint_manager_snapshot.json in {run_dir.uri}) "
-            f"lists {', '.join(foreign)}, which this pipeline never writes (its checkpoints are "
-            f"{CHECKPOINT_PREFIX}NNNN): someone or something changed the run's storage. Nothing is registered "
-            "from it; check who can write `storage_path`, then start a new run (without `resume`)"
-        )
+    refuse_foreign_checkpoints(
+        result, run_key, run_dir, lambda name: name.startswith(CHECKPOINT_PREFIX), f"{CHECKPOINT_PREFIX}NNNN"
+    )
     pins.pin_checkpoints(client, run_id, [(n, m) for n, m in reported if n not in opened.preexisting])
     fit = summarize(result, config, run_key, run_dir, opened)
     added = tracking.reconcile_epochs(client, run_id, fit.history)

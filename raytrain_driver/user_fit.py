@@ -13,7 +13,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from raytrain_driver.evaluation import scores_as_metrics
-from raytrain_driver.fit_record import FitResult, OpenRun, ResumePoint, checkpoint_uri
+from raytrain_driver.fit_record import FitResult, OpenRun, ResumePoint, checkpoint_uri, refuse_foreign_checkpoints
 from raytrain_driver.hooks import run_logger
 from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig
@@ -40,6 +40,15 @@ if TYPE_CHECKING:
 # checkpoint_dir_name (a train_func's); a TrainSpec's are named for their epoch, epoch-0003 (epoch-0003-r1 for
 # its retraining). Ray Train keeps checkpoint_manager_snapshot.json beside them, which is not one.
 CHECKPOINT_FOLDER = re.compile(rf"checkpoint_\d{{4}}-\d{{2}}-\d{{2}}_[\d.-]+|{EPOCH_FOLDER.pattern}")
+CHECKPOINT_NAMES = (
+    "checkpoint_<timestamp> (Ray Train's, with no checkpoint_dir_name) or epoch-NNNN; a folder of another name "
+    "is resumed from only in the fit that wrote it"
+)
+
+
+def is_checkpoint_folder(name: str) -> bool:
+    return CHECKPOINT_FOLDER.fullmatch(name) is not None
+
 
 # How long the import check on a worker of the cluster may take (a cold worker imports torch and the user's code).
 IMPORT_CHECK_TIMEOUT_S = 120.0
@@ -96,8 +105,9 @@ def trainer_function(
             "train_code": config.train_code,
             "code_dir": code_dir,
             "config": loop_config,
-            "rejected": sorted(resume.rejected),
-            "fallback": resume.fallback,
+            # Of the run's folders as the fit starts, only the verified `start` reaches the code's get_checkpoint().
+            "start": resume.start,
+            "present": sorted(resume.present),
             "data": prepared.model_dump(mode="json") if prepared is not None else None,
             "storage": config.storage_options.model_dump(mode="json"),
             # A TrainSpec's Ray Dataset splits: columns and example, so no worker calls data() (trainer_data).
@@ -112,7 +122,8 @@ def choose_resume_point(run_dir: StorageLocation, pinned: dict[str, str]) -> Res
     committed; every newer one is rejected, and why. CheckpointError when checkpoints exist and none verifies."""
     from raytrain_tasks.integrity import folder_digest
 
-    names = sorted((name for name in run_dir.list_names() if CHECKPOINT_FOLDER.fullmatch(name)), key=checkpoint_order)
+    present = frozenset(run_dir.list_names())
+    names = sorted((name for name in present if CHECKPOINT_FOLDER.fullmatch(name)), key=checkpoint_order)
     rejected: list[str] = []
     reasons: list[str] = []
     for name in reversed(names):
@@ -130,6 +141,7 @@ def choose_resume_point(run_dir: StorageLocation, pinned: dict[str, str]) -> Res
                     "; ".join(reasons),
                     start=name,
                     epoch=reported_epoch(run_dir, name),
+                    present=present,
                 )
             reasons.append(f"{name}: its files do not hash to the digest recorded when it was committed")
         rejected.append(name)
@@ -138,7 +150,7 @@ def choose_resume_point(run_dir: StorageLocation, pinned: dict[str, str]) -> Res
             f"no checkpoint of run {run_dir.uri} verifies ({'; '.join(reasons)}); nothing was resumed. Check who "
             "can write `storage_path`; start a new run (a new run key) to train from scratch"
         )
-    return ResumePoint()
+    return ResumePoint(present=present)
 
 
 # Ray Train's record of a run's checkpoints and what each one's report said, beside them in the run's folder.
@@ -261,6 +273,12 @@ def record_user_fit(
     """What the user's reports said: the best checkpoint by their metric, and the run's history as MLflow holds
     it. Their metric is the score the gate compares (no held-out split of the pipeline's own here)."""
     run_id = opened.run_id
+    present = opened.resume_point.present if opened.resume_point is not None else frozenset()
+
+    def ours(name: str) -> bool:  # named as ours, or written by this fit (a train_func's checkpoint_dir_name)
+        return is_checkpoint_folder(name) or name not in present
+
+    refuse_foreign_checkpoints(result, run_key, run_dir, ours, CHECKPOINT_NAMES)
     rejected = opened.resume_point.rejected if opened.resume_point is not None else frozenset()
     checkpoint, metrics = best_checkpoint(result, spec, run_key, rejected)
     history = history_of(result, logged_history(client, run_id, spec))

@@ -136,7 +136,7 @@ def run_train_func(loop_config: dict[str, Any]) -> None:
     """What each Ray Train worker runs for user code: the user's ``train_func`` with its config."""
     _on_import_path(loop_config.get("code_dir", ""))
     spec = resolve(loop_config["train_code"], where="on a Ray Train worker")
-    _skip_rejected_checkpoint(frozenset(loop_config.get("rejected", ())), loop_config.get("fallback"))
+    _only_the_verified_checkpoint(loop_config.get("start"), frozenset(loop_config.get("present", ())))
     config = dict(loop_config["config"])
     if loop_config.get("data") is not None:
         from raytrain_tasks.prepared import PreparedData, local_data_dir
@@ -161,26 +161,30 @@ def run_train_func(loop_config: dict[str, Any]) -> None:
         raise UserCodeError(user_frames(exc)) from exc
 
 
-def _skip_rejected_checkpoint(rejected: frozenset[str], fallback: str | None) -> None:
-    """What ``ray.train.get_checkpoint()`` hands the user's code: never a checkpoint the driver rejected (its files
-    do not verify, e.g. a rank's shard is missing), the newest verified one (``fallback``) instead.
+def _only_the_verified_checkpoint(start: str | None, present: frozenset[str]) -> None:
+    """What ``ray.train.get_checkpoint()`` hands the user's code: of the folders in the run's storage as the fit
+    started (``present``), only ``start``, the newest whose files the driver verified against the digest recorded
+    when it was committed (None: the first epoch). Never a rejected checkpoint (a rank's shard missing, a file
+    changed), nor a folder Ray Train's record was pointed at (it has no recorded digest); a checkpoint this fit
+    committed (a restarted worker group's) is handed over as Ray Train chose it.
 
-    Ray Train 2.60 resumes from the newest committed checkpoint it knows, verified or not; the worker's
+    Ray Train 2.60 resumes from the newest checkpoint its record lists, verified or not; the worker's
     ``TrainContext.checkpoint`` (ray/train/v2/_internal/execution/context.py) is what ``get_checkpoint()``
     returns, and the one private attribute this sets. tests/examples/test_own_code.py fails if its shape changes.
     """
-    if not rejected:
-        return
     import ray.train
     from ray.train.v2._internal.execution.context import get_train_context
 
     context = get_train_context()
     current = context.checkpoint
-    if current is None or current.path.rstrip("/").rsplit("/", 1)[-1] not in rejected:
+    if current is None:
+        return
+    name = current.path.rstrip("/").rsplit("/", 1)[-1]
+    if name == start or name not in present:
         return
     parent = current.path.rstrip("/").rsplit("/", 1)[0]
     context.checkpoint = (
-        None if fallback is None else ray.train.Checkpoint(f"{parent}/{fallback}", filesystem=current.filesystem)
+        None if start is None else ray.train.Checkpoint(f"{parent}/{start}", filesystem=current.filesystem)
     )
 
 

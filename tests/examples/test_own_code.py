@@ -544,6 +544,53 @@ def test_a_train_specs_checkpoints_are_named_by_epoch_and_a_retrained_epoch_gets
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster", "prefect_api")
+def test_a_folder_the_snapshot_points_at_is_never_resumed_from_by_user_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whoever can write storage copies an older checkpoint of a TrainSpec's run to a folder of another name and
+    points Ray Train's checkpoint snapshot at it. The user's code must not be handed it by get_checkpoint() (it has
+    no digest MLflow recorded): the workers resume from the newest verified checkpoint, and the run's record
+    names the foreign folder and registers nothing, as the built-in classifier's does (test_security)."""
+    import shutil
+
+    from raytrain_tasks.errors import UnsafeCheckpointError
+
+    source = """
+        import torch
+        from torch.utils.data import Subset, TensorDataset
+        from raytrain_tasks.api import Metric, Splits, TrainSpec
+
+        def data(config):
+            x = torch.linspace(-1, 1, 96).unsqueeze(1)
+            rows = TensorDataset(x, 3 * x)
+            return Splits(Subset(rows, range(64)), Subset(rows, range(64, 80)), Subset(rows, range(80, 96)))
+
+        training = TrainSpec(data=data, model=lambda config, example: torch.nn.Linear(1, 1),
+                             loss=torch.nn.functional.mse_loss, metric=Metric("loss", higher_is_better=False))
+    """
+    code = f"{_module(tmp_path, monkeypatch, source, name='planted')}:training"
+    config = own_config(tmp_path, code, epochs=2, batch_size=16)
+    first = training_pipeline(**parameters_of(config))
+    run_dir = Path(first.fit.run_uri)
+    shutil.copytree(run_dir / "epoch-0001", run_dir / "planted-0002")  # a real checkpoint, of the first epoch
+    snapshot = run_dir / "checkpoint_manager_snapshot.json"
+    snapshot.write_text(snapshot.read_text().replace("epoch-0002", "planted-0002"))
+    (run_dir / "fit.json").unlink()  # as a driver killed between the last epoch and its record leaves the run
+
+    resumed = config.model_copy(update={"resume": first.run_key, "register": True})
+    state = training_pipeline(**parameters_of(resumed), return_state=True)
+    error = state.result(raise_on_failure=False)
+    assert state.is_failed() and isinstance(error, UnsafeCheckpointError), error
+    assert "planted-0002" in str(error), error
+    # From the planted copy of epoch 1, epoch 2 would have been trained again, into epoch-0002-r1.
+    assert not (run_dir / "epoch-0002-r1").exists()
+    history = mlflow_client(tmp_path).get_metric_history(first.fit.mlflow_run_id, "val_loss")
+    assert sorted(m.step for m in history) == [1, 2], history
+    assert mlflow_client(tmp_path).search_registered_models() == []
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster", "prefect_api")
 def test_prepared_data_is_versioned_read_by_every_worker_and_pinned_to_its_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
