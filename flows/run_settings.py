@@ -56,7 +56,8 @@ def check_deployment_pins(config: TrainingConfig, deployment_id: str | None, flo
             f"cannot read this run's deployment {deployment_id} to check the settings it pins ({pinned}): "
             f"{redact(str(exc))}. Nothing was started; run again once the Prefect API answers"
         ) from exc
-    own = {name: value for name, value in (deployment.parameters or {}).items() if name in PINNED}
+    parameters = deployment.parameters or {}
+    own = {name: value for name, value in parameters.items() if name in PINNED or name == "train_config"}
     try:  # validated as the run's values were (an endpoint's trailing slash, ...), so equal means equal
         expected = TrainingConfig.model_validate(own)
     except ValidationError as exc:  # e.g. a {"__prefect_kind": ...} reference, which Prefect resolves per run
@@ -65,6 +66,11 @@ def check_deployment_pins(config: TrainingConfig, deployment_id: str | None, flo
             f"({describe_validation_error(exc)}); give it a literal value in the deployment. Nothing was started"
         ) from exc
     changed = [name for name in PINNED if getattr(config, name) != getattr(expected, name)]
+    # Code may read a setting of the same name from train_config (the table classifier's s3_endpoint_url, for an
+    # s3:// table): train_config is free-form, so such a key is held to the deployment's train_config alike.
+    changed += [
+        f"train_config.{name}" for name in PINNED if config.train_config.get(name) != expected.train_config.get(name)
+    ]
     if changed:
         raise SettingsError(
             f"this run of deployment {deployment.name!r} has {', '.join(changed)} other than its deployment's, which "

@@ -154,6 +154,12 @@ def test_a_run_may_not_point_the_deployments_credentials_elsewhere() -> None:
             check(_trigger(deployment, override))
         assert f"run of deployment {name!r} has {', '.join(override)} other than its" in str(refused.value)
         assert "collector.example" not in str(refused.value)
+    # A key of train_config named as a pinned setting: the table classifier reads an s3:// table through its own
+    # s3_endpoint_url, with the worker's AWS keys. It keeps the deployment's train_config value (none here).
+    with pytest.raises(SettingsError, match=r"has train_config\.s3_endpoint_url other than its") as refused:
+        check(_trigger(deployment, {"train_config": {"s3_endpoint_url": "http://collector.example:9000"}}))
+    assert "collector.example" not in str(refused.value)
+    check(_trigger(deployment, {"train_config": {"dataset": "s3://tables/customers.csv"}}))  # other keys: free
     with pytest.raises(SettingsError, match="sets MLFLOW_TRACKING_URI in its job variables"):
         check(_trigger(deployment, {}, job_variables={"env": {"MLFLOW_TRACKING_URI": "http://collector.example"}}))
     assert check_deployment_pins(_trained_with(_trigger(deployment, {})), None) is None  # a run of no deployment
