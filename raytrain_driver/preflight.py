@@ -138,7 +138,10 @@ def check_cluster(
     storage_shared_with_nodes(config.storage_path, len(nodes), read_mounts())
     if config.ray_address:  # a local Ray's node is this process's machine, with this process's credentials
         check_storage_on_nodes(runs.uri, config.storage_options)
-    if config.train_code:
+    if config.train_code and config.ray_address:
+        # A cluster's nodes may lack a package this machine has. A local Ray's workers run this interpreter on
+        # this machine with the folder the code was just imported from here (workers_code_dir): the import
+        # already tried in resolve_code is theirs, and a task would only start one more process (~2.7 s here).
         from raytrain_driver.user_fit import check_importable_on_cluster
 
         check_importable_on_cluster(config.train_code, workers_code_dir(config))

@@ -30,6 +30,7 @@ from tests.helpers import (
     free_port,
     head_node,
     run_python,
+    seed_mlflow_store,
 )
 
 
@@ -80,7 +81,7 @@ def test_the_pipeline_trains_on_a_cluster_by_address_and_leaves_it_running(
 ) -> None:
     from prefect.settings import PREFECT_API_URL
 
-    tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracking_uri = f"sqlite:///{seed_mlflow_store(tmp_path / 'mlflow.db')}"
     # Run from a directory outside the checkout, as a Prefect worker would: the cluster's workers get the
     # project's code only through runtime_env py_modules.
     command = [sys.executable, "-m", "flows.training", "--ray-address", external_cluster.address]
@@ -147,7 +148,7 @@ def test_user_code_outside_the_project_reaches_the_clusters_workers_through_runt
     shutil.copytree(
         REPO_ROOT / "examples" / "seed_ddp", project / "my_model", ignore=shutil.ignore_patterns("__pycache__")
     )
-    tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracking_uri = f"sqlite:///{seed_mlflow_store(tmp_path / 'mlflow.db')}"
     command = [
         str(Path(sys.executable).with_name("prefect-raytrain")),
         "train",
@@ -175,6 +176,44 @@ def test_user_code_outside_the_project_reaches_the_clusters_workers_through_runt
     if launch_mode == "ray_job":  # the job ran the driver package, on a node without Prefect, and nothing above it
         assert list(resources.glob("py_modules_files/*/raytrain_driver/fit_job.py"))
         assert not list(resources.glob("py_modules_files/*/tasks/*.py"))
+
+
+@pytest.mark.slow
+def test_a_package_the_clusters_nodes_lack_is_named_before_any_training_worker_starts(
+    external_cluster: ExternalCluster, tmp_path: Path, prefect_api: None
+) -> None:
+    """The user's module imports a package this machine has and the cluster's nodes lack (Prefect: this test's
+    nodes have none). The driver imports it fine; the import tried in a Ray task on the cluster names the package
+    and `train_code`, and the run fails there: no MLflow run is opened, no training worker is started."""
+    from prefect.settings import PREFECT_API_URL
+
+    project = tmp_path / "project"
+    shutil.copytree(
+        REPO_ROOT / "examples" / "seed_ddp", project / "my_model", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    train = project / "my_model" / "train.py"
+    source = train.read_text().replace(
+        "from __future__ import annotations\n",
+        "from __future__ import annotations\n\nimport prefect  # installed here, not on the cluster's nodes\n",
+        1,
+    )
+    assert "import prefect" in source
+    train.write_text(source)
+    tracking_uri = f"sqlite:///{seed_mlflow_store(tmp_path / 'mlflow.db')}"
+    command = [str(Path(sys.executable).with_name("prefect-raytrain")), "train", "--ray-address"]
+    command += [external_cluster.address, "--train-code", "my_model.train:training", "--epochs", "1"]
+    command += ["--storage-path", str(tmp_path / "storage"), "--mlflow-tracking-uri", tracking_uri]
+    command += ["--experiment-name", "lacking", "--model-name", "lacking"]
+    env = {**os.environ, **CLIENT_ENV, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
+    done = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=300)
+    said = done.stdout + done.stderr
+    assert done.returncode != 0, said[-4000:]
+    assert "'my_model.train:training'" in said and "on a Ray worker of the cluster" in said, said[-4000:]
+    assert "No module named 'prefect'" in said, said[-4000:]
+    client = MlflowClient(tracking_uri)
+    experiment = client.get_experiment_by_name("lacking")
+    assert experiment is None or client.search_runs([experiment.experiment_id]) == []
+    assert not list((tmp_path / "storage").glob("runs/*/epoch-*"))
 
 
 @pytest.mark.slow
@@ -317,7 +356,7 @@ def test_a_node_that_cannot_write_the_bucket_is_named_before_any_worker_starts(
     from devtools.s3_server import READER
 
     reader_env = {"AWS_ACCESS_KEY_ID": READER[0], "AWS_SECRET_ACCESS_KEY": READER[1]}
-    tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracking_uri = f"sqlite:///{seed_mlflow_store(tmp_path / 'mlflow.db')}"
     with head_node(env=reader_env) as cluster:
         command = [sys.executable, "-m", "flows.training", "--ray-address", cluster.address, "--epochs", "1"]
         command += ["--storage-path", "s3://prt-nodes/run", "--s3-endpoint-url", s3_server.endpoint_url]
@@ -361,7 +400,7 @@ def test_an_address_that_accepts_but_is_not_ray_is_refused_naming_the_connect_ti
         from raytrain_tasks.errors import ClusterError
         from raytrain_driver.cluster import ray_session
         try:
-            with ray_session(TrainingConfig(ray_address=f"127.0.0.1:{port}", ray_connect_timeout_s=5)):
+            with ray_session(TrainingConfig(ray_address=f"127.0.0.1:{port}", ray_connect_timeout_s=2)):
                 print("CONNECTED")
         except ClusterError as exc:
             print(f"REFUSED: {exc}")
@@ -407,7 +446,7 @@ def test_a_ray_job_fit_outlives_its_orchestrator_and_the_next_run_reattaches(
        one MLflow run with every epoch once, one registered version."""
     from prefect.settings import PREFECT_API_URL
 
-    tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracking_uri = f"sqlite:///{seed_mlflow_store(tmp_path / 'mlflow.db')}"
     command = [sys.executable, "-m", "flows.training", "--ray-address", external_cluster.address]
     command += ["--launch-mode", "ray_job", "--ray-dashboard-url", external_cluster.dashboard_url]
     command += ["--storage-path", str(tmp_path / "storage"), "--mlflow-tracking-uri", tracking_uri, *JOB_RUN]
