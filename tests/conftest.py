@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
 
@@ -28,6 +29,11 @@ os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
 for _name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "MLFLOW_S3_ENDPOINT_URL"):
     os.environ.pop(_name, None)
 os.environ.pop("PREFECT_API_URL", None)
+# A suite started in the background by a non-interactive shell (`make test &`, a CI script's `cmd &`) has SIGINT
+# ignored (POSIX), and every command it starts inherits that: the tests that Ctrl-C a command (test_signals,
+# test_cluster's re-attached Ray Job) then saw it train on to the end. The commands get a terminal's Ctrl-C.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from tests.helpers import _MLFLOW_TEMPLATE, MlflowServer, free_port, start_mlflow_server, stop_process_group  # noqa: E402
 
@@ -72,9 +78,11 @@ def prefect_api() -> Iterator[None]:
         yield
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
-    """`mlflow server` with a SQLite backend and a local artifact root, on a free port; stopped afterwards."""
+    """`mlflow server` with a SQLite backend and a local artifact root, on a free port, shared by the session
+    (starting one takes ~6 s here): each test uses experiment and model names of its own. Tests that stop or
+    restart their server (an outage) start their own."""
     root = tmp_path_factory.mktemp("mlflow-server")
     port = free_port()
     server = start_mlflow_server(root, port)

@@ -462,8 +462,8 @@ CLIENT_ENV = {**LOOPBACK_ENV, "RAY_AUTH_MODE": "token"}
 
 
 # `ray start --block` does not exit within 20 s of a SIGTERM (measured: every head's teardown took 20 s, the
-# wait, then a SIGKILL of its process group). The cluster is thrown away with its temp dir either way.
-HEAD_STOP_GRACE_S = 3.0
+# wait, then a SIGKILL of its process group). The cluster is thrown away with its temp dir either way, and
+# nothing is asserted on its teardown: its process group is killed at once.
 
 
 @dataclass(frozen=True)
@@ -537,5 +537,5 @@ def head_node(env: dict[str, str] | None = None, num_cpus: int = 2) -> Iterator[
     finally:
         # The head's process group holds this cluster's processes (not the session's local Ray): `ray stop`
         # would stop every Ray on the machine.
-        stop_process_group(head, signal.SIGTERM, timeout=HEAD_STOP_GRACE_S)
+        stop_process_group(head, signal.SIGKILL)
         shutil.rmtree(temp_dir, ignore_errors=True)

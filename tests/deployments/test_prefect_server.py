@@ -161,7 +161,7 @@ def _wait_for_final_state(server: PrefectServer, flow_run_id: UUID, timeout: flo
         flow_run = _api(server, lambda client: client.read_flow_run(flow_run_id))
         if flow_run.state_type.value in FINAL_STATES or time.monotonic() > deadline:
             return flow_run
-        time.sleep(2)
+        time.sleep(0.5)
 
 
 def _next_nightly_times(now: datetime, count: int) -> list[datetime]:
@@ -201,10 +201,10 @@ def _assert_run_is_tracked_and_published(
     return str(run.data.tags["prefect.flow_run_url"])
 
 
-def test_deploy_schedules_nightly_runs_and_a_worker_runs_an_override(prefect_server: PrefectServer) -> None:
-    _prefect_cli(prefect_server, "work-pool", "create", "raytrain-process", "--type", "process")
-    _prefect_cli(prefect_server, "deploy", "--all", "--prefect-file", "deployments/prefect.yaml")
-
+def test_deploy_schedules_nightly_runs_and_a_worker_runs_an_override(
+    prefect_server: PrefectServer, ad_hoc: Any
+) -> None:
+    # `prefect deploy --all` made the deployments of deployments/prefect.yaml (the ad_hoc fixture, once per module).
     # The scheduler fills in the next nightly runs within seconds, at 02:00 Berlin time, with the nightly parameters.
     scheduled = _wait_for_scheduled_runs(prefect_server, "nightly-retrain")
     expected = _next_nightly_times(datetime.now(UTC), len(scheduled))
@@ -212,15 +212,13 @@ def test_deploy_schedules_nightly_runs_and_a_worker_runs_an_override(prefect_ser
     assert all(run.state_name == "Scheduled" for run in scheduled)
     assert scheduled[0].parameters == SPECS["nightly-retrain"]["parameters"]
     # What the UI form submits is validated by the server against the flow's schema: no run is created.
-    ad_hoc = _api(prefect_server, lambda client: client.read_deployment_by_name("training-pipeline/ad-hoc"))
     invalid = {"num_workers": 0}
     with pytest.raises(Exception, match="num_workers|minimum|greater"):
         _api(prefect_server, lambda client: client.create_flow_run_from_deployment(ad_hoc.id, parameters=invalid))
     assert _deployment_runs(prefect_server, "ad-hoc") == []
     print("\nnext nightly-retrain runs:", ", ".join(f"{t:%Y-%m-%d %H:%M %Z}" for t in expected))
 
-    worker, worker_log = _start_in_checkout(prefect_server, [PREFECT, "worker", "start", "--pool", "raytrain-process"])
-    try:
+    with _worker(prefect_server) as (_, worker_log):
         # What a user types to run the nightly now with one setting changed, in Prefect's usual form.
         output = _prefect_cli(
             prefect_server, "deployment", "run", "training-pipeline/nightly-retrain", "-p", "epochs=2"
@@ -229,8 +227,6 @@ def test_deploy_schedules_nightly_runs_and_a_worker_runs_an_override(prefect_ser
         assert match, output
         flow_run = _wait_for_final_state(prefect_server, UUID(match.group(1)))
         assert flow_run.state_type.value == "COMPLETED", worker_log.read_text()[-5000:]
-    finally:
-        stop_process_group(worker, signal.SIGINT)
 
     nightly = SPECS["nightly-retrain"]["parameters"]
     assert flow_run.parameters == {**nightly, "epochs": 2}  # the server laid the override over the nightly's
@@ -400,10 +396,6 @@ def test_cancelling_a_run_stops_training_and_keeps_it_resumable(prefect_server: 
         assert checkpoints
         for checkpoint in checkpoints:
             verify_checkpoint(checkpoint)
-        time.sleep(5)
-        continues = f"prefect.flow-run.{flow_run.id}"
-        runs = _deployment_runs(prefect_server, "ad-hoc")
-        assert not [other for other in runs if other.parameters.get("continue_flow_run") == continues]
 
         resumed = _api(  # what `prefect deployment run training-pipeline/ad-hoc -p resume=<run key>` does
             prefect_server,
@@ -413,6 +405,10 @@ def test_cancelling_a_run_stops_training_and_keeps_it_resumable(prefect_server: 
         )
         finished = _wait_for_final_state(prefect_server, resumed.id)
         assert finished.state_type.value == "COMPLETED", worker_log.read_text()[-8000:]
+    # In all the time the resumed run took, nothing continued the cancelled run by itself (a cancel is no crash).
+    continues = f"prefect.flow-run.{flow_run.id}"
+    runs = _deployment_runs(prefect_server, "ad-hoc")
+    assert not [other for other in runs if other.parameters.get("continue_flow_run") == continues]
     history = tracking.get_metric_history(mlflow_run_id, "val_accuracy")
     assert sorted(m.step for m in history) == list(range(1, EPOCHS + 1))
     assert tracking.get_run(mlflow_run_id).info.status == "FINISHED"

@@ -23,7 +23,7 @@ import psutil
 import pytest
 from mlflow import MlflowClient
 
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, seed_mlflow_store
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
@@ -130,7 +130,7 @@ def _locations(workdir: Path) -> list[str]:
         "--experiment-name",
         "signals",
         "--mlflow-tracking-uri",
-        f"sqlite:///{workdir / 'mlflow.db'}",
+        f"sqlite:///{seed_mlflow_store(workdir / 'mlflow.db')}",
     ]
 
 

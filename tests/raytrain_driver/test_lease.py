@@ -21,7 +21,7 @@ from raytrain_tasks.errors import RunLeaseError
 from raytrain_tasks.storage.filesystem import StorageOptions
 from raytrain_tasks.storage.locations import StorageLocation, locate, s3_client
 from raytrain_tasks.tracking.run_owner import driver_alive, this_driver
-from tests.helpers import Outage
+from tests.helpers import Outage, seed_mlflow_store
 
 KEY = "20261123-070000-abcdef"
 
@@ -339,7 +339,7 @@ def test_a_second_driver_on_a_running_key_is_refused(tmp_path: Path) -> None:
 
     from tests.helpers import REPO_ROOT, stop_process_group
 
-    tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracking_uri = f"sqlite:///{seed_mlflow_store(tmp_path / 'mlflow.db')}"
     common = ["--storage-path", str(tmp_path / "storage"), "--mlflow-tracking-uri", tracking_uri, "--no-register"]
     common += ["--experiment-name", "lease", "--dataset", "synthetic", "--synthetic-samples", "24000"]
     # Both drivers use the session's Ray: the second reaches the lease without starting a Ray of its own, and the

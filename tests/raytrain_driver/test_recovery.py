@@ -35,6 +35,7 @@ from tests.helpers import (
     mlflow_client,
     only_run,
     run_killing_a_worker,
+    seed_mlflow_store,
     small_config,
     start_flow,
     start_mlflow_server,
@@ -147,7 +148,7 @@ def test_exhausted_retries_fail_the_flow_and_register_nothing(tmp_path: Path) ->
 def _locations(workdir: Path) -> list[str]:
     """Where a CLI run keeps its state: the flags `train`, `runs` and `resume` share."""
     storage = ["--storage-path", str(workdir / "storage"), "--experiment-name", "tests"]
-    return [*storage, "--mlflow-tracking-uri", f"sqlite:///{workdir / 'mlflow.db'}"]
+    return [*storage, "--mlflow-tracking-uri", f"sqlite:///{seed_mlflow_store(workdir / 'mlflow.db')}"]
 
 
 def _command(workdir: Path, prefect_api_url: str, *args: str) -> subprocess.Popen[str]:
@@ -439,11 +440,11 @@ def test_cli_killed_in_register_model_registers_one_version_on_resume(tmp_path: 
 
 
 def test_a_storage_outage_mid_run_is_ridden_out(tmp_path: Path, reference: PipelineResult, s3_server: Any) -> None:
-    """S3 stops answering for 12 s mid-run and comes back on the same port (a door in front of the session's
+    """S3 stops answering for 6 s mid-run and comes back on the same port (a door in front of the session's
     server, tests.helpers.Outage: no restart whose length varies with the machine's load). With no worker-group
     restart and no Prefect retry allowed, the run can only finish if the checkpoint uploads wait the outage out
-    (workers get the retrying filesystem, not pyarrow's 3 tries over about 2 s); it ends as an uninterrupted run
-    ends, with every checkpoint in the bucket and intact."""
+    (workers get the retrying filesystem, not pyarrow's 3 tries over about 2 s, a third of the outage); it ends
+    as an uninterrupted run ends, with every checkpoint in the bucket and intact."""
     from raytrain_tasks.checkpoint import verify_checkpoint
     from raytrain_tasks.storage.filesystem import StorageOptions
     from raytrain_tasks.storage.locations import download_dir, locate
@@ -467,7 +468,7 @@ def test_a_storage_outage_mid_run_is_ridden_out(tmp_path: Path, reference: Pipel
             future = start_flow(pool, config)
             wait_for(lambda: 0 in committed_epochs(tmp_path), 300, "epoch 0 to be committed")
             door.shut()
-            time.sleep(12)
+            time.sleep(6)
             blocked = committed_epochs(tmp_path)
             door.open()
             back = time.time()

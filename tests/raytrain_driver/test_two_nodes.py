@@ -26,12 +26,12 @@ from mlflow import MlflowClient
 from devtools.s3_server import LocalS3
 from tests.helpers import (
     CLIENT_ENV,
-    HEAD_STOP_GRACE_S,
     RAY,
     ExternalCluster,
     free_port,
     head_node,
     run_python,
+    seed_mlflow_store,
     stop_process_group,
 )
 
@@ -110,7 +110,7 @@ def second_node(head: ExternalCluster) -> Iterator[tuple[subprocess.Popen[bytes]
         assert "NODE " in seen, (temp_dir / "ray-start.log").read_text()[-3000:]
         yield node, seen.split("NODE ", 1)[1].split()[0]
     finally:
-        stop_process_group(node, signal.SIGTERM, timeout=HEAD_STOP_GRACE_S)
+        stop_process_group(node, signal.SIGKILL)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
@@ -134,7 +134,7 @@ def start_cli(workdir: Path, head: ExternalCluster, s3: LocalS3, *flags: str, **
 
     command = [sys.executable, "-m", "flows.training", "--ray-address", head.address, *WORKLOAD, *flags]
     command += ["--storage-path", f"s3://{BUCKET}/{workdir.name}", "--s3-endpoint-url", s3.endpoint_url]
-    command += ["--create-bucket", "--mlflow-tracking-uri", f"sqlite:///{workdir / 'mlflow.db'}"]
+    command += ["--create-bucket", "--mlflow-tracking-uri", f"sqlite:///{seed_mlflow_store(workdir / 'mlflow.db')}"]
     full_env = {**os.environ, **CLIENT_ENV, "PREFECT_API_URL": str(PREFECT_API_URL.value()), **env}
     return subprocess.Popen(
         command, cwd=workdir, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

@@ -22,7 +22,7 @@ from mlflow import MlflowClient
 from flows.training import training_pipeline
 from raytrain_tasks.config import parameters_of
 from raytrain_tasks.tracking.pin_journal import PinJournal
-from tests.helpers import REPO_ROOT, mlflow_client, only_run, run_killing_a_worker, small_config
+from tests.helpers import REPO_ROOT, mlflow_client, only_run, run_killing_a_worker, seed_mlflow_store, small_config
 
 pytestmark = [pytest.mark.slow]
 
@@ -105,7 +105,7 @@ def test_a_checkpoint_missing_a_ranks_shard_is_passed_over_and_the_run_says_why(
     env["PREFECT_API_URL"] = str(PREFECT_API_URL.value())
     locations = [
         "--storage-path", str(tmp_path / "storage"), "--experiment-name", "tests",
-        "--mlflow-tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "--mlflow-tracking-uri", f"sqlite:///{seed_mlflow_store(tmp_path / 'mlflow.db')}",
     ]  # fmt: skip
     train = [PREFECT_RAYTRAIN, "train", "--train-code", FSDP, "--epochs", str(EPOCHS), "--no-register"]
     log = tmp_path / "train.log"
