@@ -48,7 +48,7 @@ endif
 # Everything but the end-to-end tests, in two processes (pytest-xdist): most of their time is imports and
 # subprocesses. The end-to-end tests stay serial in `make test`: each trains on both cores, and their stop and
 # heartbeat windows are measured in seconds. --dist loadscope keeps each module in one process: its module-scoped
-# fixtures (an MLflow server, a prepared dataset) start once, and its tests run in file order.
+# fixtures (a prepared dataset, the registry's champions) start once, and its tests run in file order.
 test-fast: install
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -m "not slow" -n 2 --dist loadscope $(PYTEST_ARGS)

@@ -162,16 +162,41 @@ def _init(config: TrainingConfig, warm: str = "") -> None:
             logging_level=logging.WARNING,
             log_to_driver=_log_to_driver(),
         )
+        if warm:
+            _STARTED_HERE.add(ray.get_runtime_context().gcs_address)
     else:
         # address="local" always starts a fresh cluster, never joins one left by `ray start`. The
         # dashboard stays on: Ray Train's placement-group cleaner polls the State API it serves, and
         # warns every second without it.
-        ray.init(
-            address="local",
-            runtime_env={"env_vars": worker_env()},
-            logging_level=logging.WARNING,
-            log_to_driver=_log_to_driver(),
-        )
+        start_local_ray(log_to_driver=_log_to_driver())
+
+
+# The GCS addresses of the Rays this process started on this machine (start_local_ray), or joined as the warm Ray
+# deployments.serve started here: their workers run this interpreter, on this machine, with this environment.
+_STARTED_HERE: set[str] = set()
+
+
+def start_local_ray(num_cpus: int | None = None, log_to_driver: bool = True) -> None:
+    """``ray.init`` of a fresh local Ray (``address="local"`` never joins one left by `ray start`), with the
+    environment every Ray process of a run needs; remembered as this machine's (``ray_of_this_machine``)."""
+    import ray
+
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        runtime_env={"env_vars": worker_env()},
+        logging_level=logging.WARNING,
+        log_to_driver=log_to_driver,
+    )
+    _STARTED_HERE.add(ray.get_runtime_context().gcs_address)
+
+
+def ray_of_this_machine() -> bool:
+    """Whether the Ray this process is connected to is one it started here, or the warm Ray serve started here.
+    False for a cluster by address and for a Ray the caller connected by itself, wherever that is."""
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().gcs_address in _STARTED_HERE
 
 
 def _warm_ray_address() -> str:
@@ -209,7 +234,7 @@ def warm_ray() -> Iterator[str]:
     import ray
 
     with _sigterm_stays_with_the_orchestrator(), ray_processes_in_their_own_group():
-        ray.init(address="local", runtime_env={"env_vars": worker_env()}, logging_level=logging.WARNING)
+        start_local_ray()
     try:
         address = ray.get_runtime_context().gcs_address
         os.environ[WARM_RAY_ENV] = address

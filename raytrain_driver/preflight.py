@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from raytrain_driver.cluster import ray_of_this_machine
 from raytrain_driver.hooks import run_logger
 from raytrain_driver.sizing import (
     FitPlan,
@@ -138,10 +139,11 @@ def check_cluster(
     storage_shared_with_nodes(config.storage_path, len(nodes), read_mounts())
     if config.ray_address:  # a local Ray's node is this process's machine, with this process's credentials
         check_storage_on_nodes(runs.uri, config.storage_options)
-    if config.train_code and config.ray_address:
-        # A cluster's nodes may lack a package this machine has. A local Ray's workers run this interpreter on
-        # this machine with the folder the code was just imported from here (workers_code_dir): the import
-        # already tried in resolve_code is theirs, and a task would only start one more process (~2.7 s here).
+    if config.train_code and not ray_of_this_machine():
+        # A cluster's nodes may lack a package this machine has. The workers of a Ray this process started here
+        # (or serve's warm Ray) run this interpreter on this machine with the folder the code was imported from
+        # (workers_code_dir): the driver's import in resolve_code is theirs, and a task would only start one more
+        # process (~2.7 s here). A Ray the caller connected by itself may be anywhere: checked like a cluster.
         from raytrain_driver.user_fit import check_importable_on_cluster
 
         check_importable_on_cluster(config.train_code, workers_code_dir(config))

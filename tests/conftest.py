@@ -50,9 +50,9 @@ def ray_cluster() -> Iterator[dict[str, float]]:
     """One local Ray for the whole session (2 CPUs, as on CI); the pipeline uses it and leaves it running."""
     import ray
 
-    from raytrain_driver.cluster import worker_env
+    from raytrain_driver.cluster import start_local_ray
 
-    ray.init(address="local", num_cpus=2, runtime_env={"env_vars": worker_env()}, logging_level="WARNING")
+    start_local_ray(num_cpus=2)
     try:
         yield ray.cluster_resources()
     finally:

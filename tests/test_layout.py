@@ -16,7 +16,7 @@ from tests.helpers import REPO_ROOT
 # module that loads the probe, itself or through any of them, is found as in an interpreter of its own, without
 # paying their imports again for every module (seconds each).
 _PROBE = """
-import importlib, json, os, sys, traceback
+import importlib, json, os, signal, sys, traceback
 probe, preload, modules = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(",")
 for name in preload:
     importlib.import_module(name)
@@ -27,6 +27,7 @@ for module in modules:
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:
+        signal.alarm(120)  # a fork that deadlocks on a lock held at fork time ends instead of hanging the suite
         try:
             importlib.import_module(module)
             os.write(write, b"1" if probe in sys.modules else b"0")
@@ -50,7 +51,7 @@ FLOW_MODULES = ["flows.training", "tasks.fit", "tasks.register", "tasks.data"]
 def _loaded_after_import(probe: str, preload: list[str], modules: list[str]) -> dict[str, bool]:
     """For each module: whether importing it (after ``preload``, which must not load ``probe``) loads ``probe``."""
     command = [sys.executable, "-c", _PROBE, probe, ",".join(preload), ",".join(modules)]
-    out = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
+    out = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 

@@ -213,7 +213,8 @@ def test_a_package_the_clusters_nodes_lack_is_named_before_any_training_worker_s
     client = MlflowClient(tracking_uri)
     experiment = client.get_experiment_by_name("lacking")
     assert experiment is None or client.search_runs([experiment.experiment_id]) == []
-    assert not list((tmp_path / "storage").glob("runs/*/epoch-*"))
+    assert not list((tmp_path / "storage").glob("runs/*/checkpoint_*"))  # what seed_ddp's reports are named
+    assert not list((tmp_path / "storage").glob("runs/*/checkpoint_manager_snapshot.json"))
 
 
 @pytest.mark.slow
@@ -222,13 +223,17 @@ def test_connecting_never_shuts_the_cluster_down(external_cluster: ExternalClust
         f"""
         import ray
         from raytrain_tasks.config import TrainingConfig
-        from raytrain_driver.cluster import ray_session
+        from raytrain_driver.cluster import ray_of_this_machine, ray_session
         config = TrainingConfig(ray_address="{external_cluster.address}")
         with ray_session(config):
             first = ray.get_runtime_context().get_job_id()
+            assert not ray_of_this_machine(), "a cluster's workers must get the import check of train_code"
         assert ray.is_initialized(), "disconnected from a cluster it did not start"
         with ray_session(config):  # the next run of this process reuses the connection
             assert ray.get_runtime_context().get_job_id() == first
+        # A Ray this process connected by itself, wherever it is, is checked like a cluster too.
+        with ray_session(TrainingConfig()):
+            assert not ray_of_this_machine()
         print("OK")
         """
     )
