@@ -70,14 +70,15 @@ DESCRIPTION_LIMIT = 5000
 _TRAIN_CONFIG_SHOWN = 1000
 
 
-def version_description(config: TrainingConfig, dataset: RunData | None, fit: FitResult, metric: str) -> str:
-    """The registered version's description: what trained it, on which data, and its scores; at most
-    DESCRIPTION_LIMIT characters."""
-    text = _description(config, dataset, fit, metric)
+def version_description(config: TrainingConfig, dataset: RunData | None, fit: FitResult, selected_by: str) -> str:
+    """The registered version's description: what trained it, on which data, the metric that picked its
+    checkpoint (``selected_by``: the validation one, not the gate's), and its scores; at most DESCRIPTION_LIMIT
+    characters."""
+    text = _description(config, dataset, fit, selected_by)
     return text if len(text) <= DESCRIPTION_LIMIT else f"{text[: DESCRIPTION_LIMIT - 40]}... (scores in the tags)"
 
 
-def _description(config: TrainingConfig, dataset: RunData | None, fit: FitResult, metric: str) -> str:
+def _description(config: TrainingConfig, dataset: RunData | None, fit: FitResult, selected_by: str) -> str:
     scores = ", ".join(f"{key} {value:.4f}" for key, value in sorted(fit.scores.items()))
     if not is_builtin_dataset(dataset):
         data = f" on prepared data {dataset.content_hash}" if dataset is not None else ""
@@ -86,11 +87,11 @@ def _description(config: TrainingConfig, dataset: RunData | None, fit: FitResult
             train_config = f"{train_config[:_TRAIN_CONFIG_SHOWN]}... (whole in the run's params)"
         return (
             f"{config.train_code} trained{data} by run {fit.run_key} (train_config {train_config}); "
-            f"best checkpoint: step {fit.best_epoch} by {metric}; {scores}."
+            f"best checkpoint: step {fit.best_epoch} by {selected_by}; {scores}."
         )
     return (
         f"{config.model} {config.hidden_sizes} trained on dataset {dataset.content_hash} ({dataset.source}) by "
-        f"run {fit.run_key}; best checkpoint: epoch {fit.best_epoch} by {config.promotion_metric}; {scores}. "
+        f"run {fit.run_key}; best checkpoint: epoch {fit.best_epoch} by {selected_by}; {scores}. "
         "Input: raw float32 features in feature_names order (the model standardises them with the train "
         "statistics in the run's preprocessing.json); output: logits over class_labels."
     )

@@ -103,6 +103,7 @@ def _register_model(
     # Your code's gate (metric and direction), or the built-in's: the test split's counterpart of `promotion_metric`.
     spec = bind(resolve(config.train_code), config) if config.train_code else None
     gate = spec.gate if spec is not None else config.gate
+    selection = spec.selection if spec is not None else config.selection  # what picked the best checkpoint
     metric, higher_is_better = gate.name, gate.higher_is_better
     candidate_score = fit.scores[metric]
     data_dir = data_dir_of(dataset, config.storage_options)  # once, before the registry lock is taken
@@ -119,7 +120,7 @@ def _register_model(
                     model_uri,
                     fit,
                     tags=_version_tags(config, dataset, fit, spec) | origin_tags,
-                    description=version_description(config, dataset, fit, metric),
+                    description=version_description(config, dataset, fit, selection.name),
                 )
             else:
                 logger.info("run %s already registered %s version %s", fit.run_key, config.model_name, version)

@@ -463,6 +463,8 @@ def test_a_setting_of_the_code_chooses_the_metric_that_picks_the_checkpoint_and_
     assert "| epoch | val_mae | train_loss | val_loss |" in table and "best by val_mae:" in table, table
     version = mlflow_client(tmp_path).get_model_version("digits-test", result.model.version)
     assert version.tags["gate.metric"] == "test_mae", version.tags
+    # The version's description names what picked its checkpoint (it named the gate's metric, test_mae, before)
+    assert "by val_mae;" in version.description, version.description
     with _tracking(tmp_path):  # the code's model_metadata beside the pipeline's own keys
         import mlflow
 
