@@ -82,7 +82,7 @@ def _description(config: TrainingConfig, dataset: RunData | None, fit: FitResult
     scores = ", ".join(f"{key} {value:.4f}" for key, value in sorted(fit.scores.items()))
     if not is_builtin_dataset(dataset):
         data = f" on prepared data {dataset.content_hash}" if dataset is not None else ""
-        train_config = config.train_config_text()
+        train_config = config.train_config_shown()
         if len(train_config) > _TRAIN_CONFIG_SHOWN:
             train_config = f"{train_config[:_TRAIN_CONFIG_SHOWN]}... (whole in the run's params)"
         return (

@@ -109,7 +109,7 @@ def version_tags(config: TrainingConfig, spec: TrainFunc | None, score: float) -
         TRAIN_CODE_TAG: config.train_code,
         GATE_METRIC_TAG: spec.gate.name,
         GATE_DIRECTION_TAG: str(spec.gate.higher_is_better).lower(),
-        "train_config": config.train_config_text()[:5000],
+        "train_config": config.train_config_shown()[:5000],
     }
 
 

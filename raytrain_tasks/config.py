@@ -11,7 +11,7 @@ import posixpath
 import re
 import secrets
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -138,8 +138,14 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
         return parsed
 
     def train_config_text(self) -> str:
-        """``train_config`` as one canonical JSON text (keys sorted, no spaces): its MLflow param and tag."""
+        """``train_config`` as one canonical JSON text (keys sorted, no spaces): what the code is given."""
         return json.dumps(self.train_config, sort_keys=True, separators=(",", ":"))
+
+    def train_config_shown(self) -> str:
+        """``train_config_text`` with credentials masked: its MLflow param, version tag and description."""
+        from raytrain_tasks.redact import masked_param
+
+        return str(masked_param(self.train_config_text()))
 
     @field_validator("dataset")
     @classmethod
@@ -183,7 +189,9 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
             )
         from raytrain_tasks.redact import redact_uri
 
-        for name, value in self.model_dump().items():
+        settings = self.model_dump(exclude={"train_config"}).items()
+        own = ((f"train_config.{key}", text) for key, value in self.train_config.items() for text in _strings(value))
+        for name, value in (*settings, *own):
             if isinstance(value, str) and "://" in value and redact_uri(value) != value:
                 raise ValueError(
                     f"launch_mode='ray_job': `{name}` carries credentials, and a Ray Job's entrypoint (which holds "
@@ -294,11 +302,23 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
             if isinstance(value, list):
                 value = ",".join(map(str, value))
             if key == "train_config":
-                value = self.train_config_text()
+                value = self.train_config_shown()
             params[key] = masked_param(value) if isinstance(value, str) else value
         for key, value in (self.train_config if code_values is None else code_values).items():
             params[f"train_config.{key}"] = masked_param(value, TRAIN_CONFIG_MAX_CHARS)
         return params
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a JSON value, at any depth."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _strings(item)
 
 
 # Every training setting, in the config's order (the Prefect form's): one flow parameter each (flows/parameters.py).

@@ -338,3 +338,20 @@ def test_a_version_description_fits_mlflows_column_however_large_the_train_confi
     assert len(description) <= DESCRIPTION_LIMIT
     assert description.startswith(f"{TRAIN_CODE} trained by run") and '"dropout":0.1' in description
     assert "whole in the run's params" in description and "val_class_0_recall 0.0000" in description
+
+
+def test_a_versions_tags_and_description_hold_no_credential_of_the_train_config(tmp_path: Path) -> None:
+    """The run's params mask a password in train_config; the registered version's ``train_config`` tag and its
+    description carried the text as given (anyone who can read the registry could read it)."""
+    from raytrain_driver.origin import version_description
+    from tests.helpers import small_config
+
+    config = small_config(
+        tmp_path,
+        train_code=TRAIN_CODE,
+        train_config={"source": "postgresql://reader:hunter2secret@db:5432/rows", "url": "https://h/x?token=tok12345"},
+    )
+    fit = finished_fit(tmp_path, tmp_path, {"val_mse": 0.5})
+    shown = version_description(config, None, fit, "val_mse") + repr(version_tags(config, spec(), 0.5))
+    assert "hunter2secret" not in shown and "tok12345" not in shown, shown
+    assert "postgresql://reader:***@db:5432/rows" in shown, shown  # where it points is kept

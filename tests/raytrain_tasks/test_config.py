@@ -122,9 +122,18 @@ def test_cli_rejects_bad_value_with_exit_2_and_field_named(capsys: pytest.Captur
         ({"ray_address": "ray://head:10001"}, "ray_address"),
         ({"ray_address": "head:6379", "mlflow_tracking_uri": "https://user:pw@mlflow:5000"}, "mlflow_tracking_uri"),
         ({"ray_address": "head:6379", "dataset": "s3://k:secret@bucket/data.csv"}, "dataset"),
+        # Your code's settings are in the entrypoint too, at any depth (they were not checked)
+        (
+            {"ray_address": "head:6379", "train_config": {"dataset": "s3://k:secret@bucket/data.csv"}},
+            "train_config.dataset",
+        ),
+        (
+            {"ray_address": "head:6379", "train_config": {"sources": [{"db": "postgresql://u:secret@db/x"}]}},
+            "train_config.sources",
+        ),
     ],
 )
-def test_ray_job_mode_refuses_what_it_cannot_run_or_would_expose(settings: dict[str, str], named: str) -> None:
+def test_ray_job_mode_refuses_what_it_cannot_run_or_would_expose(settings: dict[str, object], named: str) -> None:
     with pytest.raises(ValidationError) as info:
         TrainingConfig(launch_mode="ray_job", **settings)
     shown = describe_validation_error(info.value)  # what the CLI prints
