@@ -19,7 +19,7 @@ from raytrain_driver.cluster import ray_session
 from raytrain_driver.fit_record import BUILTIN_SHOWN, FitResult, OpenRun, finished_fit, write_fit_record
 from raytrain_driver.hooks import EpochView, progress_page, run_logger, state_dir, stopped_by
 from raytrain_driver.lease import HeldLease, run_lease
-from raytrain_driver.origin import run_description, run_tags
+from raytrain_driver.origin import data_loader_of, run_description, run_tags
 from raytrain_driver.preflight import (
     check_cluster,
     check_spec_data,
@@ -98,7 +98,10 @@ def _distributed_fit(
             finished = finished_fit(run_dir, client, experiment_id, run_key)
             if finished is not None:
                 return _confirm_finished(config, dataset, run_key, client, experiment_id, finished, spec)
-            run_id, reopened = _start_run(config, dataset, run_key, run_dir, origin, plan, spec, client, experiment_id)
+            loader = data_loader_of(config, ray_datasets)
+            run_id, reopened = _start_run(
+                config, dataset, run_key, run_dir, origin, plan, spec, client, experiment_id, loader
+            )
             opened = _prepare_resume(
                 config, run_key, run_dir, spec, client, run_id, experiment_id, reopened, plan.backend
             )
@@ -157,6 +160,7 @@ def _start_run(
     spec: TrainFunc | None,
     client: Any,
     experiment_id: str,
+    data_loader: str,
 ) -> tuple[str, bool]:
     """A new MLflow run for the run key, or its earlier one reopened (a resume, a retry): (run id, reopened)."""
     run_id, reopened = tracking.start_or_reopen_run(
@@ -164,10 +168,10 @@ def _start_run(
         experiment_id,
         run_key,
         run_name=origin.get("run_name", run_key),
-        tags=run_tags(config, dataset, run_key, run_dir, plan.backend)
+        tags=run_tags(config, dataset, run_key, run_dir, plan.backend, data_loader)
         | {tracking.CPUS_PER_WORKER_TAG: f"{plan.cpus_per_worker:g}"}
         | {k: v for k, v in origin.items() if k != "run_name"}
-        | {tracking.NOTE_TAG: run_description(config, run_key, run_dir, origin)},
+        | {tracking.NOTE_TAG: run_description(config, run_key, run_dir, origin, data_loader)},
         params=config.public_params(code_params(config, spec)),
     )
     if not reopened and dataset is not None:
@@ -244,6 +248,7 @@ def _train(
 ) -> ray.train.Result:
     """Ray Train's fit, its reports logged to the MLflow run as they come, the run page following it."""
     from raytrain_driver.trainer import build_trainer, fit_interruptibly
+    from raytrain_driver.user_fit import left_off
 
     uri, run_id = config.mlflow_tracking_uri, opened.run_id
     callbacks: list[Any] = [OpenMlflowEarly(uri, run_id)]
@@ -270,7 +275,7 @@ def _train(
     view = (
         EpochView(marker=STEP_KEY, shown=BUILTIN_SHOWN)
         if spec is None
-        else EpochView(expects=tuple(dict.fromkeys((spec.selection.name, spec.gate.name))))
+        else EpochView(expects=tuple(dict.fromkeys((spec.selection.name, spec.gate.name))), left_off=left_off(spec))
     )
     page = progress_page()
     progress = page(client, run_id, config.epochs, run_logger(), view) if page else None

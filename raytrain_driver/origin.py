@@ -22,13 +22,23 @@ def trained_what(config: TrainingConfig) -> str:
     return f"`{config.train_code}`" if config.train_code else f"**{config.model}** on `{config.dataset}`"
 
 
-def run_description(config: TrainingConfig, run_key: str, run_dir: StorageLocation, origin: dict[str, str]) -> str:
+def data_loader_of(config: TrainingConfig, ray_datasets: bool) -> str:
+    """How the run's workers read their data: the built-in classifier's `data_loader` setting; for your code,
+    whether it trains on Ray Datasets (its ``datasets=``, or a TrainSpec's Ray Dataset splits) or not."""
+    if not config.train_code:
+        return config.data_loader
+    return "ray_data" if ray_datasets else "torch"
+
+
+def run_description(
+    config: TrainingConfig, run_key: str, run_dir: StorageLocation, origin: dict[str, str], data_loader: str
+) -> str:
     """The MLflow run's description (``mlflow.note.content``, Markdown): what ran, from where, and how to go on."""
     workers = f"{config.num_workers}" + (f"-{config.max_workers}" if config.max_workers else "")
     what = trained_what(config)
     lines = [
         f"{what}: {config.epochs} epochs, {workers} Ray Train workers "
-        f"({'GPU, nccl' if config.use_gpu else 'CPU, gloo'}), data loader `{config.data_loader}`.",
+        f"({'GPU, nccl' if config.use_gpu else 'CPU, gloo'}), data loader `{data_loader}`.",
         "",
         f"- run key `{run_key}`: continue an interrupted run with `resume={run_key}`",
         f"- checkpoints: `{run_dir.uri}`",
@@ -42,7 +52,12 @@ def run_description(config: TrainingConfig, run_key: str, run_dir: StorageLocati
 
 
 def run_tags(
-    config: TrainingConfig, dataset: RunData | None, run_key: str, run_dir: StorageLocation, backend: str
+    config: TrainingConfig,
+    dataset: RunData | None,
+    run_key: str,
+    run_dir: StorageLocation,
+    backend: str,
+    data_loader: str,
 ) -> dict[str, str]:
     lineage = {"prefect_raytrain.train_code": config.train_code} if config.train_code else {}
     if dataset is not None:  # the built-in classifier's table, or what the code's prepare wrote
@@ -57,7 +72,7 @@ def run_tags(
         "prefect_raytrain.num_workers": str(config.num_workers),
         "prefect_raytrain.use_gpu": str(config.use_gpu).lower(),
         "prefect_raytrain.backend": backend,
-        "prefect_raytrain.data_loader": config.data_loader,
+        "prefect_raytrain.data_loader": data_loader,
         "prefect_raytrain.ray_cluster": ray.get_runtime_context().gcs_address,
         "mlflow.source.git.commit": tracking.code_version(),
     }

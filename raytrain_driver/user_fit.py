@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from raytrain_driver.evaluation import scores_as_metrics
 from raytrain_driver.fit_record import FitResult, OpenRun, ResumePoint, checkpoint_uri, refuse_foreign_checkpoints
-from raytrain_driver.hooks import run_logger
+from raytrain_driver.hooks import SPEC_LOOP_EXTRAS, headline, run_logger
 from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import CheckpointError, UserCodeError
@@ -226,6 +226,14 @@ def step_of(metrics: dict[str, Any], history: list[dict[str, float]]) -> int:
     return len(history)
 
 
+def left_off(spec: TrainFunc) -> tuple[str, ...]:
+    """What a run's epoch lines and summary leave off: a TrainSpec's timing figures and test scores; nothing of a
+    train_func's (each name it reports is its own choice)."""
+    from raytrain_tasks.spec_loop import SpecTrainFunc
+
+    return SPEC_LOOP_EXTRAS if isinstance(spec.train_func, SpecTrainFunc) else ()
+
+
 def logged_history(client: Any, run_id: str, spec: TrainFunc) -> list[dict[str, float]]:
     """The run's committed reports as MLflow holds them (step = epoch number), every metric at each step."""
     run = client.get_run(run_id)
@@ -308,6 +316,7 @@ def record_user_fit(
             if k.startswith(("val_", "test_")) or k in (spec.selection.name, spec.gate.name)
         },
         best_checkpoint_model_id=model_ids.get(checkpoint_name(checkpoint.path)),
+        shown_metrics=headline(keys, left_off(spec)) if left_off(spec) else (),
     )
     firsts = [spec.selection.name, spec.gate.name, "train_loss", "val_loss"]
     columns = [key for key in dict.fromkeys([*firsts, *keys]) if key in keys][:5]

@@ -8,7 +8,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from raytrain_driver.hooks import EpochView
+from raytrain_driver.hooks import EpochView, headline
 from raytrain_tasks.redact import redact, redact_uri
 
 if TYPE_CHECKING:
@@ -109,10 +109,10 @@ class EpochProgress:
         return {step for history in histories.values() for step in history}
 
     def _log_committed(self, new: list[int], histories: dict[str, dict[int, float]]) -> None:
-        shown = self.view.shown or tuple(histories)
+        shown = self.view.shown or headline(histories, self.view.left_off)
         for step in new:
             values = " ".join(f"{key}={histories[key][step]:.4f}" for key in shown if step in histories.get(key, {}))
-            seconds = histories.get("epoch_seconds", {}).get(step) if self.view.shown else None
+            seconds = histories.get("epoch_seconds", {}).get(step) if "epoch_seconds" not in shown else None
             took = f" ({seconds:.1f} s)" if seconds is not None else ""
             self.logger.info("epoch %d/%d committed: %s%s", step, self.epochs, values, took)
             self._seen.add(step)

@@ -282,6 +282,11 @@ def test_a_train_spec_on_ray_datasets_streams_shards_survives_a_killed_worker_an
     # ones, so a data() that materializes its splits reads them once per fit, not once more per worker.
     assert set(callers.read_text().split()) == {str(os.getpid())}, callers.read_text()
     assert first.fit.scores["test_loss"] < 0.1 and first.fit.best_metrics["val_mae"] < 0.3, first.fit  # y = 3x
+    # The run says how its workers read: Ray Data (it said `torch`, the built-in classifier's data_loader setting)
+    tags = only_run(tmp_path).data.tags
+    assert (
+        tags["prefect_raytrain.data_loader"] == "ray_data" and "data loader `ray_data`" in tags["mlflow.note.content"]
+    )
     # Exact over the whole split: val_loss as the workers reported it (each scored a share of the batches, the
     # sums all-reduced) is the loss of the registered (best) checkpoint's model over all 160 validation rows.
     import mlflow

@@ -93,3 +93,41 @@ def test_code_that_trains_past_epochs_is_told_to_read_config_epochs_once(caplog:
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "step 4 of `epochs` 3" in warnings[0] and "config['epochs']" in warnings[0]
     assert "epoch 5/3 committed" in caplog.text and progress._percent() == 100.0
+
+
+def test_a_train_specs_epoch_line_shows_its_losses_and_metrics_and_the_epochs_seconds(caplog: Any) -> None:
+    """A TrainSpec's loop reports its timing figures and its test-split scores every epoch beside its losses and
+    metrics: its epoch line showed them all, by name (`epoch_seconds=0.1032 samples_per_second=12425.3162
+    test_accuracy=...`); it shows what the built-in classifier's line shows (train loss, val loss, val metrics, and
+    the epoch's seconds). A train_func's line still shows every metric it reports."""
+    import logging
+
+    import torch
+
+    from raytrain_driver.hooks import EpochView
+    from raytrain_driver.user_fit import left_off
+    from raytrain_tasks.api import Metric, Splits, TrainFunc, TrainSpec
+    from raytrain_tasks.spec_loop import as_train_func
+    from tasks.run_page import EpochProgress
+
+    spec = TrainSpec(
+        data=lambda config: Splits(*([(torch.zeros(1), torch.zeros(()))] * 3)),
+        model=lambda config, example: torch.nn.Linear(1, 1),
+        loss=torch.nn.functional.mse_loss,
+        metrics=lambda outputs, targets: {"accuracy": torch.tensor(0.0)},
+        metric=Metric("accuracy", higher_is_better=True),
+    )
+    func = TrainFunc(lambda config: None, metric=Metric("val_accuracy", higher_is_better=True))
+    reported = ("epoch_seconds", "samples_per_second", "test_accuracy", "test_loss", "train_loss", "val_accuracy")
+    history = {key: {1: 0.5} for key in (*reported, "val_loss", "workers")}
+    logger = logging.getLogger("prt-progress-test")
+    lines = {}
+    for kind, code in (("spec", as_train_func(spec)), ("func", func)):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=logger.name):
+            progress = EpochProgress(None, "0" * 32, 3, logger, EpochView(left_off=left_off(code)))  # type: ignore[arg-type]
+            progress._log_committed([1], history)
+        lines[kind] = caplog.records[-1].getMessage()
+    assert lines["spec"] == "epoch 1/3 committed: train_loss=0.5000 val_loss=0.5000 val_accuracy=0.5000 (0.5 s)"
+    assert lines["func"].startswith("epoch 1/3 committed: train_loss=0.5000 val_loss=0.5000 val_accuracy=0.5000")
+    assert "test_accuracy=0.5000" in lines["func"] and "epoch_seconds=0.5000" in lines["func"], lines
