@@ -14,7 +14,6 @@ reach which shard); a resume on other data is refused (Ray Datasets are pinned o
 from __future__ import annotations
 
 import random
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +28,8 @@ from torch.utils.data import DistributedSampler
 
 from raytrain_tasks import spec_data
 from raytrain_tasks.api import Metric, Splits, TrainFunc, TrainSpec
+from raytrain_tasks.checkpoint import staging_folder
+from raytrain_tasks.config import RUN_KEY_PATTERN
 from raytrain_tasks.errors import DataRefusedError, DatasetError, UserCodeError, user_frames
 from raytrain_tasks.resume import checkpoint_dir_name
 from raytrain_tasks.spec_data import (
@@ -307,18 +308,23 @@ def _run_folders() -> frozenset[str]:
 def _report(
     metrics: dict[str, Any], model: Any, optimizer: Any, epoch: int, digest: str, rank: int, folder_name: str
 ) -> None:
-    with tempfile.TemporaryDirectory(prefix="prt-spec-") as folder:
-        checkpoint = None
-        if rank == 0:
-            state = {
-                "model": {k: v.detach().cpu() for k, v in getattr(model, "module", model).state_dict().items()},
-                "optimizer": optimizer.state_dict(),
-                "rng": torch.get_rng_state(),
-                "epoch": epoch,
-                "data_sha256": digest,
-            }
-            torch.save(state, Path(folder) / STATE_FILE)
-            checkpoint = ray.train.Checkpoint.from_directory(folder)
+    if rank != 0:  # rank 0 alone writes the checkpoint
+        ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=folder_name)
+        return
+    # Written where the run's next checkpoint on this node removes what a killed attempt left (a worker killed
+    # while it writes or uploads cannot remove its folder): the Ray Train run is named after the run key
+    # (raytrain_driver.fit); another name (a TorchTrainer of one's own) gets a fresh temporary folder.
+    run_name = ray.train.get_context().get_experiment_name()
+    with staging_folder(run_name if RUN_KEY_PATTERN.fullmatch(run_name) else None) as folder:
+        state = {
+            "model": {k: v.detach().cpu() for k, v in getattr(model, "module", model).state_dict().items()},
+            "optimizer": optimizer.state_dict(),
+            "rng": torch.get_rng_state(),
+            "epoch": epoch,
+            "data_sha256": digest,
+        }
+        torch.save(state, folder / STATE_FILE)
+        checkpoint = ray.train.Checkpoint.from_directory(folder)
         ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=folder_name)
 
 

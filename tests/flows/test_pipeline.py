@@ -17,6 +17,8 @@ from raytrain_tasks.data import LABEL_INDEX_COLUMN
 from raytrain_tasks.tracking.controller import EPOCH_METRICS
 from tests.helpers import small_config
 
+TABLE_CLASSIFIER = "raytrain_tasks.table_classifier:classifier"
+
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster", "prefect_api")]
 
 
@@ -328,11 +330,13 @@ def test_the_best_checkpoint_by_val_loss_is_the_lowest_loss_not_the_highest_accu
     assert version.tags["best_epoch"] == str(by_loss + 1)
 
 
+@pytest.mark.parametrize("train_code", ["", TABLE_CLASSIFIER], ids=["built-in", "TrainSpec"])
 def test_what_a_killed_checkpoint_write_left_on_the_node_is_gone_after_the_runs_next_checkpoint(
-    workdir: Path, monkeypatch: pytest.MonkeyPatch
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, train_code: str
 ) -> None:
     """A worker SIGKILLed while it wrote or uploaded an epoch's checkpoint leaves its local folder behind. The
-    run's next checkpoint on that node (here: the run's next attempt) removes it, and none of it reaches storage."""
+    run's next checkpoint on that node (here: the run's next attempt) removes it, and none of it reaches storage.
+    A TrainSpec's loop wrote each checkpoint in a fresh temporary folder, which a killed worker left for ever."""
     import tempfile
 
     from raytrain_tasks.checkpoint import STAGING_PREFIX
@@ -347,12 +351,16 @@ def test_what_a_killed_checkpoint_write_left_on_the_node_is_gone_after_the_runs_
     (left / "model.pt").write_bytes(os.urandom(1 << 20))  # a model half-written when the worker was killed
     (left / "stale.bin").write_bytes(b"from the killed attempt")
     try:
-        result = training_pipeline(**parameters_of(small_config(workdir, epochs=1, register=False)))
+        config = small_config(workdir, epochs=1, register=False, train_code=train_code)
+        result = training_pipeline(**parameters_of(config))
         assert result.run_key == key and result.fit.epochs_completed == 1
         assert not left.exists()
         stored = workdir / "storage" / "runs" / key
         assert sorted(p.name for p in stored.rglob("stale.bin")) == []
-        verify_checkpoint(result.fit.best_checkpoint_uri)
+        if not train_code:
+            verify_checkpoint(result.fit.best_checkpoint_uri)
+        else:
+            assert [p.name for p in Path(result.fit.best_checkpoint_uri).iterdir()] == ["spec_state.pt"]
     finally:
         if left.exists():
             import shutil
