@@ -182,11 +182,12 @@ def _train_code_problem(config: TrainingConfig) -> str:
     The flow checks it again where it runs (prepare-data, and the fit's pre-flight on the cluster)."""
     if not config.train_code:
         return ""
-    from raytrain_driver.preflight import resolve_code
+    from raytrain_driver.preflight import code_model_name, resolve_code
     from raytrain_tasks.errors import UserCodeError
 
     try:
         resolve_code(config)
+        code_model_name(config)
     except UserCodeError as exc:
         return str(exc)
     return ""

@@ -16,6 +16,7 @@ from flows.parameters import with_settings_as_parameters
 from flows.run_settings import check_deployment_pins
 from flows.stop_signals import send_again_a_stop_that_a_finalizer_swallowed
 from raytrain_driver.fit_record import FitResult
+from raytrain_driver.preflight import code_model_name
 from raytrain_tasks.config import (
     TrainingConfig,
     config_from_parameters,
@@ -86,7 +87,7 @@ def _pipeline(config: TrainingConfig) -> PipelineResult:
             ", ".join(ignored),
             config.train_code,
         )
-    config = config.resolved(Path.cwd(), os.environ)
+    config = config.resolved(Path.cwd(), os.environ, code_model_name(config))
     run_key = config.resume or new_run_key()
     prepare_recovery(run_key)
     get_run_logger().info(

@@ -3,6 +3,7 @@ created, and before any Ray Train worker is requested. Cheapest first; each fail
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from raytrain_driver.cluster import ray_of_this_machine
@@ -19,8 +20,9 @@ from raytrain_driver.sizing import (
 from raytrain_tasks.api import TrainFunc, data_dir_refused
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DATA_TASK_CPUS, USER_DATASET_CPUS, streams
-from raytrain_tasks.errors import CheckpointError, DatasetError, UserCodeError
+from raytrain_tasks.errors import CheckpointError, DatasetError, UserCodeError, user_frames
 from raytrain_tasks.prepared import RunData, is_builtin_dataset
+from raytrain_tasks.settings import MODEL_NAME_MAX, MODEL_NAME_PATTERN
 from raytrain_tasks.storage.locations import StorageLocation
 from raytrain_tasks.tracking import runs as tracking
 from raytrain_tasks.user_code import resolve
@@ -47,6 +49,31 @@ def resolve_code(config: TrainingConfig) -> TrainFunc | None:
             "registered: add them to its TrainFunc, or set `register` off (--no-register)"
         )
     return spec
+
+
+def code_model_name(config: TrainingConfig) -> str:
+    """The registered model's name the user's code gives (``model_name(config)`` of its TrainFunc or TrainSpec)
+    where the run leaves the ``model_name`` setting at its default; "" otherwise (``TrainingConfig.resolved`` then
+    names it). UserCodeError naming train_code when the function fails or gives no usable name."""
+    default = TrainingConfig.model_fields["model_name"].default
+    if not config.train_code or config.model_name != default:
+        return ""
+    spec = resolve_code(config)
+    if spec is None or spec.model_name is None:
+        return ""
+    from raytrain_tasks.user_code import user_config
+
+    where = f"train_code {config.train_code!r}: its model_name(config)"
+    try:
+        name = spec.model_name(user_config(config, spec))
+    except Exception as exc:  # the user's function: its own error, with its frames (test_code_model_name)
+        raise UserCodeError(f"{where} failed: {user_frames(exc)}") from exc
+    if not isinstance(name, str) or not re.fullmatch(MODEL_NAME_PATTERN, name) or len(name) > MODEL_NAME_MAX:
+        raise UserCodeError(
+            f"{where} returned {name!r}: a registered model's name is 1-{MODEL_NAME_MAX} letters, digits, spaces, "
+            "'.', '_' or '-', starting with a letter or digit (or set `model_name` for the run)"
+        )
+    return name
 
 
 def check_spec_data(config: TrainingConfig, spec: TrainFunc | None, dataset: RunData | None) -> bool:

@@ -100,10 +100,9 @@ def _register_model(
 ) -> ModelRef:
     logger = run_logger()
     client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
-    # Your code's gate (metric and direction), or the built-in's: the test split's counterpart of `promotion_metric`.
+    # Your code's gate (metric, direction) and selection, or the built-in's (from `promotion_metric`).
     spec = bind(resolve(config.train_code), config) if config.train_code else None
-    gate = spec.gate if spec is not None else config.gate
-    selection = spec.selection if spec is not None else config.selection  # what picked the best checkpoint
+    gate, selection = (spec.gate, spec.selection) if spec is not None else (config.gate, config.selection)
     metric, higher_is_better = gate.name, gate.higher_is_better
     candidate_score = fit.scores[metric]
     data_dir = data_dir_of(dataset, config.storage_options)  # once, before the registry lock is taken

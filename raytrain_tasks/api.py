@@ -212,6 +212,11 @@ class TrainFunc:
             write the same bytes for the same data (seeded, no timestamps). A resume runs ``prepare`` again and is
             refused if the data changed: a run continues on the data it started with. None: your code reads its
             data where it is (and ``data_dir`` is a key like any other).
+        model_name: ``model_name(config) -> str``: the MLflow registered model a run registers into when it leaves
+            the ``model_name`` setting at its default, e.g. one per dataset (``f"{config['dataset']}-classifier"``):
+            the gate only compares models of one name, so data whose scores are not comparable needs a name of its
+            own. Called once where the run starts (not with ``data_dir``); letters, digits, space, ``.``, ``_``,
+            ``-``. None: the module of ``train_code`` (``my_project.train``).
     """
 
     train_func: Callable[[dict[str, Any]], None]
@@ -226,6 +231,7 @@ class TrainFunc:
     settings: type | None = None
     artifacts: Callable[[Any, dict[str, Any], Path], None] | None = None
     model_metadata: ModelMetadata | None = None
+    model_name: Callable[[dict[str, Any]], str] | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.train_func):
@@ -243,7 +249,8 @@ class TrainFunc:
                 raise TypeError(
                     f"TrainFunc({name}=...) works on registered models: it needs load_model and input_example"
                 )
-        for name in ("load_model", "input_example", "datasets", "evaluate", "prepare", "artifacts", "model_metadata"):
+        functions = ("load_model", "input_example", "datasets", "evaluate", "prepare", "artifacts", "model_metadata")
+        for name in (*functions, "model_name"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise TypeError(f"TrainFunc({name}=...) must be a function, got {value!r}")
@@ -317,6 +324,8 @@ class TrainSpec:
             (class labels, ...), as for ``TrainFunc``.
         prepare: ``prepare(config, folder)``, as for ``TrainFunc``: ``data(config)`` then reads the files from
             ``config["data_dir"]``, the same on the driver and every worker, wherever they run.
+        model_name: ``model_name(config) -> str``: the registered model's name where the run leaves the
+            ``model_name`` setting at its default, as for ``TrainFunc``.
     """
 
     data: Callable[[dict[str, Any]], Splits]
@@ -331,6 +340,7 @@ class TrainSpec:
     settings: type | None = None
     artifacts: Callable[[Any, dict[str, Any], Path], None] | None = None
     model_metadata: ModelMetadata | None = None
+    model_name: Callable[[dict[str, Any]], str] | None = None
 
     def __post_init__(self) -> None:
         for name in ("data", "model", "loss"):
@@ -343,7 +353,7 @@ class TrainSpec:
             )
         if isinstance(self.metric, Metric) and (problem := spec_metric_problem(self, self.metric)):
             raise TypeError(problem)
-        for name in ("prepare", "artifacts", "model_metadata"):
+        for name in ("prepare", "artifacts", "model_metadata", "model_name"):
             if getattr(self, name) is not None and not callable(getattr(self, name)):
                 raise TypeError(f"TrainSpec({name}=...) must be a function, got {getattr(self, name)!r}")
         check_code_config("TrainSpec", self.defaults, self.settings, self.prepare)

@@ -11,7 +11,7 @@ import posixpath
 import re
 import secrets
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from raytrain_tasks.api import Metric, pipeline_keys_refused
-from raytrain_tasks.datasets import BUILTIN_DATASETS, SUPPORTED_FILE_SUFFIXES
+from raytrain_tasks.datasets import check_held_out_share, checked_dataset
 from raytrain_tasks.errors import SettingsError
 from raytrain_tasks.settings import (
     BUILTIN_ONLY,
@@ -31,7 +31,7 @@ from raytrain_tasks.settings import (
     FaultToleranceSettings,
     ServiceSettings,
     TrainingSettings,
-    _dataset_stem,
+    dataset_stem,
 )
 from raytrain_tasks.storage.filesystem import StorageOptions, is_s3, s3_endpoint_and_region
 
@@ -150,24 +150,11 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
     @field_validator("dataset")
     @classmethod
     def _known_dataset(cls, value: str) -> str:
-        if value in BUILTIN_DATASETS:
-            return value
-        if value.lower().endswith(SUPPORTED_FILE_SUFFIXES):
-            return value
-        from raytrain_tasks.redact import redact
-
-        raise ValueError(
-            f"unknown dataset {redact(value)!r}: use one of {sorted(BUILTIN_DATASETS)} "
-            f"or a path/URI ending in {', '.join(SUPPORTED_FILE_SUFFIXES)}"
-        )
+        return checked_dataset(value)
 
     @model_validator(mode="after")
     def _held_out_share(self) -> TrainingConfig:
-        if self.val_fraction + self.test_fraction >= 0.9:
-            raise ValueError(
-                f"val_fraction ({self.val_fraction}) + test_fraction ({self.test_fraction}) must leave at least 10% "
-                "of the rows for training"
-            )
+        check_held_out_share(self.val_fraction, self.test_fraction)
         return self
 
     @model_validator(mode="after")
@@ -187,10 +174,10 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
                 "launch_mode='ray_job' runs the fit on a cluster reached by address: set `ray_address` to the "
                 "cluster's GCS address (e.g. 10.0.0.5:6379; not empty, not ray://), or set `launch_mode` to 'driver'"
             )
-        from raytrain_tasks.redact import redact_uri
+        from raytrain_tasks.redact import redact_uri, strings_in
 
         settings = self.model_dump(exclude={"train_config"}).items()
-        own = ((f"train_config.{key}", text) for key, value in self.train_config.items() for text in _strings(value))
+        own = ((f"train_config.{key}", text) for key, value in self.train_config.items() for text in strings_in(value))
         for name, value in (*settings, *own):
             if isinstance(value, str) and "://" in value and redact_uri(value) != value:
                 raise ValueError(
@@ -252,8 +239,11 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
     def _resume_is_run_key(cls, value: str) -> str:
         return check_run_key(value) if value else value
 
-    def resolved(self, base_dir: Path, environ: Mapping[str, str]) -> TrainingConfig:
-        """A copy with an absolute storage path and a concrete tracking URI, as every Ray process needs."""
+    def resolved(self, base_dir: Path, environ: Mapping[str, str], code_model_name: str = "") -> TrainingConfig:
+        """A copy with an absolute storage path, a concrete tracking URI, as every Ray process needs, and the
+        registered model's name: ``model_name``, unless it is the default; then ``code_model_name`` (what the code's
+        ``model_name(config)`` gives, raytrain_driver.preflight.code_model_name), the code's module, or the
+        built-in classifier's dataset."""
         storage = self.storage_path.removeprefix("file://")
         if not is_s3(storage) and not Path(storage).is_absolute():
             storage = str((base_dir / storage).resolve())
@@ -265,10 +255,12 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
         if model_name == type(self).model_fields["model_name"].default:
             # The digits classifier's name is no name for a user's model or data: it would land behind that
             # champion, whose scores are not comparable, and stay `challenger`.
-            if self.train_code:
+            if code_model_name:
+                model_name = code_model_name
+            elif self.train_code:
                 model_name = self.train_code.partition(":")[0]
             elif self.dataset != "digits":
-                model_name = f"{_dataset_stem(self.dataset)}-classifier"
+                model_name = f"{dataset_stem(self.dataset)}-classifier"
         return self.model_copy(
             update={
                 "model_name": model_name,
@@ -307,18 +299,6 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
         for key, value in (self.train_config if code_values is None else code_values).items():
             params[f"train_config.{key}"] = masked_param(value, TRAIN_CONFIG_MAX_CHARS)
         return params
-
-
-def _strings(value: Any) -> Iterator[str]:
-    """Every string in a JSON value, at any depth."""
-    if isinstance(value, str):
-        yield value
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from _strings(item)
-    elif isinstance(value, list | tuple):
-        for item in value:
-            yield from _strings(item)
 
 
 # Every training setting, in the config's order (the Prefect form's): one flow parameter each (flows/parameters.py).

@@ -59,3 +59,24 @@ BUILTIN_DATASETS: dict[str, Callable[[DatasetRequest], pd.DataFrame]] = {
     "digits": load_digits,
     "synthetic": make_synthetic,
 }
+
+
+def checked_dataset(value: str) -> str:
+    """``value`` if it names a bundled dataset or a table file; ValueError saying what is accepted otherwise."""
+    if value in BUILTIN_DATASETS or value.lower().endswith(SUPPORTED_FILE_SUFFIXES):
+        return value
+    from raytrain_tasks.redact import redact
+
+    raise ValueError(
+        f"unknown dataset {redact(value)!r}: use one of {sorted(BUILTIN_DATASETS)} "
+        f"or a path/URI ending in {', '.join(SUPPORTED_FILE_SUFFIXES)}"
+    )
+
+
+def check_held_out_share(val_fraction: float, test_fraction: float) -> None:
+    """ValueError unless the validation and test splits leave at least 10% of the rows for training."""
+    if val_fraction + test_fraction >= 0.9:
+        raise ValueError(
+            f"val_fraction ({val_fraction}) + test_fraction ({test_fraction}) must leave at least 10% "
+            "of the rows for training"
+        )

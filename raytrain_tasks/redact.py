@@ -139,6 +139,18 @@ def install_log_redaction(*logger_names: str) -> None:
                 handler.addFilter(_FILTER)
 
 
+def strings_in(value: Any) -> Iterator[str]:
+    """Every string in a JSON value, at any depth (where a secret could hide in a setting)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from strings_in(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from strings_in(item)
+
+
 def masked_param(value: Any, max_chars: int | None = None) -> Any:
     """``value`` as an MLflow param: numbers and booleans as they are, anything else as text (JSON for what is
     not a string; ``str`` for what JSON cannot write, a Path or a dtype), with credentials masked (a URI may carry

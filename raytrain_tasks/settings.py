@@ -17,7 +17,12 @@ from raytrain_tasks.models import MODELS
 DEFAULT_STATE_DIR = ".pipeline"
 
 
-def _dataset_stem(dataset: str) -> str:
+# A registered model's name goes into MLflow search filters: no quotes, no backslashes.
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9 ._-]*$"
+MODEL_NAME_MAX = 200
+
+
+def dataset_stem(dataset: str) -> str:
     """A registered-model name part from ``dataset``: 'synthetic', or its file's name without the extension."""
     stem = PurePosixPath(dataset.rstrip("/").split("://", 1)[-1]).name.split(".")[0]
     return re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("-._") or "dataset"
@@ -316,13 +321,14 @@ class ServiceSettings(_Section):
     model_name: str = Field(
         default="digits-classifier",
         min_length=1,
-        max_length=200,
+        max_length=MODEL_NAME_MAX,
         # It goes into MLflow search filters: no quotes, no backslashes.
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9 ._-]*$",
+        pattern=MODEL_NAME_PATTERN,
         title="Registered model name",
         description=(
             "MLflow registered model that receives a new version per run (letters, digits, space, . _ -). With "
-            "`train_code` and this default, the module of the code (e.g. 'my_model.train') is the name instead; "
+            "`train_code` and this default, the name the code gives (its `model_name=`) or else its module (e.g. "
+            "'my_model.train') is the name instead; "
             "with another `dataset`, its file name (e.g. 'flowers-classifier' for flowers.csv, "
             "'synthetic-classifier')."
         ),

@@ -32,14 +32,16 @@ from urllib.parse import urlparse
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import nn
 from torch.utils.data import TensorDataset
 
 from raytrain_tasks.api import DATA_DIR_KEY, Metric, Splits, TrainSpec
 from raytrain_tasks.data import LABEL_INDEX_COLUMN, MANIFEST_NAME, SPLITS, DatasetRef, read_split, streams
+from raytrain_tasks.datasets import check_held_out_share, checked_dataset
 from raytrain_tasks.models import build_mlp, with_standardisation
 from raytrain_tasks.reports import dataset_summary, evaluation_report, plot_confusion_matrix
+from raytrain_tasks.settings import dataset_stem
 from raytrain_tasks.storage.filesystem import StorageOptions, s3_endpoint_and_region
 from raytrain_tasks.storage.locations import locate
 from raytrain_tasks.tables import dataset_hash, load_raw_frame, plan_version, write_version
@@ -89,6 +91,16 @@ class Settings(BaseModel):
         default="",
         description="the region of an s3:// dataset's bucket (empty: AWS_REGION / AWS_DEFAULT_REGION, else us-east-1)",
     )
+
+    @field_validator("dataset")
+    @classmethod
+    def _known_dataset(cls, value: str) -> str:
+        return checked_dataset(value)
+
+    @model_validator(mode="after")
+    def _held_out_share(self) -> Settings:
+        check_held_out_share(self.val_fraction, self.test_fraction)
+        return self
 
     @field_validator("s3_endpoint_url")
     @classmethod
@@ -222,6 +234,12 @@ def artifacts(model: nn.Module, config: dict[str, Any], folder: Path) -> None:
     (folder / "dataset_summary.json").write_text(json.dumps(dataset_summary(dataset, y_train, y_val), indent=1))
 
 
+def model_name(config: dict[str, Any]) -> str:
+    """One registered model per table (a model of other columns or classes is not comparable with its champion):
+    ``digits-classifier``, ``synthetic-classifier``, or the file's name (``churn-classifier`` for churn.csv)."""
+    return f"{dataset_stem(config['dataset'])}-classifier"
+
+
 def model_metadata(config: dict[str, Any]) -> dict[str, Any]:
     """What whoever serves the model needs: the input columns in order, and the class each output stands for."""
     dataset = described(config)
@@ -244,4 +262,5 @@ classifier = TrainSpec(
     settings=Settings,
     artifacts=artifacts,
     model_metadata=model_metadata,
+    model_name=model_name,
 )

@@ -255,3 +255,54 @@ def test_a_metric_function_that_gives_no_usable_metric_is_refused_naming_it(choo
         spec = TrainSpec(data=print, model=print, loss=torch.nn.functional.mse_loss, metric=choose, settings=Selection)  # type: ignore[arg-type]
     with pytest.raises(UserCodeError, match=says):
         _chosen(spec, "mae")
+
+
+def _named_by(monkeypatch: pytest.MonkeyPatch, code_names: object, **settings: object) -> str:
+    """The model name a run of code with ``model_name=`` registers into, as the flow resolves it."""
+    import sys
+    import types
+    from pathlib import Path
+
+    from raytrain_driver.preflight import code_model_name
+
+    module = types.ModuleType("named_code")
+    module.training = TrainFunc(  # type: ignore[attr-defined]
+        lambda config: None, metric=Metric("val_loss", False), defaults={"dataset": "x"}, model_name=code_names
+    )
+    monkeypatch.setitem(sys.modules, "named_code", module)
+    settings.setdefault("register", False)  # it registers nothing: no load_model
+    config = TrainingConfig(train_code="named_code:training", **settings)  # type: ignore[arg-type]
+    return config.resolved(Path("/work"), {}, code_model_name(config)).model_name
+
+
+def test_the_code_names_the_registered_model_unless_the_run_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One registered model per dataset, named by the code: the gate compares models of one name, so a model of
+    other data needs its own (the module's name, the default, would put every dataset behind one champion)."""
+    per_dataset = lambda config: f"{config['dataset']}-model"  # noqa: E731
+    assert _named_by(monkeypatch, per_dataset, train_config={"dataset": "flowers"}) == "flowers-model"
+    assert _named_by(monkeypatch, per_dataset) == "x-model"  # the code's default
+    assert _named_by(monkeypatch, per_dataset, model_name="chosen") == "chosen"  # the run's setting wins
+    assert _named_by(monkeypatch, None) == "named_code"  # none given: the module
+    # The table classifier: one per table, as the built-in classifier names its models
+    from raytrain_driver.preflight import code_model_name
+
+    for train_config, name in (({}, "digits-classifier"), ({"dataset": "data/churn.csv"}, "churn-classifier")):
+        config = TrainingConfig(train_code="raytrain_tasks.table_classifier:classifier", train_config=train_config)
+        assert code_model_name(config) == name
+
+
+@pytest.mark.parametrize(
+    ("model_name", "says"),
+    [
+        (lambda config: config["nope"], r"its model_name\(config\) failed: KeyError: 'nope'\n.*File"),
+        (lambda config: "a/b's", r"its model_name\(config\) returned \"a/b's\": a registered model's name is"),
+        (lambda config: None, r"its model_name\(config\) returned None: a registered model's name is"),
+    ],
+)
+def test_a_model_name_function_that_gives_no_usable_name_is_refused_naming_it(
+    monkeypatch: pytest.MonkeyPatch, model_name: object, says: str
+) -> None:
+    with pytest.raises(UserCodeError, match=r"train_code 'named_code:training': " + says):
+        _named_by(monkeypatch, model_name)
+    with pytest.raises(TypeError, match=r"TrainFunc\(model_name=...\) must be a function"):
+        TrainFunc(lambda config: None, metric=Metric("val_loss", False), model_name="fixed")  # type: ignore[arg-type]

@@ -13,7 +13,7 @@ import pytest
 
 from devtools.s3_server import LocalS3
 from flows.training import training_pipeline
-from raytrain_tasks.config import parameters_of
+from raytrain_tasks.config import TrainingConfig, parameters_of
 from raytrain_tasks.errors import UserCodeError
 from raytrain_tasks.integrity import local_folder_digest
 from raytrain_tasks.table_classifier import Settings, data, prepare
@@ -160,6 +160,24 @@ def test_a_label_column_the_table_lacks_is_named_before_anything_trains(tmp_path
         code_values(resolve(CLASSIFIER), {"hiden_sizes": [8]}, CLASSIFIER)
 
 
+@pytest.mark.parametrize(
+    ("train_config", "says"),
+    [
+        ({"dataset": "customers.txt"}, r"train_config.dataset: Value error, unknown dataset 'customers.txt': use one"),
+        ({"val_fraction": 0.5, "test_fraction": 0.45}, r"val_fraction \(0.5\) \+ test_fraction \(0.45\) must leave"),
+    ],
+)
+def test_a_table_it_cannot_read_or_splits_that_leave_nothing_to_train_are_refused_before_anything_starts(
+    train_config: dict[str, Any], says: str
+) -> None:
+    """As the built-in classifier's settings refuse them: a file of no table format (it failed in prepare-data,
+    once the flow and its run key had started, saying to set `dataset`), and held-out splits of 90% or more."""
+    from raytrain_tasks.code_settings import code_values
+
+    with pytest.raises(UserCodeError, match=says):
+        code_values(resolve(CLASSIFIER), train_config, CLASSIFIER)
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster", "prefect_api")
 def test_a_csv_table_trains_registers_and_its_model_takes_raw_rows(tmp_path: Path) -> None:
@@ -174,9 +192,12 @@ def test_a_csv_table_trains_registers_and_its_model_takes_raw_rows(tmp_path: Pat
     config = small_config(
         tmp_path, train_code=CLASSIFIER, train_config=json.dumps(settings), epochs=4, register=True, batch_size=64
     )
+    # model_name left at its default: the code names the model after its table, as the built-in classifier does
+    config = config.model_copy(update={"model_name": TrainingConfig.model_fields["model_name"].default})
     result = training_pipeline(**parameters_of(config))
 
     assert result.model is not None and result.model.aliases == ("champion",), result.model
+    assert result.model.name == "customers-classifier", result.model
     assert result.fit.best_metrics["val_accuracy"] > 0.8, result.fit.best_metrics
     run = only_run(tmp_path)
     assert run.info.status == "FINISHED"
@@ -187,8 +208,8 @@ def test_a_csv_table_trains_registers_and_its_model_takes_raw_rows(tmp_path: Pat
     assert {"evaluation/confusion_matrix.png", "evaluation/per_class_report.json"} <= artifacts, artifacts
 
     with using_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}"):
-        info = mlflow.models.get_model_info("models:/digits-test@champion")
-        model = mlflow.pyfunc.load_model("models:/digits-test@champion")
+        info = mlflow.models.get_model_info("models:/customers-classifier@champion")
+        model = mlflow.pyfunc.load_model("models:/customers-classifier@champion")
     assert info.metadata["class_labels"] == list(PLANS) and info.metadata["feature_names"] == list(FEATURES)
     frame = pd.read_csv(csv)
     logits = np.asarray(model.predict(frame[list(FEATURES)].to_numpy(np.float32)))
