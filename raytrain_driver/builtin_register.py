@@ -7,7 +7,6 @@ same input schema (feature names and class labels, ``SCHEMA_TAG``) and is re-sco
 
 from __future__ import annotations
 
-import hashlib
 import json
 import tempfile
 from pathlib import Path
@@ -15,7 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from raytrain_driver.champion import check_model_layout, download_model, predict_without_pickles, read_champion
+from raytrain_driver.champion import (
+    SCHEMA_TAG,
+    check_model_layout,
+    digest_of_schema,
+    download_model,
+    predict_without_pickles,
+    read_champion,
+)
 from raytrain_driver.evaluation import load_checkpoint_model, score
 from raytrain_driver.fit_record import FitResult
 from raytrain_driver.promotion import CHAMPION, Champion
@@ -25,8 +31,6 @@ from raytrain_tasks.models import with_standardisation
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
-
-SCHEMA_TAG = "schema.digest"
 
 
 def builtin_model(
@@ -53,9 +57,9 @@ def builtin_model(
 
 
 def schema_digest(dataset: DatasetRef) -> str:
-    """What a model's input and output mean: feature names in order, and class labels in order."""
-    payload = json.dumps({"features": list(dataset.feature_names), "classes": list(dataset.class_labels)})
-    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+    """What a model's input and output mean: feature names in order, and class labels in order (the table
+    classifier's ``schema``, raytrain_tasks.table_classifier, gives the same)."""
+    return digest_of_schema({"features": list(dataset.feature_names), "classes": list(dataset.class_labels)})
 
 
 def assess_champion_on_test_split(client: MlflowClient, config: TrainingConfig, dataset: DatasetRef) -> Champion:

@@ -8,16 +8,27 @@ unpickled by ``mlflow.pyfunc.load_model``, because MLFLOW_ALLOW_PICKLE_DESERIALI
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from raytrain_driver.promotion import CHAMPION, Champion
+
+# A registered version's input schema (what its inputs and outputs mean): a champion of another one is not compared.
+SCHEMA_TAG = "schema.digest"
+
+
+def digest_of_schema(schema: Mapping[str, Any]) -> str:
+    """The digest a version records of its schema: SHA-256 of its JSON text, keys in the order given."""
+    return hashlib.sha256(json.dumps(dict(schema)).encode()).hexdigest()[:16]
+
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict
 
 from raytrain_driver import builtin_register, user_register
-from raytrain_driver.builtin_register import SCHEMA_TAG
+from raytrain_driver.champion import SCHEMA_TAG
 from raytrain_driver.evaluation import EVALUATION_ARTIFACT_DIR, scores_as_metrics
 from raytrain_driver.fit_record import FitResult
 from raytrain_driver.hooks import run_logger, stopped_by
@@ -118,7 +118,7 @@ def _register_model(
                     config.model_name,
                     model_uri,
                     fit,
-                    tags=_version_tags(config, dataset, fit, spec) | origin_tags,
+                    tags=_version_tags(config, dataset, fit, spec, data_dir) | origin_tags,
                     description=version_description(config, dataset, fit, selection.name),
                 )
             else:
@@ -384,12 +384,12 @@ def _link_logged_model(client: MlflowClient, fit: FitResult, model_id: str) -> N
 
 
 def _version_tags(
-    config: TrainingConfig, dataset: RunData | None, fit: FitResult, spec: TrainFunc | None
+    config: TrainingConfig, dataset: RunData | None, fit: FitResult, spec: TrainFunc | None, data_dir: Path | None
 ) -> dict[str, str]:
     lineage = (
         {SCHEMA_TAG: builtin_register.schema_digest(dataset), "dataset_hash": dataset.content_hash}
         if is_builtin_dataset(dataset)
-        else user_version_tags(config, spec, fit.scores[spec.gate.name] if spec is not None else 0.0)
+        else user_version_tags(config, spec, fit.scores[spec.gate.name] if spec is not None else 0.0, data_dir)
         | ({"dataset_hash": dataset.content_hash} if dataset is not None else {})
     )
     return {  # the scores first: a metric of your code named like one of the pipeline's tags never replaces it

@@ -18,7 +18,14 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from raytrain_driver.champion import check_model_layout, download_model, pickle_deserialization_off, read_champion
+from raytrain_driver.champion import (
+    SCHEMA_TAG,
+    check_model_layout,
+    digest_of_schema,
+    download_model,
+    pickle_deserialization_off,
+    read_champion,
+)
 from raytrain_driver.promotion import Champion
 from raytrain_tasks.api import PIPELINE_METADATA, TrainFunc
 from raytrain_tasks.config import TrainingConfig
@@ -100,17 +107,40 @@ def _check_example_accepted(config: TrainingConfig, fit: FitResult, model: Any, 
 EXPORT_LOCK = threading.Lock()
 
 
-def version_tags(config: TrainingConfig, spec: TrainFunc | None, score: float) -> dict[str, str]:
-    """What makes a version's recorded score comparable: the code that trained it and its gate metric; the score
-    in full (``repr``), so that a tie with it is a tie, not a gain in the seventh decimal."""
+def version_tags(
+    config: TrainingConfig, spec: TrainFunc | None, score: float, data_dir: Path | None = None
+) -> dict[str, str]:
+    """What makes a version's recorded score comparable: the code that trained it, its gate metric and the
+    code's ``schema``; the score in full (``repr``), so that a tie with it is a tie, not a gain in the seventh
+    decimal."""
     assert spec is not None, "the built-in classifier's versions record their input schema instead"
+    schema = user_schema(config, spec, data_dir)
     return {
         GATE_SCORE_TAG: repr(float(score)),
         TRAIN_CODE_TAG: config.train_code,
         GATE_METRIC_TAG: spec.gate.name,
         GATE_DIRECTION_TAG: str(spec.gate.higher_is_better).lower(),
         "train_config": config.train_config_shown()[:5000],
+        **({SCHEMA_TAG: schema} if schema else {}),
     }
+
+
+def user_schema(config: TrainingConfig, spec: TrainFunc, data_dir: Path | None) -> str:
+    """The digest of what the code's ``schema(config)`` says ("" without one); UserCodeError (the user's frames)
+    when it fails or gives no JSON mapping: nothing is registered."""
+    if spec.schema is None:
+        return ""
+    from raytrain_tasks.user_code import user_config, user_frames
+
+    where = f"train_code {config.train_code!r}: schema(config)"
+    try:
+        given = spec.schema(user_config(config, spec, data_dir))
+    except Exception as exc:  # the user's function: named with its frames (test_user_gate's schema test)
+        raise UserCodeError(f"{where} failed, so nothing was registered: {user_frames(exc)}") from exc
+    try:
+        return digest_of_schema(json.loads(json.dumps(dict(given), allow_nan=False, default=_scalar)))
+    except (TypeError, ValueError) as exc:
+        raise UserCodeError(f"{where} returned no mapping of JSON values ({exc}); nothing was registered") from exc
 
 
 def assess_recorded_champion(
@@ -143,6 +173,12 @@ def assess_recorded_champion(
             incomparable=f"its gate metric was {tags.get(GATE_METRIC_TAG)!r} ("
             f"{'higher' if tags.get(GATE_DIRECTION_TAG) == 'true' else 'lower'} is better), this run's is "
             f"{spec.gate.name!r} ({'higher' if spec.gate.higher_is_better else 'lower'} is better)",
+        )
+    if (recorded_schema := tags.get(SCHEMA_TAG, "")) != (schema := user_schema(config, spec, data_dir)):
+        return Champion(
+            version,
+            incomparable=f"its input schema ({recorded_schema or 'none recorded'}) is not this run's "
+            f"({schema or 'none'}; train_code's schema(config)): its inputs or outputs mean something else",
         )
     if candidate_uri is not None:
         from mlflow.exceptions import MlflowException

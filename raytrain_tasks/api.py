@@ -212,6 +212,13 @@ class TrainFunc:
             write the same bytes for the same data (seeded, no timestamps). A resume runs ``prepare`` again and is
             refused if the data changed: a run continues on the data it started with. None: your code reads its
             data where it is (and ``data_dir`` is a key like any other).
+        schema: ``schema(config) -> {key: JSON value}``: what the model's inputs and outputs mean beyond their
+            shapes, e.g. ``{"features": [...names in order], "classes": [...labels in order]}``. Each registered
+            version records its digest (tag ``schema.digest``: SHA-256 of its JSON text, keys in the order given);
+            a champion of another schema, or of none, is not compared with this run's model: it keeps
+            ``champion`` and the reason is recorded, unless ``replace_incomparable_champion`` is on. Called on the
+            driver when the run registers (with ``data_dir``). None: the MLflow signature (types and shapes) alone
+            decides. Needs ``load_model``.
         model_name: ``model_name(config) -> str``: the MLflow registered model a run registers into when it leaves
             the ``model_name`` setting at its default, e.g. one per dataset (``f"{config['dataset']}-classifier"``):
             the gate only compares models of one name, so data whose scores are not comparable needs a name of its
@@ -231,6 +238,7 @@ class TrainFunc:
     settings: type | None = None
     artifacts: Callable[[Any, dict[str, Any], Path], None] | None = None
     model_metadata: ModelMetadata | None = None
+    schema: ModelMetadata | None = None
     model_name: Callable[[dict[str, Any]], str] | None = None
 
     def __post_init__(self) -> None:
@@ -244,13 +252,13 @@ class TrainFunc:
         if (self.load_model is None) != (self.input_example is None):
             raise TypeError("TrainFunc needs load_model and input_example together (both, or neither)")
         check_code_config("TrainFunc", self.defaults, self.settings, self.prepare)
-        for name in ("evaluate", "artifacts", "model_metadata"):
+        for name in ("evaluate", "artifacts", "model_metadata", "schema"):
             if getattr(self, name) is not None and self.load_model is None:
                 raise TypeError(
                     f"TrainFunc({name}=...) works on registered models: it needs load_model and input_example"
                 )
         functions = ("load_model", "input_example", "datasets", "evaluate", "prepare", "artifacts", "model_metadata")
-        for name in (*functions, "model_name"):
+        for name in (*functions, "schema", "model_name"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise TypeError(f"TrainFunc({name}=...) must be a function, got {value!r}")
@@ -324,6 +332,8 @@ class TrainSpec:
             (class labels, ...), as for ``TrainFunc``.
         prepare: ``prepare(config, folder)``, as for ``TrainFunc``: ``data(config)`` then reads the files from
             ``config["data_dir"]``, the same on the driver and every worker, wherever they run.
+        schema: ``schema(config) -> {key: JSON value}``: what the model's inputs and outputs mean (feature names,
+            class labels); a champion of another schema is not compared, as for ``TrainFunc``.
         model_name: ``model_name(config) -> str``: the registered model's name where the run leaves the
             ``model_name`` setting at its default, as for ``TrainFunc``.
     """
@@ -340,6 +350,7 @@ class TrainSpec:
     settings: type | None = None
     artifacts: Callable[[Any, dict[str, Any], Path], None] | None = None
     model_metadata: ModelMetadata | None = None
+    schema: ModelMetadata | None = None
     model_name: Callable[[dict[str, Any]], str] | None = None
 
     def __post_init__(self) -> None:
@@ -353,7 +364,7 @@ class TrainSpec:
             )
         if isinstance(self.metric, Metric) and (problem := spec_metric_problem(self, self.metric)):
             raise TypeError(problem)
-        for name in ("prepare", "artifacts", "model_metadata", "model_name"):
+        for name in ("prepare", "artifacts", "model_metadata", "schema", "model_name"):
             if getattr(self, name) is not None and not callable(getattr(self, name)):
                 raise TypeError(f"TrainSpec({name}=...) must be a function, got {getattr(self, name)!r}")
         check_code_config("TrainSpec", self.defaults, self.settings, self.prepare)

@@ -71,6 +71,7 @@ def as_train_func(spec: TrainSpec, metric: Metric | None = None) -> TrainFunc:
         settings=spec.settings,
         artifacts=spec.artifacts,
         model_metadata=spec.model_metadata,
+        schema=spec.schema,
         model_name=spec.model_name,
     )
 

@@ -234,6 +234,13 @@ def artifacts(model: nn.Module, config: dict[str, Any], folder: Path) -> None:
     (folder / "dataset_summary.json").write_text(json.dumps(dataset_summary(dataset, y_train, y_val), indent=1))
 
 
+def schema(config: dict[str, Any]) -> dict[str, Any]:
+    """What the model's inputs and outputs mean: a champion of other columns or classes is not compared with it
+    (the built-in classifier's versions record the same digest)."""
+    dataset = described(config)
+    return {"features": list(dataset.feature_names), "classes": list(dataset.class_labels)}
+
+
 def model_name(config: dict[str, Any]) -> str:
     """One registered model per table (a model of other columns or classes is not comparable with its champion):
     ``digits-classifier``, ``synthetic-classifier``, or the file's name (``churn-classifier`` for churn.csv)."""
@@ -262,5 +269,6 @@ classifier = TrainSpec(
     settings=Settings,
     artifacts=artifacts,
     model_metadata=model_metadata,
+    schema=schema,
     model_name=model_name,
 )

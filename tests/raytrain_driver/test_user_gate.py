@@ -355,3 +355,32 @@ def test_a_versions_tags_and_description_hold_no_credential_of_the_train_config(
     shown = version_description(config, None, fit, "val_mse") + repr(version_tags(config, spec(), 0.5))
     assert "hunter2secret" not in shown and "tok12345" not in shown, shown
     assert "postgresql://reader:***@db:5432/rows" in shown, shown  # where it points is kept
+
+
+def test_a_champion_of_another_input_schema_is_kept_as_incomparable_not_scored(
+    registry: tuple[MlflowClient, TrainingConfig, str],
+) -> None:
+    """Two models of one signature (a float per row in, one out) whose inputs mean different things: the code's
+    schema(config) names them (a feature renamed); a champion of another schema, or of none recorded, keeps its
+    alias and the reason is recorded, instead of being scored on data it was not made for."""
+    import dataclasses
+
+    client, config, candidate_uri = registry
+
+    def reading(*names: str) -> TrainFunc:
+        return dataclasses.replace(spec(), schema=lambda config: {"features": list(names), "classes": ["y"]})
+
+    name = "gate-schema"
+    client.create_registered_model(name)
+    tags = version_tags(config, reading("x"), 0.001)
+    with tracking.using_tracking_uri(config.mlflow_tracking_uri):
+        version = client.create_model_version(name, candidate_uri, tags=tags, model_id=candidate_uri.split("/")[-1])
+        client.set_registered_model_alias(name, "champion", version.version)
+        same, _ = assess_user_champion(client, name, config, reading("x"), candidate_uri, recorded=0.5)
+        renamed, _ = assess_user_champion(client, name, config, reading("x_cm"), candidate_uri, recorded=0.5)
+        unsaid, _ = assess_user_champion(client, name, config, spec(), candidate_uri, recorded=0.5)
+    assert not same.incomparable and same.score is not None, same  # scored by evaluate on today's data
+    for champion in (renamed, unsaid):
+        assert champion.score is None and "input schema" in str(champion.incomparable), champion
+        assert decide_promotion(0.0, champion, higher_is_better=False).action is Promotion.KEEP_INCOMPARABLE
+    assert "none" in str(unsaid.incomparable)

@@ -61,6 +61,25 @@ def test_the_same_table_prepares_the_same_bytes_and_each_row_lands_in_one_split(
     assert {int(y) for _, y in splits.train} == {0, 1, 2}
 
 
+def test_its_schema_is_the_one_the_built_in_classifiers_versions_record(tmp_path: Path) -> None:
+    """The table's columns and classes, as a digest equal to the built-in classifier's schema.digest for the same
+    table: a champion the built-in registered stays comparable with this code's models, and one of other columns
+    or classes does not."""
+    from raytrain_driver.builtin_register import schema_digest
+    from raytrain_driver.champion import digest_of_schema
+    from raytrain_tasks.table_classifier import classifier, described
+
+    csv = write_table(tmp_path / "customers.csv")
+    (tmp_path / "out").mkdir()
+    prepare(table_config(csv), tmp_path / "out")
+    config = {**table_config(csv), "data_dir": str(tmp_path / "out")}
+    assert classifier.schema is not None
+    given = classifier.schema(config)
+    assert given == {"features": list(FEATURES), "classes": list(PLANS)}
+    assert digest_of_schema(given) == schema_digest(described(config))
+    assert digest_of_schema({**given, "features": [*FEATURES[1:], FEATURES[0]]}) != digest_of_schema(given)
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")
 def test_ray_data_splits_that_fit_are_read_once_and_larger_ones_stream(
