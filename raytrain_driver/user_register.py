@@ -158,6 +158,7 @@ def assess_recorded_champion(
     if isinstance(found, Champion):
         return found
     version, tags = found
+    tags = _as_table_classifier(tags)
     if tags.get(TRAIN_CODE_TAG) != config.train_code:
         return Champion(
             version,
@@ -196,6 +197,26 @@ def assess_recorded_champion(
         return Champion(version, score=float(json.loads(recorded or "null")))
     except (TypeError, ValueError):
         return Champion(version, error=f"{name} version {version} records no {spec.gate.name} score ({recorded!r})")
+
+
+# The built-in classifier as your code: its versions (registered before it was this TrainSpec) record their schema and
+# the gate's metric in other tags, and no train_code.
+TABLE_CLASSIFIER = "raytrain_tasks.table_classifier:classifier"
+_BUILTIN_GATES = {"test_accuracy": "true", "test_loss": "false"}  # its promotion_metric's, and their direction
+
+
+def _as_table_classifier(tags: dict[str, str]) -> dict[str, str]:
+    """A version the built-in classifier registered, tagged as the table classifier's would be: the same model of
+    the same table (its schema digest, the same formula), gated on the same metric. Other tags as they are."""
+    metric = tags.get("promotion.metric", "")
+    if TRAIN_CODE_TAG in tags or SCHEMA_TAG not in tags or metric not in _BUILTIN_GATES:
+        return tags
+    return {
+        **tags,
+        TRAIN_CODE_TAG: TABLE_CLASSIFIER,
+        GATE_METRIC_TAG: metric,
+        GATE_DIRECTION_TAG: _BUILTIN_GATES[metric],
+    }
 
 
 def assess_user_champion(

@@ -384,3 +384,45 @@ def test_a_champion_of_another_input_schema_is_kept_as_incomparable_not_scored(
         assert champion.score is None and "input schema" in str(champion.incomparable), champion
         assert decide_promotion(0.0, champion, higher_is_better=False).action is Promotion.KEEP_INCOMPARABLE
     assert "none" in str(unsaid.incomparable)
+
+
+def test_a_champion_the_built_in_classifier_registered_is_compared_with_the_table_classifiers_model(
+    registry: tuple[MlflowClient, TrainingConfig, str],
+) -> None:
+    """The built-in classifier's versions record no train_code: a champion it registered was incomparable with
+    every model of its own TrainSpec (raytrain_tasks.table_classifier, which registers under the same name), which
+    then stayed `challenger` for ever. Of the same table (schema) and gate metric, it is compared now; of another
+    table or metric, or against other code, it is still kept as incomparable."""
+    import dataclasses
+
+    from raytrain_driver.champion import digest_of_schema
+    from raytrain_driver.user_register import TABLE_CLASSIFIER
+
+    client, config, candidate_uri = registry
+    config = config.model_copy(update={"train_code": TABLE_CLASSIFIER})
+    table = {"features": ["x"], "classes": ["y"]}
+    ours = dataclasses.replace(
+        spec(lambda model, config: {"test_loss": mse_today(model, config)["test_mse"]}),
+        metric=Metric("val_loss", higher_is_better=False),
+        gate_metric="test_loss",
+        schema=lambda config: table,
+    )
+    name = "gate-built-in"
+    client.create_registered_model(name)
+
+    def champion_tagged(**tags: str) -> Any:
+        with tracking.using_tracking_uri(config.mlflow_tracking_uri):
+            version = client.create_model_version(name, candidate_uri, tags=tags, model_id=candidate_uri.split("/")[-1])
+            client.set_registered_model_alias(name, "champion", version.version)
+            return assess_user_champion(client, name, config, ours, candidate_uri, recorded=0.5)[0]
+
+    built_in = {"schema.digest": digest_of_schema(table), "promotion.metric": "test_loss", "test_loss": "0.001"}
+    same = champion_tagged(**built_in)
+    assert not same.incomparable and same.score is not None, same  # scored by evaluate on today's split
+    other_table = champion_tagged(**{**built_in, "schema.digest": digest_of_schema({**table, "features": ["z"]})})
+    other_metric = champion_tagged(**{**built_in, "promotion.metric": "test_accuracy"})
+    assert "input schema" in other_table.incomparable and "gate metric" in other_metric.incomparable
+    config = config.model_copy(update={"train_code": TRAIN_CODE})
+    with tracking.using_tracking_uri(config.mlflow_tracking_uri):
+        against_other_code = assess_user_champion(client, name, config, ours, candidate_uri, recorded=0.5)[0]
+    assert f"trained by {TABLE_CLASSIFIER}" in against_other_code.incomparable, against_other_code
