@@ -13,6 +13,7 @@ import hashlib
 import logging
 import math
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -191,7 +192,10 @@ def quiet_ray_data() -> None:
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False
     context.print_on_execution_start = False
-    logging.getLogger("ray.data").setLevel(logging.WARNING)  # "Progress bars disabled", each execution's plan
+    logging.getLogger("ray.data").setLevel(logging.WARNING)  # each execution's plan
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # "Progress bars disabled": we did
+    # Ray Train's own state export reads a deprecated option of Ray Data (Ray 2.60): nothing the user can change.
+    warnings.filterwarnings("ignore", message=r".*ExecutionOptions\.exclude_resources. is deprecated")
 
 
 def train_loader_of(dataset: Any, batch_size: int, seed: int, rank: int, world: int) -> DataLoader[Any]:
