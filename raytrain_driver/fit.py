@@ -25,6 +25,7 @@ from raytrain_driver.preflight import (
     check_spec_data,
     check_started_without_checkpoint,
     code_params,
+    data_tasks_during_fit,
     resolve_code,
 )
 from raytrain_driver.sizing import FitPlan
@@ -90,7 +91,7 @@ def _distributed_fit(
     try:
         with ray_session(config):
             ray_datasets = check_spec_data(config, spec, dataset)  # a TrainSpec's data() may build Ray Datasets
-            plan = check_cluster(config, dataset, runs, client, run_key, ray_datasets)
+            plan = check_cluster(config, dataset, runs, client, run_key, data_tasks_during_fit(spec))
             experiment_id = tracking.ensure_experiment(
                 client, config.experiment_name, config.mlflow_tracking_uri, config.storage_path
             )

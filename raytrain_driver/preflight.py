@@ -92,6 +92,20 @@ def check_spec_data(config: TrainingConfig, spec: TrainFunc | None, dataset: Run
     return spec.train_func.check_data(code_config)
 
 
+def data_tasks_during_fit(spec: TrainFunc | None) -> bool:
+    """Whether the user's Ray Datasets (found by ``check_spec_data``) run read and transform tasks while the
+    workers train, which need a CPU the workers leave free: a TrainFunc's ``datasets=`` (built later, as they
+    may stream), a TrainSpec's splits unless all are kept in the object store (materialized, as the built-in
+    classifier keeps what fits)."""
+    from raytrain_tasks.spec_loop import SpecTrainFunc
+
+    if spec is None:
+        return False
+    if isinstance(spec.train_func, SpecTrainFunc):
+        return spec.train_func.ray_data and not spec.train_func.kept
+    return spec.datasets is not None
+
+
 def code_params(config: TrainingConfig, spec: TrainFunc | None) -> dict[str, Any] | None:
     """What the user's code gets of its own settings (logged as ``train_config.<key>``); None for the built-in."""
     from raytrain_tasks.code_settings import code_values

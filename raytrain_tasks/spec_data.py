@@ -37,6 +37,13 @@ def is_ray_dataset(dataset: Any) -> bool:
     return any(klass.__module__.startswith("ray.data") for klass in type(dataset).__mro__)
 
 
+def is_materialized(dataset: Any) -> bool:
+    """A Ray Dataset kept in the object store (``materialize()``): iterating it runs no read or transform task."""
+    from ray.data.dataset import MaterializedDataset
+
+    return isinstance(dataset, MaterializedDataset)
+
+
 def uses_ray_data(splits: Splits) -> bool:
     """Whether the splits are Ray Datasets; UserCodeError for a mixture (one kind for all three)."""
     kinds = {name: is_ray_dataset(getattr(splits, name)) for name in SPLIT_NAMES if getattr(splits, name) is not None}

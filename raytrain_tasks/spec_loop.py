@@ -38,6 +38,7 @@ from raytrain_tasks.spec_data import (
     data_digest,
     driver_batches,
     epoch_figures,
+    is_materialized,
     is_ray_dataset,
     quiet_ray_data,
     ray_held_out_batches,
@@ -83,6 +84,7 @@ class SpecTrainFunc:
         self.spec = spec
         self._run = _spec_loop(spec)
         self.ray_data = False  # what check_data found
+        self.kept = False  # ... and whether the splits are all kept in the object store (materialized)
         self._checked: tuple[dict[str, Any], Splits] | None = None  # its splits, for trainer_data
         self.ray_splits: RaySplits | None = None  # set by trainer_data on the driver, by run_train_func on workers
 
@@ -104,6 +106,7 @@ class SpecTrainFunc:
         if self.ray_data:
             check_ray_splits(splits)
             self._checked = (config, splits)
+            self.kept = all(is_materialized(getattr(splits, name)) for name in ("train", "val", "test"))
         return self.ray_data
 
     def trainer_data(self, config: dict[str, Any], world_size: int = 0) -> dict[str, Any]:

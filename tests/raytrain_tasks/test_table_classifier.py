@@ -98,9 +98,18 @@ def test_ray_data_splits_that_fit_are_read_once_and_larger_ones_stream(
     kept = data(config)
     assert all(isinstance(split, MaterializedDataset) for split in (kept.train, kept.val, kept.test)), kept
     assert sum(split.count() for split in (kept.train, kept.val, kept.test)) == 900
+    # Kept splits run no Ray Data task while the workers train: no CPU is set aside for them (two workers of 1 CPU
+    # on 2 CPUs, as the built-in's ray_data loader gets; a whole CPU was set aside, each worker had 0.5)
+    from raytrain_driver.preflight import data_tasks_during_fit
+    from raytrain_tasks.spec_loop import as_train_func
+    from raytrain_tasks.table_classifier import classifier
+
+    code = as_train_func(classifier)
+    assert code.train_func.check_data(config) and not data_tasks_during_fit(code)  # type: ignore[attr-defined]
     monkeypatch.setattr("raytrain_tasks.data.MATERIALIZE_SHARE", 0.0)  # as if the object store were too small
     streamed = data(config)
     assert not any(isinstance(split, MaterializedDataset) for split in (streamed.train, streamed.val, streamed.test))
+    assert code.train_func.check_data(config) and data_tasks_during_fit(code)  # type: ignore[attr-defined]
 
 
 def test_the_same_table_by_another_path_is_the_same_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
