@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -31,19 +31,6 @@ class EpochView:
     shown: tuple[str, ...] = ()
     expects: tuple[str, ...] = ()
     left_off: tuple[str, ...] = ()  # where ``shown`` is empty: names (or their starts) not listed, as ``headline``
-
-
-# What a TrainSpec's loop reports besides its losses and metrics (raytrain_tasks.spec_data.epoch_figures), and its
-# test-split scores (the gate's; they pick nothing): in MLflow, but left off its epoch lines and summaries.
-SPEC_LOOP_EXTRAS = ("test_", "epoch_seconds", "samples_per_second", "workers")
-
-
-def headline(names: Iterable[str], left_off: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """The metrics an epoch's line and a run's summary show: ``names`` but those ``left_off`` names or starts;
-    the training figures first, then ``val_loss``, the other validation metrics, and the rest, each group by name."""
-    kept = {name for name in names if not name.startswith(left_off)} if left_off else set(names)
-    order = ("train_", "val_loss", "val_")
-    return tuple(sorted(kept, key=lambda name: (next((i for i, s in enumerate(order) if name.startswith(s)), 3), name)))
 
 
 # progress(client, run_id, epochs, logger, view): a context manager that shows the fit's epochs as they are

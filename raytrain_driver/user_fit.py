@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from raytrain_driver.evaluation import scores_as_metrics
 from raytrain_driver.fit_record import FitResult, OpenRun, ResumePoint, checkpoint_uri, refuse_foreign_checkpoints
-from raytrain_driver.hooks import SPEC_LOOP_EXTRAS, headline, run_logger
+from raytrain_driver.hooks import run_logger
 from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import CheckpointError, UserCodeError
@@ -28,7 +28,7 @@ from raytrain_tasks.tracking.controller import (
     pinned_digests,
     report_step,
 )
-from raytrain_tasks.tracking.outcome import log_checkpoint_models, log_summary
+from raytrain_tasks.tracking.outcome import SPEC_LOOP_EXTRAS, headline, log_checkpoint_models, log_summary
 
 if TYPE_CHECKING:
     import ray.train

@@ -11,7 +11,6 @@ import logging
 import math
 import os
 import random
-import sys
 import time
 from typing import Any
 
@@ -38,6 +37,7 @@ from raytrain_tasks.ingest import TrainBatches, validation_slice
 from raytrain_tasks.models import build_model
 from raytrain_tasks.resume import CheckpointPins, checkpoint_dir_name, existing_checkpoint_names, load_newest_intact
 from raytrain_tasks.tracking.controller import MANIFEST_METRIC, epoch_number
+from raytrain_tasks.worker_log import configure_worker_logging
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def _restore(spec: WorkerSpec, net: Any, rank: int) -> tuple[int, list[dict[str,
 def train_loop_per_worker(train_loop_config: dict[str, Any]) -> None:
     spec = WorkerSpec.model_validate(train_loop_config)
     config, dataset = spec.config, spec.dataset
-    _configure_logging()
+    configure_worker_logging()
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     device = ray.train.torch.get_device()
@@ -227,24 +227,6 @@ def _report(
         metrics["samples_per_second"],
         time.perf_counter() - started,
     )
-
-
-def _configure_logging() -> None:
-    # Ray forwards worker stdout to the driver; Ray Train's own logging config does not cover our logger.
-    package_logger = logging.getLogger("raytrain_tasks")
-    package_logger.setLevel(logging.INFO)
-    if not package_logger.handlers:
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        package_logger.addHandler(handler)
-        package_logger.propagate = False
-    # Ray Train logs every report as a raw dict dump (its logger is named after the file) and every persisted
-    # checkpoint; our one line per epoch says the same, readably.
-    from ray.train.v2._internal.execution import context as train_context
-    from ray.train.v2._internal.execution import storage as train_storage
-
-    for name in (train_context.__file__, train_storage.__name__):
-        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def _seed_everything(seed: int) -> None:

@@ -8,8 +8,9 @@ import threading
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from raytrain_driver.hooks import EpochView, headline
+from raytrain_driver.hooks import EpochView
 from raytrain_tasks.redact import redact, redact_uri
+from raytrain_tasks.tracking.outcome import headline
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient

@@ -134,3 +134,16 @@ def _run_models(client: MlflowClient, experiment_id: str, run_id: str) -> list[A
         token = page.token
         if not token:
             return found
+
+
+# What a TrainSpec's loop reports besides its losses and metrics (raytrain_tasks.spec_data.epoch_figures), and its
+# test-split scores (the gate's; they pick nothing): in MLflow, but left off its epoch lines and summaries.
+SPEC_LOOP_EXTRAS = ("test_", "epoch_seconds", "samples_per_second", "workers")
+
+
+def headline(names: Iterable[str], left_off: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The metrics an epoch's line and a run's summary show: ``names`` but those ``left_off`` names or starts;
+    the training figures first, then ``val_loss``, the other validation metrics, and the rest, each group by name."""
+    kept = {name for name in names if not name.startswith(left_off)} if left_off else set(names)
+    order = ("train_", "val_loss", "val_")
+    return tuple(sorted(kept, key=lambda name: (next((i for i, s in enumerate(order) if name.startswith(s)), 3), name)))

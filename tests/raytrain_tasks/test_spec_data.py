@@ -27,3 +27,16 @@ def test_the_train_order_follows_the_runs_seed_on_one_worker_and_on_several() ->
     shares = _order(1, 0, 2) + _order(1, 1, 2)
     assert sorted(shares) == list(range(40))
     assert _order(1, 0, 2, epoch=1) != _order(1, 0, 2, epoch=0)  # reshuffled each epoch, as set_epoch asks
+
+
+def test_a_train_specs_workers_say_each_epoch_in_one_line() -> None:
+    """A Ray Job's log is its only progress (no run page on the cluster), and --verbose shows the workers' output:
+    rank 0 of a TrainSpec's loop says each committed epoch there, as the built-in classifier's loop does (it said
+    nothing). Numbered from 1, the losses and validation figures, not the test split's."""
+    from raytrain_tasks.spec_loop import epoch_line
+    from raytrain_tasks.tracking.controller import DATASET_DIGEST_KEY
+
+    reported = {"epoch": 1, "train_loss": 0.2782, "val_loss": 0.18, "val_mae": 0.3, "test_mae": 0.4, "test_loss": 0.5}
+    figures = {"epoch_seconds": 0.0947, "samples_per_second": 13537.5, "workers": 2.0, DATASET_DIGEST_KEY: "ab12"}
+    line = epoch_line(1, 3, {**reported, **figures})
+    assert line == "epoch 2/3 train_loss=0.2782 val_loss=0.1800 val_mae=0.3000 (0.09 s, 13538 samples/s)"
