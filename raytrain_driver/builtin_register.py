@@ -16,6 +16,8 @@ import numpy as np
 
 from raytrain_driver.champion import (
     SCHEMA_TAG,
+    TABLE_CLASSIFIER,
+    TRAIN_CODE_TAG,
     check_model_layout,
     digest_of_schema,
     download_model,
@@ -80,6 +82,11 @@ def assess_champion(
     if isinstance(found, Champion):
         return found
     version, tags = found
+    if tags.get(TRAIN_CODE_TAG, TABLE_CLASSIFIER) != TABLE_CLASSIFIER:  # another's model: its inputs are its own
+        return Champion(
+            version,
+            incomparable=f"it was trained by train_code {tags[TRAIN_CODE_TAG]!r}, this run by the built-in classifier",
+        )
     recorded = tags.get(SCHEMA_TAG)
     if recorded is None:
         return Champion(version, incomparable="it records no input schema (registered by an older release)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from raytrain_driver.champion import SCHEMA_TAG
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.prepared import RunData, is_builtin_dataset
 from raytrain_tasks.storage.locations import StorageLocation
@@ -13,8 +14,11 @@ from raytrain_tasks.tracking import runs as tracking
 
 if TYPE_CHECKING:
     from raytrain_driver.fit_record import FitResult
+    from raytrain_tasks.api import TrainFunc
 
 ENTRY_POINT = "flows/training.py:training_pipeline"  # as deployments/prefect.yaml names it
+# On a model version: the run key that registered it, so a resumed registration finds it and makes no second one.
+VERSION_RUN_KEY_TAG = "run_key"
 
 
 def trained_what(config: TrainingConfig) -> str:
@@ -110,3 +114,24 @@ def _description(config: TrainingConfig, dataset: RunData | None, fit: FitResult
         "Input: raw float32 features in feature_names order (the model standardises them with the train "
         "statistics in the run's preprocessing.json); output: logits over class_labels."
     )
+
+
+def version_tags(
+    config: TrainingConfig, dataset: RunData | None, fit: FitResult, spec: TrainFunc | None, schema: str
+) -> dict[str, str]:
+    """A new version's tags: its scores, run key, lineage and what makes it comparable (``schema``: the digest of
+    your code's ``schema(config)``, raytrain_driver.user_register.user_schema; the built-in's is its table's)."""
+    from raytrain_driver import builtin_register, user_register
+
+    lineage = (
+        {SCHEMA_TAG: builtin_register.schema_digest(dataset), "dataset_hash": dataset.content_hash}
+        if is_builtin_dataset(dataset)
+        else user_register.version_tags(config, spec, fit.scores[spec.gate.name] if spec is not None else 0.0, schema)
+        | ({"dataset_hash": dataset.content_hash} if dataset is not None else {})
+    )
+    return {  # the scores first: a metric of your code named like one of the pipeline's tags never replaces it
+        **{key: f"{value:.6f}" for key, value in sorted(fit.scores.items())},
+        VERSION_RUN_KEY_TAG: fit.run_key,
+        **lineage,
+        "best_epoch": str(fit.best_epoch),
+    }

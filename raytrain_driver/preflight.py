@@ -66,7 +66,7 @@ def code_model_name(config: TrainingConfig) -> str:
     where = f"train_code {config.train_code!r}: its model_name(config)"
     try:
         name = spec.model_name(user_config(config, spec))
-    except Exception as exc:  # the user's function: its own error, with its frames (test_code_model_name)
+    except Exception as exc:  # the user's function: its own error, with its frames (test_code_settings)
         raise UserCodeError(f"{where} failed: {user_frames(exc)}") from exc
     if not isinstance(name, str) or not re.fullmatch(MODEL_NAME_PATTERN, name) or len(name) > MODEL_NAME_MAX:
         raise UserCodeError(

@@ -94,7 +94,8 @@ def fit_as_ray_job(
     mlflow = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
     spec = resolve_code(config)  # fails here, naming train_code, before anything is submitted
     with ray_session(config):
-        # The job's own pre-flight on the cluster runs the code's data check (check_spec_data) where its data is.
+        # The job's own pre-flight on the cluster runs the code's data check (check_spec_data) where its data is,
+        # and sizes for a TrainSpec's lazy Ray Dataset splits (data_tasks_during_fit), which this one cannot see.
         check_cluster(config, dataset, runs, mlflow, run_key, spec is not None and spec.datasets is not None)
     client = connect(config)
     submission_id = _attach_or_submit(client, config, dataset, run_key, run_dir, origin, logger)

@@ -18,11 +18,10 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict
 
 from raytrain_driver import builtin_register, user_register
-from raytrain_driver.champion import SCHEMA_TAG
 from raytrain_driver.evaluation import EVALUATION_ARTIFACT_DIR, scores_as_metrics
 from raytrain_driver.fit_record import FitResult
 from raytrain_driver.hooks import run_logger, stopped_by
-from raytrain_driver.origin import version_description
+from raytrain_driver.origin import VERSION_RUN_KEY_TAG, version_description, version_tags
 from raytrain_driver.promotion import (
     CHALLENGER,
     CHAMPION,
@@ -34,8 +33,14 @@ from raytrain_driver.promotion import (
     decide_promotion,
 )
 from raytrain_driver.registry_lock import LockHandle, model_lock
-from raytrain_driver.user_register import assess_user_champion, registering, user_artifacts, user_metadata, user_model
-from raytrain_driver.user_register import version_tags as user_version_tags
+from raytrain_driver.user_register import (
+    assess_user_champion,
+    registering,
+    user_artifacts,
+    user_metadata,
+    user_model,
+    user_schema,
+)
 from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig, check_run_key
 from raytrain_tasks.errors import PromotionError, TrackingError
@@ -51,8 +56,6 @@ if TYPE_CHECKING:
 
     from mlflow import MlflowClient
 
-# On a model version: the run key that registered it, so a resumed registration finds it and makes no second one.
-VERSION_RUN_KEY_TAG = "run_key"
 APPLIED_TAG = "promotion.applied"
 LOGGED_MODEL_NAME = "model"
 
@@ -106,6 +109,7 @@ def _register_model(
     metric, higher_is_better = gate.name, gate.higher_is_better
     candidate_score = fit.scores[metric]
     data_dir = data_dir_of(dataset, config.storage_options)  # once, before the registry lock is taken
+    schema = user_schema(config, spec, data_dir) if spec is not None else ""  # the code's, once: before it too
     with registering(config, fit):
         model_uri = _logged_model_uri(fit) or _log_model(client, config, dataset, fit, spec, data_dir)
         _link_logged_model(client, fit, model_uri.removeprefix("models:/"))
@@ -118,14 +122,16 @@ def _register_model(
                     config.model_name,
                     model_uri,
                     fit,
-                    tags=_version_tags(config, dataset, fit, spec, data_dir) | origin_tags,
+                    tags=version_tags(config, dataset, fit, spec, schema) | origin_tags,
                     description=version_description(config, dataset, fit, selection.name),
                 )
             else:
                 logger.info("run %s already registered %s version %s", fit.run_key, config.model_name, version)
             ref = _decided(client, config, version, candidate_score, metric, lock)
             if ref is None:
-                champion, candidate_score = _current_champion(client, config, dataset, spec, model_uri, fit, data_dir)
+                champion, candidate_score = _current_champion(
+                    client, config, dataset, spec, model_uri, fit, data_dir, schema
+                )
                 decision = decide_promotion(
                     candidate_score,
                     champion,
@@ -161,6 +167,7 @@ def _current_champion(
     model_uri: str,
     fit: FitResult,
     data_dir: Path | None,
+    schema: str,
 ) -> tuple[Champion, float]:
     """(the champion, the candidate's score) as the gate compares them, assessed the way its kind of code allows
     (fail closed: a champion that cannot be assessed comes back with an error, and nothing moves)."""
@@ -168,7 +175,7 @@ def _current_champion(
     if not config.promote:
         return Champion.absent(), recorded
     if spec is not None:
-        return assess_user_champion(client, config.model_name, config, spec, model_uri, recorded, data_dir)
+        return assess_user_champion(client, config.model_name, config, spec, model_uri, recorded, data_dir, schema)
     assert is_builtin_dataset(dataset), "the built-in classifier trains on its prepared table"
     return builtin_register.assess_champion_on_test_split(client, config, dataset), recorded
 
@@ -381,20 +388,3 @@ def _link_logged_model(client: MlflowClient, fit: FitResult, model_id: str) -> N
     if fit.best_checkpoint_model_id:
         tags["prefect_raytrain.checkpoint_model_id"] = fit.best_checkpoint_model_id
     client.set_logged_model_tags(model_id, tags)
-
-
-def _version_tags(
-    config: TrainingConfig, dataset: RunData | None, fit: FitResult, spec: TrainFunc | None, data_dir: Path | None
-) -> dict[str, str]:
-    lineage = (
-        {SCHEMA_TAG: builtin_register.schema_digest(dataset), "dataset_hash": dataset.content_hash}
-        if is_builtin_dataset(dataset)
-        else user_version_tags(config, spec, fit.scores[spec.gate.name] if spec is not None else 0.0, data_dir)
-        | ({"dataset_hash": dataset.content_hash} if dataset is not None else {})
-    )
-    return {  # the scores first: a metric of your code named like one of the pipeline's tags never replaces it
-        **{key: f"{value:.6f}" for key, value in sorted(fit.scores.items())},
-        VERSION_RUN_KEY_TAG: fit.run_key,
-        **lineage,
-        "best_epoch": str(fit.best_epoch),
-    }

@@ -249,12 +249,14 @@ def logged_history(client: Any, run_id: str, spec: TrainFunc) -> list[dict[str, 
 def log_user_summary(
     logger: logging.Logger | logging.LoggerAdapter[Any], spec: TrainFunc, step: int, best: dict
 ) -> None:
+    """The best checkpoint's figures, as its epoch line shows them, then its held-out test scores."""
+    shown = [*headline(best, left_off(spec)), *sorted(key for key in best if key.startswith("test_"))]
     logger.info(
         "best checkpoint: step %d by %s (%s is better): %s",
         step,
         spec.selection.name,
         "higher" if spec.selection.higher_is_better else "lower",
-        ", ".join(f"{k}={v:.4f}" for k, v in sorted(best.items())),
+        ", ".join(f"{k}={best[k]:.4f}" for k in dict.fromkeys(shown)),
     )
 
 
@@ -316,10 +318,10 @@ def record_user_fit(
             if k.startswith(("val_", "test_")) or k in (spec.selection.name, spec.gate.name)
         },
         best_checkpoint_model_id=model_ids.get(checkpoint_name(checkpoint.path)),
-        shown_metrics=headline(keys, left_off(spec)) if left_off(spec) else (),
+        shown_metrics=headline(keys, left_off(spec)),
     )
-    firsts = [spec.selection.name, spec.gate.name, "train_loss", "val_loss"]
-    columns = [key for key in dict.fromkeys([*firsts, *keys]) if key in keys][:5]
+    firsts = [spec.selection.name, spec.gate.name, *fit.shown_metrics]  # a TrainSpec's: no timing figure
+    columns = [key for key in dict.fromkeys(firsts) if key in keys][:5]
     if not log_summary(client, run_id, history, spec.selection.name, step, keys, columns):
         client.set_tag(run_id, "summary.best_epoch", str(step))  # a pick the history lacks: its score alone
         client.set_tag(run_id, f"summary.best_{spec.selection.name}", f"{best[spec.selection.name]:.6f}")

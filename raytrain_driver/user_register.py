@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from raytrain_driver.champion import (
     SCHEMA_TAG,
+    TABLE_CLASSIFIER,
+    TRAIN_CODE_TAG,
     check_model_layout,
     digest_of_schema,
     download_model,
@@ -38,7 +40,6 @@ if TYPE_CHECKING:
 
     from raytrain_driver.fit_record import FitResult
 
-TRAIN_CODE_TAG = "train_code"
 GATE_METRIC_TAG = "gate.metric"
 GATE_DIRECTION_TAG = "gate.higher_is_better"
 GATE_SCORE_TAG = "gate.score"
@@ -107,14 +108,11 @@ def _check_example_accepted(config: TrainingConfig, fit: FitResult, model: Any, 
 EXPORT_LOCK = threading.Lock()
 
 
-def version_tags(
-    config: TrainingConfig, spec: TrainFunc | None, score: float, data_dir: Path | None = None
-) -> dict[str, str]:
+def version_tags(config: TrainingConfig, spec: TrainFunc | None, score: float, schema: str = "") -> dict[str, str]:
     """What makes a version's recorded score comparable: the code that trained it, its gate metric and the
-    code's ``schema``; the score in full (``repr``), so that a tie with it is a tie, not a gain in the seventh
-    decimal."""
+    digest of the code's ``schema`` (``user_schema``); the score in full (``repr``), so that a tie with it is a
+    tie, not a gain in the seventh decimal."""
     assert spec is not None, "the built-in classifier's versions record their input schema instead"
-    schema = user_schema(config, spec, data_dir)
     return {
         GATE_SCORE_TAG: repr(float(score)),
         TRAIN_CODE_TAG: config.train_code,
@@ -135,12 +133,14 @@ def user_schema(config: TrainingConfig, spec: TrainFunc, data_dir: Path | None) 
     where = f"train_code {config.train_code!r}: schema(config)"
     try:
         given = spec.schema(user_config(config, spec, data_dir))
-    except Exception as exc:  # the user's function: named with its frames (test_user_gate's schema test)
+    except Exception as exc:  # the user's function: named with its frames (test_user_gate's schema refusals)
         raise UserCodeError(f"{where} failed, so nothing was registered: {user_frames(exc)}") from exc
+    if not isinstance(given, Mapping) or not all(isinstance(key, str) for key in given):
+        raise UserCodeError(f"{where} returned {type(given).__name__}, not a dict with str keys; nothing registered")
     try:
         return digest_of_schema(json.loads(json.dumps(dict(given), allow_nan=False, default=_scalar)))
-    except (TypeError, ValueError) as exc:
-        raise UserCodeError(f"{where} returned no mapping of JSON values ({exc}); nothing was registered") from exc
+    except (TypeError, ValueError, RuntimeError) as exc:  # RuntimeError: .item() of a tensor of several values
+        raise UserCodeError(f"{where} returned a value that is not JSON ({exc}); nothing was registered") from exc
 
 
 def assess_recorded_champion(
@@ -150,15 +150,18 @@ def assess_recorded_champion(
     spec: TrainFunc,
     data_dir: Path | None = None,
     candidate_uri: str | None = None,
+    schema: str | None = None,
 ) -> Champion:
     """The champion's score as recorded when it was registered; incomparable unless the same training code
-    registered it on the same metric, and (given the candidate's ``candidate_uri``) with the same MLflow signature.
-    Only a missing alias means there is none; a registry error leaves it open."""
+    registered it on the same metric and schema (``schema``: this run's digest, ``user_schema``; None: taken
+    here), and (given the candidate's ``candidate_uri``) with the same MLflow signature. Only a missing alias
+    means there is none; a registry error leaves it open."""
     found = read_champion(client, name)
     if isinstance(found, Champion):
         return found
     version, tags = found
-    tags = _as_table_classifier(tags)
+    if config.train_code == TABLE_CLASSIFIER:
+        tags = _as_table_classifier(tags)
     if tags.get(TRAIN_CODE_TAG) != config.train_code:
         return Champion(
             version,
@@ -175,7 +178,8 @@ def assess_recorded_champion(
             f"{'higher' if tags.get(GATE_DIRECTION_TAG) == 'true' else 'lower'} is better), this run's is "
             f"{spec.gate.name!r} ({'higher' if spec.gate.higher_is_better else 'lower'} is better)",
         )
-    if (recorded_schema := tags.get(SCHEMA_TAG, "")) != (schema := user_schema(config, spec, data_dir)):
+    schema = user_schema(config, spec, data_dir) if schema is None else schema
+    if (recorded_schema := tags.get(SCHEMA_TAG, "")) != schema:
         return Champion(
             version,
             incomparable=f"its input schema ({recorded_schema or 'none recorded'}) is not this run's "
@@ -199,9 +203,8 @@ def assess_recorded_champion(
         return Champion(version, error=f"{name} version {version} records no {spec.gate.name} score ({recorded!r})")
 
 
-# The built-in classifier as your code: its versions (registered before it was this TrainSpec) record their schema and
-# the gate's metric in other tags, and no train_code.
-TABLE_CLASSIFIER = "raytrain_tasks.table_classifier:classifier"
+# The built-in classifier's versions (registered before it was the table classifier's TrainSpec) record their schema
+# and the gate's metric in other tags, and no train_code.
 _BUILTIN_GATES = {"test_accuracy": "true", "test_loss": "false"}  # its promotion_metric's, and their direction
 
 
@@ -227,10 +230,11 @@ def assess_user_champion(
     candidate_uri: str,
     recorded: float,
     data_dir: Path | None = None,
+    schema: str | None = None,
 ) -> tuple[Champion, float]:
     """(the champion, the candidate's score) as the gate compares them: both scored by the code's ``evaluate`` on
     this run's data when it has one and the champion is comparable; else the scores recorded at training time."""
-    champion = assess_recorded_champion(client, name, config, spec, data_dir, candidate_uri)
+    champion = assess_recorded_champion(client, name, config, spec, data_dir, candidate_uri, schema)
     if spec.evaluate is None or champion.score is None:
         return champion, recorded
     try:

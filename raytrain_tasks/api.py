@@ -214,16 +214,18 @@ class TrainFunc:
             data where it is (and ``data_dir`` is a key like any other).
         schema: ``schema(config) -> {key: JSON value}``: what the model's inputs and outputs mean beyond their
             shapes, e.g. ``{"features": [...names in order], "classes": [...labels in order]}``. Each registered
-            version records its digest (tag ``schema.digest``: SHA-256 of its JSON text, keys in the order given);
-            a champion of another schema, or of none, is not compared with this run's model: it keeps
-            ``champion`` and the reason is recorded, unless ``replace_incomparable_champion`` is on. Called on the
-            driver when the run registers (with ``data_dir``). None: the MLflow signature (types and shapes) alone
+            version records its digest (tag ``schema.digest``: the first 16 hex digits of the SHA-256 of
+            ``json.dumps(schema)``, keys in the order given); a champion of another schema, or of none, is not
+            compared with this run's model: it keeps ``champion`` and the reason is recorded, unless
+            ``replace_incomparable_champion`` is on. Called once on the driver when the run registers (with
+            ``data_dir``), before anything is registered. None: the MLflow signature (types and shapes) alone
             decides. Needs ``load_model``.
         model_name: ``model_name(config) -> str``: the MLflow registered model a run registers into when it leaves
-            the ``model_name`` setting at its default, e.g. one per dataset (``f"{config['dataset']}-classifier"``):
-            the gate only compares models of one name, so data whose scores are not comparable needs a name of its
-            own. Called once where the run starts (not with ``data_dir``); letters, digits, space, ``.``, ``_``,
-            ``-``. None: the module of ``train_code`` (``my_project.train``).
+            the ``model_name`` setting at its default, e.g. one per region (``f"sales-{config['region']}"``): the
+            gate only compares models of one name, so data whose scores are not comparable needs a name of its
+            own. Called where the run starts, and again by a resume: the same config must give the same name.
+            Not with ``data_dir``; letters, digits, space, ``.``, ``_``, ``-``. None: the module of ``train_code``
+            (``my_project.train``).
     """
 
     train_func: Callable[[dict[str, Any]], None]

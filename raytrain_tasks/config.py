@@ -143,9 +143,9 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
 
     def train_config_shown(self) -> str:
         """``train_config_text`` with credentials masked: its MLflow param, version tag and description."""
-        from raytrain_tasks.redact import masked_param
+        from raytrain_tasks.redact import masked_strings
 
-        return str(masked_param(self.train_config_text()))
+        return json.dumps(masked_strings(self.train_config), sort_keys=True, separators=(",", ":"))
 
     @field_validator("dataset")
     @classmethod
@@ -174,12 +174,12 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
                 "launch_mode='ray_job' runs the fit on a cluster reached by address: set `ray_address` to the "
                 "cluster's GCS address (e.g. 10.0.0.5:6379; not empty, not ray://), or set `launch_mode` to 'driver'"
             )
-        from raytrain_tasks.redact import redact_uri, strings_in
+        from raytrain_tasks.redact import masked_param, strings_in
 
         settings = self.model_dump(exclude={"train_config"}).items()
         own = ((f"train_config.{key}", text) for key, value in self.train_config.items() for text in strings_in(value))
         for name, value in (*settings, *own):
-            if isinstance(value, str) and "://" in value and redact_uri(value) != value:
+            if isinstance(value, str) and masked_param(value) != value:  # a password, a token, a secret's value
                 raise ValueError(
                     f"launch_mode='ray_job': `{name}` carries credentials, and a Ray Job's entrypoint (which holds "
                     "the settings) is shown on the cluster's dashboard; give the nodes their own credentials "

@@ -151,6 +151,18 @@ def strings_in(value: Any) -> Iterator[str]:
             yield from strings_in(item)
 
 
+def masked_strings(value: Any) -> Any:
+    """A JSON value with each string in it masked as ``masked_param`` masks one (a password may hold quotes,
+    spaces or '@', which a pass over the value's JSON text would misread)."""
+    if isinstance(value, str):
+        return masked_param(value)
+    if isinstance(value, dict):
+        return {key: masked_strings(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [masked_strings(item) for item in value]
+    return value
+
+
 def masked_param(value: Any, max_chars: int | None = None) -> Any:
     """``value`` as an MLflow param: numbers and booleans as they are, anything else as text (JSON for what is
     not a string; ``str`` for what JSON cannot write, a Path or a dtype), with credentials masked (a URI may carry

@@ -16,9 +16,10 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from raytrain_driver.promotion import Promotion, decide_promotion
-from raytrain_driver.user_register import assess_user_champion, version_tags
+from raytrain_driver.user_register import assess_user_champion, user_schema, version_tags
 from raytrain_tasks.api import Metric, Splits, TrainFunc, TrainSpec
 from raytrain_tasks.config import TrainingConfig
+from raytrain_tasks.errors import UserCodeError
 from raytrain_tasks.spec_loop import as_train_func
 from raytrain_tasks.tracking import runs as tracking
 
@@ -346,15 +347,18 @@ def test_a_versions_tags_and_description_hold_no_credential_of_the_train_config(
     from raytrain_driver.origin import version_description
     from tests.helpers import small_config
 
-    config = small_config(
-        tmp_path,
-        train_code=TRAIN_CODE,
-        train_config={"source": "postgresql://reader:hunter2secret@db:5432/rows", "url": "https://h/x?token=tok12345"},
-    )
+    sources = {
+        "source": "postgresql://reader:hunter2secret@db:5432/rows",
+        "url": "https://h/x?token=tok12345",
+        "odd": 'postgresql://reader:hun"ter 2@sec@db/x',  # a quote, a space and an '@' in the password
+    }
+    config = small_config(tmp_path, train_code=TRAIN_CODE, train_config=sources)
     fit = finished_fit(tmp_path, tmp_path, {"val_mse": 0.5})
     shown = version_description(config, None, fit, "val_mse") + repr(version_tags(config, spec(), 0.5))
-    assert "hunter2secret" not in shown and "tok12345" not in shown, shown
+    for secret in ("hunter2secret", "tok12345", "ter 2", "sec@"):
+        assert secret not in shown, (secret, shown)
     assert "postgresql://reader:***@db:5432/rows" in shown, shown  # where it points is kept
+    assert config.public_params()["train_config"] in shown  # the same masking as the run's params
 
 
 def test_a_champion_of_another_input_schema_is_kept_as_incomparable_not_scored(
@@ -372,7 +376,7 @@ def test_a_champion_of_another_input_schema_is_kept_as_incomparable_not_scored(
 
     name = "gate-schema"
     client.create_registered_model(name)
-    tags = version_tags(config, reading("x"), 0.001)
+    tags = version_tags(config, reading("x"), 0.001, user_schema(config, reading("x"), None))
     with tracking.using_tracking_uri(config.mlflow_tracking_uri):
         version = client.create_model_version(name, candidate_uri, tags=tags, model_id=candidate_uri.split("/")[-1])
         client.set_registered_model_alias(name, "champion", version.version)
@@ -425,4 +429,30 @@ def test_a_champion_the_built_in_classifier_registered_is_compared_with_the_tabl
     config = config.model_copy(update={"train_code": TRAIN_CODE})
     with tracking.using_tracking_uri(config.mlflow_tracking_uri):
         against_other_code = assess_user_champion(client, name, config, ours, candidate_uri, recorded=0.5)[0]
-    assert f"trained by {TABLE_CLASSIFIER}" in against_other_code.incomparable, against_other_code
+    assert "trained by the built-in classifier" in against_other_code.incomparable, against_other_code
+    # And the built-in's gate does not score other code's champion, whatever schema it records
+    from raytrain_driver.builtin_register import assess_champion
+
+    client.set_model_version_tag(name, "3", "train_code", TRAIN_CODE)  # the champion (the last one tagged above)
+    with tracking.using_tracking_uri(config.mlflow_tracking_uri):
+        found = assess_champion(client, name, built_in["schema.digest"], np.zeros((2, 1)), np.zeros(2), "test_loss")
+    assert f"trained by train_code {TRAIN_CODE!r}" in found.incomparable, found
+
+
+@pytest.mark.parametrize(
+    ("schema", "says"),
+    [
+        (lambda config: config["nope"], r"schema\(config\) failed, so nothing was registered: KeyError: 'nope'"),
+        (lambda config: [("features", ["x"])], r"schema\(config\) returned list, not a dict with str keys"),
+        (lambda config: {"mean": torch.zeros(3)}, r"schema\(config\) returned a value that is not JSON"),
+    ],
+    ids=["raises", "a list", "a tensor of several values"],
+)
+def test_a_schema_function_that_gives_no_json_mapping_is_refused_before_anything_is_registered(
+    schema: Any, says: str
+) -> None:
+    import dataclasses
+
+    config = TrainingConfig(train_code=TRAIN_CODE)
+    with pytest.raises(UserCodeError, match=rf"train_code '{TRAIN_CODE}': {says}"):
+        user_schema(config, dataclasses.replace(spec(), schema=schema), None)

@@ -131,6 +131,8 @@ def test_cli_rejects_bad_value_with_exit_2_and_field_named(capsys: pytest.Captur
             {"ray_address": "head:6379", "train_config": {"sources": [{"db": "postgresql://u:secret@db/x"}]}},
             "train_config.sources",
         ),
+        ({"ray_address": "head:6379", "train_config": {"dsn": "reader:secret@db:5432/x"}}, "train_config.dsn"),
+        ({"ray_address": "head:6379", "train_config": {"rows": "bucket/x.csv?token=secret99"}}, "train_config.rows"),
     ],
 )
 def test_ray_job_mode_refuses_what_it_cannot_run_or_would_expose(settings: dict[str, object], named: str) -> None:
