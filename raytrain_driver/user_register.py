@@ -128,19 +128,7 @@ def user_schema(config: TrainingConfig, spec: TrainFunc, data_dir: Path | None) 
     when it fails or gives no JSON mapping: nothing is registered."""
     if spec.schema is None:
         return ""
-    from raytrain_tasks.user_code import user_config, user_frames
-
-    where = f"train_code {config.train_code!r}: schema(config)"
-    try:
-        given = spec.schema(user_config(config, spec, data_dir))
-    except Exception as exc:  # the user's function: named with its frames (test_user_gate's schema refusals)
-        raise UserCodeError(f"{where} failed, so nothing was registered: {user_frames(exc)}") from exc
-    if not isinstance(given, Mapping) or not all(isinstance(key, str) for key in given):
-        raise UserCodeError(f"{where} returned {type(given).__name__}, not a dict with str keys; nothing registered")
-    try:
-        return digest_of_schema(json.loads(json.dumps(dict(given), allow_nan=False, default=_scalar)))
-    except (TypeError, ValueError, RuntimeError) as exc:  # RuntimeError: .item() of a tensor of several values
-        raise UserCodeError(f"{where} returned a value that is not JSON ({exc}); nothing was registered") from exc
+    return digest_of_schema(_code_mapping(config, spec, data_dir, "schema", spec.schema))
 
 
 def assess_recorded_champion(
@@ -332,20 +320,31 @@ def user_metadata(config: TrainingConfig, spec: TrainFunc, data_dir: Path | None
     registered, and ``resume`` registers once the code is fixed."""
     if spec.model_metadata is None:
         return {}
+    given = _code_mapping(config, spec, data_dir, "model_metadata", spec.model_metadata)
+    if taken := sorted(set(given) & set(PIPELINE_METADATA)):
+        raise UserCodeError(
+            f"train_code {config.train_code!r}: model_metadata(config) may not set {taken}: the pipeline sets them; "
+            "name yours otherwise"
+        )
+    return given
+
+
+def _code_mapping(config: TrainingConfig, spec: TrainFunc, data_dir: Path | None, name: str, function: Any) -> dict:
+    """What one of the code's ``name(config)`` functions returns, as plain JSON types (MLflow writes metadata with
+    yaml.safe_dump, which refuses numpy scalars and enums); UserCodeError (the user's frames) when it fails or
+    returns anything else: nothing is registered, and ``resume`` registers once the code is fixed."""
     from raytrain_tasks.user_code import user_config, user_frames
 
-    where = f"train_code {config.train_code!r}: model_metadata(config)"
+    where = f"train_code {config.train_code!r}: {name}(config)"
     try:
-        given = spec.model_metadata(user_config(config, spec, data_dir))
-    except Exception as exc:  # the user's function: named with its frames (test_user_gate's metadata test)
+        given = function(user_config(config, spec, data_dir))
+    except Exception as exc:  # the user's function: named with its frames (test_user_gate's metadata and schema)
         raise UserCodeError(f"{where} failed, so nothing was registered: {user_frames(exc)}") from exc
     if not isinstance(given, Mapping) or not all(isinstance(key, str) for key in given):
         raise UserCodeError(f"{where} returned {type(given).__name__}, not a dict with str keys; nothing registered")
-    if taken := sorted(set(given) & set(PIPELINE_METADATA)):
-        raise UserCodeError(f"{where} may not set {taken}: the pipeline sets them; name yours otherwise")
-    try:  # as plain JSON types: MLflow writes them with yaml.safe_dump, which refuses numpy scalars and enums
+    try:
         return dict(json.loads(json.dumps(dict(given), allow_nan=False, default=_scalar)))
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RuntimeError) as exc:  # RuntimeError: .item() of a tensor of several values
         raise UserCodeError(f"{where} returned a value that is not JSON ({exc}); nothing was registered") from exc
 
 
