@@ -119,7 +119,8 @@ def decide_promotion(
             return PromotionDecision(Promotion.REPLACE_INCOMPARABLE, reason, candidate_score, score)
         reason = (
             f"champion version {champion.version} is not comparable and keeps its alias: {champion.incomparable}; "
-            "set `replace_incomparable_champion` to replace it on purpose"
+            "a new run with `replace_incomparable_champion` on (--replace-incomparable-champion) replaces it on "
+            "purpose, unscored"
         )
         return PromotionDecision(Promotion.KEEP_INCOMPARABLE, reason, candidate_score, score)
     if score is None:

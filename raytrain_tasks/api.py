@@ -218,14 +218,15 @@ class TrainFunc:
             ``json.dumps(schema)``, keys in the order given); a champion of another schema, or of none, is not
             compared with this run's model: it keeps ``champion`` and the reason is recorded, unless
             ``replace_incomparable_champion`` is on. Called once on the driver when the run registers (with
-            ``data_dir``), before anything is registered. None: the MLflow signature (types and shapes) alone
-            decides. Needs ``load_model``.
+            ``data_dir``), before anything is registered. None: no schema is recorded, and the MLflow signature
+            (types and shapes) decides, unless the champion recorded one (then it is incomparable). Needs
+            ``load_model``.
         model_name: ``model_name(config) -> str``: the MLflow registered model a run registers into when it leaves
             the ``model_name`` setting at its default, e.g. one per region (``f"sales-{config['region']}"``): the
             gate only compares models of one name, so data whose scores are not comparable needs a name of its
-            own. Called where the run starts, and again by a resume: the same config must give the same name.
-            Not with ``data_dir``; letters, digits, space, ``.``, ``_``, ``-``. None: the module of ``train_code``
-            (``my_project.train``).
+            own. Called where the run starts (``config["data_dir"]`` is None then), and again by a crash
+            continuation: the same config must give the same name. 1-200 letters, digits, spaces, ``.``, ``_``,
+            ``-``, starting with a letter or digit. None: the module of ``train_code`` (``my_project.train``).
     """
 
     train_func: Callable[[dict[str, Any]], None]

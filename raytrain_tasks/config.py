@@ -97,9 +97,9 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
         title="Replace incomparable champion",
         description=(
             "A champion that cannot be compared with this run's model (another input schema: feature names or order, "
-            "class labels; or, for your code, another gate metric or direction, or another MLflow signature: inputs or "
-            "outputs of another type or shape) keeps 'champion' while this is off, and the reason is recorded. On: "
-            "the new version replaces it."
+            "class labels; another train_code; or, for your code, another gate metric or direction, or another MLflow "
+            "signature: inputs or outputs of another type or shape) keeps 'champion' while this is off, and the "
+            "reason is recorded. On: the new version replaces it, unscored."
         ),
     )
 
