@@ -197,6 +197,24 @@ def test_champion_moves_only_for_a_better_model(first_run: PipelineResult, clien
     assert str(client.get_model_version_by_alias(name, "previous_champion").version) == first_version
 
 
+def test_the_table_classifiers_model_is_judged_against_the_built_in_champion(
+    first_run: PipelineResult, client: MlflowClient, workdir: Path
+) -> None:
+    """The table classifier (the built-in's model and data as a TrainSpec of the public API) registers into the
+    same model as the built-in: the built-in's champion, which records no train_code, was incomparable with it,
+    and every one of its models stayed `challenger`. Of the same table it is compared: scored on this run's test
+    split by the spec's own evaluate."""
+    name = first_run.config.model_name
+    champion = client.get_model_version_by_alias(name, "champion")
+    assert "train_code" not in champion.tags  # the built-in's
+    result = training_pipeline(**parameters_of(small_config(workdir, epochs=1, train_code=TABLE_CLASSIFIER)))
+    assert result.model is not None and result.model.name == name, result.model
+    tags = client.get_model_version(name, result.model.version).tags
+    assert tags["promotion.decision"] in ("promote", "keep_champion"), tags
+    assert tags["promotion.champion_version"] == str(champion.version), tags
+    assert float(tags["promotion.champion_score"]) > 0.8, tags  # the built-in champion's test_accuracy, scored
+
+
 def test_run_page_shows_progress_per_epoch_and_a_summary(first_run: PipelineResult, client: MlflowClient) -> None:
     from uuid import UUID
 
