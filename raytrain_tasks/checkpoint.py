@@ -23,7 +23,7 @@ import shutil
 import stat
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -184,6 +184,17 @@ def staging_folder(run_key: str | None) -> Iterator[Path]:
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def this_runs_staging_folder() -> AbstractContextManager[Path]:
+    """``staging_folder`` of the Ray Train run this worker trains in, named after its run key (raytrain_driver.fit);
+    a run of another name (a TorchTrainer of one's own) gets a fresh temporary folder."""
+    import ray.train
+
+    from raytrain_tasks.config import RUN_KEY_PATTERN
+
+    run_name = ray.train.get_context().get_experiment_name()
+    return staging_folder(run_name if RUN_KEY_PATTERN.fullmatch(run_name) else None)
 
 
 def _staging_root() -> Path | None:

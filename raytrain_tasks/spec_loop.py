@@ -29,8 +29,7 @@ from torch.utils.data import DistributedSampler
 
 from raytrain_tasks import spec_data
 from raytrain_tasks.api import Metric, Splits, TrainFunc, TrainSpec
-from raytrain_tasks.checkpoint import staging_folder
-from raytrain_tasks.config import RUN_KEY_PATTERN
+from raytrain_tasks.checkpoint import this_runs_staging_folder
 from raytrain_tasks.errors import DataRefusedError, DatasetError, UserCodeError, user_frames
 from raytrain_tasks.resume import checkpoint_dir_name
 from raytrain_tasks.spec_data import (
@@ -335,10 +334,8 @@ def _report(
         ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=folder_name)
         return
     # Written where the run's next checkpoint on this node removes what a killed attempt left (a worker killed
-    # while it writes or uploads cannot remove its folder): the Ray Train run is named after the run key
-    # (raytrain_driver.fit); another name (a TorchTrainer of one's own) gets a fresh temporary folder.
-    run_name = ray.train.get_context().get_experiment_name()
-    with staging_folder(run_name if RUN_KEY_PATTERN.fullmatch(run_name) else None) as folder:
+    # while it writes or uploads cannot remove its folder).
+    with this_runs_staging_folder() as folder:
         state = {
             "model": {k: v.detach().cpu() for k, v in getattr(model, "module", model).state_dict().items()},
             "optimizer": optimizer.state_dict(),

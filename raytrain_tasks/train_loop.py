@@ -29,9 +29,9 @@ from raytrain_tasks.checkpoint import (
     manifest_digest,
     restore_rng_state,
     save_checkpoint,
-    staging_folder,
+    this_runs_staging_folder,
 )
-from raytrain_tasks.config import RUN_KEY_PATTERN, TrainingConfig
+from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.ingest import TrainBatches, validation_slice
 from raytrain_tasks.models import build_model
@@ -199,10 +199,7 @@ def _report(
         spec=model_spec(config, dataset),
         history=history,
     )
-    # The Ray Train run is named after the run key (raytrain_driver.fit); another name (a TorchTrainer of one's
-    # own) gets a fresh temporary folder.
-    run_name = ray.train.get_context().get_experiment_name()
-    with staging_folder(run_name if RUN_KEY_PATTERN.fullmatch(run_name) else None) as tmp:
+    with this_runs_staging_folder() as tmp:
         save_checkpoint(
             tmp,
             state=state,
