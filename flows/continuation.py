@@ -63,14 +63,15 @@ def prepare_recovery(run_key: str) -> None:
             f"heartbeats every {every} s; set PREFECT_FLOWS_HEARTBEAT_FREQUENCY={HEARTBEAT_SECONDS} in the "
             "deployment's job variables (deployments/prefect.yaml does), or remove the tag"
         )
-    ensure_zombie_automation(str(flow_run.get_flow_name()))
-    _heartbeat_now(run, str(flow_run.get_flow_name()), tags)
+    flow_name = str(flow_run.get_flow_name())
+    ensure_zombie_automation(flow_name)
+    _heartbeat_now(run, flow_name, tags)
 
 
 def _heartbeat_now(run: Any, flow_name: str, tags: list[str]) -> None:
     """One heartbeat event now, as Prefect's engine sends them (prefect.flow_engine._emit_flow_run_heartbeat).
-    The engine's first beat came before the watch existed or took this run's window (creating or changing the
-    automation starts it afresh), and its next one comes 30 s later: a run lost in between was never found."""
+    The engine's first beat may have come before the watch existed, and its next one comes 30 s later: a run lost
+    in between was never found."""
     from prefect import __version__
     from prefect.events.related import RelatedResource, tags_as_related_resources
     from prefect.events.utilities import emit_event
@@ -247,6 +248,7 @@ HEARTBEAT_SECONDS = 30  # PREFECT_FLOWS_HEARTBEAT_FREQUENCY of those runs; Prefe
 SILENCE_SECONDS = 4 * HEARTBEAT_SECONDS  # four missed beats: the process is gone, not slow
 SILENCE_ENV = "PREFECT_RAYTRAIN_ZOMBIE_SILENCE_SECONDS"  # another window, for the server's whole watch
 MIN_SILENCE_SECONDS = 2 * HEARTBEAT_SECONDS  # one late beat never looks like a lost process
+WATCH_LOAD_SECONDS = 8  # the server's triggers service loads a new or changed watch within this (reconcile: 5 s)
 ZOMBIE_AUTOMATION = "prefect-raytrain: a training run that stopped sending heartbeats is Crashed"
 
 
@@ -324,24 +326,64 @@ def zombie_automation(flow_name: str, silence: int = SILENCE_SECONDS) -> Any:
     )
 
 
-def ensure_zombie_automation(flow_name: str) -> None:
+def ensure_zombie_automation(flow_name: str) -> bool:
     """Create the zombie automation on the current Prefect server unless it is there; one copy, however many
     processes ensure it at the same time (each keeps the one with the lowest id and deletes the rest). A copy
     with another window than this process's ``silence_seconds()`` is brought to it: the window is the server's
-    whole watch, set where its runs and ``serve`` start (``PREFECT_RAYTRAIN_ZOMBIE_SILENCE_SECONDS``)."""
+    whole watch, set where its runs and ``serve`` start (``PREFECT_RAYTRAIN_ZOMBIE_SILENCE_SECONDS``). True when
+    this call created the watch or changed its window."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import PrefectHTTPStatusError
 
     wanted = zombie_automation(flow_name, silence_seconds())
     with get_client(sync_client=True) as client:
+        changed = False
         if not client.read_automations_by_name(ZOMBIE_AUTOMATION):
             client.create_automation(wanted)
+            changed = True
         found = sorted(client.read_automations_by_name(ZOMBIE_AUTOMATION), key=lambda automation: str(automation.id))
         if found and getattr(found[0].trigger, "within", None) != wanted.trigger.within:
+            # Prefect gives the trigger a new id on every update and keys each watched run's open window (its
+            # "bucket") by trigger id: the update forgets every run watched so far (re-armed below).
             client.update_automation(found[0].id, wanted)
+            changed = True
         for duplicate in found[1:]:
             try:
                 client.delete_automation(duplicate.id)
             except PrefectHTTPStatusError as exc:
                 if exc.response.status_code != 404:  # 404: another process deleted it first
                     raise
+    if changed:
+        _rearm_watched_runs(flow_name)
+    return changed
+
+
+def _rearm_watched_runs(flow_name: str) -> None:
+    """A new or changed watch knows no run yet: a run whose process is lost before its engine's next beat (30 s)
+    would stay Running for ever. Once the server's triggers service has loaded the watch (at once, or at its next
+    reconcile, every 5 s), one beat for each watched run still Running opens its window afresh. A run already gone
+    is found one window later than it would have been; none is lost."""
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowFilter,
+        FlowFilterName,
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+        FlowRunFilterTags,
+    )
+    from prefect.client.schemas.objects import StateType
+
+    time.sleep(WATCH_LOAD_SECONDS)
+    running = FlowRunFilter(
+        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING])),
+        tags=FlowRunFilterTags(all_=[HEARTBEAT_TAG]),
+    )
+    with get_client(sync_client=True) as client:
+        watched = client.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=[flow_name])), flow_run_filter=running
+        )
+    for run in watched:
+        _heartbeat_now(run, flow_name, list(run.tags or []))

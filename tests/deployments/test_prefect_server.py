@@ -358,7 +358,8 @@ def test_a_run_that_lost_its_worker_too_is_found_and_continued(prefect_server: P
     still = _api(prefect_server, lambda c: c.read_flow_run(flow_run.id))
     assert still.state_type.value == "RUNNING"  # nobody noticed: a zombie
     crashed = _wait_for_final_state(prefect_server, flow_run.id, timeout=300)
-    assert crashed.state_type.value == "CRASHED", crashed.state
+    server_log = (prefect_server.checkout.parent / "server.log").read_text(errors="replace")
+    assert crashed.state_type.value == "CRASHED", (crashed.state, server_log[-6000:])
     assert "no heartbeat for 60 s" in str(crashed.state.message), crashed.state
     with _worker(prefect_server) as (_, worker_log):
         finished = _wait_for_final_state(prefect_server, _continuation_of(prefect_server, crashed).id)

@@ -7,6 +7,7 @@ end-to-end kill and continuation against `prefect server` and a process worker i
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -18,6 +19,7 @@ from prefect.client.schemas.objects import StateType
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 from prefect.states import Completed, Crashed, Failed, Running
 
+from flows import continuation
 from flows.continuation import (
     HEARTBEAT_SECONDS,
     HEARTBEAT_TAG,
@@ -134,6 +136,45 @@ def test_the_watch_window_is_a_setting_of_at_least_two_heartbeats(monkeypatch: p
     ensure_zombie_automation("training-pipeline")  # back to the default: the watch follows
     (watch,) = _watches()
     assert watch.trigger.model_dump(mode="json")["within"] == SILENCE_SECONDS
+
+
+@flow(name="zombie-check")
+def lost_run() -> None:
+    """Only its flow record is used: a run of it is created Running, and then nothing of it beats any more."""
+
+
+@pytest.fixture(autouse=True)
+def _the_watch_loads_at_once(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new or changed watch waits WATCH_LOAD_SECONDS for the server to load it before it re-arms the watched
+    runs; only the slow test below depends on that wait, the others skip it."""
+    if request.node.get_closest_marker("slow") is None:
+        monkeypatch.setattr(continuation, "WATCH_LOAD_SECONDS", 0)
+
+
+@pytest.mark.slow  # about 35 s of waiting on the server's watch
+def test_a_run_lost_just_after_the_watch_window_changed_is_still_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Changing the watch's window (a run or `serve` started with another PREFECT_RAYTRAIN_ZOMBIE_SILENCE_SECONDS)
+    must not forget the runs it already watches: a run whose last heartbeat came before the change (its machine
+    lost moments later, so no other beat follows) is still set Crashed. Windows of seconds here, through the
+    watch's own window function (the setting's floor is 60 s, Prefect's 10 s); the server's triggers service
+    does the rest."""
+    monkeypatch.setattr(continuation, "silence_seconds", lambda: 14)
+    ensure_zombie_automation("zombie-check")
+    with get_client(sync_client=True) as client:
+        lost = client.create_flow_run(lost_run, tags=[HEARTBEAT_TAG], state=Running())
+    continuation._heartbeat_now(lost, "zombie-check", [HEARTBEAT_TAG])  # its last beat
+    monkeypatch.setattr(continuation, "silence_seconds", lambda: 10)
+    ensure_zombie_automation("zombie-check")  # the window changes; no beat of the run follows
+    deadline = time.monotonic() + 45
+    while (state := _state(lost.id)).type != StateType.CRASHED:
+        assert time.monotonic() < deadline, f"the lost run is still {state.type.value} 45 s after the change"
+        time.sleep(1)
+    assert "no heartbeat for 10 s" in str(state.message)
+
+
+def _state(flow_run_id: UUID) -> Any:
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(flow_run_id).state
 
 
 @flow(name="heartbeat-check")
