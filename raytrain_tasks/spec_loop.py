@@ -29,7 +29,7 @@ from torch.utils.data import DistributedSampler
 
 from raytrain_tasks import spec_data
 from raytrain_tasks.api import Metric, Splits, TrainFunc, TrainSpec
-from raytrain_tasks.checkpoint import this_runs_staging_folder
+from raytrain_tasks.checkpoint import capture_rng_state, restore_rng_state, this_runs_staging_folder
 from raytrain_tasks.errors import DataRefusedError, DatasetError, UserCodeError, user_frames
 from raytrain_tasks.resume import checkpoint_dir_name
 from raytrain_tasks.spec_data import (
@@ -339,7 +339,7 @@ def _report(
         state = {
             "model": {k: v.detach().cpu() for k, v in getattr(model, "module", model).state_dict().items()},
             "optimizer": optimizer.state_dict(),
-            "rng": torch.get_rng_state(),
+            "rng": capture_rng_state(),  # torch, numpy and Python's: user code draws from any of them
             "epoch": epoch,
             "data_sha256": digest,
         }
@@ -349,7 +349,8 @@ def _report(
 
 
 def _resume(model: Any, optimizer: Any, digest: str) -> int:
-    """The epoch to start from: 0, or the one after the last committed checkpoint (model, optimizer, RNG restored)."""
+    """The epoch to start from: 0, or the one after the last committed checkpoint (model, optimizer, RNG restored:
+    rank 0's, on every rank, as every rank was seeded alike and draws alike)."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return 0
@@ -363,7 +364,10 @@ def _resume(model: Any, optimizer: Any, digest: str) -> int:
         )
     getattr(model, "module", model).load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng"])
+    if isinstance(state["rng"], torch.Tensor):  # a checkpoint of an earlier release: torch's state alone
+        torch.set_rng_state(state["rng"])
+    else:
+        restore_rng_state(state["rng"])
     return int(state["epoch"]) + 1
 
 
