@@ -183,12 +183,14 @@ def _train_code_problem(config: TrainingConfig) -> str:
     if not config.train_code:
         return ""
     from raytrain_driver.preflight import code_model_name, resolve_code
-    from raytrain_tasks.errors import UserCodeError
+    from raytrain_tasks.builtin_aliases import with_builtin_settings_carried
+    from raytrain_tasks.errors import SettingsError, UserCodeError
 
     try:
+        config = with_builtin_settings_carried(config)
         resolve_code(config)
         code_model_name(config)
-    except UserCodeError as exc:
+    except (SettingsError, UserCodeError) as exc:
         return str(exc)
     return ""
 

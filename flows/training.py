@@ -17,6 +17,7 @@ from flows.run_settings import check_deployment_pins
 from flows.stop_signals import send_again_a_stop_that_a_finalizer_swallowed
 from raytrain_driver.fit_record import FitResult
 from raytrain_driver.preflight import code_model_name
+from raytrain_tasks.builtin_aliases import with_builtin_settings_carried
 from raytrain_tasks.config import (
     TrainingConfig,
     config_from_parameters,
@@ -80,6 +81,7 @@ def _pipeline(config: TrainingConfig) -> PipelineResult:
             "flow-run parameters as given. Put credentials in MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD "
             "(or MLFLOW_TRACKING_TOKEN) in the worker's environment instead"
         )
+    config = with_builtin_settings_carried(config)  # the table classifier takes the built-in's settings
     if ignored := ignored_with_train_code(config):
         get_run_logger().warning(
             "%s set for the built-in classifier, which train_code %r replaces: they do nothing for your code (its "

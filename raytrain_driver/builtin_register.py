@@ -16,7 +16,6 @@ import numpy as np
 
 from raytrain_driver.champion import (
     SCHEMA_TAG,
-    TABLE_CLASSIFIER,
     TRAIN_CODE_TAG,
     check_model_layout,
     digest_of_schema,
@@ -27,6 +26,7 @@ from raytrain_driver.champion import (
 from raytrain_driver.evaluation import load_checkpoint_model, score
 from raytrain_driver.fit_record import FitResult
 from raytrain_driver.promotion import CHAMPION, Champion
+from raytrain_tasks.builtin_aliases import TABLE_CLASSIFIER
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import DatasetRef, read_split
 from raytrain_tasks.models import with_standardisation

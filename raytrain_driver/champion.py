@@ -24,8 +24,6 @@ from raytrain_driver.promotion import CHAMPION, Champion
 # A registered version's input schema (what its inputs and outputs mean): a champion of another one is not compared.
 SCHEMA_TAG = "schema.digest"
 TRAIN_CODE_TAG = "train_code"  # the code that trained a version (none: the built-in classifier)
-# The built-in classifier as your code: a champion of either is compared with the other's models (same schema).
-TABLE_CLASSIFIER = "raytrain_tasks.table_classifier:classifier"
 
 
 def digest_of_schema(schema: Mapping[str, Any]) -> str:

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 from raytrain_driver.champion import (
     SCHEMA_TAG,
-    TABLE_CLASSIFIER,
     TRAIN_CODE_TAG,
     check_model_layout,
     digest_of_schema,
@@ -30,6 +29,7 @@ from raytrain_driver.champion import (
 )
 from raytrain_driver.promotion import Champion
 from raytrain_tasks.api import PIPELINE_METADATA, TrainFunc
+from raytrain_tasks.builtin_aliases import TABLE_CLASSIFIER
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import UnsafeCheckpointError, UserCodeError
 from raytrain_tasks.storage.locations import download_dir, locate

@@ -211,15 +211,15 @@ def test_a_table_it_cannot_read_or_splits_that_leave_nothing_to_train_are_refuse
 def test_a_csv_table_trains_registers_and_its_model_takes_raw_rows(tmp_path: Path) -> None:
     """The spec trains a CSV table through the flow; the registered champion names its features and classes in
     its metadata, has the validation confusion matrix beside it, and predicts the raw rows of the file (its
-    standardisation inside) as well as the run scored it on the test split."""
+    standardisation inside) as well as the run scored it on the test split. The table is named with the built-in
+    classifier's flags (--dataset, --label-column...): they reach the classifier as its train_config."""
     import mlflow
     import pandas as pd
 
     csv = write_table(tmp_path / "customers.csv")
+    # Said as the built-in classifier's users say it (its flags), not in train_config: the run carries them there.
     settings = {"dataset": str(csv), "label_column": "plan", "split_key_column": "customer_id", "hidden_sizes": [32]}
-    config = small_config(
-        tmp_path, train_code=CLASSIFIER, train_config=json.dumps(settings), epochs=4, register=True, batch_size=64
-    )
+    config = small_config(tmp_path, train_code=CLASSIFIER, epochs=4, register=True, batch_size=64, **settings)
     # model_name left at its default: the code names the model after its table, as the built-in classifier does
     config = config.model_copy(update={"model_name": TrainingConfig.model_fields["model_name"].default})
     result = training_pipeline(**parameters_of(config))
@@ -230,6 +230,8 @@ def test_a_csv_table_trains_registers_and_its_model_takes_raw_rows(tmp_path: Pat
     run = only_run(tmp_path)
     assert run.info.status == "FINISHED"
     assert run.data.params["train_config.label_column"] == "plan"
+    assert json.loads(run.data.params["train_config"]) == settings  # one value, in one place
+    assert run.data.params.get("label_column") is None  # not also a built-in setting
     client = mlflow_client(tmp_path)
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val_accuracy")] == [1, 2, 3, 4]
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "evaluation")}

@@ -1,0 +1,86 @@
+"""The built-in classifier's settings reach the table classifier (a TrainSpec) as its train_config."""
+
+from __future__ import annotations
+
+import pytest
+
+from flows.cli import _train_code_problem
+from raytrain_tasks.builtin_aliases import TABLE_CLASSIFIER, with_builtin_settings_carried
+from raytrain_tasks.config import BUILTIN_CLASSIFIER_ONLY, TrainingConfig, ignored_with_train_code
+from raytrain_tasks.errors import SettingsError
+from raytrain_tasks.table_classifier import Settings
+
+BUILT_IN_FLAGS = {
+    "dataset": "customers.csv",
+    "label_column": "plan",
+    "split_key_column": "customer_id",
+    "val_fraction": 0.25,
+    "test_fraction": 0.15,
+    "hidden_sizes": [32, 16],
+    "data_loader": "ray_data",
+    "input_example": "validation_rows",
+    "promotion_metric": "val_loss",
+    "model": "mlp",
+}
+
+
+def test_the_built_in_flags_become_the_classifiers_train_config_under_its_names() -> None:
+    """`--dataset customers.csv --promotion-metric val_loss ...` with the table classifier: each setting is in
+    train_config under the classifier's name (promotion_metric val_loss -> metric loss: it picks on val_, the
+    gate compares test_), the classifier's settings accept them, and nothing is left set twice or ignored."""
+    config = TrainingConfig(train_code=TABLE_CLASSIFIER, train_config='{"synthetic_samples": 500}', **BUILT_IN_FLAGS)
+    carried = with_builtin_settings_carried(config)
+    expected = {key: value for key, value in BUILT_IN_FLAGS.items() if key not in ("model", "promotion_metric")}
+    assert carried.train_config == {**expected, "metric": "loss", "synthetic_samples": 500}
+    Settings(**carried.train_config)  # the classifier's own validation takes them as they are
+    for name in BUILTIN_CLASSIFIER_ONLY:  # one value in one place: the built-in's are back at their defaults
+        assert getattr(carried, name) == TrainingConfig.model_fields[name].get_default(call_default_factory=True)
+    assert ignored_with_train_code(carried) == []  # so no warning that they do nothing
+    assert with_builtin_settings_carried(carried) == carried  # a resume, which reads the carried config, agrees
+
+
+def test_only_the_table_classifier_takes_them() -> None:
+    """Your own code brings its own data and gate: the built-in's settings stay where they are (and the run warns
+    that they do nothing); the built-in classifier keeps them."""
+    for train_code in ("my_model.train:training", ""):
+        config = TrainingConfig(train_code=train_code, dataset="customers.csv", promotion_metric="val_loss")
+        assert with_builtin_settings_carried(config) is config
+
+
+def test_an_s3_table_is_read_through_the_runs_own_s3_settings() -> None:
+    """The built-in classifier reads an s3:// table through s3_endpoint_url / s3_region: so does the classifier,
+    and the run keeps them for its storage."""
+    config = TrainingConfig(
+        train_code=TABLE_CLASSIFIER,
+        dataset="s3://tables/customers.csv",
+        s3_endpoint_url="http://127.0.0.1:8333",
+        s3_region="eu-west-1",
+    )
+    carried = with_builtin_settings_carried(config)
+    assert carried.train_config == {
+        "dataset": "s3://tables/customers.csv",
+        "s3_endpoint_url": "http://127.0.0.1:8333",
+        "s3_region": "eu-west-1",
+    }
+    assert (carried.s3_endpoint_url, carried.s3_region) == ("http://127.0.0.1:8333", "eu-west-1")
+    local = TrainingConfig(train_code=TABLE_CLASSIFIER, dataset="customers.csv", s3_endpoint_url="http://x:1")
+    assert "s3_endpoint_url" not in with_builtin_settings_carried(local).train_config
+
+
+def test_one_setting_given_two_values_is_refused_naming_both_and_quoting_neither() -> None:
+    """--label-column plan with train_config {"label_column": "tier"}: which was meant cannot be told. The same
+    value twice is no conflict."""
+    same = TrainingConfig(train_code=TABLE_CLASSIFIER, label_column="plan", train_config='{"label_column": "plan"}')
+    assert with_builtin_settings_carried(same).train_config == {"label_column": "plan"}
+    clash = TrainingConfig(
+        train_code=TABLE_CLASSIFIER,
+        promotion_metric="val_loss",
+        dataset="s3://tables/t.csv",
+        train_config='{"metric": "accuracy", "dataset": "s3://tables/secret-t0ken.csv"}',
+    )
+    with pytest.raises(SettingsError) as refused:
+        with_builtin_settings_carried(clash)
+    message = str(refused.value)
+    assert "promotion_metric and train_config.metric" in message and "dataset and train_config.dataset" in message
+    assert "secret-t0ken" not in message and "val_loss" not in message
+    assert "promotion_metric and train_config.metric" in _train_code_problem(clash)  # before Prefect and Ray start
