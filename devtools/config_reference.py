@@ -103,7 +103,10 @@ def render() -> str:
         if name in RESUME_MAY_CHANGE:
             meaning += " A resume may give it another value (it steers the run, not what it trains)."
         if name in BUILTIN_CLASSIFIER_ONLY:
-            meaning += " The built-in classifier's alone: with `train_code` it does nothing (a run warns)."
+            meaning += (
+                " The built-in classifier's alone: with `train_code` it does nothing (a run warns), except for"
+                " the table classifier, whose train_config takes it."
+            )
         kind += f" ({bounds})" if bounds else ""
         rows.append(f"| `{name}` (`{flag}`) | {kind} | {_default(field.default)} | {meaning} |")
     return HEAD + "\n".join(rows) + "\n"

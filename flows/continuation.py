@@ -248,6 +248,7 @@ HEARTBEAT_SECONDS = 30  # PREFECT_FLOWS_HEARTBEAT_FREQUENCY of those runs; Prefe
 SILENCE_SECONDS = 4 * HEARTBEAT_SECONDS  # four missed beats: the process is gone, not slow
 SILENCE_ENV = "PREFECT_RAYTRAIN_ZOMBIE_SILENCE_SECONDS"  # another window, for the server's whole watch
 MIN_SILENCE_SECONDS = 2 * HEARTBEAT_SECONDS  # one late beat never looks like a lost process
+REARM_PAGE = 200  # watched runs read per request when a watch is re-armed (the server's default limit)
 WATCH_LOAD_SECONDS = 8  # the server's triggers service loads a new or changed watch within this (reconcile: 5 s)
 ZOMBIE_AUTOMATION = "prefect-raytrain: a training run that stopped sending heartbeats is Crashed"
 
@@ -361,8 +362,9 @@ def ensure_zombie_automation(flow_name: str) -> bool:
 def _rearm_watched_runs(flow_name: str) -> None:
     """A new or changed watch knows no run yet: a run whose process is lost before its engine's next beat (30 s)
     would stay Running for ever. Once the server's triggers service has loaded the watch (at once, or at its next
-    reconcile, every 5 s), one beat for each watched run still Running opens its window afresh. A run already gone
-    is found one window later than it would have been; none is lost."""
+    reconcile, every 5 s), one beat for each watched run still Running (or Cancelling) opens its window afresh. A
+    run already gone is found one window later than it would have been; none is lost. (Sent from inside a run,
+    Prefect relates each beat to that run too; the watch keys on the beat's own run.)"""
     import time
 
     from prefect.client.orchestration import get_client
@@ -377,13 +379,16 @@ def _rearm_watched_runs(flow_name: str) -> None:
     from prefect.client.schemas.objects import StateType
 
     time.sleep(WATCH_LOAD_SECONDS)
-    running = FlowRunFilter(
-        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING])),
+    beating = FlowRunFilter(  # a Cancelling run still beats, and is watched, until it ends
+        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING, StateType.CANCELLING])),
         tags=FlowRunFilterTags(all_=[HEARTBEAT_TAG]),
     )
+    of_the_flow = FlowFilter(name=FlowFilterName(any_=[flow_name]))
     with get_client(sync_client=True) as client:
-        watched = client.read_flow_runs(
-            flow_filter=FlowFilter(name=FlowFilterName(any_=[flow_name])), flow_run_filter=running
-        )
-    for run in watched:
-        _heartbeat_now(run, flow_name, list(run.tags or []))
+        offset = 0
+        while page := client.read_flow_runs(
+            flow_filter=of_the_flow, flow_run_filter=beating, offset=offset, limit=REARM_PAGE
+        ):
+            for run in page:
+                _heartbeat_now(run, flow_name, list(run.tags or []))
+            offset += len(page)

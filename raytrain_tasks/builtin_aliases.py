@@ -11,17 +11,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import ValidationError
+
 from raytrain_tasks.config import BUILTIN_CLASSIFIER_ONLY, TrainingConfig
 from raytrain_tasks.errors import SettingsError
-from raytrain_tasks.storage.filesystem import is_s3
 
 TABLE_CLASSIFIER = "raytrain_tasks.table_classifier:classifier"
 
 # Built-in setting -> the table classifier's train_config key, where the names differ. `model` has no key: 'mlp',
-# its one value, is the table classifier's model.
+# its one value, is the table classifier's model. s3_endpoint_url / s3_region are the run's own (its storage's), not
+# carried: the classifier reads an s3:// table through its train_config's, else the environment's (AWS_ENDPOINT_URL).
 _RENAMED = {"promotion_metric": "metric"}
 _NO_KEY = frozenset({"model"})
-_S3_SETTINGS = ("s3_endpoint_url", "s3_region")  # the run's own S3 settings, also where an s3:// table is read
 
 
 def _default(name: str) -> Any:
@@ -46,11 +47,6 @@ def with_builtin_settings_carried(config: TrainingConfig) -> TrainingConfig:
         if name in _NO_KEY or value == _default(name):
             continue
         carried[_RENAMED.get(name, name)] = (name, _as_table_classifier_value(name, value))
-    dataset = carried.get("dataset", ("", config.train_config.get("dataset", "")))[1]
-    if isinstance(dataset, str) and is_s3(dataset):
-        for name in _S3_SETTINGS:  # how the built-in classifier reads an s3:// table; they stay set for storage
-            if getattr(config, name) and name not in config.train_config:
-                carried[name] = (name, getattr(config, name))
     clashes = [  # named, not quoted: a value may hold credentials
         f"{name} and train_config.{key}"
         for key, (name, value) in carried.items()
@@ -63,6 +59,13 @@ def with_builtin_settings_carried(config: TrainingConfig) -> TrainingConfig:
         )
     if not carried:
         return config
-    reset = {name: _default(name) for name, _ in carried.values() if name not in _S3_SETTINGS}
+    reset = {name: _default(name) for name, _ in carried.values()}
     train_config = {**config.train_config, **{key: value for key, (_, value) in carried.items()}}
-    return TrainingConfig.model_validate({**config.model_dump(), **reset, "train_config": train_config})
+    try:
+        return TrainingConfig.model_validate({**config.model_dump(), **reset, "train_config": train_config})
+    except ValidationError as exc:  # e.g. train_config grown past its length: name what was carried into it
+        names = ", ".join(name for name, _ in carried.values())
+        raise SettingsError(
+            f"{names}: carried into train_config for the table classifier, they make it invalid "
+            f"({exc.errors()[0]['msg']}); give the table classifier's settings in train_config instead"
+        ) from None

@@ -97,7 +97,9 @@ def capture_rng_state() -> dict[str, Any]:
         },
     }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # This worker's device alone: Ray Train shows each worker every GPU of its node, and a resume may run on a
+        # node with fewer (an elastic group), where a state per device of the old node has nowhere to go.
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -124,7 +126,12 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         )
     )
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        cuda = state["cuda"]
+        if isinstance(cuda, list | tuple):  # an earlier release's, one state per device of the node
+            device = torch.cuda.current_device()
+            cuda = cuda[device] if device < len(cuda) else None
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
 
 
 def save_checkpoint(

@@ -58,7 +58,8 @@ PINNED_BY_DEPLOYMENT: dict[str, Any] = {"pinned_by_deployment": True}
 # checkpoints and metrics of one MLflow run would not add up.
 MAY_CHANGE_ON_RESUME: dict[str, Any] = {"may_change_on_resume": True}
 # On the settings of the built-in classifier alone (its data, model and gate): your own code (`train_code`) brings
-# its own, and a run with `train_code` warns that they are ignored when they differ from their defaults.
+# its own, and a run with `train_code` warns that they are ignored when they differ from their defaults; the table
+# classifier takes them into its train_config (raytrain_tasks.builtin_aliases).
 BUILTIN_ONLY: dict[str, Any] = {"builtin_classifier_only": True}
 
 

@@ -143,14 +143,6 @@ def lost_run() -> None:
     """Only its flow record is used: a run of it is created Running, and then nothing of it beats any more."""
 
 
-@pytest.fixture(autouse=True)
-def _the_watch_loads_at_once(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A new or changed watch waits WATCH_LOAD_SECONDS for the server to load it before it re-arms the watched
-    runs; only the slow test below depends on that wait, the others skip it."""
-    if request.node.get_closest_marker("slow") is None:
-        monkeypatch.setattr(continuation, "WATCH_LOAD_SECONDS", 0)
-
-
 @pytest.mark.slow  # about 35 s of waiting on the server's watch
 def test_a_run_lost_just_after_the_watch_window_changed_is_still_found(monkeypatch: pytest.MonkeyPatch) -> None:
     """Changing the watch's window (a run or `serve` started with another PREFECT_RAYTRAIN_ZOMBIE_SILENCE_SECONDS)
@@ -163,6 +155,7 @@ def test_a_run_lost_just_after_the_watch_window_changed_is_still_found(monkeypat
     with get_client(sync_client=True) as client:
         lost = client.create_flow_run(lost_run, tags=[HEARTBEAT_TAG], state=Running())
     continuation._heartbeat_now(lost, "zombie-check", [HEARTBEAT_TAG])  # its last beat
+    time.sleep(3)  # the server takes it under the watch as it is (so the change below must not forget it)
     monkeypatch.setattr(continuation, "silence_seconds", lambda: 10)
     ensure_zombie_automation("zombie-check")  # the window changes; no beat of the run follows
     deadline = time.monotonic() + 45

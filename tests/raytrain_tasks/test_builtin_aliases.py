@@ -47,24 +47,26 @@ def test_only_the_table_classifier_takes_them() -> None:
         assert with_builtin_settings_carried(config) is config
 
 
-def test_an_s3_table_is_read_through_the_runs_own_s3_settings() -> None:
-    """The built-in classifier reads an s3:// table through s3_endpoint_url / s3_region: so does the classifier,
-    and the run keeps them for its storage."""
+def test_the_runs_own_s3_settings_stay_the_runs() -> None:
+    """s3_endpoint_url / s3_region are the run's storage settings, filled from the environment where the run
+    starts: carried, a resume (which gives them back as flags) would find its train_config changed. The classifier
+    reads an s3:// table through its own train_config's, else the environment's."""
     config = TrainingConfig(
-        train_code=TABLE_CLASSIFIER,
-        dataset="s3://tables/customers.csv",
-        s3_endpoint_url="http://127.0.0.1:8333",
-        s3_region="eu-west-1",
+        train_code=TABLE_CLASSIFIER, dataset="s3://tables/customers.csv", s3_endpoint_url="http://127.0.0.1:8333"
     )
     carried = with_builtin_settings_carried(config)
-    assert carried.train_config == {
-        "dataset": "s3://tables/customers.csv",
-        "s3_endpoint_url": "http://127.0.0.1:8333",
-        "s3_region": "eu-west-1",
-    }
-    assert (carried.s3_endpoint_url, carried.s3_region) == ("http://127.0.0.1:8333", "eu-west-1")
-    local = TrainingConfig(train_code=TABLE_CLASSIFIER, dataset="customers.csv", s3_endpoint_url="http://x:1")
-    assert "s3_endpoint_url" not in with_builtin_settings_carried(local).train_config
+    assert carried.train_config == {"dataset": "s3://tables/customers.csv"}
+    assert carried.s3_endpoint_url == "http://127.0.0.1:8333"
+
+
+def test_settings_that_overfill_train_config_are_refused_naming_them() -> None:
+    """train_config is one MLflow param (6000 characters at most): a carried setting that takes it past that is
+    refused naming the setting, not with a validation traceback about a train_config the user never wrote."""
+    config = TrainingConfig(
+        train_code=TABLE_CLASSIFIER, dataset="/data/" + "t" * 3000 + ".csv", label_column="l" * 3000
+    )
+    with pytest.raises(SettingsError, match="dataset, label_column: carried into train_config"):
+        with_builtin_settings_carried(config)
 
 
 def test_one_setting_given_two_values_is_refused_naming_both_and_quoting_neither() -> None:
