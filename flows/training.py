@@ -81,7 +81,12 @@ def _pipeline(config: TrainingConfig) -> PipelineResult:
             "flow-run parameters as given. Put credentials in MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD "
             "(or MLFLOW_TRACKING_TOKEN) in the worker's environment instead"
         )
-    config = with_builtin_settings_carried(config)  # the table classifier takes the built-in's settings
+    carried = with_builtin_settings_carried(config)  # the table classifier takes the built-in's settings
+    if carried is not config:  # the settings line leaves them out for train_code: say where they went
+        get_run_logger().info(
+            "the table classifier's train_config, the built-in's settings in: %s", carried.train_config_shown()
+        )
+    config = carried
     if ignored := ignored_with_train_code(config):
         get_run_logger().warning(
             "%s set for the built-in classifier, which train_code %r replaces: they do nothing for your code (its "
