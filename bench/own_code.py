@@ -96,7 +96,15 @@ def classifier_epoch_seconds(as_spec: bool, rows: int, epochs: int, workdir: Pat
             json.dumps(settings),
         ]
     else:
-        command += ["--dataset", "synthetic", "--synthetic-samples", str(rows), "--data-loader", loader]
+        command += [
+            "--train-code=",
+            "--dataset",
+            "synthetic",
+            "--synthetic-samples",
+            str(rows),
+            "--data-loader",
+            loader,
+        ]
     env = {**os.environ, "PREFECT_HOME": str(workdir / ".prefect")}
     done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:

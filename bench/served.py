@@ -43,6 +43,7 @@ BIN = Path(sys.executable).parent
 EPOCHS = 3  # bench.overhead's flow_epochs: the same job as its whole-flow and bare-fit contenders
 BARE_FITS = 2
 JOB = {
+    "train_code": "",  # the built-in classifier, as bench.overhead's bare fit (build_trainer) trains
     "dataset": "synthetic",
     "synthetic_samples": 24000,
     "batch_size": FLOW_BATCH_SIZE,

@@ -89,7 +89,15 @@ def check_spec_data(config: TrainingConfig, spec: TrainFunc | None, dataset: Run
         return spec is not None and spec.datasets is not None
     prepared = dataset if isinstance(dataset, PreparedData) else None
     code_config = user_config(config, spec, data_dir_of(prepared, config.storage_options))
-    return spec.train_func.check_data(code_config)
+    ray_data = spec.train_func.check_data(code_config)
+    rows, workers = spec.train_func.train_rows, config.worker_range[1]
+    if rows is not None and rows < workers:  # each worker trains on a share: one would get none (or repeats)
+        raise DatasetError(
+            f"the train split train_code {config.train_code!r} gives has {rows} rows, fewer than the {workers} "
+            "workers that would each train on a share of it; lower `num_workers` (and `max_workers`) or give it "
+            "more rows"
+        )
+    return ray_data
 
 
 def data_tasks_during_fit(spec: TrainFunc | None) -> bool:

@@ -87,6 +87,7 @@ class SpecTrainFunc:
         self.spec = spec
         self._run = _spec_loop(spec)
         self.ray_data = False  # what check_data found
+        self.train_rows: int | None = None  # ... the train split's rows, where known without reading it
         self.kept = False  # ... and whether the splits are all kept in the object store (materialized)
         self._checked: tuple[dict[str, Any], Splits] | None = None  # its splits, for trainer_data
         self.ray_splits: RaySplits | None = None  # set by trainer_data on the driver, by run_train_func on workers
@@ -106,6 +107,7 @@ class SpecTrainFunc:
         except Exception as exc:  # the user's data(): named with its frames, not retried (test_own_code)
             raise UserCodeError(f"TrainSpec.data failed on the driver: {user_frames(exc)}") from exc
         self.ray_data = uses_ray_data(splits)
+        self.train_rows = _rows_known(splits.train)
         if self.ray_data:
             check_ray_splits(splits)
             self._checked = (config, splits)
@@ -253,6 +255,13 @@ def _splits(spec: TrainSpec, config: dict[str, Any]) -> Splits:
         )
     uses_ray_data(splits)  # one kind for all three
     return splits
+
+
+def _rows_known(dataset: Any) -> int | None:
+    """A split's rows where counting reads nothing: a map-style Dataset's length, a materialized Ray Dataset's."""
+    if is_ray_dataset(dataset):
+        return int(dataset.count()) if is_materialized(dataset) else None
+    return len(dataset) if hasattr(dataset, "__len__") else None
 
 
 def _empty(dataset: Any) -> bool:

@@ -102,8 +102,9 @@ def code_root(train_code: str) -> Path | None:
 
 def shipped_module(train_code: str) -> str | None:
     """What Ray's runtime_env ``py_modules`` ships to a cluster for ``train_code``: the folder of its top-level
-    package (or its module file); None for an installed package, which the cluster's image must have."""
-    if code_root(train_code) is None:
+    package (or its module file); None for an installed package, which the cluster's image must have, and for code
+    of raytrain_tasks itself (the table classifier), which the pipeline ships as its own."""
+    if train_code.partition(":")[0].split(".")[0] == __name__.split(".")[0] or code_root(train_code) is None:
         return None
     top = importlib.import_module(train_code.partition(":")[0].split(".")[0])
     paths = list(getattr(top, "__path__", []))

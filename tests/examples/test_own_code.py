@@ -131,7 +131,7 @@ def test_an_own_code_runs_params_are_what_trained_it() -> None:
     params = config.public_params(with_defaults(hidden=32, dropout=0.1))
     assert params["train_config.hidden"] == 64 and params["train_config.dropout"] == 0.1
     assert not {"dataset", "model", "hidden_sizes", "promotion_metric", "data_loader"} & set(params), params
-    assert TrainingConfig().public_params()["promotion_metric"] == "val_accuracy"  # the built-in's stay
+    assert TrainingConfig(train_code="").public_params()["promotion_metric"] == "val_accuracy"  # the built-in's stay
     # Whatever a default holds: a Path is its text, a URL's password is masked, a long value is cut to MLflow's limit.
     odd = config.public_params({"root": Path("/data/x"), "src": "https://u:pw-in-default@h/x", "names": ["a"] * 5000})
     assert odd["train_config.root"] == '"/data/x"' and "pw-in-default" not in odd["train_config.src"]
@@ -956,6 +956,33 @@ def test_a_train_spec_without_a_test_split_fails_the_run_before_ray_or_an_mlflow
     assert client_versions(tmp_path) == []
 
 
+def test_a_train_spec_with_fewer_training_rows_than_workers_is_refused_before_any_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each worker trains on a share of the train split: with fewer rows than the most workers the run may have,
+    one would get none (DistributedSampler would hand it repeats). Refused where the fit checks the spec's data,
+    before an MLflow run or any worker, naming the settings, as the built-in classifier's tables always were."""
+    from raytrain_driver.preflight import check_spec_data
+    from raytrain_tasks.errors import DatasetError
+
+    source = """
+        import torch
+        from torch.utils.data import TensorDataset
+        from raytrain_tasks.api import Metric, Splits, TrainSpec
+
+        rows = TensorDataset(torch.zeros(3, 2), torch.zeros(3, 1))
+        training = TrainSpec(data=lambda config: Splits(train=rows, val=rows, test=rows),
+                             model=lambda c, e: torch.nn.Linear(2, 1), loss=torch.nn.functional.mse_loss,
+                             metric=Metric("loss", higher_is_better=False))
+    """
+    name = _module(tmp_path, monkeypatch, source, name="three_rows")
+    config = own_config(tmp_path, f"{name}:training", num_workers=1, max_workers=8, train_config="{}")
+    refused = r"has 3 rows, fewer than the 8 workers .* lower `num_workers` \(and `max_workers`\)"
+    with pytest.raises(DatasetError, match=refused):
+        check_spec_data(config, resolve(config.train_code), None)
+    assert check_spec_data(config.model_copy(update={"max_workers": 3}), resolve(config.train_code), None) is False
+
+
 def test_an_error_in_a_train_specs_data_on_the_driver_is_the_users_with_its_frames() -> None:
     """data() fails where the fit checks it first: a UserCodeError (not retried) with the user's own frame, not a
     bare KeyError that Prefect would retry `fit_retries` times."""
@@ -998,6 +1025,7 @@ def test_an_empty_ray_dataset_split_or_a_missing_column_is_refused_on_the_driver
 def test_settings_of_the_built_in_classifier_set_beside_train_code_are_named_as_ignored() -> None:
     """--dataset, --hidden-sizes, --promotion-metric and the like do nothing for the user's own code: a run that
     sets them away from their defaults says so (the flow warns with this list), and a run that does not is quiet."""
+    from raytrain_tasks.builtin_aliases import with_builtin_settings_carried
     from raytrain_tasks.config import ignored_with_train_code
 
     mixed = TrainingConfig(
@@ -1005,4 +1033,7 @@ def test_settings_of_the_built_in_classifier_set_beside_train_code_are_named_as_
     )
     assert ignored_with_train_code(mixed) == ["hidden_sizes", "promotion_metric"]  # epochs is the code's too
     assert ignored_with_train_code(TrainingConfig(train_code="my_model.train:training")) == []
-    assert ignored_with_train_code(TrainingConfig(hidden_sizes=[8])) == []  # the built-in classifier uses it
+    assert ignored_with_train_code(TrainingConfig(train_code="", hidden_sizes=[8])) == []  # the built-in uses it
+    # The table classifier takes it into its train_config (raytrain_tasks.builtin_aliases).
+    table = TrainingConfig(train_code="raytrain_tasks.table_classifier:classifier", hidden_sizes=[8])
+    assert ignored_with_train_code(with_builtin_settings_carried(table)) == []

@@ -119,7 +119,7 @@ def test_a_failure_after_the_mlflow_run_started_marks_it_failed(tmp_path: Path) 
     from raytrain_tasks.config import new_run_key
     from tasks.fit import distributed_fit
 
-    config = small_config(tmp_path, data_loader="ray_data", cpus_per_worker=0.5)
+    config = small_config(tmp_path, train_code="", data_loader="ray_data", cpus_per_worker=0.5)
     dataset = prepare_dataset(config)
     shutil.rmtree(dataset.uri)
 

@@ -408,8 +408,14 @@ def test_a_fit_whose_lease_is_taken_stops_at_once_and_leaves_the_mlflow_run_alon
     from raytrain_tasks.tracking import runs as tracking
     from tests.helpers import small_config, this_ray_address
 
-    config = small_config(
-        tmp_path, dataset="synthetic", synthetic_samples=24000, epochs=12, num_workers=1, run_lease_seconds=6
+    config = small_config(  # the built-in classifier's driver, called as the fit task calls it
+        tmp_path,
+        train_code="",
+        dataset="synthetic",
+        synthetic_samples=24000,
+        epochs=12,
+        num_workers=1,
+        run_lease_seconds=6,
     )
     dataset = prepare_dataset(config)
     key = new_run_key()

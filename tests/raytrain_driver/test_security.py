@@ -167,7 +167,7 @@ def test_registration_refuses_a_tampered_best_checkpoint_and_registers_nothing(t
     from raytrain_tasks.tracking.controller import pin_tag
     from tests.helpers import small_config
 
-    config = small_config(tmp_path, epochs=2, register=False)
+    config = small_config(tmp_path, epochs=2, register=False, train_code="")  # the built-in classifier's format
     first = training_pipeline(**parameters_of(config))
     best = Path(first.fit.best_checkpoint_uri)
     marker = tmp_path / "pwned"
@@ -489,7 +489,7 @@ def test_storage_cannot_vouch_for_itself_a_replaced_record_or_checkpoint_is_refu
     from raytrain_tasks.tracking.controller import pinned_digests
     from tests.helpers import small_config
 
-    config = small_config(tmp_path, epochs=2, register=False)
+    config = small_config(tmp_path, epochs=2, register=False, train_code="")  # the built-in classifier's format
     first = training_pipeline(**parameters_of(config))
     client = MlflowClient(config.mlflow_tracking_uri)
     run_dir = Path(first.fit.run_uri)
@@ -528,7 +528,7 @@ def test_a_folder_the_snapshot_points_at_is_checked_whatever_its_name(tmp_path: 
     from flows.training import training_pipeline
     from tests.helpers import small_config
 
-    config = small_config(tmp_path, epochs=2, register=False)
+    config = small_config(tmp_path, epochs=2, register=False, train_code="")  # the built-in classifier's format
     first = training_pipeline(**parameters_of(config))
     run_dir = Path(first.fit.run_uri)
     shutil.copytree(run_dir / "epoch-0001", run_dir / "planted-0002")  # a real checkpoint, of the first epoch
@@ -564,7 +564,7 @@ def test_a_pickle_placed_beside_the_champions_pt2_never_runs_and_nothing_moves(t
     from raytrain_tasks.errors import PromotionError
     from tests.helpers import fit_for_registry, register_for_test, small_config
 
-    config = small_config(tmp_path, model_name="planted", experiment_name="planted")
+    config = small_config(tmp_path, train_code="", model_name="planted", experiment_name="planted")  # its fits
     dataset = prepare_dataset(config)
     client = MlflowClient(config.mlflow_tracking_uri)
     champion = register_for_test(

@@ -86,3 +86,12 @@ def test_one_setting_given_two_values_is_refused_naming_both_and_quoting_neither
     assert "promotion_metric and train_config.metric" in message and "dataset and train_config.dataset" in message
     assert "secret-t0ken" not in message and "val_loss" not in message
     assert "promotion_metric and train_config.metric" in _train_code_problem(clash)  # before Prefect and Ray start
+
+
+def test_the_table_classifier_reaches_a_cluster_as_part_of_the_pipelines_own_code() -> None:
+    """Its module is raytrain_tasks', which every cluster run ships: not a second time as the user's package."""
+    import raytrain_tasks
+    from raytrain_driver.cluster import cluster_runtime_env
+
+    config = TrainingConfig(ray_address="127.0.0.1:6379", train_code=TABLE_CLASSIFIER)
+    assert cluster_runtime_env(config)["py_modules"] == [raytrain_tasks]

@@ -1,4 +1,6 @@
-"""Both ways of feeding workers (torch DataLoader, Ray Data shards): what each worker sees, and what it learns."""
+"""Both ways of feeding workers (torch DataLoader, Ray Data shards): what each worker sees, and what it learns.
+The built-in classifier's loaders (raytrain_tasks/ingest.py), so its runs here set train_code '' (the table
+classifier's are test_spec_data's and test_spec_shards')."""
 
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ def test_each_worker_sees_a_disjoint_shard_that_covers_the_data_once_per_epoch(
     loader: str, tmp_path: Path, ray_cluster: object, prefect_api: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     data_loader = loader.split()[0]
-    config = small_config(tmp_path, data_loader=data_loader, cpus_per_worker=0.5, batch_size=64)
+    config = small_config(tmp_path, train_code="", data_loader=data_loader, cpus_per_worker=0.5, batch_size=64)
     config = config.resolved(tmp_path, {})
     dataset = prepare_data(config)
     datasets: dict[str, Any] = {}
@@ -92,7 +94,7 @@ def test_torch_and_ray_data_loaders_reach_the_same_accuracy(
     results = {}
     for loader in ("torch", "ray_data"):
         # The default cpus_per_worker (sized to the cluster): 2 workers and Ray Data on this 2-CPU Ray.
-        config = small_config(tmp_path / loader, data_loader=loader, register=False, epochs=4)
+        config = small_config(tmp_path / loader, train_code="", data_loader=loader, register=False, epochs=4)
         results[loader] = training_pipeline(**parameters_of(config)).fit
     torch_run, ray_data_run = results["torch"], results["ray_data"]
     assert torch_run.final_metrics["val_accuracy"] >= 0.9
@@ -118,7 +120,7 @@ def test_ray_data_that_streams_needs_cpus_beside_the_workers(tmp_path: Path, ray
     from raytrain_tasks.data import streams
     from raytrain_tasks.errors import ClusterError
 
-    config = small_config(tmp_path, data_loader="ray_data", num_workers=2, cpus_per_worker=1.0)
+    config = small_config(tmp_path, train_code="", data_loader="ray_data", num_workers=2, cpus_per_worker=1.0)
     object_store = ray_cluster["object_store_memory"]
     small = DatasetRef.model_validate({**DATASET_FIELDS, "train_rows": 1_000})
     big = DatasetRef.model_validate({**DATASET_FIELDS, "train_rows": int(object_store / (4 * 8 + 16))})
@@ -170,7 +172,7 @@ def test_a_run_without_ray_datasets_starts_no_dataset_manager(
             )
         )
 
-    config = small_config(tmp_path, epochs=1, cpus_per_worker=0.5).resolved(tmp_path, {})
+    config = small_config(tmp_path, train_code="", epochs=1, cpus_per_worker=0.5).resolved(tmp_path, {})
     dataset = prepare_data(config)
     before = dataset_managers()
     previous_handler = signal.getsignal(signal.SIGINT)
@@ -196,7 +198,9 @@ def test_a_retried_elastic_fit_keeps_the_cpus_per_worker_it_trained_with(
     from raytrain_tasks.tracking import runs as tracking
     from tasks.fit import distributed_fit
 
-    config = small_config(tmp_path, num_workers=1, max_workers=2, epochs=1, register=False).resolved(tmp_path, {})
+    config = small_config(tmp_path, train_code="", num_workers=1, max_workers=2, epochs=1, register=False).resolved(
+        tmp_path, {}
+    )
     dataset = prepare_data(config)
     run_key = new_run_key()
     client = mlflow.MlflowClient(config.mlflow_tracking_uri)
