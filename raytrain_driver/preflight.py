@@ -93,7 +93,7 @@ def check_spec_data(config: TrainingConfig, spec: TrainFunc | None, dataset: Run
     rows, workers = spec.train_func.train_rows, config.worker_range[1]
     if rows is not None and rows < workers:  # each worker trains on a share: one would get none (or repeats)
         raise DatasetError(
-            f"the train split train_code {config.train_code!r} gives has {rows} rows, fewer than the {workers} "
+            f"the train split of train_code {config.train_code!r} has {rows} rows, fewer than the {workers} "
             "workers that would each train on a share of it; lower `num_workers` (and `max_workers`) or give it "
             "more rows"
         )

@@ -104,9 +104,10 @@ def shipped_module(train_code: str) -> str | None:
     """What Ray's runtime_env ``py_modules`` ships to a cluster for ``train_code``: the folder of its top-level
     package (or its module file); None for an installed package, which the cluster's image must have, and for code
     of raytrain_tasks itself (the table classifier), which the pipeline ships as its own."""
-    if train_code.partition(":")[0].split(".")[0] == __name__.split(".")[0] or code_root(train_code) is None:
+    top_name = train_code.partition(":")[0].split(".")[0]
+    if top_name == __name__.split(".")[0] or code_root(train_code) is None:
         return None
-    top = importlib.import_module(train_code.partition(":")[0].split(".")[0])
+    top = importlib.import_module(top_name)
     paths = list(getattr(top, "__path__", []))
     return str(Path(paths[0]).resolve()) if paths else str(Path(str(top.__file__)).resolve())
 
