@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -90,7 +91,7 @@ def log_dataset_input(client: MlflowClient, run_id: str, dataset: RunData) -> No
     code's ``prepare`` wrote, by its content hash."""
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
-    from mlflow.entities import DatasetInput, InputTag
+    from mlflow.entities import Dataset, DatasetInput, InputTag
     from mlflow.types import ColSpec, DataType, Schema
 
     schema = (
@@ -109,8 +110,18 @@ def log_dataset_input(client: MlflowClient, run_id: str, dataset: RunData) -> No
         digest=dataset.content_hash[:36],  # MLflow keeps at most 36 characters of a digest
         schema=schema,
     )
-    entity = DatasetInput(meta._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", "training")])
-    client.log_inputs(run_id, datasets=[entity])
+    entity = meta._to_mlflow_entity()
+    summary = dataset.sizes() if isinstance(dataset, DatasetRef) else dataset.summary
+    if summary:  # the MLflow UI shows a dataset's profile beside its digest
+        entity = Dataset(
+            entity.name,
+            entity.digest,
+            entity.source_type,
+            entity.source,
+            entity.schema,
+            json.dumps({"summary": summary}),
+        )
+    client.log_inputs(run_id, datasets=[DatasetInput(entity, tags=[InputTag("mlflow.data.context", "training")])])
 
 
 def log_evaluation(

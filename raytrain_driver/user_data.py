@@ -31,7 +31,7 @@ def prepare_user_data(config: TrainingConfig, spec: TrainFunc) -> PreparedData |
     with tempfile.TemporaryDirectory(prefix="prt-prepare-") as scratch:
         folder = Path(scratch)
         try:
-            spec.prepare(user_config(config, spec), folder)
+            said = spec.prepare(user_config(config, spec), folder)
         except Exception as exc:
             raise UserCodeError(f"train_code {config.train_code!r}: prepare failed: {user_frames(exc)}") from exc
         files = [path for path in folder.rglob("*") if path.is_file()]
@@ -48,10 +48,24 @@ def prepare_user_data(config: TrainingConfig, spec: TrainFunc) -> PreparedData |
             source=config.train_code,
             files=len(files),
             bytes=sum(path.stat().st_size for path in files),
+            summary=summary_line(said),
         )
         if not _stored(target, data):
             _store(folder, files, target, data)
     return data
+
+
+SUMMARY_CHARS = 200
+
+
+def summary_line(said: object) -> str:
+    """What ``prepare`` returned, as the one line a log and a run page show (its first line, at most 200
+    characters); "" for None or anything that is not a string (a prepare written before it could return one may
+    return what its last call did)."""
+    if not isinstance(said, str):
+        return ""
+    line = said.strip().splitlines()[0] if said.strip() else ""
+    return line if len(line) <= SUMMARY_CHARS else line[: SUMMARY_CHARS - 3] + "..."
 
 
 def _stored(target: StorageLocation, data: PreparedData) -> bool:

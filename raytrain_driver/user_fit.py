@@ -18,7 +18,7 @@ from raytrain_driver.hooks import run_logger
 from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import CheckpointError, UserCodeError
-from raytrain_tasks.reports import log_learning_curves
+from raytrain_tasks.reports import EVALUATION_ARTIFACT_DIR, log_learning_curves
 from raytrain_tasks.tracking.controller import (
     EPOCH_FOLDER,
     checkpoint_name,
@@ -326,9 +326,16 @@ def record_user_fit(
         client.set_tag(run_id, "summary.best_epoch", str(step))  # a pick the history lacks: its score alone
         client.set_tag(run_id, f"summary.best_{spec.selection.name}", f"{best[spec.selection.name]:.6f}")
     log_learning_curves(client, run_id, history)  # the run page links it
+    _log_checkpoint_pointer(client, fit)
     # The best checkpoint's held-out scores, as the built-in's: best_checkpoint_<key> at its step, on its model.
     client.log_batch(run_id, metrics=scores_as_metrics(fit.scores, step, fit.best_checkpoint_model_id))
     return fit
+
+
+def _log_checkpoint_pointer(client: Any, fit: FitResult) -> None:
+    """Where the best checkpoint is, beside the learning curves (as the built-in's runs): what ``load_model`` reads."""
+    pointer = {"uri": fit.best_checkpoint_uri, "epoch": fit.best_epoch, "run_uri": fit.run_uri, "run_key": fit.run_key}
+    client.log_text(fit.mlflow_run_id, json.dumps(pointer, indent=1), f"{EVALUATION_ARTIFACT_DIR}/checkpoint.json")
 
 
 def log_kept_checkpoints(

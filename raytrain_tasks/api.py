@@ -99,7 +99,7 @@ def data_dir_refused(keys: Any, where: str) -> str:
     )
 
 
-Prepare = Callable[[dict[str, Any], Path], None]
+Prepare = Callable[[dict[str, Any], Path], str | None]
 ModelMetadata = Callable[[dict[str, Any]], Mapping[str, Any]]
 # Keys of the registered model's MLflow metadata that the pipeline sets; ``model_metadata`` may not.
 PIPELINE_METADATA = ("run_key", "train_code", "dataset_hash")
@@ -211,7 +211,9 @@ class TrainFunc:
             Files that no longer hash to the recorded content are refused: treat ``data_dir`` as read-only, and
             write the same bytes for the same data (seeded, no timestamps). A resume runs ``prepare`` again and is
             refused if the data changed: a run continues on the data it started with. None: your code reads its
-            data where it is (and ``data_dir`` is a key like any other).
+            data where it is (and ``data_dir`` is a key like any other). It may return one line on what it wrote
+            (``"1437 train / 180 val / 180 test rows, 64 features, 10 classes"``): the prepare-data log line, the
+            Prefect run page and the MLflow dataset input's profile show it beside the content hash.
         schema: ``schema(config) -> {key: JSON value}``: what the model's inputs and outputs mean beyond their
             shapes, e.g. ``{"features": [...names in order], "classes": [...labels in order]}``. Each registered
             version records its digest (tag ``schema.digest``: the first 16 hex digits of the SHA-256 of

@@ -43,10 +43,11 @@ class PreparedData(BaseModel):
     source: str  # the train_code whose prepare wrote it
     files: int
     bytes: int
+    summary: str = ""  # the line prepare returned on what it wrote (rows, columns, classes...), if any
 
     def describe(self) -> str:
         """One line on what the version holds (logs, run pages)."""
-        size = f"{self.files} files, {self.bytes} bytes"
+        size = f"{self.summary} in {self.files} files" if self.summary else f"{self.files} files, {self.bytes} bytes"
         return f"prepared data {self.content_hash}: {size} from {self.source}'s prepare at {self.uri}"
 
     @property

@@ -130,9 +130,10 @@ class _Table:
     storage_options: StorageOptions = field(default_factory=StorageOptions)
 
 
-def prepare(config: dict[str, Any], folder: Path) -> None:
+def prepare(config: dict[str, Any], folder: Path) -> str:
     """prepare-data: the table's train/val/test splits as Parquet, and ``dataset.json`` describing them. The same
-    table and settings write the same bytes, so the pipeline stores one version of it however many runs use it."""
+    table and settings write the same bytes, so the pipeline stores one version of it however many runs use it.
+    Returns its rows, features and classes: the line the run's log and pages show."""
     names = _Table.__dataclass_fields__.keys() - {"storage_options"}
     endpoint, region = s3_endpoint_and_region(config["s3_endpoint_url"], config["s3_region"], os.environ)
     options = StorageOptions(endpoint_url=endpoint, region=region)
@@ -145,7 +146,7 @@ def prepare(config: dict[str, Any], folder: Path) -> None:
     # is part of what it holds. (pyarrow writes its version into each Parquet file: after an upgrade the same
     # table is a new stored version, and a run started before it is refused a resume.)
     source = PurePosixPath(table.dataset.rstrip("/")).name or table.dataset
-    write_version(planned.model_copy(update={"uri": ".", "source": source}), splits, target)
+    return write_version(planned.model_copy(update={"uri": ".", "source": source}), splits, target).sizes()
 
 
 def described(config: dict[str, Any]) -> DatasetRef:

@@ -60,18 +60,21 @@ class ImageFolder(Dataset):
         return torch.from_numpy(pixels).unsqueeze(0), torch.tensor(self.index[path.parent.name])
 
 
-def prepare(config: dict[str, Any], folder: Path) -> None:
-    """prepare-data: ``<folder>/<class>/<name>.png``, copied from ``image_dir``, or the bundled digits."""
+def prepare(config: dict[str, Any], folder: Path) -> str:
+    """prepare-data: ``<folder>/<class>/<name>.png``, copied from ``image_dir``, or the bundled digits. Returns
+    the line the run's log and pages show of what it wrote."""
     if config["image_dir"]:
         shutil.copytree(config["image_dir"], folder, dirs_exist_ok=True)
-        return
-    from sklearn.datasets import load_digits
+    else:
+        from sklearn.datasets import load_digits
 
-    digits = load_digits()
-    for number, (image, label) in enumerate(zip(digits.images, digits.target, strict=True)):
-        path = folder / str(label) / f"{number:05d}.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        Image.fromarray((image * 255.0 / 16.0).astype(np.uint8)).save(path, format="PNG")
+        digits = load_digits()
+        for number, (image, label) in enumerate(zip(digits.images, digits.target, strict=True)):
+            path = folder / str(label) / f"{number:05d}.png"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray((image * 255.0 / 16.0).astype(np.uint8)).save(path, format="PNG")
+    images = list(folder.glob("*/*.png"))
+    return f"{len(images)} PNG images of {len({path.parent.name for path in images})} classes"
 
 
 def split_of(path: Path) -> str:

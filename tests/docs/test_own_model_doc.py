@@ -73,6 +73,7 @@ def test_every_command_of_the_guide_runs_from_a_fresh_folder(tmp_path: Path, pre
     (my_images,) = [run for run in runs if run.data.params["train_code"] == "my_images.train:training"]
     prepared = tmp_path / ".pipeline" / "storage" / "datasets" / my_images.data.tags["prefect_raytrain.dataset_hash"]
     assert len(list((prepared / "files").glob("*/*.png"))) == 1797  # its prepare's PNG files, stored by content
+    assert "1797 PNG images of 10 classes in 1797 files" in output  # the line its prepare returned, logged
     # Its artifacts(...) wrote the registered model's confusion matrix, logged under the run's evaluation/.
     matrix = json.loads(
         Path(client.download_artifacts(my_images.info.run_id, "evaluation/confusion_matrix.json")).read_text()

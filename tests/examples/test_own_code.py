@@ -180,8 +180,13 @@ def test_a_seed_shaped_train_func_survives_a_killed_worker_in_one_mlflow_run(
     assert run.data.params["train_code"] == SEED_DDP and run.data.params["train_config.hidden"] == "32"
     pins = [key for key in run.data.tags if key.startswith("prefect_raytrain.checkpoint_sha256.")]
     assert len(pins) >= 4, sorted(run.data.tags)
-    # The learning curves of what the function reported, which the run page links.
-    assert "evaluation/learning_curves.png" in [a.path for a in client.list_artifacts(run.info.run_id, "evaluation")]
+    # The learning curves of what the function reported, which the run page links, and where its best checkpoint is.
+    assert {"evaluation/learning_curves.png", "evaluation/checkpoint.json"} <= {
+        a.path for a in client.list_artifacts(run.info.run_id, "evaluation")
+    }
+    pointer = json.loads(Path(client.download_artifacts(run.info.run_id, "evaluation/checkpoint.json")).read_text())
+    assert pointer["run_key"] == run.data.tags["prefect_raytrain.run_key"] and pointer["epoch"] in (1, 2, 3, 4)
+    assert pointer["uri"].startswith(pointer["run_uri"])
 
 
 @pytest.mark.slow

@@ -176,3 +176,38 @@ def test_data_dir_is_the_pipelines_only_for_code_with_prepare(tmp_path: Path) ->
         patch.syspath_prepend(str(tmp_path))
         with pytest.raises(UserCodeError, match=r"train_config may not set 'data_dir'"):
             resolve_code(clash)
+
+
+def test_the_line_prepare_returns_on_what_it_wrote_is_shown_with_the_version_and_in_mlflow(tmp_path: Path) -> None:
+    """What a user's prepare says it wrote (rows, columns, classes) is on the prepare-data log line and run page
+    (``describe()``) and in the MLflow dataset input's profile; a prepare that returns nothing, or not a string, is
+    described by its files as before."""
+    import json
+
+    from mlflow import MlflowClient
+
+    from raytrain_driver.evaluation import log_dataset_input
+
+    def says(said: Any) -> Any:
+        def prepare(config: dict[str, Any], folder: Path) -> Any:
+            write_rows(10)(config, folder)
+            return said
+
+        return prepare
+
+    config = small_config(tmp_path, train_code=CODE, epochs=1)
+    told = prepare_user_data(config, code(says("10 rows, 2 columns\nsecond line ignored")))
+    assert told is not None and told.summary == "10 rows, 2 columns"
+    assert "10 rows, 2 columns in 2 files" in told.describe() and told.content_hash in told.describe()
+    for quiet in (None, ["not", "a", "line"]):
+        plain = prepare_user_data(config, code(says(quiet)))
+        assert plain is not None and plain.summary == "" and "2 files, " in plain.describe()
+    long = prepare_user_data(config, code(says("x" * 500)))
+    assert long is not None and len(long.summary) == 200 and long.summary.endswith("...")
+
+    client = MlflowClient(config.mlflow_tracking_uri)
+    run = client.create_run(client.create_experiment("inputs"))
+    log_dataset_input(client, run.info.run_id, told)
+    (used,) = client.get_run(run.info.run_id).inputs.dataset_inputs
+    assert json.loads(used.dataset.profile) == {"summary": "10 rows, 2 columns"}
+    assert told.content_hash.startswith(used.dataset.digest)

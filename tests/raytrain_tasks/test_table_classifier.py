@@ -49,13 +49,16 @@ def table_config(csv: Path, **settings: Any) -> dict[str, Any]:
 def test_the_same_table_prepares_the_same_bytes_and_each_row_lands_in_one_split(tmp_path: Path) -> None:
     csv = write_table(tmp_path / "customers.csv")
     folders = [tmp_path / "first", tmp_path / "second"]
+    said = []
     for folder in folders:
         folder.mkdir()
-        prepare(table_config(csv), folder)
+        said.append(prepare(table_config(csv), folder))
     assert local_folder_digest(folders[0]) == local_folder_digest(folders[1])  # one stored version for both
     splits = data({**table_config(csv), "data_dir": str(folders[0])})
     sizes = [len(split) for split in (splits.train, splits.val, splits.test)]
     assert sum(sizes) == 900 and min(sizes) > 50, sizes
+    # What the run's log line and pages show of it, as the built-in classifier's did.
+    assert said[0] == f"{sizes[0]} train / {sizes[1]} val / {sizes[2]} test rows, 4 features, 3 classes", said
     rows = {tuple(np.round(x.numpy(), 5)) for split in (splits.train, splits.val, splits.test) for x, _ in split}
     assert len(rows) == 900, "a row in two splits, or one lost"
     assert {int(y) for _, y in splits.train} == {0, 1, 2}
