@@ -315,10 +315,10 @@ def run_loader_fit(w: Workload, world: int, dataset: Any, loader: str, tmp: Path
 # The flow's job (and the bare fit's, on the dataset the flow prepared): epochs of a few seconds, so the
 # checkpoint share is measured against epochs shorter than most real ones (a pessimistic figure).
 FLOW_BATCH_SIZE = 64
-# The built-in classifier (train_code ''), which the bare contender's build_trainer fits: the same job on both sides.
-# Named, so that it stays so when the table classifier becomes the default (issue 32); bench.own_code compares them.
+# The default code (the table classifier's TrainSpec), whose train_func the bare contender fits under a plain
+# TorchTrainer: the same job on both sides. The built-in classifier of earlier releases is compared with it by
+# bench.own_code.
 FLOW_JOB = [
-    "--train-code=",
     "--dataset",
     "synthetic",
     "--synthetic-samples",
@@ -363,14 +363,19 @@ def run_flow(workdir: Path, epochs: int) -> dict[str, float]:
     return figures
 
 
-def run_bare(tmp: Path, epochs: int, manifest: Path | None = None) -> dict[str, float]:
-    """The bare contender in a fresh process, on the dataset of ``manifest`` (default: the flow runs' one)."""
+def prepared_files(storage: Path) -> Path:
+    """The files of the data version the flow runs prepared (the table classifier's prepare wrote them)."""
+    return next(storage.glob("datasets/*/files/dataset.json")).parent
+
+
+def run_bare(tmp: Path, epochs: int, data_dir: Path | None = None) -> dict[str, float]:
+    """The bare contender in a fresh process, on the files in ``data_dir`` (default: what the flow runs prepared)."""
     workdir = tmp / f"bare-{time.monotonic_ns()}"
     workdir.mkdir()
     # The dataset version the flow runs prepared: the bare contender trains on the same files.
-    manifest = manifest or next(tmp.glob("flow/.pipeline/storage/datasets/*/dataset.json"))
+    data_dir = data_dir or prepared_files(tmp / "flow" / ".pipeline" / "storage")
     command = [sys.executable, "-m", "bench.overhead", "--bare-fit", str(workdir), "--epochs", str(epochs)]
-    command += ["--dataset", str(manifest)]
+    command += ["--dataset", str(data_dir)]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     run = _run_measured(command, workdir, env)
     in_loop = float(re.findall(r"IN_LOOP ([0-9.]+)", run.output)[-1])
@@ -386,30 +391,47 @@ def run_bare(tmp: Path, epochs: int, manifest: Path | None = None) -> dict[str, 
     }
 
 
-def bare_fit(workdir: Path, epochs: int, manifest: Path) -> None:
-    """Child process: ray.init + TorchTrainer.fit() of our train loop on the flow's dataset; no Prefect, MLflow."""
+def bare_fit(workdir: Path, epochs: int, data_dir: Path) -> None:
+    """Child process: ray.init + a plain ``TorchTrainer(train_func).fit()`` of the default code's train_func (the
+    table classifier's spec loop) on the files the flow prepared, with the config the flow gives it; no Prefect,
+    no MLflow, none of the pipeline's callbacks."""
     import ray
+    import ray.train
+    from ray.train.torch import TorchTrainer
 
     from raytrain_driver.cluster import worker_env
     from raytrain_driver.sizing import alive_node_resources, sized_for_cluster
-    from raytrain_driver.trainer import build_trainer, read_history
+    from raytrain_tasks.builtin_aliases import with_builtin_settings_carried
     from raytrain_tasks.config import TrainingConfig
-    from raytrain_tasks.data import DatasetRef
-    from raytrain_tasks.storage.locations import locate
+    from raytrain_tasks.user_code import bind, resolve, user_config
 
-    config = TrainingConfig(epochs=epochs, batch_size=FLOW_BATCH_SIZE, storage_path=str(workdir / "storage"))
-    dataset = DatasetRef.model_validate_json(manifest.read_text())
+    job = dict(zip(FLOW_JOB[::2], FLOW_JOB[1::2], strict=True))
+    config = TrainingConfig(
+        epochs=epochs,
+        batch_size=FLOW_BATCH_SIZE,
+        storage_path=str(workdir / "storage"),
+        dataset=job["--dataset"],
+        synthetic_samples=int(job["--synthetic-samples"]),
+    )
+    config = with_builtin_settings_carried(config)
+    spec = bind(resolve(config.train_code), config)
     started = time.perf_counter()
     ray.init(address="local", runtime_env={"env_vars": worker_env()}, logging_level=logging.ERROR)
     print(f"RAY_START {time.perf_counter() - started:.3f}")
-    runs = locate(config.storage_path, config.storage_options).child("runs")
     # The flow sizes cpus_per_worker to the cluster the same way.
     plan = sized_for_cluster(config, alive_node_resources(), streams=False)
-    result = build_trainer(config, plan, dataset, "bare", runs).fit()
-    if result.checkpoint is None:
+    trainer = TorchTrainer(
+        spec.train_func,
+        train_loop_config=user_config(config, spec, data_dir),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=plan.min_workers, resources_per_worker={"CPU": plan.cpus_per_worker}
+        ),
+        run_config=ray.train.RunConfig(name="bare", storage_path=config.storage_path),
+    )
+    result = trainer.fit()
+    if result.checkpoint is None or result.metrics_dataframe is None:
         raise SystemExit("the bare fit reported no checkpoint")
-    history = read_history(result.checkpoint)
-    print(f"IN_LOOP {sum(h['epoch_seconds'] for h in history):.4f}")
+    print(f"IN_LOOP {float(result.metrics_dataframe['epoch_seconds'].sum()):.4f}")
     ray.shutdown()
 
 
@@ -460,7 +482,8 @@ def _run_measured(command: list[str], cwd: Path, env: dict[str, str]) -> Measure
     return Measured(wall, peak_pss / 2**30, peak_rss / 2**30, output)
 
 
-CHECKPOINT_LINE = re.compile(r"epoch \d+/\d+ .*\(([0-9.]+)s, [0-9]+ samples/s; checkpoint ([0-9.]+)s\)")
+# The built-in loop's line says "(0.52s, ...; checkpoint 0.031s)", a TrainSpec's "(0.52 s, ...; checkpoint 0.031 s)".
+CHECKPOINT_LINE = re.compile(r"epoch \d+/\d+ .*\(([0-9.]+) ?s, [0-9]+ samples/s; checkpoint ([0-9.]+) ?s\)")
 
 
 def _checkpoint_figures(output: str) -> dict[str, float]:

@@ -35,7 +35,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.overhead import FLOW_BATCH_SIZE, _free_port, machine, run_bare
+from bench.overhead import FLOW_BATCH_SIZE, _free_port, machine, prepared_files, run_bare
 from bench.summary import write_figures
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,7 +43,6 @@ BIN = Path(sys.executable).parent
 EPOCHS = 3  # bench.overhead's flow_epochs: the same job as its whole-flow and bare-fit contenders
 BARE_FITS = 2
 JOB = {
-    "train_code": "",  # the built-in classifier, as bench.overhead's bare fit (build_trainer) trains
     "dataset": "synthetic",
     "synthetic_samples": 24000,
     "batch_size": FLOW_BATCH_SIZE,
@@ -181,10 +180,10 @@ def bare_contender(overhead: Path | None, root: Path, checkout: Path) -> dict[st
         if results.get("flow_epochs") != EPOCHS:
             raise SystemExit(f"{overhead} has bare fits of {results.get('flow_epochs')} epochs, not {EPOCHS}")
         return {**results["orchestration"]["bare_fit"], "source": str(overhead)}
-    manifest = next((checkout / ".pipeline" / "storage" / "datasets").glob("*/dataset.json"))
+    data_dir = prepared_files(checkout / ".pipeline" / "storage")
     bares = []
     for _ in range(BARE_FITS):
-        bares.append(run_bare(root, EPOCHS, manifest))
+        bares.append(run_bare(root, EPOCHS, data_dir))
         print(f"  bare fit: {bares[-1]['wall_s']:.1f} s, fixed {bares[-1]['fixed_s']:.1f} s", flush=True)
     return {key: statistics.median(b[key] for b in bares) for key in ("wall_s", "in_loop_s", "fixed_s")}
 

@@ -104,8 +104,8 @@ def render() -> str:
             meaning += " A resume may give it another value (it steers the run, not what it trains)."
         if name in BUILTIN_CLASSIFIER_ONLY:
             meaning += (
-                " The built-in classifier's alone: with `train_code` it does nothing (a run warns), except for"
-                " the table classifier, whose train_config takes it."
+                " The table classifier's (the default `train_code`), whose train_config takes it; with your own"
+                " `train_code` it does nothing (a run warns)."
             )
         kind += f" ({bounds})" if bounds else ""
         rows.append(f"| `{name}` (`{flag}`) | {kind} | {_default(field.default)} | {meaning} |")

@@ -225,12 +225,8 @@ def _prepare_resume(
             )
             client.set_tag(run_id, "prefect_raytrain.resume_fallback", resume_point.why[:4000])
         elif resume_point.start:
-            logger.info(
-                "run %s resumes from its checkpoint %s (%sits files verified)",
-                run_key,
-                resume_point.start,
-                f"epoch {resume_point.epoch}; " if resume_point.epoch else "",
-            )
+            uri = run_dir.child(resume_point.start).uri
+            say_resume(logger, config, uri, resume_point.epoch, "; its files hash to the digest recorded at commit")
     else:
         announce_resume(logger, config, run_dir, preexisting, pinned)
     return OpenRun(run_id, experiment_id, reopened, backend, journal, preexisting, pinned, resume_point)
@@ -351,8 +347,24 @@ def announce_resume(
     trusted = sorted(name for name in preexisting if name in pinned)
     if not trusted:
         return
-    epoch, uri = checkpoint_epoch(trusted[-1]), run_dir.child(trusted[-1]).uri
-    if epoch >= config.epochs:
-        logger.info("resuming from checkpoint %s: epoch %d, the last, was committed; finishing the run", uri, epoch)
+    say_resume(logger, config, run_dir.child(trusted[-1]).uri, checkpoint_epoch(trusted[-1]))
+
+
+def say_resume(logger: Any, config: TrainingConfig, uri: str, epoch: int | None, verified: str = "") -> None:
+    """``resuming from checkpoint <uri> (epoch 2 of 4): next epoch 3``, for any code: the epoch (from 1) it holds,
+    where known (a ``train_func`` that reports none: the folder alone), and how it was verified (``verified``)."""
+    if epoch is None:
+        logger.info("resuming from checkpoint %s%s", uri, verified)
+    elif epoch >= config.epochs:
+        logger.info(
+            "resuming from checkpoint %s: epoch %d, the last, was committed; finishing the run%s", uri, epoch, verified
+        )
     else:
-        logger.info("resuming from checkpoint %s (epoch %d of %d): next epoch %d", uri, epoch, config.epochs, epoch + 1)
+        logger.info(
+            "resuming from checkpoint %s (epoch %d of %d): next epoch %d%s",
+            uri,
+            epoch,
+            config.epochs,
+            epoch + 1,
+            verified,
+        )

@@ -57,9 +57,9 @@ PINNED_BY_DEPLOYMENT: dict[str, Any] = {"pinned_by_deployment": True}
 # give them other values; any other setting changed on resume is refused (raytrain_tasks.tracking.runs), or the
 # checkpoints and metrics of one MLflow run would not add up.
 MAY_CHANGE_ON_RESUME: dict[str, Any] = {"may_change_on_resume": True}
-# On the settings of the built-in classifier alone (its data, model and gate): your own code (`train_code`) brings
-# its own, and a run with `train_code` warns that they are ignored when they differ from their defaults; the table
-# classifier takes them into its train_config (raytrain_tasks.builtin_aliases).
+# On the settings of the built-in classifier alone (its data, model and gate): the table classifier, the default
+# `train_code`, takes them into its train_config (raytrain_tasks.builtin_aliases); other code brings its own, and a
+# run of it warns that they are ignored when they differ from their defaults.
 BUILTIN_ONLY: dict[str, Any] = {"builtin_classifier_only": True}
 
 
@@ -183,17 +183,18 @@ class ComputeSettings(_Section):
 
 
 class TrainingSettings(_Section):
-    """What is trained, and how: your own code (`train_code`) or the built-in classifier."""
+    """What is trained, and how: `train_code` (the table classifier unless it names your own) and its config."""
 
     train_code: str = Field(
-        default="",
+        default="raytrain_tasks.table_classifier:classifier",
         max_length=300,
         title="Training code",
         description=(
             "Your own training code, 'package.module:attribute' naming a raytrain_tasks.api.TrainFunc (Ray Train's "
             "train_func with its metric and model loader) or TrainSpec (model, data, loss, metrics), imported from "
-            "the directory the command runs in or from the installed packages (docs/own-model.md). Empty: the "
-            "built-in table classifier (`model`, `dataset`, ...)."
+            "the directory the command runs in or from the installed packages (docs/own-model.md). The default is "
+            "the table classifier, a TrainSpec taking `dataset`, `hidden_sizes`, ... into its train_config. Empty: "
+            "the built-in classifier of earlier releases, kept so that their runs resume; it goes in a later one."
         ),
     )
     train_config: JsonObject = Field(

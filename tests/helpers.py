@@ -541,3 +541,17 @@ def head_node(env: dict[str, str] | None = None, num_cpus: int = 2) -> Iterator[
         # would stop every Ray on the machine.
         stop_process_group(head, signal.SIGKILL)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def table_dataset(data: Any, options: Any = None) -> DatasetRef:
+    """The table a run of the table classifier trained on, as the built-in classifier's runs give it: the
+    prepared version's ``dataset.json`` (read from this node's copy of it), or ``data`` itself when it is one."""
+    from raytrain_tasks.data import MANIFEST_NAME, DatasetRef
+    from raytrain_tasks.prepared import PreparedData, local_data_dir
+    from raytrain_tasks.storage.filesystem import StorageOptions
+
+    if not isinstance(data, PreparedData):
+        return data  # type: ignore[no-any-return]
+    folder = local_data_dir(data, options or StorageOptions())
+    stored = DatasetRef.model_validate_json((folder / MANIFEST_NAME).read_text())
+    return stored.model_copy(update={"uri": folder.as_posix()})

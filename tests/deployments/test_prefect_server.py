@@ -373,7 +373,8 @@ def test_cancelling_a_run_stops_training_and_keeps_it_resumable(prefect_server: 
     continues it by itself (a cancel is not a crash), and a run with `resume` finishes it: each epoch once."""
     import psutil
 
-    from raytrain_tasks.checkpoint import verify_checkpoint
+    from raytrain_tasks.integrity import local_folder_digest
+    from raytrain_tasks.tracking.controller import pinned_digests
 
     with _worker(prefect_server) as (_, worker_log):
         flow_run, mlflow_run_id = _start_until_epoch_2(prefect_server, ad_hoc, "cancel-test", worker_log)
@@ -395,8 +396,8 @@ def test_cancelling_a_run_stops_training_and_keeps_it_resumable(prefect_server: 
         run_key = run.data.tags["prefect_raytrain.run_key"]
         checkpoints = sorted((prefect_server.checkout / ".pipeline" / "storage" / "runs" / run_key).glob("epoch-*"))
         assert checkpoints
-        for checkpoint in checkpoints:
-            verify_checkpoint(checkpoint)
+        pinned = pinned_digests(run.data.tags)  # each kept, whole: the files it was committed with
+        assert all(local_folder_digest(folder) == pinned[folder.name] for folder in checkpoints), checkpoints
 
         resumed = _api(  # what `prefect deployment run training-pipeline/ad-hoc -p resume=<run key>` does
             prefect_server,

@@ -1039,6 +1039,5 @@ def test_settings_of_the_built_in_classifier_set_beside_train_code_are_named_as_
     assert ignored_with_train_code(mixed) == ["hidden_sizes", "promotion_metric"]  # epochs is the code's too
     assert ignored_with_train_code(TrainingConfig(train_code="my_model.train:training")) == []
     assert ignored_with_train_code(TrainingConfig(train_code="", hidden_sizes=[8])) == []  # the built-in uses it
-    # The table classifier takes it into its train_config (raytrain_tasks.builtin_aliases).
-    table = TrainingConfig(train_code="raytrain_tasks.table_classifier:classifier", hidden_sizes=[8])
-    assert ignored_with_train_code(with_builtin_settings_carried(table)) == []
+    # The default code, the table classifier, takes it into its train_config (raytrain_tasks.builtin_aliases).
+    assert ignored_with_train_code(with_builtin_settings_carried(TrainingConfig(hidden_sizes=[8]))) == []

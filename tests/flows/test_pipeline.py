@@ -11,11 +11,11 @@ import pytest
 from mlflow import MlflowClient
 
 from flows.training import PipelineResult, training_pipeline
-from raytrain_tasks.checkpoint import verify_checkpoint
 from raytrain_tasks.config import parameters_of
 from raytrain_tasks.data import LABEL_INDEX_COLUMN
-from raytrain_tasks.tracking.controller import EPOCH_METRICS
-from tests.helpers import small_config
+from raytrain_tasks.integrity import local_folder_digest
+from raytrain_tasks.tracking.controller import EPOCH_METRICS, pin_tag
+from tests.helpers import small_config, table_dataset
 
 TABLE_CLASSIFIER = "raytrain_tasks.table_classifier:classifier"
 
@@ -53,8 +53,10 @@ def test_every_epoch_checkpointed_in_storage_keeping_the_best(first_run: Pipelin
     # checkpoints_to_keep=2: the two best by val_accuracy survive (the latest always does). Folders are named by
     # the epoch's number, as the console counts: epoch-0003 holds "epoch 3/3".
     assert kept == ["epoch-0002", "epoch-0003"]
+    # Each as committed: its folder hashes to the digest the fit pinned in the MLflow run.
+    tags = MlflowClient(first_run.config.mlflow_tracking_uri).get_run(first_run.fit.mlflow_run_id).data.tags
     for name in kept:
-        verify_checkpoint(run_dir / name)
+        assert tags[pin_tag(name)] == local_folder_digest(run_dir / name)
     assert Path(first_run.fit.best_checkpoint_uri) == run_dir / f"epoch-{first_run.fit.best_epoch:04d}"
 
 
@@ -86,7 +88,13 @@ def test_one_epoch_numbering_and_the_summary_as_a_table(first_run: PipelineResul
     best = first_run.fit.best_epoch
     assert history[best] == max(history.values())
     assert first_run.fit.best_checkpoint_uri.endswith(f"/epoch-{best:04d}")
-    assert set(run.data.metrics) <= {*EPOCH_METRICS, *(f"best_checkpoint_{k}" for k in first_run.fit.scores)}
+    # Every metric is an epoch's (one point per epoch) but the best checkpoint's held-out scores, logged once.
+    scores = {key for key in run.data.metrics if key.startswith("best_checkpoint_")}
+    assert scores == {f"best_checkpoint_{key}" for key in first_run.fit.scores}
+    per_epoch = set(run.data.metrics) - scores - {key for key in run.data.metrics if key.startswith("system/")}
+    assert per_epoch >= {"train_loss", "val_loss", "val_accuracy"}
+    for key in per_epoch:
+        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == [1, 2, 3], key
     tags = run.data.tags
     assert tags["summary.best_epoch"] == str(best)
     assert float(tags["summary.best_val_accuracy"]) == pytest.approx(history[best], abs=1e-6)
@@ -143,8 +151,9 @@ def test_champion_loads_and_reproduces_logged_accuracy(first_run: PipelineResult
     assert first_run.model is not None and first_run.model.aliases == ("champion",)
     mlflow.set_tracking_uri(first_run.config.mlflow_tracking_uri)
     model = mlflow.pyfunc.load_model(f"models:/{first_run.model.name}@champion")
-    val = pd.read_parquet(Path(first_run.dataset.uri) / "val.parquet")
-    features = np.array(val[list(first_run.dataset.feature_names)], dtype=np.float32)
+    table = table_dataset(first_run.dataset)
+    val = pd.read_parquet(Path(table.uri) / "val.parquet")
+    features = np.array(val[list(table.feature_names)], dtype=np.float32)
     predicted = np.asarray(model.predict(features)).argmax(axis=1)
     accuracy = float((predicted == val[LABEL_INDEX_COLUMN].to_numpy()).mean())
     logged = {m.step: m.value for m in client.get_metric_history(first_run.fit.mlflow_run_id, "val_accuracy")}
@@ -157,7 +166,8 @@ def test_the_logged_model_stores_no_real_row_by_default(first_run: PipelineResul
 
     import mlflow
 
-    assert first_run.config.input_example == "synthetic" and first_run.model is not None
+    assert first_run.config.train_config.get("input_example", "synthetic") == "synthetic"
+    assert first_run.model is not None
     mlflow.set_tracking_uri(first_run.config.mlflow_tracking_uri)
     info = mlflow.models.get_model_info(f"models:/{first_run.model.name}/{first_run.model.version}")
     local = Path(mlflow.artifacts.download_artifacts(info.model_uri))
@@ -165,12 +175,11 @@ def test_the_logged_model_stores_no_real_row_by_default(first_run: PipelineResul
     if isinstance(example, dict):  # {"inputs": ...} or {"data": ...} depending on the example's type
         example = example.get("inputs", example.get("data"))
     rows = np.asarray(example, dtype=np.float32)
-    assert rows.shape[1] == len(first_run.dataset.feature_names)
+    table = table_dataset(first_run.dataset)
+    assert rows.shape[1] == len(table.feature_names)
     stored = np.concatenate(
         [
-            pd.read_parquet(Path(first_run.dataset.uri) / f"{split}.parquet")[
-                list(first_run.dataset.feature_names)
-            ].to_numpy(dtype=np.float32)
+            pd.read_parquet(Path(table.uri) / f"{split}.parquet")[list(table.feature_names)].to_numpy(dtype=np.float32)
             for split in ("train", "val", "test")
         ]
     )
@@ -197,17 +206,19 @@ def test_champion_moves_only_for_a_better_model(first_run: PipelineResult, clien
     assert str(client.get_model_version_by_alias(name, "previous_champion").version) == first_version
 
 
-def test_the_table_classifiers_model_is_judged_against_the_built_in_champion(
-    first_run: PipelineResult, client: MlflowClient, workdir: Path
-) -> None:
-    """The table classifier (the built-in's model and data as a TrainSpec of the public API) registers into the
-    same model as the built-in: the built-in's champion, which records no train_code, was incomparable with it,
-    and every one of its models stayed `challenger`. Of the same table it is compared: scored on this run's test
-    split by the spec's own evaluate."""
-    name = first_run.config.model_name
+def test_the_table_classifiers_model_is_judged_against_the_built_in_champion(tmp_path: Path) -> None:
+    """A champion the built-in classifier registered (a release before the table classifier became the default;
+    `train_code` '' runs it still) records no train_code. The table classifier, which trains the same model on
+    the same table, registers into the same model and is compared with it, scored on this run's test split by
+    the spec's own evaluate: it was incomparable, and every one of its models stayed `challenger`."""
+    built_in = training_pipeline(**parameters_of(small_config(tmp_path, epochs=1, train_code="")))
+    assert built_in.model is not None and built_in.model.decision == "promote", built_in.model
+    client = MlflowClient(built_in.config.mlflow_tracking_uri)
+    name = built_in.config.model_name
     champion = client.get_model_version_by_alias(name, "champion")
     assert "train_code" not in champion.tags  # the built-in's
-    result = training_pipeline(**parameters_of(small_config(workdir, epochs=1, train_code=TABLE_CLASSIFIER)))
+    result = training_pipeline(**parameters_of(small_config(tmp_path, epochs=1)))
+    assert result.config.train_code == TABLE_CLASSIFIER
     assert result.model is not None and result.model.name == name, result.model
     tags = client.get_model_version(name, result.model.version).tags
     assert tags["promotion.decision"] in ("promote", "keep_champion"), tags
@@ -242,7 +253,7 @@ def test_run_page_shows_progress_per_epoch_and_a_summary(first_run: PipelineResu
     assert f"| metric | final (epoch 3) | best (epoch {first_run.fit.best_epoch}) |" in summary.data, summary.data
     assert f"| val_accuracy | {final_accuracy:.4f} |" in summary.data, summary.data
     assert f"| train_loss | {first_run.fit.final_metrics['train_loss']:.4f} |" in summary.data
-    assert f"{first_run.dataset.test_rows} test rows" in summary.data
+    assert first_run.dataset.content_hash in summary.data  # the stored version of the data it trained on
     messages = [log.message for log in logs]
     for epoch in (1, 2, 3):
         assert sum(m.startswith(f"epoch {epoch}/3 committed:") for m in messages) == 1, messages
@@ -376,6 +387,8 @@ def test_what_a_killed_checkpoint_write_left_on_the_node_is_gone_after_the_runs_
         stored = workdir / "storage" / "runs" / key
         assert sorted(p.name for p in stored.rglob("stale.bin")) == []
         if not train_code:
+            from raytrain_tasks.checkpoint import verify_checkpoint
+
             verify_checkpoint(result.fit.best_checkpoint_uri)
         else:
             assert [p.name for p in Path(result.fit.best_checkpoint_uri).iterdir()] == ["spec_state.pt"]

@@ -162,7 +162,7 @@ MOMENTS: dict[str, Callable[[Command], bool]] = {
     "starting Ray and the Prefect API": _starting_services,
     "prepare-data": lambda command: _run_key(command.output()) is not None,
     "mid-fit": _epoch_committed,
-    "register-model": lambda command: "best epoch" in command.output(),
+    "register-model": lambda command: "best checkpoint:" in command.output(),
 }
 
 

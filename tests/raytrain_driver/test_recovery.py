@@ -88,14 +88,28 @@ def assert_resumed_not_restarted(written: dict[str, float], kill: Kill) -> None:
 
 
 def checkpoint_mtimes(workdir: Path) -> dict[str, float]:
+    """When each checkpoint folder's newest file was written (any checkpoint format: its files are the code's)."""
     (run_dir,) = (workdir / "storage" / "runs").iterdir()
-    return {p.name: (p / MODEL_FILE).stat().st_mtime for p in run_dir.glob("epoch-*") if (p / MODEL_FILE).exists()}
+    written = {p.name: [f.stat().st_mtime for f in p.iterdir() if f.is_file()] for p in run_dir.glob("epoch-*")}
+    return {name: max(mtimes) for name, mtimes in written.items() if mtimes}
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> PipelineResult:
     """The uninterrupted run every recovered run must match."""
     return training_pipeline(**parameters_of(chaos_config(tmp_path_factory.mktemp("reference"))))
+
+
+# The built-in classifier's checkpoint format (train_code ''): a manifest of file hashes, which tells a damaged
+# checkpoint (fall back to the newest intact one inside the fit) from a replaced one (stop). User code's
+# checkpoints are its own files, vouched for by the digest MLflow recorded when each was committed: a mismatch
+# inside a fit stops it (test_own_code), a resume falls back to the newest that verifies (below).
+BUILTIN = {"train_code": ""}
+
+
+@pytest.fixture(scope="module")
+def builtin_reference(tmp_path_factory: pytest.TempPathFactory) -> PipelineResult:
+    return training_pipeline(**parameters_of(chaos_config(tmp_path_factory.mktemp("builtin"), **BUILTIN)))
 
 
 def test_worker_killed_mid_epoch_resumes_from_last_checkpoint(tmp_path: Path, reference: PipelineResult) -> None:
@@ -279,7 +293,7 @@ def test_checkpoints_committed_while_mlflow_was_down_survive_a_crash(tmp_path: P
     assert_same_as_uninterrupted(tmp_path, reference)
 
 
-def test_corrupted_latest_checkpoint_is_skipped_on_resume(tmp_path: Path, reference: PipelineResult) -> None:
+def test_corrupted_latest_checkpoint_is_skipped_on_resume(tmp_path: Path, builtin_reference: PipelineResult) -> None:
     """With the default retention (checkpoints_to_keep=2): Ray's eviction never deletes the re-written epoch."""
     from raytrain_tasks.checkpoint import verify_checkpoint
 
@@ -291,10 +305,10 @@ def test_corrupted_latest_checkpoint_is_skipped_on_resume(tmp_path: Path, refere
         model_file.write_bytes(model_file.read_bytes()[:100])
         corrupted.append(model_file.parent.name)
 
-    config = chaos_config(tmp_path, max_failures=2, checkpoints_to_keep=2)
+    config = chaos_config(tmp_path, max_failures=2, checkpoints_to_keep=2, **BUILTIN)
     state, _ = run_killing_a_worker(tmp_path, config, before_kill=truncate_the_checkpoint_resumed_from)
     assert state.is_completed(), state.message
-    assert_same_as_uninterrupted(tmp_path, reference)
+    assert_same_as_uninterrupted(tmp_path, builtin_reference)
     (run_dir,) = (tmp_path / "storage" / "runs").iterdir()
     # The corrupted epoch was trained again from the one before it and written to a folder of its own, never
     # into the corrupted one: the two checkpoints Ray Train still tracks are there, intact, the newest the last.
@@ -321,7 +335,7 @@ def test_no_intact_checkpoint_left_is_not_retried(tmp_path: Path) -> None:
         for model_file in run_dir.glob(f"epoch-*/{MODEL_FILE}"):
             model_file.write_bytes(model_file.read_bytes()[:100])
 
-    config = chaos_config(tmp_path, max_failures=1, fit_retries=2, retry_delay_seconds=0)
+    config = chaos_config(tmp_path, max_failures=1, fit_retries=2, retry_delay_seconds=0, **BUILTIN)
     state, _ = run_killing_a_worker(tmp_path, config, before_kill=truncate_every_checkpoint)
     assert state.is_failed()
     error = state.result(raise_on_failure=False)
@@ -357,7 +371,7 @@ def test_a_tampered_checkpoint_stops_the_restarted_workers_and_runs_nothing(tmp_
                 torch.save({"numpy": CreatesAFile(marker)}, folder / RNG_FILE)
                 rewrite_manifest(folder)
 
-    config = chaos_config(tmp_path, max_failures=1, fit_retries=2, retry_delay_seconds=0)
+    config = chaos_config(tmp_path, max_failures=1, fit_retries=2, retry_delay_seconds=0, **BUILTIN)
     state, _ = run_killing_a_worker(tmp_path, config, before_kill=tamper_the_checkpoint_resumed_from)
     assert state.is_failed()
     error = state.result(raise_on_failure=False)
@@ -366,6 +380,39 @@ def test_a_tampered_checkpoint_stops_the_restarted_workers_and_runs_nothing(tmp_
     assert not marker.exists()
     run = only_run(tmp_path)
     assert run.info.status == "FAILED" and "CheckpointError" in run.data.tags["prefect_raytrain.error"]
+
+
+def test_a_damaged_checkpoint_stops_the_fit_and_a_resume_continues_from_the_newest_that_verifies(
+    tmp_path: Path, reference: PipelineResult
+) -> None:
+    """The default code's checkpoints are vouched for by the digest MLflow recorded when each was committed: the one
+    a restarted worker group would load, truncated in storage, stops the fit (nothing of it loaded, not retried);
+    `resume` then passes over it, continues from the newest checkpoint that verifies, and ends in the same MLflow
+    run equal to an uninterrupted one, every epoch logged once."""
+    from raytrain_tasks.errors import CheckpointError
+
+    truncated: list[str] = []
+
+    def truncate_the_checkpoint_resumed_from(epoch: int) -> None:
+        (run_dir,) = (tmp_path / "storage" / "runs").iterdir()
+        folder = run_dir / checkpoint_dir_name(epoch)
+        for state_file in (f for f in folder.iterdir() if f.is_file()):
+            state_file.write_bytes(state_file.read_bytes()[:100])
+        truncated.append(folder.name)
+
+    config = chaos_config(tmp_path, max_failures=2, fit_retries=0)
+    state, _ = run_killing_a_worker(tmp_path, config, before_kill=truncate_the_checkpoint_resumed_from)
+    assert state.is_failed()
+    error = state.result(raise_on_failure=False)
+    assert isinstance(error, CheckpointError) and "no longer hash" in str(error), error
+    failed = only_run(tmp_path)
+    assert failed.info.status == "FAILED"
+
+    (run_dir,) = (tmp_path / "storage" / "runs").iterdir()
+    resumed = training_pipeline(**parameters_of(chaos_config(tmp_path, resume=run_dir.name)))
+    assert only_run(tmp_path).info.run_id == failed.info.run_id
+    assert_same_as_uninterrupted(tmp_path, reference)
+    assert not resumed.fit.best_checkpoint_uri.endswith(truncated[0])  # the damaged folder is never chosen
 
 
 def test_worker_killed_on_s3_storage_resumes_from_the_bucket(
@@ -386,11 +433,11 @@ def test_worker_killed_on_s3_storage_resumes_from_the_bucket(
     result = state.result()
     client = s3_client(config.storage_options)
     prefix = f"run/runs/{result.run_key}/"
-    written = {
-        item["Key"][len(prefix) :].split("/")[0]: item["LastModified"].timestamp()
-        for item in client.list_objects_v2(Bucket="prt-chaos", Prefix=prefix)["Contents"]
-        if item["Key"].endswith("/model.pt")
-    }
+    written: dict[str, float] = {}  # each checkpoint folder's newest file (any format: its files are the code's)
+    for item in client.list_objects_v2(Bucket="prt-chaos", Prefix=prefix)["Contents"]:
+        folder, _, name = item["Key"][len(prefix) :].partition("/")
+        if folder.startswith("epoch-") and name:
+            written[folder] = max(written.get(folder, 0.0), item["LastModified"].timestamp())
     # The restarted workers read the checkpoint they resumed from back from the bucket; it was not rewritten.
     assert_resumed_not_restarted(written, kill)
     assert not (tmp_path / "storage").exists()
@@ -445,9 +492,10 @@ def test_a_storage_outage_mid_run_is_ridden_out(tmp_path: Path, reference: Pipel
     restart and no Prefect retry allowed, the run can only finish if the checkpoint uploads wait the outage out
     (workers get the retrying filesystem, not pyarrow's 3 tries over about 2 s, a third of the outage); it ends
     as an uninterrupted run ends, with every checkpoint in the bucket and intact."""
-    from raytrain_tasks.checkpoint import verify_checkpoint
+    from raytrain_tasks.integrity import local_folder_digest
     from raytrain_tasks.storage.filesystem import StorageOptions
     from raytrain_tasks.storage.locations import download_dir, locate
+    from raytrain_tasks.tracking.controller import pinned_digests
 
     door = Outage(int(s3_server.endpoint_url.rsplit(":", 1)[1]))
     door.open()
@@ -485,7 +533,8 @@ def test_a_storage_outage_mid_run_is_ridden_out(tmp_path: Path, reference: Pipel
         run_dir = download_dir(locate(best.uri.rsplit("/", 1)[0], options), tmp_path / "run")
         kept = sorted(p.name for p in run_dir.glob("epoch-*"))
         assert kept == [checkpoint_dir_name(epoch) for epoch in range(EPOCHS)]
-        for name in kept:  # none truncated by an upload cut off mid-way
-            verify_checkpoint(run_dir / name)
+        # None truncated by an upload cut off mid-way: each holds the files it was committed with.
+        pinned = pinned_digests(run.data.tags)
+        assert all(local_folder_digest(run_dir / name) == pinned[name] for name in kept), (kept, pinned)
     finally:
         door.shut()

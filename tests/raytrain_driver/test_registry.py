@@ -81,8 +81,8 @@ def registry(
     mlflow_server: MlflowServer, tmp_path_factory: pytest.TempPathFactory, prefect_api: None
 ) -> dict[str, Any]:
     workdir = tmp_path_factory.mktemp("registry")
-    # The registry's decisions on fits of the built-in classifier (fit_for_registry makes them): named, so that it
-    # stays so when the table classifier becomes the default train_code (issue 32).
+    # The registry's decisions on fits of the built-in classifier (fit_for_registry makes them): pinned to it, as
+    # runs started before the table classifier became the default are.
     config = small_config(
         workdir, train_code="", mlflow_tracking_uri=str(mlflow_server), model_name="gate", experiment_name="gate"
     )

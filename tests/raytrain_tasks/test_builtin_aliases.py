@@ -88,10 +88,38 @@ def test_one_setting_given_two_values_is_refused_naming_both_and_quoting_neither
     assert "promotion_metric and train_config.metric" in _train_code_problem(clash)  # before Prefect and Ray start
 
 
+def test_the_table_classifier_is_what_a_run_trains_unless_it_names_other_code() -> None:
+    """`make run`, a deployment without train_code, the UI's default form: the table classifier, with the
+    built-in classifier's settings in its train_config, logged as such."""
+    config = with_builtin_settings_carried(TrainingConfig(dataset="synthetic", hidden_sizes=[8]))
+    assert config.train_code == TABLE_CLASSIFIER
+    assert config.train_config == {"dataset": "synthetic", "hidden_sizes": [8]}
+    params = config.public_params()
+    assert params["train_code"] == TABLE_CLASSIFIER and "dataset" not in params and "hidden_sizes" not in params
+
+
+def test_a_run_of_the_built_in_classifier_from_an_earlier_release_resumes_as_it_started() -> None:
+    """A run started before the table classifier became the default logged train_code ''. `prefect-raytrain
+    resume` gives it back, so the run continues on the built-in classifier; a continuation that would train the
+    table classifier instead (a crashed deployment run, whose parameters left train_code out) is refused before it
+    trains, saying how to continue it."""
+    from flows.cli import parse_config
+    from flows.command import flags_from_params
+    from raytrain_tasks.errors import TrackingError
+    from raytrain_tasks.tracking.runs import _check_params_unchanged
+
+    started = TrainingConfig(train_code="", dataset="synthetic")
+    logged = {key: str(value) for key, value in started.public_params().items()}
+    assert parse_config(flags_from_params(logged, [])) == started
+    continued = with_builtin_settings_carried(TrainingConfig(dataset="synthetic"))
+    with pytest.raises(TrackingError, match=r"train_code: '' -> .*continue it with train_code=''") as refused:
+        _check_params_unchanged(logged, continued.public_params(), "20260101-000000-abcdef")
+    assert "--train-code ''" in str(refused.value)
+
+
 def test_the_table_classifier_reaches_a_cluster_as_part_of_the_pipelines_own_code() -> None:
     """Its module is raytrain_tasks', which every cluster run ships: not a second time as the user's package."""
     import raytrain_tasks
     from raytrain_driver.cluster import cluster_runtime_env
 
-    config = TrainingConfig(ray_address="127.0.0.1:6379", train_code=TABLE_CLASSIFIER)
-    assert cluster_runtime_env(config)["py_modules"] == [raytrain_tasks]
+    assert cluster_runtime_env(TrainingConfig(ray_address="127.0.0.1:6379"))["py_modules"] == [raytrain_tasks]

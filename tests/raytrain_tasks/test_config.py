@@ -84,7 +84,7 @@ def test_new_run_keys_are_unique_and_accepted_by_resume() -> None:
 
 
 def test_public_params_are_flat_strings_or_scalars() -> None:
-    params = TrainingConfig(hidden_sizes=[32, 16]).public_params()
+    params = TrainingConfig(train_code="", hidden_sizes=[32, 16]).public_params()  # the built-in's settings too
     assert params["hidden_sizes"] == "32,16"
     assert set(params) == set(TrainingConfig.model_fields)
     assert all(isinstance(v, str | int | float | bool) for v in params.values())
@@ -259,8 +259,14 @@ def test_a_workers_torch_threads_are_its_cpu_share_rounded(cpus: float, threads:
 )
 def test_the_default_model_name_follows_the_users_data_or_code(settings: dict[str, str], name: str) -> None:
     """Left at its default, the registered model is not the digits classifier's for a user's own data or code:
-    a version there would stand behind a champion scored on other data and stay `challenger`."""
-    assert TrainingConfig(**settings).resolved(Path("/work"), {}).model_name == name
+    a version there would stand behind a champion scored on other data and stay `challenger`. The default code,
+    the table classifier, names it after its table, through the steps the flow takes."""
+    from raytrain_driver.preflight import code_model_name
+    from raytrain_tasks.builtin_aliases import with_builtin_settings_carried
+
+    config = with_builtin_settings_carried(TrainingConfig(**settings))
+    code_name = "" if "train_code" in settings else code_model_name(config)
+    assert config.resolved(Path("/work"), {}, code_name).model_name == name
 
 
 def test_a_resume_may_change_what_steers_the_run_and_nothing_it_trains_with() -> None:

@@ -19,7 +19,7 @@ from raytrain_tasks.config import parameters_of
 from raytrain_tasks.errors import StorageError
 from raytrain_tasks.storage.filesystem import StorageOptions
 from raytrain_tasks.storage.locations import s3_client
-from tests.helpers import small_config
+from tests.helpers import small_config, table_dataset
 
 BUCKET = "prt-tests"
 
@@ -58,12 +58,13 @@ def test_everything_lands_in_the_bucket(s3_run: tuple[PipelineResult, Path], s3_
     result, workdir = s3_run
     keys = list_keys(s3_server, "e2e/")
     dataset_prefix = f"e2e/datasets/{result.dataset.content_hash}/"
-    assert {f"{dataset_prefix}{name}" for name in ("train.parquet", "val.parquet", "dataset.json")} <= set(keys)
+    stored = {key.rsplit("/", 1)[1] for key in keys if key.startswith(dataset_prefix)}  # what prepare wrote
+    assert {"train.parquet", "val.parquet", "dataset.json"} <= stored
     run_prefix = f"e2e/runs/{result.run_key}/"
     kept = sorted({key[len(run_prefix) :].split("/")[0] for key in keys if key.startswith(f"{run_prefix}epoch-")})
     assert kept == ["epoch-0002", "epoch-0003"]
     for name in kept:
-        assert f"{run_prefix}{name}/manifest.json" in keys and f"{run_prefix}{name}/model.pt" in keys
+        assert f"{run_prefix}{name}/spec_state.pt" in keys  # the table classifier's (a TrainSpec's) checkpoint
     assert any(key.startswith("e2e/mlartifacts/") and key.endswith("/MLmodel") for key in keys)
     assert any(key.endswith("evaluation/learning_curves.png") for key in keys)
     assert result.fit.best_checkpoint_uri.startswith(f"s3://{BUCKET}/e2e/runs/")
@@ -80,7 +81,8 @@ def test_champion_loads_from_s3_and_reproduces_accuracy(s3_run: tuple[PipelineRe
     assert result.model is not None
     mlflow.set_tracking_uri(result.config.mlflow_tracking_uri)
     model = mlflow.pyfunc.load_model("models:/s3-model@champion")
-    x_val, y_val = read_split(result.dataset, "test", result.config.storage_options, standardised=False)
+    table = table_dataset(result.dataset, result.config.storage_options)
+    x_val, y_val = read_split(table, "test", result.config.storage_options, standardised=False)
     accuracy = float((np.asarray(model.predict(x_val)).argmax(axis=1) == y_val).mean())
     assert accuracy == pytest.approx(result.model.score, abs=1e-9)
     assert result.model.score >= 0.9
@@ -96,7 +98,7 @@ def test_no_secret_reaches_params_tags_artifacts_or_logs(s3_run: tuple[PipelineR
     client = MlflowClient(result.config.mlflow_tracking_uri)
     run = client.get_run(result.fit.mlflow_run_id)
     exposed = json.dumps([run.data.params, run.data.tags, result.model_dump(mode="json")])
-    for name in ("dataset_summary.json", "checkpoint.json", "per_class_report.json"):
+    for name in ("dataset_summary.json", "per_class_report.json"):
         exposed += Path(client.download_artifacts(run.info.run_id, f"evaluation/{name}", str(tmp_path))).read_text()
     with get_client(sync_client=True) as prefect:
         exposed += " ".join(log.message for log in prefect.read_logs(log_filter=LogFilter()))

@@ -38,5 +38,7 @@ def test_a_train_specs_workers_say_each_epoch_in_one_line() -> None:
 
     reported = {"epoch": 1, "train_loss": 0.2782, "val_loss": 0.18, "val_mae": 0.3, "test_mae": 0.4, "test_loss": 0.5}
     figures = {"epoch_seconds": 0.0947, "samples_per_second": 13537.5, "workers": 2.0, DATASET_DIGEST_KEY: "ab12"}
-    line = epoch_line(1, 3, {**reported, **figures})
-    assert line == "epoch 2/3 train_loss=0.2782 val_loss=0.1800 val_mae=0.3000 (0.09 s, 13538 samples/s)"
+    line = epoch_line(1, 3, {**reported, **figures}, 0.0123)
+    assert line == (
+        "epoch 2/3 train_loss=0.2782 val_loss=0.1800 val_mae=0.3000 (0.09 s, 13538 samples/s; checkpoint 0.012 s)"
+    )
