@@ -365,7 +365,10 @@ def run_flow(workdir: Path, epochs: int) -> dict[str, float]:
 
 def prepared_files(storage: Path) -> Path:
     """The files of the data version the flow runs prepared (the table classifier's prepare wrote them)."""
-    return next(storage.glob("datasets/*/files/dataset.json")).parent
+    found = next(storage.glob("datasets/*/files/dataset.json"), None)
+    if found is None:
+        raise SystemExit(f"no data version the default code prepared under {storage}/datasets: run the flow first")
+    return found.parent
 
 
 def run_bare(tmp: Path, epochs: int, data_dir: Path | None = None) -> dict[str, float]:
@@ -399,21 +402,15 @@ def bare_fit(workdir: Path, epochs: int, data_dir: Path) -> None:
     import ray.train
     from ray.train.torch import TorchTrainer
 
+    from flows.cli import parse_config
     from raytrain_driver.cluster import worker_env
     from raytrain_driver.sizing import alive_node_resources, sized_for_cluster
     from raytrain_tasks.builtin_aliases import with_builtin_settings_carried
-    from raytrain_tasks.config import TrainingConfig
     from raytrain_tasks.user_code import bind, resolve, user_config
 
-    job = dict(zip(FLOW_JOB[::2], FLOW_JOB[1::2], strict=True))
-    config = TrainingConfig(
-        epochs=epochs,
-        batch_size=FLOW_BATCH_SIZE,
-        storage_path=str(workdir / "storage"),
-        dataset=job["--dataset"],
-        synthetic_samples=int(job["--synthetic-samples"]),
-    )
-    config = with_builtin_settings_carried(config)
+    # The flow's own reading of the same flags (run_flow's command), so the two train one job.
+    flags = [*FLOW_JOB, "--epochs", str(epochs), "--storage-path", str(workdir / "storage")]
+    config = with_builtin_settings_carried(parse_config(flags))
     spec = bind(resolve(config.train_code), config)
     started = time.perf_counter()
     ray.init(address="local", runtime_env={"env_vars": worker_env()}, logging_level=logging.ERROR)

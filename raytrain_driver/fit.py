@@ -224,7 +224,7 @@ def _prepare_resume(
                 resume_point.why,
             )
             client.set_tag(run_id, "prefect_raytrain.resume_fallback", resume_point.why[:4000])
-        elif resume_point.start:
+        if resume_point.start:  # after a fallback too: where the run goes on, in the same words as ever
             uri = run_dir.child(resume_point.start).uri
             say_resume(logger, config, uri, resume_point.epoch, "; its files hash to the digest recorded at commit")
     else:

@@ -410,9 +410,12 @@ def test_a_damaged_checkpoint_stops_the_fit_and_a_resume_continues_from_the_newe
 
     (run_dir,) = (tmp_path / "storage" / "runs").iterdir()
     resumed = training_pipeline(**parameters_of(chaos_config(tmp_path, resume=run_dir.name)))
-    assert only_run(tmp_path).info.run_id == failed.info.run_id
+    run = only_run(tmp_path)
+    assert run.info.run_id == failed.info.run_id
     assert_same_as_uninterrupted(tmp_path, reference)
-    assert not resumed.fit.best_checkpoint_uri.endswith(truncated[0])  # the damaged folder is never chosen
+    # The resume passed over it and recorded why; it is never the best checkpoint.
+    assert f"{truncated[0]}: its files do not hash" in run.data.tags["prefect_raytrain.resume_fallback"]
+    assert not resumed.fit.best_checkpoint_uri.endswith(truncated[0])
 
 
 def test_worker_killed_on_s3_storage_resumes_from_the_bucket(

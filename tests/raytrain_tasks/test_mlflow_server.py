@@ -82,7 +82,7 @@ def test_a_run_as_the_ui_shows_it(served_run: PipelineResult, mlflow_server: str
         assert artifact.file_size and artifact.file_size > 5_000
         local = client.download_artifacts(run.info.run_id, artifact.path, str(tmp_path))
         assert Path(local).read_bytes()[:8] == PNG_MAGIC
-    for name in ("per_class_report.json", "dataset_summary.json"):
+    for name in ("per_class_report.json", "dataset_summary.json", "checkpoint.json"):
         assert artifacts[f"evaluation/{name}"].file_size
     per_class = Path(client.download_artifacts(run.info.run_id, "evaluation/per_class_report.json", str(tmp_path)))
     assert len(json.loads(per_class.read_text())["per_class"]) == 10  # every digit class

@@ -98,7 +98,7 @@ def test_no_secret_reaches_params_tags_artifacts_or_logs(s3_run: tuple[PipelineR
     client = MlflowClient(result.config.mlflow_tracking_uri)
     run = client.get_run(result.fit.mlflow_run_id)
     exposed = json.dumps([run.data.params, run.data.tags, result.model_dump(mode="json")])
-    for name in ("dataset_summary.json", "per_class_report.json"):
+    for name in ("dataset_summary.json", "per_class_report.json", "checkpoint.json"):
         exposed += Path(client.download_artifacts(run.info.run_id, f"evaluation/{name}", str(tmp_path))).read_text()
     with get_client(sync_client=True) as prefect:
         exposed += " ".join(log.message for log in prefect.read_logs(log_filter=LogFilter()))
