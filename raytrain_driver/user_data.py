@@ -60,11 +60,13 @@ SUMMARY_CHARS = 200
 
 def summary_line(said: object) -> str:
     """What ``prepare`` returned, as the one line a log and a run page show (its first line, at most 200
-    characters); "" for None or anything that is not a string (a prepare written before it could return one may
-    return what its last call did)."""
+    characters, any secret in it masked); "" for None or anything that is not a string (a prepare written before
+    it could return one may return what its last call did)."""
+    from raytrain_tasks.redact import redact
+
     if not isinstance(said, str):
         return ""
-    line = said.strip().splitlines()[0] if said.strip() else ""
+    line = redact(said.strip().splitlines()[0]) if said.strip() else ""
     return line if len(line) <= SUMMARY_CHARS else line[: SUMMARY_CHARS - 3] + "..."
 
 

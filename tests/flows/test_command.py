@@ -52,6 +52,24 @@ def test_the_settings_a_run_logged_rebuild_the_same_config() -> None:
     assert parse_config(flags_from_params(params, [])) == config
 
 
+def test_a_run_of_the_built_in_classifier_rebuilds_its_own_settings() -> None:
+    """A run of earlier releases (train_code '') logged the built-in classifier's settings as params of their
+    own: `resume` rebuilds each with its type (a list, a choice, a float), and train_code '' with them."""
+    config = TrainingConfig(
+        train_code="",
+        dataset="synthetic",
+        hidden_sizes=[32, 16],
+        learning_rate=0.0025,
+        data_loader="ray_data",
+        register=False,
+        storage_path="/data/prt",
+    )
+    params = {key: str(value) for key, value in config.public_params().items()}
+    rebuilt = parse_config(flags_from_params(params, []))
+    assert rebuilt == config
+    assert (rebuilt.train_code, rebuilt.hidden_sizes, rebuilt.data_loader) == ("", [32, 16], "ray_data")
+
+
 def test_a_masked_setting_must_be_given_again() -> None:
     params = {key: str(value) for key, value in TrainingConfig().public_params().items()}
     params["mlflow_tracking_uri"] = "http://user:***@mlflow.example:5000"

@@ -254,6 +254,8 @@ def test_run_page_shows_progress_per_epoch_and_a_summary(first_run: PipelineResu
     assert f"| val_accuracy | {final_accuracy:.4f} |" in summary.data, summary.data
     assert f"| train_loss | {first_run.fit.final_metrics['train_loss']:.4f} |" in summary.data
     assert first_run.dataset.content_hash in summary.data  # the stored version of the data it trained on
+    # ... and what it holds, as its prepare said: "N train / N val / N test rows, F features, C classes".
+    assert first_run.dataset.summary.endswith("classes") and first_run.dataset.summary in summary.data
     messages = [log.message for log in logs]
     for epoch in (1, 2, 3):
         assert sum(m.startswith(f"epoch {epoch}/3 committed:") for m in messages) == 1, messages

@@ -204,6 +204,8 @@ def test_the_line_prepare_returns_on_what_it_wrote_is_shown_with_the_version_and
         assert plain is not None and plain.summary == "" and "2 files, " in plain.describe()
     long = prepare_user_data(config, code(says("x" * 500)))
     assert long is not None and len(long.summary) == 200 and long.summary.endswith("...")
+    leaky = prepare_user_data(config, code(says("rows from https://reader:hunter2@db.example/rows")))
+    assert leaky is not None and "hunter2" not in leaky.summary and "db.example/rows" in leaky.summary
 
     client = MlflowClient(config.mlflow_tracking_uri)
     run = client.create_run(client.create_experiment("inputs"))
