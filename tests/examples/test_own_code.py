@@ -11,6 +11,7 @@ import json
 import os
 import re
 import textwrap
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -206,8 +207,12 @@ def test_a_checkpoint_changed_before_a_restart_inside_the_fit_is_not_handed_to_t
 
     def replace_the_weights(epoch: int) -> None:
         (run_dir,) = (tmp_path / "storage" / "runs").iterdir()
-        folders = sorted(path for path in run_dir.glob("checkpoint_*") if path.is_dir())  # not Ray's .json
-        assert folders, sorted(run_dir.iterdir())
+        # The committed ones: their digests are pinned in MLflow when the driver commits them, which can come after
+        # the workers stopped (this function's epochs take milliseconds: epochs 2 and 3 were uploaded while epoch 1
+        # was being committed). One replaced before its pin would be pinned as replaced, and rightly handed over.
+        pinned = _pinned_once_quiet(tmp_path)
+        folders = sorted(path for path in run_dir.glob("checkpoint_*") if path.is_dir() and path.name in pinned)
+        assert folders, (sorted(run_dir.iterdir()), pinned)
         for folder in folders:
             state = torch.load(folder / CHECKPOINT_FILE, weights_only=True)
             state["model"] = {key: torch.zeros_like(value) for key, value in state["model"].items()}
@@ -221,6 +226,20 @@ def test_a_checkpoint_changed_before_a_restart_inside_the_fit_is_not_handed_to_t
     assert "no longer hash" in str(error) and "storage_path" in str(error), error
     run = only_run(tmp_path)
     assert run.info.status == "FAILED" and "CheckpointError" in run.data.tags["prefect_raytrain.error"], run.data.tags
+
+
+def _pinned_once_quiet(workdir: Path, quiet_s: float = 1.0) -> frozenset[str]:
+    """The checkpoint folders pinned in the run's MLflow tags, once no new pin has come for ``quiet_s`` seconds."""
+    from raytrain_tasks.tracking.controller import pinned_digests
+
+    seen, since = frozenset[str](), time.monotonic()
+    while True:
+        now = frozenset(pinned_digests(only_run(workdir).data.tags))
+        if now != seen:
+            seen, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return seen
+        time.sleep(0.1)
 
 
 @pytest.mark.slow
