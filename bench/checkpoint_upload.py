@@ -21,8 +21,8 @@ import torch
 
 from bench.summary import write_figures
 from devtools.s3_server import ADMIN, LocalS3
-from raytrain_tasks.checkpoint import ModelSpec, TrainingState, capture_rng_state, save_checkpoint
-from raytrain_tasks.models import build_model
+from raytrain_tasks.checkpoint import capture_rng_state
+from raytrain_tasks.models import build_mlp
 from raytrain_tasks.storage.filesystem import StorageOptions, open_filesystem
 from raytrain_tasks.storage.locations import s3_client
 
@@ -30,18 +30,16 @@ BUCKET = "bench"
 
 
 def make_checkpoint(directory: Path, hidden: list[int]) -> int:
-    model = build_model("mlp", 64, 10, hidden)
+    """A checkpoint as a TrainSpec's loop writes one (raytrain_tasks.spec_loop): model, optimizer and RNG state."""
+    from raytrain_tasks.spec_loop import STATE_FILE
+
+    model = build_mlp(64, 10, hidden)
     optimizer = torch.optim.Adam(model.parameters())
     model(torch.randn(8, 64)).sum().backward()
     optimizer.step()
-    spec = ModelSpec("mlp", 64, 10, tuple(hidden))
-    save_checkpoint(
-        directory,
-        state=TrainingState(epoch=0, metrics={}, spec=spec),
-        model_state=model.state_dict(),
-        optimizer_state=optimizer.state_dict(),
-        rng_state=capture_rng_state(),
-    )
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": capture_rng_state(), "epoch": 0}
+    torch.save(state | {"data_sha256": ""}, directory / STATE_FILE)
     return sum(p.stat().st_size for p in directory.iterdir())
 
 

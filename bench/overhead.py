@@ -7,20 +7,17 @@
 1. In-loop parity: the same epoch loop, model and data at world size 2, under plain torch.distributed (gloo,
    torch.multiprocessing) and under Ray Train (prepare_model / prepare_data_loader). Time inside the loop.
 2. Scaling: samples/s of the Ray Train contender with 1 and 2 workers.
-3. Ingest: rows/s of the torch DataLoader and of the Ray Data pipeline (read_parquet + map_batches, kept in the
-   object store) over the same prepared split, shuffled epochs without training, and what each does once per fit;
-   then in-loop samples/s of the product's training loop fed by each, in a fit of the same world size.
-4. Orchestration: the whole flow (CLI: prepare + fit + register + MLflow, temporary Prefect API) against a bare
+3. Orchestration: the whole flow (CLI: prepare + fit + register + MLflow, temporary Prefect API) against a bare
    TorchTrainer.fit() of the same job; fixed cost = wall - time in the training loop; a breakdown from the
    flow's log timestamps, and the peak memory (PSS) of each process tree. The flow runs repeat in one
    directory (steady state); the first run there, which creates the databases, is reported on its own.
-Contenders alternate within each repetition; medians are reported.
+Contenders alternate within each repetition; medians are reported. The table classifier's two data loaders are
+compared by bench.own_code (part 3).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
@@ -200,124 +197,12 @@ def _figures(seconds: list[float], wall: float, w: Workload, world: int) -> dict
     return {"in_loop_s": in_loop, "samples_per_s": trained / in_loop, "wall_s": wall}
 
 
-# --- ingest ---------------------------------------------------------------------------------------------------
-def bench_dataset(w: Workload, tmp: Path) -> Any:
-    """The workload as a prepared dataset (raw Parquet splits and their statistics), as prepare-data writes one."""
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from raytrain_tasks.data import LABEL_INDEX_COLUMN, ROW_INDEX_COLUMN, DatasetRef
-
-    x, y = make_data(w)
-    folder = tmp / "ingest"
-    folder.mkdir(exist_ok=True)
-    names = tuple(f"f{i}" for i in range(w.features))
-    columns: dict[str, Any] = {n: x[:, i] for i, n in enumerate(names)}
-    columns[LABEL_INDEX_COLUMN], columns[ROW_INDEX_COLUMN] = y, np.arange(len(y))
-    for split in ("train", "val"):
-        pq.write_table(pa.table(columns), folder / f"{split}.parquet")
-    # What prepare-data records: readers check each split against it.
-    digests = {
-        split: hashlib.sha256((folder / f"{split}.parquet").read_bytes()).hexdigest() for split in ("train", "val")
-    }
-    return DatasetRef(
-        uri=str(folder),
-        content_hash="bench",
-        source="bench",
-        label_column="label",
-        feature_names=names,
-        class_labels=tuple(str(c) for c in range(w.classes)),
-        train_rows=w.rows,
-        val_rows=w.rows,
-        feature_mean=tuple(float(v) for v in x.mean(0)),
-        feature_std=tuple(float(v) for v in x.std(0)),
-        split_sha256=digests,
-    )
-
-
-def run_ingest(w: Workload, dataset: Any) -> dict[str, float]:
-    """Each loader as a worker of a fit uses it (one worker, no training): what it does once per fit (read, or
-    preprocess into the object store), then ``w.epochs`` shuffled epochs of ``batch_size`` batches."""
-    import torch
-
-    from raytrain_tasks.config import TrainingConfig
-    from raytrain_tasks.data import read_split
-    from raytrain_tasks.ingest import ray_datasets, shuffled_chunks, sliced
-
-    figures: dict[str, float] = {}
-    started = time.perf_counter()
-    features, labels = read_split(dataset, "train")
-    figures["torch_once_s"] = time.perf_counter() - started
-    loader = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(torch.from_numpy(features), torch.from_numpy(labels)),
-        batch_size=w.batch_size,
-        shuffle=True,
-    )
-    epochs = []
-    for _ in range(w.epochs):
-        started = time.perf_counter()
-        rows = sum(len(batch[1]) for batch in loader)
-        epochs.append(time.perf_counter() - started)
-    figures["torch_epoch_rows_per_s"] = rows / statistics.median(epochs)
-    figures["torch_rows_per_s"] = rows * w.epochs / (figures["torch_once_s"] + sum(epochs))
-
-    started = time.perf_counter()
-    train = ray_datasets(TrainingConfig(batch_size=w.batch_size, data_loader="ray_data"), dataset)["train"]
-    figures["ray_data_once_s"] = time.perf_counter() - started
-    epochs = []
-    for epoch in range(w.epochs):
-        started = time.perf_counter()
-        rows = sum(len(b[1]) for b in sliced(shuffled_chunks(train, w.batch_size, epoch), w.batch_size))
-        epochs.append(time.perf_counter() - started)
-    figures["ray_data_epoch_rows_per_s"] = rows / statistics.median(epochs)
-    figures["ray_data_rows_per_s"] = rows * w.epochs / (figures["ray_data_once_s"] + sum(epochs))
-    return figures
-
-
-def run_loader_fit(w: Workload, world: int, dataset: Any, loader: str, tmp: Path) -> dict[str, float]:
-    """A ``world``-worker fit of the product's training loop (raytrain_driver.trainer.build_trainer) fed by ``loader``:
-    in-loop samples/s from its own per-epoch metrics."""
-    import signal
-
-    from raytrain_driver.sizing import alive_node_resources, sized_for_cluster
-    from raytrain_driver.trainer import build_trainer, read_history
-    from raytrain_tasks.config import TrainingConfig
-    from raytrain_tasks.storage.locations import locate
-
-    config = TrainingConfig(
-        data_loader=loader,  # type: ignore[arg-type]  # one of the Literal's values
-        num_workers=world,
-        use_gpu=w.use_gpu,
-        hidden_sizes=list(w.hidden),
-        batch_size=w.batch_size,
-        epochs=w.epochs,
-        storage_path=str(tmp / f"loader-fit-{loader}-{time.monotonic_ns()}"),
-    )
-    plan = sized_for_cluster(config, alive_node_resources(), streams=False)
-    runs = locate(config.storage_path, config.storage_options).child("runs")
-    handler = signal.getsignal(signal.SIGINT)
-    try:
-        result = build_trainer(config, plan, dataset, "loader", runs).fit()
-    finally:
-        signal.signal(signal.SIGINT, handler)  # fit() on the main thread leaves its own SIGINT handler behind
-    if result.checkpoint is None:
-        raise SystemExit(f"the {loader} fit reported no checkpoint")
-    history = read_history(result.checkpoint)
-    in_loop = sum(h["epoch_seconds"] for h in history)
-    return {
-        "in_loop_s": in_loop,
-        "samples_per_s": sum(h["samples_per_second"] * h["epoch_seconds"] for h in history) / in_loop,
-    }
-
-
 # --- orchestration: the whole flow vs a bare fit ------------------------------------------------------------
 # The flow's job (and the bare fit's, on the dataset the flow prepared): epochs of a few seconds, so the
 # checkpoint share is measured against epochs shorter than most real ones (a pessimistic figure).
 FLOW_BATCH_SIZE = 64
 # The default code (the table classifier's TrainSpec), whose train_func the bare contender fits under a plain
-# TorchTrainer: the same job on both sides. The built-in classifier of earlier releases is compared with it by
-# bench.own_code.
+# TorchTrainer: the same job on both sides.
 FLOW_JOB = [
     "--dataset",
     "synthetic",
@@ -612,22 +497,6 @@ def main(argv: list[str] | None = None) -> None:
             if args.parity_only:
                 write_parity(results)
                 return
-            dataset = bench_dataset(workload, tmp)
-            results["ingest"] = median_of([run_ingest(workload, dataset) for _ in range(reps)])
-            fits: dict[str, list[dict[str, float]]] = {"torch": [], "ray_data": []}
-            for rep in range(reps):
-                for loader, runs in fits.items():
-                    if args.smoke and loader == "torch":
-                        continue  # --smoke: the product's loop once, fed by Ray Data (the torch loader: see parity)
-                    runs.append(run_loader_fit(workload, world, dataset, loader, tmp))
-                if args.smoke:
-                    fits["torch"] = fits["ray_data"]
-                print(
-                    f"  loader fit rep {rep + 1}/{reps}: torch {fits['torch'][-1]['samples_per_s']:.0f}, "
-                    f"ray_data {fits['ray_data'][-1]['samples_per_s']:.0f} samples/s in the loop",
-                    flush=True,
-                )
-            results["loader_fit"] = {loader: median_of(runs) for loader, runs in fits.items()}
         finally:
             ray.shutdown()
         first_run = run_flow(tmp / "flow", flow_epochs)
@@ -684,7 +553,6 @@ def render(r: dict[str, Any]) -> str:
     plain, rt = p["plain_ddp"], p["ray_train"]
     flow, bare = o["flow"], o["bare_fit"]
     w = r["workload"]
-    i, lf = r["ingest"], r["loader_fit"]
     lines = [
         f"Machine: {', '.join(f'{k} {v}' for k, v in r['machine'].items())}. Medians of {r['repetitions']}.",
         f"Workload: {w['rows']} rows x {w['features']} features, MLP {w['hidden']}, batch {w['batch_size']}, "
@@ -701,15 +569,6 @@ def render(r: dict[str, Any]) -> str:
         f"| scaling (Ray Train samples/s) | 1 worker {s['1_worker']['samples_per_s']:.0f} "
         f"| {n} workers {s[f'{n}_workers']['samples_per_s']:.0f} "
         f"| {s[f'{n}_workers']['samples_per_s'] / s['1_worker']['samples_per_s']:.2f}x | |",
-        f"| ingest rows/s per epoch (no training; shuffled) | torch {i['torch_epoch_rows_per_s']:.0f} "
-        f"| Ray Data {i['ray_data_epoch_rows_per_s']:.0f} "
-        f"| {i['ray_data_epoch_rows_per_s'] / i['torch_epoch_rows_per_s']:.2f}x | >= 0.9x |",
-        f"| ingest rows/s over {w['epochs']} epochs, incl. once per fit (read {i['torch_once_s']:.2f} s; "
-        f"preprocess into the object store {i['ray_data_once_s']:.2f} s) | torch {i['torch_rows_per_s']:.0f} "
-        f"| Ray Data {i['ray_data_rows_per_s']:.0f} | {i['ray_data_rows_per_s'] / i['torch_rows_per_s']:.2f}x | |",
-        f"| in-loop samples/s, {n}-worker fit of the product's loop | data_loader torch "
-        f"{lf['torch']['samples_per_s']:.0f} | data_loader ray_data {lf['ray_data']['samples_per_s']:.0f} "
-        f"| {lf['ray_data']['samples_per_s'] / lf['torch']['samples_per_s']:.2f}x | >= 0.9x |",
         f"| fixed cost (wall - in-loop) | bare fit {bare['fixed_s']:.1f} s "
         f"| whole flow, repeat run {flow['fixed_s']:.1f} s "
         f"| {flow['fixed_s'] / bare['fixed_s']:.2f}x | <= 1.3x |",

@@ -9,11 +9,11 @@
 2. Checkpoints written by every rank (issue 37): FSDP2 on 2 workers, each epoch's checkpoint saved with
    torch.distributed.checkpoint by both ranks, beside the same model gathered into a full state dict and saved
    by rank 0; checkpoint time (save + report) as a share of epoch time.
-3. The built-in classifier and the same model and data as a TrainSpec (raytrain_tasks/table_classifier.py, which
-   is to replace it: issue 32 item 3), through the CLI on a 100,000-row synthetic table, with each data loader
-   (``torch``; ``ray_data``, where both keep the splits in the object store, divided among the workers on the
-   driver): seconds per epoch (training and scoring: the spec scores its test split every epoch too);
-   goal: spec/built-in <= 1.05 for each loader.
+3. The table classifier (raytrain_tasks/table_classifier.py, the default train_code) through the CLI on a
+   100,000-row synthetic table with each data loader: ``torch`` (every worker reads the split, a
+   DistributedSampler shards it) and ``ray_data`` (the splits kept in the object store, divided among the
+   workers on the driver): seconds per epoch (training and scoring); goal: ray_data/torch <= 1.11 (>= 0.9x the
+   torch loader's speed).
 
     python -m bench.own_code --only classifier   # part 3 alone; the other figures in own_code.json are kept
 """
@@ -78,33 +78,16 @@ def flow_fit(config: dict[str, Any], workdir: Path) -> list[float]:
     return [m.value for m in client.get_metric_history(run.info.run_id, "loop_seconds")]
 
 
-def classifier_epoch_seconds(as_spec: bool, rows: int, epochs: int, workdir: Path, loader: str) -> list[float]:
-    """The built-in classifier (``--dataset synthetic``), or the same model and data as a TrainSpec
-    (raytrain_tasks/table_classifier.py), through ``prefect-raytrain train``: each epoch's seconds (training and
-    scoring, as each logs ``epoch_seconds``)."""
+def classifier_epoch_seconds(rows: int, epochs: int, workdir: Path, loader: str) -> list[float]:
+    """The table classifier on a synthetic table, fed by ``loader``, through ``prefect-raytrain train``: each
+    epoch's seconds (training and scoring, as it logs ``epoch_seconds``)."""
     from mlflow import MlflowClient
 
-    experiment = f"bench-classifier-{'spec' if as_spec else 'builtin'}-{loader}"
+    experiment = f"bench-classifier-{loader}"
     command = [str(Path(sys.executable).with_name("prefect-raytrain")), "train", "--epochs", str(epochs)]
     command += ["--no-register", "--experiment-name", experiment, "--batch-size", "64"]
-    if as_spec:
-        settings = {"dataset": "synthetic", "synthetic_samples": rows, "data_loader": loader}
-        command += [
-            "--train-code",
-            "raytrain_tasks.table_classifier:classifier",
-            "--train-config",
-            json.dumps(settings),
-        ]
-    else:
-        command += [
-            "--train-code=",
-            "--dataset",
-            "synthetic",
-            "--synthetic-samples",
-            str(rows),
-            "--data-loader",
-            loader,
-        ]
+    settings = {"dataset": "synthetic", "synthetic_samples": rows, "data_loader": loader}
+    command += ["--train-code", "raytrain_tasks.table_classifier:classifier", "--train-config", json.dumps(settings)]
     env = {**os.environ, "PREFECT_HOME": str(workdir / ".prefect")}
     done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
@@ -168,25 +151,17 @@ def _own_code_figures(smoke: bool, reps: int) -> dict[str, float]:
 
 
 def _classifier_figures(smoke: bool, reps: int) -> dict[str, float]:
-    """Part 3: the built-in classifier and its TrainSpec, seconds per epoch with each loader (alternating)."""
-    seconds: dict[tuple[bool, str], list[float]] = {}
+    """Part 3: the table classifier, seconds per epoch with each loader (alternating)."""
+    seconds: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-classifier-") as tmp:
         for rep in range(reps):
             workdir = Path(tmp) / f"classifier-{rep}"
             workdir.mkdir()
             for loader in LOADERS:
-                for as_spec in (False, True):
-                    rows = 20_000 if smoke else 100_000
-                    found = classifier_epoch_seconds(as_spec, rows, 3, workdir, loader)
-                    seconds.setdefault((as_spec, loader), []).extend(found)
-    figures: dict[str, float] = {}
-    for loader in LOADERS:
-        builtin, spec = statistics.median(seconds[False, loader]), statistics.median(seconds[True, loader])
-        figures |= {
-            f"classifier_builtin_{loader}_epoch_s": builtin,
-            f"classifier_spec_{loader}_epoch_s": spec,
-            f"classifier_spec_{loader}_ratio": spec / builtin,
-        }
+                rows = 20_000 if smoke else 100_000
+                seconds.setdefault(loader, []).extend(classifier_epoch_seconds(rows, 3, workdir, loader))
+    figures = {f"classifier_{loader}_epoch_s": statistics.median(seconds[loader]) for loader in LOADERS}
+    figures["classifier_ray_data_ratio"] = figures["classifier_ray_data_epoch_s"] / figures["classifier_torch_epoch_s"]
     return figures
 
 
@@ -202,16 +177,16 @@ def render(figures: dict[str, Any]) -> str:
             f"| FSDP2, checkpoint share of epoch, full state dict from rank 0 | "
             f"{figures['checkpoint_share_rank0_full_state_dict']:.1%} |",
         ]
-    for loader in LOADERS:
-        if f"classifier_spec_{loader}_ratio" in figures:
-            rows += [
-                f"| built-in classifier, seconds per epoch (synthetic table, data_loader {loader}) | "
-                f"{figures[f'classifier_builtin_{loader}_epoch_s']:.3f} |",
-                f"| the same as a TrainSpec (raytrain_tasks/table_classifier.py), data_loader {loader} | "
-                f"{figures[f'classifier_spec_{loader}_epoch_s']:.3f} |",
-                f"| TrainSpec/built-in, data_loader {loader} (goal <= 1.05 before the spec replaces the built-in) | "
-                f"{figures[f'classifier_spec_{loader}_ratio']:.3f} |",
-            ]
+    if "classifier_ray_data_ratio" in figures:
+        rows += [
+            f"| table classifier, seconds per epoch (synthetic table), data_loader {loader} | "
+            f"{figures[f'classifier_{loader}_epoch_s']:.3f} |"
+            for loader in LOADERS
+        ]
+        rows.append(
+            f"| table classifier, ray_data/torch seconds per epoch (goal <= 1.11) | "
+            f"{figures['classifier_ray_data_ratio']:.3f} |"
+        )
     return "\n".join(rows)
 
 

@@ -64,7 +64,6 @@ def measure(workdir: Path) -> dict[str, float] | None:
 
     tracking = f"sqlite:///{workdir / 'mlflow.db'}"
     config = TrainingConfig(
-        train_code="",  # the built-in classifier, whose fit_interruptibly this times
         dataset="synthetic",
         synthetic_samples=96_000,
         epochs=4,

@@ -180,8 +180,6 @@ def _exit_at_the_latest_after_a_signal() -> None:
 def _train_code_problem(config: TrainingConfig) -> str:
     """Why ``train_code`` cannot run (it does not import, names nothing, or cannot register as asked); "" if it can.
     The flow checks it again where it runs (prepare-data, and the fit's pre-flight on the cluster)."""
-    if not config.train_code:
-        return ""
     from raytrain_driver.preflight import code_model_name, resolve_code
     from raytrain_tasks.builtin_aliases import with_builtin_settings_carried
     from raytrain_tasks.errors import SettingsError, UserCodeError

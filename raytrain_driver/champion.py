@@ -17,8 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from raytrain_driver.promotion import CHAMPION, Champion
 
 # A registered version's input schema (what its inputs and outputs mean): a champion of another one is not compared.
@@ -117,21 +115,6 @@ def download_model(model_uri: str, directory: Path) -> Path:
     import mlflow
 
     return Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=str(directory)))
-
-
-def predict_without_pickles(directory: Path, features: np.ndarray) -> np.ndarray:
-    """The logits of the model in ``directory`` (checked with ``check_model_layout`` first), loaded with pickles off."""
-    import mlflow
-
-    from raytrain_driver.evaluation import PREDICT_BATCH_ROWS
-
-    with pickle_deserialization_off():
-        model = mlflow.pyfunc.load_model(str(directory))
-    parts = [
-        np.asarray(model.predict(features[start : start + PREDICT_BATCH_ROWS]))
-        for start in range(0, len(features), PREDICT_BATCH_ROWS)
-    ]
-    return np.concatenate(parts) if parts else np.asarray(model.predict(features))
 
 
 def read_champion(client: MlflowClient, name: str) -> Champion | tuple[str, dict[str, str]]:

@@ -16,7 +16,7 @@ import ray.train
 
 from raytrain_driver import evaluation
 from raytrain_driver.cluster import ray_session
-from raytrain_driver.fit_record import BUILTIN_SHOWN, FitResult, OpenRun, finished_fit, write_fit_record
+from raytrain_driver.fit_record import FitResult, OpenRun, finished_fit, write_fit_record
 from raytrain_driver.hooks import EpochView, progress_page, run_logger, state_dir, stopped_by
 from raytrain_driver.lease import HeldLease, run_lease
 from raytrain_driver.origin import data_loader_of, run_description, run_tags
@@ -33,19 +33,12 @@ from raytrain_tasks.config import TrainingConfig, check_run_key
 from raytrain_tasks.errors import (
     RunLeaseLostError,
 )
-from raytrain_tasks.prepared import RunData, is_builtin_dataset
+from raytrain_tasks.prepared import RunData
 from raytrain_tasks.redact import redacted_errors
 from raytrain_tasks.storage.locations import StorageLocation
 from raytrain_tasks.tracking import pins, run_owner
 from raytrain_tasks.tracking import runs as tracking
-from raytrain_tasks.tracking.controller import (
-    STEP_KEY,
-    MlflowEpochLogger,
-    OpenMlflowEarly,
-    RestartGuard,
-    checkpoint_epoch,
-    pinned_digests,
-)
+from raytrain_tasks.tracking.controller import MlflowEpochLogger, OpenMlflowEarly, RestartGuard, pinned_digests
 
 if TYPE_CHECKING:
     from raytrain_tasks.api import TrainFunc
@@ -91,7 +84,7 @@ def _distributed_fit(
     try:
         with ray_session(config):
             ray_datasets = check_spec_data(config, spec, dataset)  # a TrainSpec's data() may build Ray Datasets
-            plan = check_cluster(config, dataset, runs, client, run_key, data_tasks_during_fit(spec))
+            plan = check_cluster(config, runs, client, run_key, data_tasks_during_fit(spec))
             experiment_id = tracking.ensure_experiment(
                 client, config.experiment_name, config.mlflow_tracking_uri, config.storage_path
             )
@@ -109,26 +102,11 @@ def _distributed_fit(
             result = _train(config, dataset, run_key, runs, plan, spec, client, opened, lease)
         # Pins the controller could not write to MLflow during an outage (kept in the journal meanwhile).
         pins.pins_from_journal(client, run_id, opened.journal)
-        if spec is not None or not is_builtin_dataset(dataset):
-            assert spec is not None, "the built-in loop trains on its prepared table"
-            return _record_user_code(config, run_key, run_dir, spec, client, opened, result, lease, ray_datasets)
-        from raytrain_driver.trainer import record_builtin
-
-        fit = record_builtin(config, dataset, run_key, run_dir, client, opened, result, lease)
+        return _record_user_code(config, run_key, run_dir, spec, client, opened, result, lease, ray_datasets)
     except BaseException as exc:
         if run_id is None:
             raise
         _end_unfinished_run(exc, config, run_key, client, run_id, lease)
-    tracking.finish_run(client, run_id)
-    run_logger().info(
-        "best epoch %d by %s: %s, test %s at %s",
-        fit.best_epoch,
-        config.promotion_metric,
-        ", ".join(f"{k}={v:.4f}" for k, v in fit.best_metrics.items() if k.startswith("val_")),
-        ", ".join(f"{k}={v:.4f}" for k, v in fit.scores.items() if k.startswith("test_")),
-        fit.best_checkpoint_uri,
-    )
-    return fit
 
 
 def _confirm_finished(
@@ -138,7 +116,7 @@ def _confirm_finished(
     client: Any,
     experiment_id: str,
     finished: FitResult,
-    spec: TrainFunc | None,
+    spec: TrainFunc,
 ) -> FitResult:
     """Everything was trained and recorded earlier: check the settings match, train nothing."""
     dataset_hash = dataset.content_hash if dataset is not None else None
@@ -146,8 +124,6 @@ def _confirm_finished(
     tracking.check_resumable(client, experiment_id, run_key, params, dataset_hash)
     tracking.finish_run(client, finished.mlflow_run_id)
     run_logger().info("run key %s finished all %d epochs earlier; nothing to train", run_key, config.epochs)
-    if spec is None and not finished.shown_metrics:  # a record written before summaries said what they show
-        return finished.model_copy(update={"shown_metrics": BUILTIN_SHOWN})
     return finished
 
 
@@ -158,7 +134,7 @@ def _start_run(
     run_dir: StorageLocation,
     origin: dict[str, str],
     plan: FitPlan,
-    spec: TrainFunc | None,
+    spec: TrainFunc,
     client: Any,
     experiment_id: str,
     data_loader: str,
@@ -191,7 +167,7 @@ def _prepare_resume(
     config: TrainingConfig,
     run_key: str,
     run_dir: StorageLocation,
-    spec: TrainFunc | None,
+    spec: TrainFunc,
     client: Any,
     run_id: str,
     experiment_id: str,
@@ -211,24 +187,17 @@ def _prepare_resume(
             ", ".join(recovered),
         )
     pinned = pinned_digests(client.get_run(run_id).data.tags) if reopened else {}
-    resume_point = None
-    if spec is not None:
-        from raytrain_driver.user_fit import choose_resume_point
+    from raytrain_driver.user_fit import choose_resume_point
 
-        resume_point = choose_resume_point(run_dir, pinned)
-        if resume_point.rejected:
-            logger.warning(
-                "run %s resumes from checkpoint %s, not a newer one: %s",
-                run_key,
-                resume_point.fallback,
-                resume_point.why,
-            )
-            client.set_tag(run_id, "prefect_raytrain.resume_fallback", resume_point.why[:4000])
-        if resume_point.start:  # after a fallback too: where the run goes on, in the same words as ever
-            uri = run_dir.child(resume_point.start).uri
-            say_resume(logger, config, uri, resume_point.epoch, "; its files hash to the digest recorded at commit")
-    else:
-        announce_resume(logger, config, run_dir, preexisting, pinned)
+    resume_point = choose_resume_point(run_dir, pinned)
+    if resume_point.rejected:
+        logger.warning(
+            "run %s resumes from checkpoint %s, not a newer one: %s", run_key, resume_point.fallback, resume_point.why
+        )
+        client.set_tag(run_id, "prefect_raytrain.resume_fallback", resume_point.why[:4000])
+    if resume_point.start:  # after a fallback too: where the run goes on, in the same words as ever
+        uri = run_dir.child(resume_point.start).uri
+        say_resume(logger, config, uri, resume_point.epoch, "; its files hash to the digest recorded at commit")
     return OpenRun(run_id, experiment_id, reopened, backend, journal, preexisting, pinned, resume_point)
 
 
@@ -238,7 +207,7 @@ def _train(
     run_key: str,
     runs: StorageLocation,
     plan: FitPlan,
-    spec: TrainFunc | None,
+    spec: TrainFunc,
     client: Any,
     opened: OpenRun,
     lease: HeldLease | None,
@@ -249,14 +218,10 @@ def _train(
 
     uri, run_id = config.mlflow_tracking_uri, opened.run_id
     callbacks: list[Any] = [OpenMlflowEarly(uri, run_id)]
-    if spec is None:
-        callbacks.append(MlflowEpochLogger(uri, run_id, journal=opened.journal))
-    else:
-        from raytrain_tasks.user_code import code_error_stopper
+    from raytrain_tasks.user_code import code_error_stopper
 
-        epochs = MlflowEpochLogger(uri, run_id, step_key=spec.selection.name, keys=None, journal=opened.journal)
-        callbacks += [epochs, RestartGuard(epochs)]
-        callbacks.append(code_error_stopper(config.train_code))
+    epochs = MlflowEpochLogger(uri, run_id, step_key=spec.selection.name, keys=None, journal=opened.journal)
+    callbacks += [epochs, RestartGuard(epochs), code_error_stopper(config.train_code)]
     trainer = build_trainer(
         config,
         plan,
@@ -264,16 +229,11 @@ def _train(
         run_key,
         runs,
         *callbacks,
-        pins=(opened.preexisting, opened.pinned),
         spec=spec,
         resume_point=opened.resume_point,
     )
     # Off a Prefect run (a Ray Job) there is no run page to update: the job's submitter shows the progress.
-    view = (
-        EpochView(marker=STEP_KEY, shown=BUILTIN_SHOWN)
-        if spec is None
-        else EpochView(expects=tuple(dict.fromkeys((spec.selection.name, spec.gate.name))), left_off=left_off(spec))
-    )
+    view = EpochView(expects=tuple(dict.fromkeys((spec.selection.name, spec.gate.name))), left_off=left_off(spec))
     page = progress_page()
     progress = page(client, run_id, config.epochs, run_logger(), view) if page else None
     with (
@@ -333,21 +293,6 @@ def _end_unfinished_run(
     if error is exc:
         raise exc
     raise error from exc
-
-
-def announce_resume(
-    logger: Any, config: TrainingConfig, run_dir: StorageLocation, preexisting: frozenset[str], pinned: dict[str, str]
-) -> None:
-    """Say which checkpoint a continued run resumes from, on the driver, where the default console shows it.
-
-    The workers resume from the newest checkpoint that is both in storage and pinned in MLflow (an unpinned one
-    is passed over, see ``resume.CheckpointPins``); a damaged one makes them fall back further and say so in
-    the Ray logs.
-    """
-    trusted = sorted(name for name in preexisting if name in pinned)
-    if not trusted:
-        return
-    say_resume(logger, config, run_dir.child(trusted[-1]).uri, checkpoint_epoch(trusted[-1]))
 
 
 def say_resume(logger: Any, config: TrainingConfig, uri: str, epoch: int | None, verified: str = "") -> None:

@@ -23,10 +23,6 @@ if TYPE_CHECKING:
     from raytrain_tasks.tracking.pin_journal import PinJournal
 
 
-# The built-in classifier's headline metrics: what its epoch lines and summaries show (your code's: every metric).
-BUILTIN_SHOWN = ("train_loss", "val_loss", "val_accuracy")
-
-
 class FitResult(BaseModel):
     """What a finished fit left behind, and where."""
 
@@ -44,7 +40,7 @@ class FitResult(BaseModel):
     final_metrics: dict[str, float]
     history: list[dict[str, float]]
     reopened_mlflow_run: bool
-    # The best checkpoint scored once, on the driver: val_accuracy, val_loss, test_accuracy, test_loss.
+    # The best checkpoint's scores: what the code reported with it (the gate's held-out metric among them).
     scores: dict[str, float] = {}
     # The MLflow LoggedModel that stands for the best checkpoint (tracking.outcome.log_checkpoint_models).
     best_checkpoint_model_id: str | None = None

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from raytrain_driver.champion import SCHEMA_TAG
 from raytrain_tasks.config import TrainingConfig
-from raytrain_tasks.prepared import RunData, is_builtin_dataset
+from raytrain_tasks.prepared import RunData
 from raytrain_tasks.storage.locations import StorageLocation
 from raytrain_tasks.tracking import run_owner
 from raytrain_tasks.tracking import runs as tracking
@@ -22,15 +21,13 @@ VERSION_RUN_KEY_TAG = "run_key"
 
 
 def trained_what(config: TrainingConfig) -> str:
-    """What a run trains, in Markdown: the user's code, or the built-in classifier on its dataset."""
-    return f"`{config.train_code}`" if config.train_code else f"**{config.model}** on `{config.dataset}`"
+    """What a run trains, in Markdown: the code that trains it."""
+    return f"`{config.train_code}`"
 
 
 def data_loader_of(config: TrainingConfig, ray_datasets: bool) -> str:
-    """How the run's workers read their data: the built-in classifier's `data_loader` setting; for your code,
-    whether it trains on Ray Datasets (its ``datasets=``, or a TrainSpec's Ray Dataset splits) or not."""
-    if not config.train_code:
-        return config.data_loader
+    """How the run's workers read their data: whether the code trains on Ray Datasets (its ``datasets=``, or a
+    TrainSpec's Ray Dataset splits) or not."""
     return "ray_data" if ray_datasets else "torch"
 
 
@@ -63,8 +60,8 @@ def run_tags(
     backend: str,
     data_loader: str,
 ) -> dict[str, str]:
-    lineage = {"prefect_raytrain.train_code": config.train_code} if config.train_code else {}
-    if dataset is not None:  # the built-in classifier's table, or what the code's prepare wrote
+    lineage = {"prefect_raytrain.train_code": config.train_code}
+    if dataset is not None:  # what the code's prepare wrote
         lineage |= {"prefect_raytrain.dataset_hash": dataset.content_hash, "prefect_raytrain.dataset_uri": dataset.uri}
     import ray
 
@@ -99,35 +96,25 @@ def version_description(config: TrainingConfig, dataset: RunData | None, fit: Fi
 
 def _description(config: TrainingConfig, dataset: RunData | None, fit: FitResult, selected_by: str) -> str:
     scores = ", ".join(f"{key} {value:.4f}" for key, value in sorted(fit.scores.items()))
-    if not is_builtin_dataset(dataset):
-        data = f" on prepared data {dataset.content_hash}" if dataset is not None else ""
-        train_config = config.train_config_shown()
-        if len(train_config) > _TRAIN_CONFIG_SHOWN:
-            train_config = f"{train_config[:_TRAIN_CONFIG_SHOWN]}... (whole in the run's params)"
-        return (
-            f"{config.train_code} trained{data} by run {fit.run_key} (train_config {train_config}); "
-            f"best checkpoint: step {fit.best_epoch} by {selected_by}; {scores}."
-        )
+    data = f" on prepared data {dataset.content_hash}" if dataset is not None else ""
+    train_config = config.train_config_shown()
+    if len(train_config) > _TRAIN_CONFIG_SHOWN:
+        train_config = f"{train_config[:_TRAIN_CONFIG_SHOWN]}... (whole in the run's params)"
     return (
-        f"{config.model} {config.hidden_sizes} trained on dataset {dataset.content_hash} ({dataset.source}) by "
-        f"run {fit.run_key}; best checkpoint: epoch {fit.best_epoch} by {selected_by}; {scores}. "
-        "Input: raw float32 features in feature_names order (the model standardises them with the train "
-        "statistics in the run's preprocessing.json); output: logits over class_labels."
+        f"{config.train_code} trained{data} by run {fit.run_key} (train_config {train_config}); "
+        f"best checkpoint: step {fit.best_epoch} by {selected_by}; {scores}."
     )
 
 
 def version_tags(
-    config: TrainingConfig, dataset: RunData | None, fit: FitResult, spec: TrainFunc | None, schema: str
+    config: TrainingConfig, dataset: RunData | None, fit: FitResult, spec: TrainFunc, schema: str
 ) -> dict[str, str]:
     """A new version's tags: its scores, run key, lineage and what makes it comparable (``schema``: the digest of
-    your code's ``schema(config)``, raytrain_driver.user_register.user_schema; the built-in's is its table's)."""
-    from raytrain_driver import builtin_register, user_register
+    your code's ``schema(config)``, raytrain_driver.user_register.user_schema)."""
+    from raytrain_driver import user_register
 
-    lineage = (
-        {SCHEMA_TAG: builtin_register.schema_digest(dataset), "dataset_hash": dataset.content_hash}
-        if is_builtin_dataset(dataset)
-        else user_register.version_tags(config, spec, fit.scores[spec.gate.name] if spec is not None else 0.0, schema)
-        | ({"dataset_hash": dataset.content_hash} if dataset is not None else {})
+    lineage = user_register.version_tags(config, spec, fit.scores[spec.gate.name], schema) | (
+        {"dataset_hash": dataset.content_hash} if dataset is not None else {}
     )
     return {  # the scores first: a metric of your code named like one of the pipeline's tags never replaces it
         **{key: f"{value:.6f}" for key, value in sorted(fit.scores.items())},

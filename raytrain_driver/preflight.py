@@ -19,31 +19,26 @@ from raytrain_driver.sizing import (
 )
 from raytrain_tasks.api import TrainFunc, data_dir_refused
 from raytrain_tasks.config import TrainingConfig
-from raytrain_tasks.data import DATA_TASK_CPUS, USER_DATASET_CPUS, streams
+from raytrain_tasks.data import USER_DATASET_CPUS
 from raytrain_tasks.errors import CheckpointError, DatasetError, UserCodeError, user_frames
-from raytrain_tasks.prepared import RunData, is_builtin_dataset
+from raytrain_tasks.prepared import RunData
 from raytrain_tasks.settings import MODEL_NAME_MAX, MODEL_NAME_PATTERN
 from raytrain_tasks.storage.locations import StorageLocation
 from raytrain_tasks.tracking import runs as tracking
 from raytrain_tasks.user_code import resolve
 
 
-def resolve_code(config: TrainingConfig) -> TrainFunc | None:
-    """The user's code (``train_code``), imported here before anything starts; None for the built-in loop."""
-    spec = resolve(config.train_code) if config.train_code else None
-    if (
-        spec is not None
-        and spec.prepare is not None
-        and (refused := data_dir_refused(config.train_config, "train_config"))
-    ):
-        raise UserCodeError(f"train_code {config.train_code!r}: {refused}")
-    if spec is not None:
-        from raytrain_tasks.code_settings import code_values
-        from raytrain_tasks.user_code import bind
+def resolve_code(config: TrainingConfig) -> TrainFunc:
+    """The user's code (``train_code``), imported here before anything starts, its settings checked and bound."""
+    from raytrain_tasks.code_settings import code_values
+    from raytrain_tasks.user_code import bind
 
-        code_values(spec, config.train_config, config.train_code)  # train_config fits the code's settings
-        spec = bind(spec, config)  # its metric, when a setting chooses it
-    if spec is not None and config.register and not spec.can_register:
+    spec = resolve(config.train_code)
+    if spec.prepare is not None and (refused := data_dir_refused(config.train_config, "train_config")):
+        raise UserCodeError(f"train_code {config.train_code!r}: {refused}")
+    code_values(spec, config.train_config, config.train_code)  # train_config fits the code's settings
+    spec = bind(spec, config)  # its metric, when a setting chooses it
+    if config.register and not spec.can_register:
         raise UserCodeError(
             f"train_code {config.train_code!r} gives no load_model/input_example, so nothing it trains can be "
             "registered: add them to its TrainFunc, or set `register` off (--no-register)"
@@ -56,10 +51,10 @@ def code_model_name(config: TrainingConfig) -> str:
     where the run leaves the ``model_name`` setting at its default; "" otherwise (``TrainingConfig.resolved`` then
     names it). UserCodeError naming train_code when the function fails or gives no usable name."""
     default = TrainingConfig.model_fields["model_name"].default
-    if not config.train_code or config.model_name != default:
+    if config.model_name != default:
         return ""
     spec = resolve_code(config)
-    if spec is None or spec.model_name is None:
+    if spec.model_name is None:
         return ""
     from raytrain_tasks.user_code import user_config
 
@@ -76,7 +71,7 @@ def code_model_name(config: TrainingConfig) -> str:
     return name
 
 
-def check_spec_data(config: TrainingConfig, spec: TrainFunc | None, dataset: RunData | None) -> bool:
+def check_spec_data(config: TrainingConfig, spec: TrainFunc, dataset: RunData | None) -> bool:
     """Whether the user's code trains on Ray Datasets (its ``datasets=``, or a TrainSpec's Ray Dataset splits).
     A ``TrainSpec``'s ``data(config)`` runs once, here, with Ray connected (it may build Ray Datasets): Splits of
     the wrong kind, an empty split, no test split or a missing column fail the fit in seconds, before an MLflow run
@@ -85,8 +80,8 @@ def check_spec_data(config: TrainingConfig, spec: TrainFunc | None, dataset: Run
     from raytrain_tasks.spec_loop import SpecTrainFunc
     from raytrain_tasks.user_code import user_config
 
-    if spec is None or not isinstance(spec.train_func, SpecTrainFunc):
-        return spec is not None and spec.datasets is not None
+    if not isinstance(spec.train_func, SpecTrainFunc):
+        return spec.datasets is not None
     prepared = dataset if isinstance(dataset, PreparedData) else None
     code_config = user_config(config, spec, data_dir_of(prepared, config.storage_options))
     ray_data = spec.train_func.check_data(code_config)
@@ -100,25 +95,23 @@ def check_spec_data(config: TrainingConfig, spec: TrainFunc | None, dataset: Run
     return ray_data
 
 
-def data_tasks_during_fit(spec: TrainFunc | None) -> bool:
+def data_tasks_during_fit(spec: TrainFunc) -> bool:
     """Whether the user's Ray Datasets (found by ``check_spec_data``) run read and transform tasks while the
     workers train, which need a CPU the workers leave free: a TrainFunc's ``datasets=`` (built later, as they
     may stream), a TrainSpec's splits unless all are kept in the object store (materialized, as the built-in
     classifier keeps what fits)."""
     from raytrain_tasks.spec_loop import SpecTrainFunc
 
-    if spec is None:
-        return False
     if isinstance(spec.train_func, SpecTrainFunc):
         return spec.train_func.ray_data and not spec.train_func.kept
     return spec.datasets is not None
 
 
-def code_params(config: TrainingConfig, spec: TrainFunc | None) -> dict[str, Any] | None:
-    """What the user's code gets of its own settings (logged as ``train_config.<key>``); None for the built-in."""
+def code_params(config: TrainingConfig, spec: TrainFunc) -> dict[str, Any]:
+    """What the user's code gets of its own settings (logged as ``train_config.<key>``)."""
     from raytrain_tasks.code_settings import code_values
 
-    return None if spec is None else code_values(spec, config.train_config, config.train_code)
+    return code_values(spec, config.train_config, config.train_code)
 
 
 def check_started_without_checkpoint(config: TrainingConfig, run_key: str, run_dir: StorageLocation) -> None:
@@ -150,45 +143,27 @@ def workers_code_dir(config: TrainingConfig) -> str:
     return "" if config.ray_address else str(code_root(config.train_code) or "")
 
 
-def check_rows_per_worker(config: TrainingConfig, dataset: RunData | None) -> None:
-    """Every worker needs at least one training row of its own (each takes an equal share of the train split)."""
-    workers = config.worker_range[1]
-    if is_builtin_dataset(dataset) and dataset.train_rows < workers:
-        raise DatasetError(
-            f"the train split of dataset {dataset.content_hash[:16]} has {dataset.train_rows} rows, fewer than the "
-            f"{workers} workers that would each train on a share of it; lower `num_workers` (and `max_workers`) "
-            "or give `dataset` more rows"
-        )
-
-
 def check_cluster(
-    config: TrainingConfig,
-    dataset: RunData | None,
-    runs: StorageLocation,
-    client: Any,
-    run_key: str,
-    user_datasets: bool = False,
+    config: TrainingConfig, runs: StorageLocation, client: Any, run_key: str, user_datasets: bool = False
 ) -> FitPlan:
     """With Ray connected: the cluster can host the workers and every node can write the run's storage. Returns
     the worker group's plan (``cpus_per_worker`` sized to the cluster when unset; an earlier attempt's share of
     the run, read from its MLflow run through ``client``, while it still fits), what the trainer is built from.
     ``user_datasets``: the user's code gives Ray Datasets, whose read and transform tasks need a CPU the workers
-    leave free, as the built-in streaming loader's do."""
+    leave free."""
     import ray
 
-    check_rows_per_worker(config, dataset)
     available = ray.cluster_resources()
-    object_store = available.get("object_store_memory", 0.0)
-    streamed = user_datasets or (is_builtin_dataset(dataset) and streams(config.data_loader, dataset, object_store))
+    streamed = user_datasets
     nodes = alive_node_resources()
     earlier = None if config.cpus_per_worker else tracking.earlier_share(client, config.experiment_name, run_key)
-    data_cpus = USER_DATASET_CPUS if user_datasets else DATA_TASK_CPUS
+    data_cpus = USER_DATASET_CPUS
     plan = sized_for_cluster(config, nodes, streamed, earlier, data_cpus)
     check_resources(config, plan, available, streamed, user_datasets, data_cpus)
     storage_shared_with_nodes(config.storage_path, len(nodes), read_mounts())
     if config.ray_address:  # a local Ray's node is this process's machine, with this process's credentials
         check_storage_on_nodes(runs.uri, config.storage_options)
-    if config.train_code and not ray_of_this_machine():
+    if not ray_of_this_machine():
         # A cluster's nodes may lack a package this machine has. The workers of a Ray this process started here
         # (or serve's warm Ray) run this interpreter on this machine with the folder the code was imported from
         # (workers_code_dir): the driver's import in resolve_code is theirs, and a task would only start one more

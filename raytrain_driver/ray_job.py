@@ -96,7 +96,7 @@ def fit_as_ray_job(
     with ray_session(config):
         # The job's own pre-flight on the cluster runs the code's data check (check_spec_data) where its data is,
         # and sizes for a TrainSpec's lazy Ray Dataset splits (data_tasks_during_fit), which this one cannot see.
-        check_cluster(config, dataset, runs, mlflow, run_key, spec is not None and spec.datasets is not None)
+        check_cluster(config, runs, mlflow, run_key, spec.datasets is not None)
     client = connect(config)
     submission_id = _attach_or_submit(client, config, dataset, run_key, run_dir, origin, logger)
     status, message = follow(client, submission_id, logger)

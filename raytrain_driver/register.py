@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
 
-from raytrain_driver import builtin_register, user_register
+from raytrain_driver import user_register
 from raytrain_driver.evaluation import EVALUATION_ARTIFACT_DIR, scores_as_metrics
 from raytrain_driver.fit_record import FitResult
 from raytrain_driver.hooks import run_logger, stopped_by
@@ -44,7 +44,7 @@ from raytrain_driver.user_register import (
 from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig, check_run_key
 from raytrain_tasks.errors import PromotionError, TrackingError
-from raytrain_tasks.prepared import RunData, data_dir_of, is_builtin_dataset
+from raytrain_tasks.prepared import RunData, data_dir_of
 from raytrain_tasks.redact import redacted_errors
 from raytrain_tasks.tracking import pins
 from raytrain_tasks.tracking import runs as tracking
@@ -103,13 +103,12 @@ def _register_model(
 ) -> ModelRef:
     logger = run_logger()
     client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
-    # Your code's gate (metric, direction) and selection, or the built-in's (from `promotion_metric`).
-    spec = bind(resolve(config.train_code), config) if config.train_code else None
-    gate, selection = (spec.gate, spec.selection) if spec is not None else (config.gate, config.selection)
+    spec = bind(resolve(config.train_code), config)  # its gate (metric, direction) and selection
+    gate, selection = spec.gate, spec.selection
     metric, higher_is_better = gate.name, gate.higher_is_better
     candidate_score = fit.scores[metric]
     data_dir = data_dir_of(dataset, config.storage_options)  # once, before the registry lock is taken
-    schema = user_schema(config, spec, data_dir) if spec is not None else ""  # the code's, once: before it too
+    schema = user_schema(config, spec, data_dir)  # the code's, once: before it too
     with registering(config, fit):
         model_uri = _logged_model_uri(fit) or _log_model(client, config, dataset, fit, spec, data_dir)
         _link_logged_model(client, fit, model_uri.removeprefix("models:/"))
@@ -129,9 +128,7 @@ def _register_model(
                 logger.info("run %s already registered %s version %s", fit.run_key, config.model_name, version)
             ref = _decided(client, config, version, candidate_score, metric, lock)
             if ref is None:
-                champion, candidate_score = _current_champion(
-                    client, config, dataset, spec, model_uri, fit, data_dir, schema
-                )
+                champion, candidate_score = _current_champion(client, config, spec, model_uri, fit, data_dir, schema)
                 decision = decide_promotion(
                     candidate_score,
                     champion,
@@ -162,8 +159,7 @@ def _register_model(
 def _current_champion(
     client: MlflowClient,
     config: TrainingConfig,
-    dataset: RunData | None,
-    spec: TrainFunc | None,
+    spec: TrainFunc,
     model_uri: str,
     fit: FitResult,
     data_dir: Path | None,
@@ -171,13 +167,10 @@ def _current_champion(
 ) -> tuple[Champion, float]:
     """(the champion, the candidate's score) as the gate compares them, assessed the way its kind of code allows
     (fail closed: a champion that cannot be assessed comes back with an error, and nothing moves)."""
-    recorded = fit.scores[spec.gate.name if spec is not None else config.gate.name]
+    recorded = fit.scores[spec.gate.name]
     if not config.promote:
         return Champion.absent(), recorded
-    if spec is not None:
-        return assess_user_champion(client, config.model_name, config, spec, model_uri, recorded, data_dir, schema)
-    assert is_builtin_dataset(dataset), "the built-in classifier trains on its prepared table"
-    return builtin_register.assess_champion_on_test_split(client, config, dataset), recorded
+    return assess_user_champion(client, config.model_name, config, spec, model_uri, recorded, data_dir, schema)
 
 
 def apply_decision(
@@ -303,38 +296,24 @@ def _log_model(
     config: TrainingConfig,
     dataset: RunData | None,
     fit: FitResult,
-    spec: TrainFunc | None,
+    spec: TrainFunc,
     data_dir: Path | None,
 ) -> str:
-    if spec is not None:  # the user's own code: its load_model, on a verified copy of the best checkpoint
-        digest = pins.recorded_digest(client, fit.mlflow_run_id, fit.best_checkpoint_uri)
-        model, example = user_model(config, fit, spec, digest, data_dir)
-        lineage = {"dataset_hash": dataset.content_hash} if dataset is not None else {}
-        metadata = user_metadata(config, spec, data_dir) | {"run_key": fit.run_key, "train_code": config.train_code}
-        with user_artifacts(config, spec, model, data_dir) as artifacts:
-            return _log_pt2(fit, model, example, metadata | lineage, artifacts=artifacts)
-    assert is_builtin_dataset(dataset), "the built-in classifier trains on its prepared table"
-    model, example, metadata, texts = builtin_register.builtin_model(
-        config, dataset, fit, pins.recorded_digest(client, fit.mlflow_run_id, fit.best_checkpoint_uri)
-    )
-    return _log_pt2(fit, model, example, metadata, texts)
+    """The code's model (its load_model, on a verified copy of the best checkpoint) logged in the fit's run."""
+    digest = pins.recorded_digest(client, fit.mlflow_run_id, fit.best_checkpoint_uri)
+    model, example = user_model(config, fit, spec, digest, data_dir)
+    lineage = {"dataset_hash": dataset.content_hash} if dataset is not None else {}
+    metadata = user_metadata(config, spec, data_dir) | {"run_key": fit.run_key, "train_code": config.train_code}
+    with user_artifacts(config, spec, model, data_dir) as artifacts:
+        return _log_pt2(fit, model, example, metadata | lineage, artifacts=artifacts)
 
 
-def _log_pt2(
-    fit: FitResult,
-    model: Any,
-    example: Any,
-    metadata: dict[str, Any],
-    texts: dict[str, str] | None = None,
-    artifacts: Path | None = None,
-) -> str:
-    """Log ``model`` (``texts`` and the files in ``artifacts`` as run artifacts) in the fit's MLflow run; its URI."""
+def _log_pt2(fit: FitResult, model: Any, example: Any, metadata: dict[str, Any], artifacts: Path | None) -> str:
+    """Log ``model`` (the files in ``artifacts`` as run artifacts) in the fit's MLflow run; its URI."""
     import mlflow
     import torch
 
     with user_register.EXPORT_LOCK, mlflow.start_run(run_id=fit.mlflow_run_id):
-        for name, text in (texts or {}).items():
-            mlflow.log_text(text, name)
         if artifacts is not None:
             mlflow.log_artifacts(str(artifacts), EVALUATION_ARTIFACT_DIR)
         info = mlflow.pytorch.log_model(

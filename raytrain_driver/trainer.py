@@ -4,10 +4,9 @@ reads of Ray Train's private modules: this file is their one adapter."""
 from __future__ import annotations
 
 import contextvars
-import json
 import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import ray.train
@@ -16,23 +15,11 @@ from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
 from ray.train.v2.api.callback import RayTrainCallback
 
-from raytrain_driver import evaluation
 from raytrain_driver.cluster import WORKER_GROUP_START_TIMEOUT_S
-from raytrain_driver.fit_record import (
-    BUILTIN_SHOWN,
-    FitResult,
-    OpenRun,
-    checkpoint_uri,
-    refuse_foreign_checkpoints,
-    write_fit_record,
-)
-from raytrain_driver.hooks import run_logger
 from raytrain_driver.lease import HeldLease
 from raytrain_driver.preflight import workers_code_dir
 from raytrain_driver.sizing import FitPlan
-from raytrain_tasks.checkpoint import STATE_FILE
 from raytrain_tasks.config import TrainingConfig
-from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.errors import (
     CheckpointError,
     DataRefusedError,
@@ -41,17 +28,12 @@ from raytrain_tasks.errors import (
     UnverifiedCheckpointError,
     UserCodeError,
 )
-from raytrain_tasks.prepared import PreparedData, RunData, is_builtin_dataset
+from raytrain_tasks.prepared import PreparedData, RunData
 from raytrain_tasks.storage.locations import StorageLocation
-from raytrain_tasks.tracking import outcome, pins
-from raytrain_tasks.tracking import runs as tracking
-from raytrain_tasks.tracking.controller import (
-    CHECKPOINT_PREFIX,
-    checkpoint_epoch,
-    checkpoint_name,
-    epoch_number,
-    pinned_digests,
-)
+
+if TYPE_CHECKING:
+    from raytrain_driver.fit_record import ResumePoint
+    from raytrain_tasks.api import TrainFunc
 
 START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 ABORT_TIMEOUT_S = 10.0
@@ -152,36 +134,20 @@ def build_trainer(
     run_key: str,
     runs: StorageLocation,
     *callbacks: RayTrainCallback,  # UserCallbacks and ControllerCallbacks; they run on the controller
-    pins: tuple[frozenset[str], dict[str, str]] = (frozenset(), {}),
-    spec: Any = None,
-    resume_point: Any = None,
+    spec: TrainFunc,
+    resume_point: ResumePoint | None = None,
 ) -> TorchTrainer:
+    """The run's TorchTrainer for the user's code (``spec``, resolved by ``preflight.resolve_code``)."""
     # torch loads here, not when the flow module is imported: a Prefect worker needs no CUDA to plan runs.
     from ray.train.torch import TorchConfig
 
+    from raytrain_driver.user_fit import trainer_function
     from raytrain_tasks.failures import StopOnRepeatedFailure
-    from raytrain_tasks.train_loop import WorkerSpec, train_loop_per_worker
 
-    data: dict[str, Any] = {}
-    train_func: Any = train_loop_per_worker
-    score_attribute, score_order = config.selection.name, config.selection.order
-    if spec is not None:
-        from raytrain_driver.user_fit import trainer_function
-
-        prepared = dataset if isinstance(dataset, PreparedData) else None
-        code, fixed = workers_code_dir(config), plan.fixed_workers
-        train_func, loop_config, data = trainer_function(config, spec, code, resume_point, prepared, fixed)
-        score_attribute, score_order = spec.selection.name, spec.selection.order
-    else:
-        assert is_builtin_dataset(dataset), "the built-in loop trains on its prepared table"
-        loop_config = WorkerSpec(
-            config=config, cpus_per_worker=plan.cpus_per_worker, dataset=dataset, preexisting=pins[0], pinned=pins[1]
-        ).model_dump(mode="json")
-    if is_builtin_dataset(dataset) and config.data_loader == "ray_data":
-        from raytrain_tasks.ingest import data_config, ray_datasets
-
-        datasets = ray_datasets(config, dataset, run_logger())
-        data = {"datasets": datasets, "dataset_config": data_config(datasets["train"], plan.fixed_workers)}
+    prepared = dataset if isinstance(dataset, PreparedData) else None
+    code, fixed = workers_code_dir(config), plan.fixed_workers
+    train_func, loop_config, data = trainer_function(config, spec, code, resume_point, prepared, fixed)
+    score_attribute, score_order = spec.selection.name, spec.selection.order
     return RunTrainer(
         train_func,
         train_loop_config=loop_config,
@@ -205,53 +171,6 @@ def build_trainer(
             callbacks=[*callbacks, StopOnRepeatedFailure(run_key)],  # type: ignore[arg-type,list-item]  # V2, see above
         ),
     )
-
-
-def summarize(
-    result: ray.train.Result,
-    config: TrainingConfig,
-    run_key: str,
-    run_dir: StorageLocation,
-    opened: OpenRun,
-) -> FitResult:
-    latest = result.checkpoint
-    if latest is None:
-        raise TrainingError(f"training run {run_key} finished without a checkpoint; nothing to register")
-    history = read_history(latest)
-    metric = config.selection.name
-    sign = 1.0 if config.selection.higher_is_better else -1.0  # higher is better after the sign
-    scored = [
-        (sign * metrics.get(metric, sign * float("-inf")), checkpoint)
-        for checkpoint, metrics in result.best_checkpoints or []
-    ]
-    best_checkpoint = max(scored, key=lambda pair: pair[0])[1] if scored else latest
-    best = read_state(best_checkpoint)
-    return FitResult(
-        run_key=run_key,
-        run_uri=run_dir.uri,
-        mlflow_run_id=opened.run_id,
-        mlflow_experiment_id=opened.experiment_id,
-        backend=opened.backend,
-        epochs_completed=len(history),
-        best_epoch=epoch_number(best["epoch"]),
-        best_checkpoint_uri=checkpoint_uri(run_dir, best_checkpoint),
-        best_metrics={k: float(v) for k, v in best["metrics"].items()},
-        final_metrics=history[-1] if history else {},
-        history=history,
-        reopened_mlflow_run=opened.reopened,
-        shown_metrics=BUILTIN_SHOWN,
-    )
-
-
-def read_state(checkpoint: ray.train.Checkpoint) -> dict[str, Any]:
-    path = f"{checkpoint.path.rstrip('/')}/{STATE_FILE}"
-    assert checkpoint.filesystem is not None  # Ray Train always attaches the storage filesystem
-    with checkpoint.filesystem.open_input_stream(path) as stream:
-        return json.loads(stream.read())
-
-
-def read_history(checkpoint: ray.train.Checkpoint) -> list[dict[str, float]]:
-    return [{k: float(v) for k, v in entry.items()} for entry in read_state(checkpoint)["history"]]
 
 
 def training_error(exc: BaseException, run_key: str, config: TrainingConfig) -> BaseException:
@@ -326,40 +245,3 @@ def fit_interruptibly(trainer: TorchTrainer, lease: HeldLease | None = None) -> 
     if "error" in outcome:
         raise outcome["error"]
     return outcome["result"]
-
-
-def record_builtin(
-    config: TrainingConfig,
-    dataset: DatasetRef,
-    run_key: str,
-    run_dir: StorageLocation,
-    client: Any,
-    opened: OpenRun,
-    result: ray.train.Result,
-    lease: HeldLease | None,
-) -> FitResult:
-    """The built-in loop's run: its checkpoints pinned and logged as models, the summary, the best checkpoint
-    scored on the held-out test split, the fit record."""
-    run_id = opened.run_id
-    reported = [(checkpoint_name(checkpoint.path), metrics) for checkpoint, metrics in result.best_checkpoints or []]
-    refuse_foreign_checkpoints(
-        result, run_key, run_dir, lambda name: name.startswith(CHECKPOINT_PREFIX), f"{CHECKPOINT_PREFIX}NNNN"
-    )
-    pins.pin_checkpoints(client, run_id, [(n, m) for n, m in reported if n not in opened.preexisting])
-    fit = summarize(result, config, run_key, run_dir, opened)
-    added = tracking.reconcile_epochs(client, run_id, fit.history)
-    if added:
-        run_logger().warning("logged %d epoch(s) to MLflow that the controller could not log live", added)
-    outcome.log_summary(client, run_id, fit.history, config.selection.name, fit.best_epoch)
-    names = {checkpoint_name(checkpoint.path): checkpoint for checkpoint, _ in result.best_checkpoints or []}
-    kept = {name: (checkpoint_uri(run_dir, checkpoint), checkpoint_epoch(name)) for name, checkpoint in names.items()}
-    model_ids = outcome.log_checkpoint_models(
-        client, opened.experiment_id, run_id, kept, pinned_digests(client.get_run(run_id).data.tags)
-    )
-    model_id = model_ids.get(checkpoint_name(fit.best_checkpoint_uri))
-    pointer = {"uri": fit.best_checkpoint_uri, "epoch": fit.best_epoch, "run_uri": fit.run_uri, "run_key": run_key}
-    digest = pins.recorded_digest(client, run_id, fit.best_checkpoint_uri)
-    scores = evaluation.log_evaluation(client, run_id, dataset, fit, pointer, config.storage_options, digest, model_id)
-    fit = fit.model_copy(update={"scores": scores, "best_checkpoint_model_id": model_id})
-    write_fit_record(run_dir, client, run_id, fit, lease)
-    return fit

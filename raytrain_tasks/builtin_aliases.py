@@ -15,8 +15,7 @@ from pydantic import ValidationError
 
 from raytrain_tasks.config import BUILTIN_CLASSIFIER_ONLY, TrainingConfig
 from raytrain_tasks.errors import SettingsError
-
-TABLE_CLASSIFIER = "raytrain_tasks.table_classifier:classifier"
+from raytrain_tasks.settings import TABLE_CLASSIFIER
 
 # Built-in setting -> the table classifier's train_config key, where the names differ. `model` has no key: 'mlp',
 # its one value, is the table classifier's model. s3_endpoint_url / s3_region are the run's own (its storage's), not

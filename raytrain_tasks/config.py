@@ -26,12 +26,12 @@ from raytrain_tasks.settings import (
     DEFAULT_STATE_DIR,
     MAY_CHANGE_ON_RESUME,
     PINNED_BY_DEPLOYMENT,
+    TABLE_CLASSIFIER,
     ComputeSettings,
     DataSettings,
     FaultToleranceSettings,
     ServiceSettings,
     TrainingSettings,
-    dataset_stem,
 )
 from raytrain_tasks.storage.filesystem import StorageOptions, is_s3, s3_endpoint_and_region
 
@@ -106,7 +106,13 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
     @field_validator("train_code")
     @classmethod
     def _code_path(cls, value: str) -> str:
-        if value and not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", value):
+        if not value:  # what runs of releases up to 0.2 said for the built-in classifier (CHANGELOG.md)
+            raise ValueError(
+                "train_code '' (the built-in classifier of releases up to 0.2) is gone: the table classifier, "
+                f"train_code {TABLE_CLASSIFIER!r} (the default), trains the same model on the same table; runs "
+                "started with train_code '' cannot be resumed: start a new run"
+            )
+        if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", value):
             raise ValueError(
                 f"train_code {value!r} must be 'package.module:attribute', e.g. 'my_project.train:training'"
             )
@@ -255,12 +261,7 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
         if model_name == type(self).model_fields["model_name"].default:
             # The digits classifier's name is no name for a user's model or data: it would land behind that
             # champion, whose scores are not comparable, and stay `challenger`.
-            if code_model_name:
-                model_name = code_model_name
-            elif self.train_code:
-                model_name = self.train_code.partition(":")[0]
-            elif self.dataset != "digits":
-                model_name = f"{dataset_stem(self.dataset)}-classifier"
+            model_name = code_model_name or self.train_code.partition(":")[0]
         return self.model_copy(
             update={
                 "model_name": model_name,
@@ -290,7 +291,7 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
         from raytrain_tasks.redact import masked_param
 
         params: dict[str, Any] = {}
-        for key, value in self.model_dump(exclude=set(BUILTIN_CLASSIFIER_ONLY) if self.train_code else None).items():
+        for key, value in self.model_dump(exclude=set(BUILTIN_CLASSIFIER_ONLY)).items():
             if isinstance(value, list):
                 value = ",".join(map(str, value))
             if key == "train_config":
@@ -387,8 +388,6 @@ BUILTIN_CLASSIFIER_ONLY = _marked(BUILTIN_ONLY)
 def ignored_with_train_code(config: TrainingConfig) -> list[str]:
     """The built-in classifier's settings that ``config`` sets away from their defaults although it runs the user's
     own code (``train_code``), which brings its own data, model and gate: they do nothing there."""
-    if not config.train_code:
-        return []
     return [
         name
         for name in BUILTIN_CLASSIFIER_ONLY

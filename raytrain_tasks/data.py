@@ -109,21 +109,6 @@ def read_split(
     return (standardise(features, dataset) if standardised else features), labels
 
 
-def check_split_file(dataset: DatasetRef, split: Split, options: StorageOptions | None = None) -> None:
-    """Raise DatasetError unless the stored ``split`` file hashes to the SHA-256 its dataset.json recorded (for
-    readers that do not go through ``read_split``, such as Ray Data's read tasks); streams, holds no copy."""
-    uri = dataset.split_uri(split)
-    digest = hashlib.sha256()
-    try:
-        filesystem, path = open_filesystem(uri, options or StorageOptions())
-        with filesystem.open_input_stream(path) as stream:
-            while chunk := stream.read(1 << 22):
-                digest.update(chunk)
-    except (OSError, ValueError) as exc:
-        raise DatasetError(f"cannot read the {split} split at {uri}: {exc}; check the storage settings") from exc
-    check_split_digest(dataset, split, digest.hexdigest())
-
-
 def check_split_digest(dataset: DatasetRef, split: Split, actual: str) -> None:
     uri = dataset.split_uri(split)
     expected = dataset.split_sha256.get(split)
@@ -145,13 +130,3 @@ def standardise(features: np.ndarray, dataset: DatasetRef) -> np.ndarray:
     mean = np.asarray(dataset.feature_mean, dtype=np.float32)
     std = np.asarray(dataset.feature_std, dtype=np.float32)
     return ((features - mean) / std).astype(np.float32, copy=False)
-
-
-def standardise_batch(batch: dict[str, np.ndarray], dataset: DatasetRef) -> dict[str, np.ndarray]:
-    """Ray Data ``map_batches`` step: raw feature columns -> ``features`` [B, F] float32, ``label`` [B] int64."""
-    raw = np.column_stack([batch[name].astype(np.float32, copy=False) for name in dataset.feature_names])
-    return {
-        "features": standardise(raw, dataset),
-        "label": batch[LABEL_INDEX_COLUMN].astype(np.int64, copy=False),
-        "row": batch[ROW_INDEX_COLUMN].astype(np.int64, copy=False),
-    }

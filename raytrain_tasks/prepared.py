@@ -18,11 +18,9 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import TypeGuard
 
 from pydantic import BaseModel, ConfigDict
 
-from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.errors import DatasetError
 from raytrain_tasks.storage.filesystem import StorageOptions, is_s3, open_filesystem
 
@@ -106,17 +104,10 @@ def _check(folder: Path, actual: str, data: PreparedData, what: str) -> None:
         )
 
 
-def is_builtin_dataset(data: object) -> TypeGuard[DatasetRef]:
-    """Whether a run's data is the built-in classifier's prepared table (not what your code's prepare wrote)."""
-    return isinstance(data, DatasetRef)
-
-
-# What prepare-data hands the fit and register-model: the built-in classifier's table, what your code's prepare
-# wrote, or None (your code reads its own data).
-RunData = DatasetRef | PreparedData
+# What prepare-data hands the fit and register-model: what your code's prepare wrote (None: it reads its own data).
+RunData = PreparedData
 
 
 def data_dir_of(data: RunData | None, options: StorageOptions) -> Path | None:
-    """The local folder of what your code's prepare wrote (``config["data_dir"]`` here); None for the built-in
-    classifier's table or no prepared data."""
-    return local_data_dir(data, options) if isinstance(data, PreparedData) else None
+    """The local folder of what your code's prepare wrote (``config["data_dir"]`` here); None without one."""
+    return local_data_dir(data, options) if data is not None else None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -60,33 +59,6 @@ def dataset_summary(dataset: DatasetRef, train_labels: np.ndarray, val_labels: n
     }
 
 
-def write_report_files(
-    directory: Path,
-    *,
-    history: list[dict[str, float]],
-    evaluation: dict[str, Any],
-    summary: dict[str, Any],
-    class_labels: tuple[str, ...],
-    checkpoint_pointer: dict[str, Any],
-) -> list[Path]:
-    """Write the PNGs and JSON files into ``directory``; returns the paths written."""
-    directory.mkdir(parents=True, exist_ok=True)
-    files = {
-        LEARNING_CURVES_FILE: lambda path: plot_learning_curves(history, path),
-        "confusion_matrix.png": lambda path: plot_confusion_matrix(evaluation["confusion_matrix"], class_labels, path),
-        "per_class_report.json": lambda path: path.write_text(json.dumps(evaluation, indent=1)),
-        "dataset_summary.json": lambda path: path.write_text(json.dumps(summary, indent=1)),
-        "checkpoint.json": lambda path: path.write_text(json.dumps(checkpoint_pointer, indent=1)),
-    }
-    written = []
-    for name, write in files.items():
-        path = directory / name
-        write(path)
-        written.append(path)
-    return written
-
-
-# Bookkeeping a report may carry beside its scores: not a learning curve.
 NOT_CURVES = frozenset({"epoch", "epoch_seconds", "samples_per_second", "workers"})
 SPLIT_PREFIXES = (("train_", "train"), ("val_", "validation"), ("test_", "test"))
 MAX_PANELS = 6

@@ -61,6 +61,8 @@ MAY_CHANGE_ON_RESUME: dict[str, Any] = {"may_change_on_resume": True}
 # `train_code`, takes them into its train_config (raytrain_tasks.builtin_aliases); other code brings its own, and a
 # run of it warns that they are ignored when they differ from their defaults.
 BUILTIN_ONLY: dict[str, Any] = {"builtin_classifier_only": True}
+# The default `train_code`: the table classifier, a TrainSpec like any user's (raytrain_tasks/table_classifier.py).
+TABLE_CLASSIFIER = "raytrain_tasks.table_classifier:classifier"
 
 
 class _Section(BaseModel):
@@ -186,7 +188,7 @@ class TrainingSettings(_Section):
     """What is trained, and how: `train_code` (the table classifier unless it names your own) and its config."""
 
     train_code: str = Field(
-        default="raytrain_tasks.table_classifier:classifier",
+        default=TABLE_CLASSIFIER,
         max_length=300,
         title="Training code",
         description=(

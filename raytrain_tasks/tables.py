@@ -1,8 +1,7 @@
-"""A labelled table as the built-in classifier trains on it: loaded (a bundled dataset, or a CSV/Parquet file),
+"""A labelled table as the table classifier trains on it: loaded (a bundled dataset, or a CSV/Parquet file),
 checked, split by a stable hash of each row's key, and planned as Parquet split files with a ``dataset.json``
-(raytrain_tasks.data.DatasetRef) that records the train split's statistics. prepare-data stores it in shared storage
-(raytrain_driver/dataset.py); the table classifier's ``prepare`` writes it into its folder
-(raytrain_tasks/table_classifier.py).
+(raytrain_tasks.data.DatasetRef) that records the train split's statistics; the table classifier's ``prepare``
+writes it into its folder (raytrain_tasks/table_classifier.py).
 """
 
 from __future__ import annotations

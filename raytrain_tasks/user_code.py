@@ -20,8 +20,6 @@ from typing import Any
 from raytrain_tasks.api import DATA_DIR_KEY, TRAIN_CONFIG_KEYS, Metric, TrainFunc, TrainSpec
 from raytrain_tasks.errors import DataRefusedError, UserCodeError, user_frames
 
-TRAIN_CODE_PATTERN = r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$"
-
 
 def resolve(train_code: str, where: str = "on this driver") -> TrainFunc:
     """The ``TrainFunc`` that ``train_code`` names; UserCodeError naming the part that failed otherwise."""

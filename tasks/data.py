@@ -1,13 +1,11 @@
-"""prepare-data: the Prefect task that writes (or reuses) the run's content-addressed dataset version: the built-in
-classifier's table (raytrain_driver/dataset.py), or what your code's ``prepare`` writes
-(raytrain_driver/user_data.py)."""
+"""prepare-data: the Prefect task that writes (or reuses) the run's content-addressed dataset version: what your
+code's ``prepare`` writes (raytrain_driver/user_data.py)."""
 
 from __future__ import annotations
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
-from raytrain_driver.dataset import prepare_dataset
 from raytrain_driver.preflight import resolve_code
 from raytrain_driver.user_data import prepare_user_data
 from raytrain_tasks.config import TrainingConfig
@@ -22,7 +20,7 @@ def prepare_data(config: TrainingConfig) -> RunData | None:
     logger = get_run_logger()
     with redacted_errors():
         spec = resolve_code(config)
-        data = prepare_dataset(config) if spec is None else prepare_user_data(config, spec)
+        data = prepare_user_data(config, spec)
     if data is None:
         logger.info("train_code %s has no prepare: it reads its own data", config.train_code)
     else:

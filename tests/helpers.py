@@ -8,8 +8,6 @@ is imported.
 from __future__ import annotations
 
 import contextvars
-import hashlib
-import json
 import os
 import shutil
 import signal
@@ -342,7 +340,7 @@ def run_killing_a_worker(
         return future.result(timeout=600), Kill(killed_at, resume_epoch)
 
 
-# Tampering (test_security, test_recovery).
+# Tampering (test_security).
 class CreatesAFile:
     """Unpickling this creates ``path``: the proof that code ran."""
 
@@ -353,31 +351,21 @@ class CreatesAFile:
         return (open, (str(self.path), "w"))
 
 
-def rewrite_manifest(directory: Path, format_version: int | None = None) -> None:
-    """What an attacker with write access does: make the manifest match the replaced files."""
-    from raytrain_tasks.checkpoint import MANIFEST_FILE
-
-    manifest = json.loads((directory / MANIFEST_FILE).read_text())
-    for name in manifest["files"]:
-        data = (directory / name).read_bytes()
-        manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    if format_version is not None:
-        manifest["format_version"] = format_version
-    (directory / MANIFEST_FILE).write_text(json.dumps(manifest))
+# A finished fit to register (test_registry, test_security): of tests/registry_code.py, a plain user of the API.
+REGISTRY_CODE = "tests.registry_code:training"
 
 
-# A finished fit to register (test_registry, test_security).
 def fit_for_registry(
-    client: MlflowClient, workdir: Path, config: TrainingConfig, dataset: DatasetRef, key: str, test_accuracy: float
+    client: MlflowClient, workdir: Path, config: TrainingConfig, dataset: None, key: str, test_accuracy: float
 ) -> FitResult:
-    """A finished fit of the built-in classifier (``config.train_code`` empty): an MLflow run and a best
-    checkpoint (untrained weights; scores carried as given)."""
-    assert not config.train_code, "fit_for_registry makes the built-in classifier's fits: give train_code=''"
+    """A finished fit of ``REGISTRY_CODE``: an MLflow run, and a best checkpoint pinned in it as distributed-fit
+    pins one, whose model scores ``test_accuracy`` (the code's ``evaluate`` reads it back from the model)."""
+    assert config.train_code == REGISTRY_CODE and dataset is None, "fit_for_registry makes fits of REGISTRY_CODE"
     from raytrain_driver.fit_record import FitResult
-    from raytrain_tasks.checkpoint import ModelSpec, TrainingState, manifest_digest, save_checkpoint
-    from raytrain_tasks.models import build_model
+    from raytrain_tasks.integrity import local_folder_digest
     from raytrain_tasks.tracking import runs as tracking
     from raytrain_tasks.tracking.controller import pin_tag
+    from tests.registry_code import write_checkpoint
 
     # As the fit makes it: a SQLite store keeps its artifacts beside its database, never in the working directory
     # (a bare create_experiment put them under ./mlruns: the checkout, when the suite runs there).
@@ -385,17 +373,11 @@ def fit_for_registry(
         client, config.experiment_name, config.mlflow_tracking_uri, config.storage_path
     )
     run_id = client.create_run(experiment_id, run_name=key, tags={"prefect_raytrain.run_key": key}).info.run_id
-    spec = ModelSpec("mlp", dataset.num_features, dataset.num_classes, tuple(config.hidden_sizes))
-    net = build_model("mlp", dataset.num_features, dataset.num_classes, config.hidden_sizes)
-    checkpoint = save_checkpoint(
-        workdir / key / "epoch-0000",
-        state=TrainingState(epoch=0, metrics={}, spec=spec),
-        model_state={k: v.detach() for k, v in net.state_dict().items()},
-    )
+    features = int(config.train_config.get("features", 4))
+    checkpoint = write_checkpoint(workdir / key / "epoch-0001", features, test_accuracy)
     # What distributed-fit leaves in MLflow: the digest of each checkpoint it committed.
-    client.set_tag(run_id, pin_tag("epoch-0000"), manifest_digest(checkpoint))
+    client.set_tag(run_id, pin_tag(checkpoint.name), local_folder_digest(checkpoint))
     client.set_terminated(run_id)
-    scores = {"val_accuracy": test_accuracy, "val_loss": 1.0, "test_accuracy": test_accuracy, "test_loss": 1.0}
     return FitResult(
         run_key=key,
         run_uri=str(workdir / key),
@@ -403,17 +385,17 @@ def fit_for_registry(
         mlflow_experiment_id=str(experiment_id),
         backend="gloo",
         epochs_completed=1,
-        best_epoch=0,
+        best_epoch=1,
         best_checkpoint_uri=str(checkpoint),
-        best_metrics={},
-        final_metrics={},
+        best_metrics={"val_accuracy": test_accuracy},
+        final_metrics={"val_accuracy": test_accuracy},
         history=[],
         reopened_mlflow_run=False,
-        scores=scores,
+        scores={"val_accuracy": test_accuracy, "test_accuracy": test_accuracy},
     )
 
 
-def register_for_test(config: TrainingConfig, dataset: DatasetRef, fit: FitResult) -> Any:
+def register_for_test(config: TrainingConfig, dataset: Any, fit: FitResult) -> Any:
     """Run register-model in a flow, as the pipeline does: its ModelRef, or the exception it failed with."""
     from prefect import flow
 
@@ -541,6 +523,17 @@ def head_node(env: dict[str, str] | None = None, num_cpus: int = 2) -> Iterator[
         # would stop every Ray on the machine.
         stop_process_group(head, signal.SIGKILL)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def prepared_for(config: TrainingConfig) -> tuple[TrainingConfig, Any]:
+    """``config`` as the flow runs it (the table classifier's settings given as top-level flags carried into its
+    train_config) and what prepare-data stores for it, as the fit task is handed both."""
+    from raytrain_driver.preflight import resolve_code
+    from raytrain_driver.user_data import prepare_user_data
+    from raytrain_tasks.builtin_aliases import with_builtin_settings_carried
+
+    config = with_builtin_settings_carried(config)
+    return config, prepare_user_data(config, resolve_code(config))
 
 
 def table_dataset(data: Any, options: Any = None) -> DatasetRef:

@@ -44,7 +44,7 @@ for module in modules:
     found[module] = answer == b"1"
 print(json.dumps(found))
 """
-WORKER_MODULES = ["raytrain_tasks.train_loop", "raytrain_tasks.tracking.controller", "raytrain_tasks.checkpoint"]
+WORKER_MODULES = ["raytrain_tasks.spec_loop", "raytrain_tasks.tracking.controller", "raytrain_tasks.checkpoint"]
 FLOW_MODULES = ["flows.training", "tasks.fit", "tasks.register", "tasks.data"]
 
 

@@ -53,11 +53,6 @@ CHECKPOINT_PREFIX = "epoch-"  # the built-in loop's checkpoint folders: epoch-00
 EPOCH_FOLDER = re.compile(r"epoch-\d{4,}(-r\d+)?")
 
 
-def checkpoint_epoch(name: str) -> int:
-    """The epoch number in a checkpoint folder's name (``epoch-0003-r1`` -> 3)."""
-    return int(name.removeprefix(CHECKPOINT_PREFIX).split("-", 1)[0])
-
-
 def checkpoint_order(name: str) -> tuple[int, ...]:
     """Sort key of a run's checkpoint folders, oldest first: by time for Ray Train's checkpoint_<timestamp>; by
     epoch, then retraining, for epoch-NNNN-rK, as numbers (epoch-0002-r10 after -r9, epoch-10000 after 9999)."""

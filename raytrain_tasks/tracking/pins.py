@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import CheckpointError
@@ -30,23 +30,6 @@ def recorded_digest(client: MlflowClient, run_id: str, checkpoint_uri: str) -> s
             "knows, this run never committed it, so it is not loaded. Resume the run (`resume`) to train it again"
         )
     return digest
-
-
-def pin_checkpoints(client: MlflowClient, run_id: str, reported: list[tuple[str, dict[str, Any]]]) -> int:
-    """Record the manifest digests this fit's workers reported (folder name, metrics) that MLflow lacks."""
-    from mlflow.entities import RunTag
-
-    from raytrain_tasks.tracking.controller import MANIFEST_METRIC, pin_tag, pinned_digests
-
-    known = pinned_digests(client.get_run(run_id).data.tags)
-    missing = [
-        RunTag(pin_tag(name), str(metrics[MANIFEST_METRIC]))
-        for name, metrics in reported
-        if name not in known and isinstance(metrics.get(MANIFEST_METRIC), str)
-    ]
-    if missing:
-        client.log_batch(run_id, tags=missing)
-    return len(missing)
 
 
 def pin_journal_dir(state_dir: Path) -> Path:

@@ -15,7 +15,6 @@ from raytrain_tasks.config import RESUME_MAY_CHANGE, check_run_key
 from raytrain_tasks.environment import apply_mlflow_client_defaults
 from raytrain_tasks.errors import TrackingError
 from raytrain_tasks.redact import redact, redact_exception, redact_uri
-from raytrain_tasks.tracking.controller import epoch_number, log_epoch
 from raytrain_tasks.tracking.run_owner import DRIVER_TAG, KILLED_TAG, driver_alive, this_driver
 
 if TYPE_CHECKING:
@@ -158,17 +157,6 @@ DATASET_HASH_TAG = "prefect_raytrain.dataset_hash"
 
 
 FIT_RECORD_TAG = "prefect_raytrain.fit_record_sha256"
-
-
-def reconcile_epochs(client: MlflowClient, run_id: str, history: list[dict[str, float]]) -> int:
-    """Log epochs the committed checkpoint holds but the run lacks; returns how many were added."""
-    from raytrain_tasks.tracking.controller import logged_steps
-
-    present = logged_steps(client, run_id)
-    missing = [entry for entry in history if epoch_number(entry["epoch"]) not in present]
-    for entry in missing:
-        log_epoch(client, run_id, entry, checkpoint_path=None)
-    return len(missing)
 
 
 NOTE_TAG = "mlflow.note.content"  # the run's description in the MLflow UI (Markdown)

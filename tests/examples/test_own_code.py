@@ -132,7 +132,6 @@ def test_an_own_code_runs_params_are_what_trained_it() -> None:
     params = config.public_params(with_defaults(hidden=32, dropout=0.1))
     assert params["train_config.hidden"] == 64 and params["train_config.dropout"] == 0.1
     assert not {"dataset", "model", "hidden_sizes", "promotion_metric", "data_loader"} & set(params), params
-    assert TrainingConfig(train_code="").public_params()["promotion_metric"] == "val_accuracy"  # the built-in's stay
     # Whatever a default holds: a Path is its text, a URL's password is masked, a long value is cut to MLflow's limit.
     odd = config.public_params({"root": Path("/data/x"), "src": "https://u:pw-in-default@h/x", "names": ["a"] * 5000})
     assert odd["train_config.root"] == '"/data/x"' and "pw-in-default" not in odd["train_config.src"]
@@ -1057,6 +1056,5 @@ def test_settings_of_the_built_in_classifier_set_beside_train_code_are_named_as_
     )
     assert ignored_with_train_code(mixed) == ["hidden_sizes", "promotion_metric"]  # epochs is the code's too
     assert ignored_with_train_code(TrainingConfig(train_code="my_model.train:training")) == []
-    assert ignored_with_train_code(TrainingConfig(train_code="", hidden_sizes=[8])) == []  # the built-in uses it
     # The default code, the table classifier, takes it into its train_config (raytrain_tasks.builtin_aliases).
     assert ignored_with_train_code(with_builtin_settings_carried(TrainingConfig(hidden_sizes=[8]))) == []

@@ -52,22 +52,18 @@ def test_the_settings_a_run_logged_rebuild_the_same_config() -> None:
     assert parse_config(flags_from_params(params, [])) == config
 
 
-def test_a_run_of_the_built_in_classifier_rebuilds_its_own_settings() -> None:
-    """A run of earlier releases (train_code '') logged the built-in classifier's settings as params of their
-    own: `resume` rebuilds each with its type (a list, a choice, a float), and train_code '' with them."""
-    config = TrainingConfig(
-        train_code="",
-        dataset="synthetic",
-        hidden_sizes=[32, 16],
-        learning_rate=0.0025,
-        data_loader="ray_data",
-        register=False,
-        storage_path="/data/prt",
-    )
-    params = {key: str(value) for key, value in config.public_params().items()}
-    rebuilt = parse_config(flags_from_params(params, []))
-    assert rebuilt == config
-    assert (rebuilt.train_code, rebuilt.hidden_sizes, rebuilt.data_loader) == ("", [32, 16], "ray_data")
+def test_a_run_of_the_built_in_classifier_of_earlier_releases_is_refused_saying_why(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A run of releases up to 0.2 (train_code '') cannot be resumed: its code is gone. The refusal names the
+    setting and what trains the same model now, before anything starts."""
+    params = {key: str(value) for key, value in TrainingConfig().public_params().items()}
+    params["train_code"] = ""
+    with pytest.raises(SystemExit) as refused:
+        parse_config(flags_from_params(params, []))
+    said = capsys.readouterr().err
+    assert refused.value.code == 2 and "train_code '' (the built-in classifier of releases up to 0.2) is gone" in said
+    assert "raytrain_tasks.table_classifier:classifier" in said and "cannot be resumed" in said, said
 
 
 def test_a_masked_setting_must_be_given_again() -> None:

@@ -207,16 +207,21 @@ def test_champion_moves_only_for_a_better_model(first_run: PipelineResult, clien
 
 
 def test_the_table_classifiers_model_is_judged_against_the_built_in_champion(tmp_path: Path) -> None:
-    """A champion the built-in classifier registered (a release before the table classifier became the default;
-    `train_code` '' runs it still) records no train_code. The table classifier, which trains the same model on
-    the same table, registers into the same model and is compared with it, scored on this run's test split by
-    the spec's own evaluate: it was incomparable, and every one of its models stayed `challenger`."""
-    built_in = training_pipeline(**parameters_of(small_config(tmp_path, epochs=1, train_code="")))
-    assert built_in.model is not None and built_in.model.decision == "promote", built_in.model
-    client = MlflowClient(built_in.config.mlflow_tracking_uri)
-    name = built_in.config.model_name
+    """A champion the built-in classifier of releases up to 0.2 registered records no train_code, and its gate in
+    other tags. The table classifier, which trains the same model on the same table, registers into the same model
+    and is compared with it, scored on this run's test split by the spec's own evaluate (it was incomparable, and
+    every one of its models stayed `challenger`). The champion here is a table classifier's model whose version is
+    tagged as the built-in's were: the same pt2 model of the same table."""
+    from raytrain_driver.user_register import GATE_DIRECTION_TAG, GATE_METRIC_TAG, TRAIN_CODE_TAG
+
+    first = training_pipeline(**parameters_of(small_config(tmp_path, epochs=1)))
+    assert first.model is not None and first.model.decision == "promote", first.model
+    client = MlflowClient(first.config.mlflow_tracking_uri)
+    name = first.config.model_name
     champion = client.get_model_version_by_alias(name, "champion")
-    assert "train_code" not in champion.tags  # the built-in's
+    for tag in (TRAIN_CODE_TAG, GATE_METRIC_TAG, GATE_DIRECTION_TAG):  # what the built-in's versions lack
+        client.delete_model_version_tag(name, champion.version, tag)
+    assert {"schema.digest", "promotion.metric", "test_accuracy"} <= set(champion.tags)  # what they have
     result = training_pipeline(**parameters_of(small_config(tmp_path, epochs=1)))
     assert result.config.train_code == TABLE_CLASSIFIER
     assert result.model is not None and result.model.name == name, result.model

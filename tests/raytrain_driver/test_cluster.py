@@ -129,7 +129,7 @@ def test_the_pipeline_trains_on_a_cluster_by_address_and_leaves_it_running(
         )
     # The driver shipped raytrain_tasks (runtime_env py_modules): the cluster unpacked it for its workers.
     resources = external_cluster.temp_dir / "session_latest" / "runtime_resources"
-    shipped = list(resources.glob("py_modules_files/*/raytrain_tasks/train_loop.py"))
+    shipped = list(resources.glob("py_modules_files/*/raytrain_tasks/spec_loop.py"))
     assert shipped, sorted(str(p.relative_to(resources)) for p in resources.rglob("*"))[:50]
 
 
@@ -310,28 +310,19 @@ def test_local_storage_on_a_multi_node_cluster_fails_early() -> None:
 
 
 def test_max_workers_makes_the_worker_group_elastic(tmp_path: Path) -> None:
+    from raytrain_driver.preflight import resolve_code
     from raytrain_driver.sizing import FitPlan
     from raytrain_driver.trainer import build_trainer
-    from raytrain_tasks.data import DatasetRef
     from raytrain_tasks.storage.locations import locate
+    from tests.helpers import REGISTRY_CODE
 
-    dataset = DatasetRef(
-        uri=str(tmp_path),
-        content_hash="0" * 16,
-        source="digits",
-        label_column="label",
-        feature_names=("a",),
-        class_labels=("0", "1"),
-        train_rows=10,
-        val_rows=2,
-        feature_mean=(0.0,),
-        feature_std=(1.0,),
-    )
     runs = locate(str(tmp_path / "runs"), TrainingConfig().storage_options)
-    elastic_config = TrainingConfig(num_workers=2, max_workers=4, cpus_per_worker=0.5)
-    fixed_config = TrainingConfig(num_workers=2, cpus_per_worker=1)
-    elastic = build_trainer(elastic_config, FitPlan.of(elastic_config), dataset, "k", runs)
-    fixed = build_trainer(fixed_config, FitPlan.of(fixed_config), dataset, "k", runs)
+    code = {"train_code": REGISTRY_CODE, "register": False}
+    elastic_config = TrainingConfig(num_workers=2, max_workers=4, cpus_per_worker=0.5, **code)
+    fixed_config = TrainingConfig(num_workers=2, cpus_per_worker=1, **code)
+    spec = resolve_code(elastic_config)
+    elastic = build_trainer(elastic_config, FitPlan.of(elastic_config), None, "k", runs, spec=spec)
+    fixed = build_trainer(fixed_config, FitPlan.of(fixed_config), None, "k", runs, spec=spec)
     assert elastic.scaling_config.num_workers == (2, 4)
     assert fixed.scaling_config.num_workers == 2
 

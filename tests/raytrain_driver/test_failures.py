@@ -109,19 +109,23 @@ def test_unwritable_storage(tmp_path: Path) -> None:
     assert "storage_path" in str(error)
 
 
-def test_a_failure_after_the_mlflow_run_started_marks_it_failed(tmp_path: Path) -> None:
-    """Not only errors inside fit(): building the trainer fails here (the dataset vanished after prepare-data)."""
-    import shutil
-
+def test_a_failure_after_the_mlflow_run_started_marks_it_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not only errors inside fit(): building the trainer fails here, after the MLflow run was opened."""
     from prefect import flow
 
-    from raytrain_driver.dataset import prepare_dataset
+    import raytrain_driver.trainer
     from raytrain_tasks.config import new_run_key
     from tasks.fit import distributed_fit
+    from tests.helpers import prepared_for
 
-    config = small_config(tmp_path, train_code="", data_loader="ray_data", cpus_per_worker=0.5)
-    dataset = prepare_dataset(config)
-    shutil.rmtree(dataset.uri)
+    config, dataset = prepared_for(small_config(tmp_path, cpus_per_worker=0.5))
+
+    def cannot_build(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("the trainer could not be built")
+
+    monkeypatch.setattr(raytrain_driver.trainer, "build_trainer", cannot_build)
 
     @flow(name="fit-only")
     def fit_only() -> BaseException | None:

@@ -399,25 +399,23 @@ def test_a_fit_whose_lease_is_taken_stops_at_once_and_leaves_the_mlflow_run_alon
     import ray
     from mlflow import MlflowClient
 
-    from raytrain_driver.dataset import prepare_dataset
     from raytrain_driver.fit import fit_in_this_process
     from raytrain_tasks.config import new_run_key
     from raytrain_tasks.errors import RunLeaseLostError
     from raytrain_tasks.storage.locations import RUNS_DIR
     from raytrain_tasks.tracking import run_owner
     from raytrain_tasks.tracking import runs as tracking
-    from tests.helpers import small_config, this_ray_address
+    from tests.helpers import prepared_for, small_config, this_ray_address
 
-    config = small_config(  # the built-in classifier's driver, called as the fit task calls it
+    config = small_config(  # the fit's driver, called as the fit task calls it
         tmp_path,
-        train_code="",
         dataset="synthetic",
         synthetic_samples=24000,
         epochs=12,
         num_workers=1,
         run_lease_seconds=6,
     )
-    dataset = prepare_dataset(config)
+    config, dataset = prepared_for(config)
     key = new_run_key()
     runs = locate(config.storage_path).child(RUNS_DIR)
     run_dir = runs.child(key)

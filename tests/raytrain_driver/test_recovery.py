@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 
 from flows.training import PipelineResult, training_pipeline
-from raytrain_tasks.checkpoint import MODEL_FILE
 from raytrain_tasks.config import RUN_KEY_PATTERN as RUN_KEY
 from raytrain_tasks.config import parameters_of
 from raytrain_tasks.resume import checkpoint_dir_name
@@ -98,18 +97,6 @@ def checkpoint_mtimes(workdir: Path) -> dict[str, float]:
 def reference(tmp_path_factory: pytest.TempPathFactory) -> PipelineResult:
     """The uninterrupted run every recovered run must match."""
     return training_pipeline(**parameters_of(chaos_config(tmp_path_factory.mktemp("reference"))))
-
-
-# The built-in classifier's checkpoint format (train_code ''): a manifest of file hashes, which tells a damaged
-# checkpoint (fall back to the newest intact one inside the fit) from a replaced one (stop). User code's
-# checkpoints are its own files, vouched for by the digest MLflow recorded when each was committed: a mismatch
-# inside a fit stops it (test_own_code), a resume falls back to the newest that verifies (below).
-BUILTIN = {"train_code": ""}
-
-
-@pytest.fixture(scope="module")
-def builtin_reference(tmp_path_factory: pytest.TempPathFactory) -> PipelineResult:
-    return training_pipeline(**parameters_of(chaos_config(tmp_path_factory.mktemp("builtin"), **BUILTIN)))
 
 
 def test_worker_killed_mid_epoch_resumes_from_last_checkpoint(tmp_path: Path, reference: PipelineResult) -> None:
@@ -291,95 +278,6 @@ def test_checkpoints_committed_while_mlflow_was_down_survive_a_crash(tmp_path: P
     assert match and match[1] >= newest, output[-4000:]  # not from epoch 1: the crash cost no committed epoch
     assert only_run(tmp_path).info.run_id == run_before.info.run_id
     assert_same_as_uninterrupted(tmp_path, reference)
-
-
-def test_corrupted_latest_checkpoint_is_skipped_on_resume(tmp_path: Path, builtin_reference: PipelineResult) -> None:
-    """With the default retention (checkpoints_to_keep=2): Ray's eviction never deletes the re-written epoch."""
-    from raytrain_tasks.checkpoint import verify_checkpoint
-
-    corrupted: list[str] = []
-
-    def truncate_the_checkpoint_resumed_from(epoch: int) -> None:
-        (run_dir,) = (tmp_path / "storage" / "runs").iterdir()
-        model_file = run_dir / checkpoint_dir_name(epoch) / MODEL_FILE
-        model_file.write_bytes(model_file.read_bytes()[:100])
-        corrupted.append(model_file.parent.name)
-
-    config = chaos_config(tmp_path, max_failures=2, checkpoints_to_keep=2, **BUILTIN)
-    state, _ = run_killing_a_worker(tmp_path, config, before_kill=truncate_the_checkpoint_resumed_from)
-    assert state.is_completed(), state.message
-    assert_same_as_uninterrupted(tmp_path, builtin_reference)
-    (run_dir,) = (tmp_path / "storage" / "runs").iterdir()
-    # The corrupted epoch was trained again from the one before it and written to a folder of its own, never
-    # into the corrupted one: the two checkpoints Ray Train still tracks are there, intact, the newest the last.
-    snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
-    kept = [result["checkpoint_dir_name"] for result in snapshot["checkpoint_results"]]
-    assert len(kept) == 2 and corrupted[0] not in kept, (kept, corrupted)
-    assert snapshot["latest_checkpoint_result"]["metrics"]["epoch"] == EPOCHS - 1
-    for name in kept:
-        verify_checkpoint(run_dir / name)
-    best = state.result().fit.best_checkpoint_uri
-    verify_checkpoint(best)
-    assert not best.endswith(corrupted[0])  # the corrupted folder is never chosen
-
-
-def test_no_intact_checkpoint_left_is_not_retried(tmp_path: Path) -> None:
-    """A CheckpointError raised in the workers fails the fit at once: no Prefect retry can repair storage."""
-    from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    from raytrain_tasks.errors import CheckpointError
-
-    def truncate_every_checkpoint(_epoch: int) -> None:
-        (run_dir,) = (tmp_path / "storage" / "runs").iterdir()
-        for model_file in run_dir.glob(f"epoch-*/{MODEL_FILE}"):
-            model_file.write_bytes(model_file.read_bytes()[:100])
-
-    config = chaos_config(tmp_path, max_failures=1, fit_retries=2, retry_delay_seconds=0, **BUILTIN)
-    state, _ = run_killing_a_worker(tmp_path, config, before_kill=truncate_every_checkpoint)
-    assert state.is_failed()
-    error = state.result(raise_on_failure=False)
-    assert isinstance(error, CheckpointError) and "no intact checkpoint left" in str(error)
-    with get_client(sync_client=True) as client:
-        task_runs = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
-        )
-    (fit_run,) = [run for run in task_runs if run.name.startswith("fit-")]
-    assert fit_run.run_count == 1
-    run = only_run(tmp_path)
-    assert run.info.status == "FAILED" and "CheckpointError" in run.data.tags["prefect_raytrain.error"]
-
-
-def test_a_tampered_checkpoint_stops_the_restarted_workers_and_runs_nothing(tmp_path: Path) -> None:
-    """Someone with write access to storage swaps the latest rng.pt for a pickle that would run code and makes the
-    manifest match. The restarted workers refuse it (no fallback to an older checkpoint of the same storage), the
-    fit is not retried, and the code in the pickle never runs."""
-    from raytrain_tasks.checkpoint import RNG_FILE
-    from raytrain_tasks.errors import CheckpointError
-    from tests.helpers import CreatesAFile, rewrite_manifest
-
-    marker = tmp_path / "pwned"
-
-    def tamper_the_checkpoint_resumed_from(epoch: int) -> None:
-        import torch
-
-        # That one and any later one already uploaded (a later one cannot be registered any more, but tampering
-        # it too costs nothing). The older ones stay intact: the workers must not fall back to them.
-        (run_dir,) = (tmp_path / "storage" / "runs").iterdir()
-        for folder in run_dir.glob("epoch-*"):
-            if folder.name >= checkpoint_dir_name(epoch):
-                torch.save({"numpy": CreatesAFile(marker)}, folder / RNG_FILE)
-                rewrite_manifest(folder)
-
-    config = chaos_config(tmp_path, max_failures=1, fit_retries=2, retry_delay_seconds=0, **BUILTIN)
-    state, _ = run_killing_a_worker(tmp_path, config, before_kill=tamper_the_checkpoint_resumed_from)
-    assert state.is_failed()
-    error = state.result(raise_on_failure=False)
-    assert isinstance(error, CheckpointError) and RNG_FILE in str(error), error
-    assert "storage_path" in str(error)
-    assert not marker.exists()
-    run = only_run(tmp_path)
-    assert run.info.status == "FAILED" and "CheckpointError" in run.data.tags["prefect_raytrain.error"]
 
 
 def test_a_damaged_checkpoint_stops_the_fit_and_a_resume_continues_from_the_newest_that_verifies(

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 from mlflow import MlflowClient
 
-from raytrain_driver.dataset import prepare_dataset
 from raytrain_driver.fit_record import FitResult
 from raytrain_driver.register import APPLIED_TAG
 from raytrain_driver.registry_lock import QUEUE_SUFFIX
@@ -22,6 +21,7 @@ from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import PromotionError
 from raytrain_tasks.tracking import runs as tracking
 from tests.helpers import (
+    REGISTRY_CODE,
     REPO_ROOT,
     MlflowServer,
     fit_for_registry,
@@ -81,15 +81,18 @@ def registry(
     mlflow_server: MlflowServer, tmp_path_factory: pytest.TempPathFactory, prefect_api: None
 ) -> dict[str, Any]:
     workdir = tmp_path_factory.mktemp("registry")
-    # The registry's decisions on fits of the built-in classifier (fit_for_registry makes them): pinned to it, as
-    # runs started before the table classifier became the default are.
+    # The registry's decisions on fits of a user's code (tests/registry_code.py; fit_for_registry makes them).
     config = small_config(
-        workdir, train_code="", mlflow_tracking_uri=str(mlflow_server), model_name="gate", experiment_name="gate"
+        workdir,
+        train_code=REGISTRY_CODE,
+        mlflow_tracking_uri=str(mlflow_server),
+        model_name="gate",
+        experiment_name="gate",
     )
     client = MlflowClient(mlflow_server)
     # Here, not by whichever test fits first: each test stands alone (pytest-xdist may run them in two processes).
     tracking.ensure_experiment(client, config.experiment_name, config.mlflow_tracking_uri, config.storage_path)
-    return {"config": config, "workdir": workdir, "dataset": prepare_dataset(config), "client": client}
+    return {"config": config, "workdir": workdir, "dataset": None, "client": client}
 
 
 def _versions(client: MlflowClient, name: str) -> list[str]:
@@ -157,8 +160,8 @@ def test_a_champion_that_cannot_be_scored_keeps_its_alias_and_fails_the_task(
 def test_a_champion_with_another_input_schema_is_kept_unless_asked(registry: dict[str, Any]) -> None:
     client, workdir = registry["client"], registry["workdir"]
     config, champion = _with_champion(registry, "schema", "20261123-021000-abcabc")
-    other = config.model_copy(update={"dataset": "synthetic", "synthetic_features": 8})
-    dataset = prepare_dataset(other)
+    other = config.model_copy(update={"train_config": {"features": 8}})  # another table: 8 features, not 4
+    dataset = None
     fit = fit_for_registry(client, workdir, other, dataset, "20261123-030000-cccccc", 0.99)
     kept = register_for_test(other, dataset, fit)
     assert kept.decision == "keep_incomparable_champion" and kept.aliases == ("challenger",)
@@ -177,7 +180,8 @@ def test_a_champion_stored_as_a_pickle_is_never_loaded(registry: dict[str, Any],
     import mlflow
     import torch
 
-    from raytrain_driver.builtin_register import SCHEMA_TAG, schema_digest
+    from raytrain_driver.preflight import resolve_code
+    from raytrain_driver.user_register import user_schema, version_tags
 
     config, client, workdir = registry["config"], registry["client"], registry["workdir"]
     marker = tmp_path / "pwned"
@@ -191,7 +195,9 @@ def test_a_champion_stored_as_a_pickle_is_never_loaded(registry: dict[str, Any],
     mlflow.set_tracking_uri(config.mlflow_tracking_uri)
     with mlflow.start_run(experiment_id=client.get_experiment_by_name(config.experiment_name).experiment_id):
         info = mlflow.pytorch.log_model(Trap(), name="model", serialization_format="pickle", pip_requirements=[])
-    version = mlflow.register_model(info.model_uri, "pickled", tags={SCHEMA_TAG: schema_digest(dataset)}).version
+    spec = resolve_code(pickled)
+    tags = version_tags(pickled, spec, 0.5, user_schema(pickled, spec, None))  # as this code's own champion says
+    version = mlflow.register_model(info.model_uri, "pickled", tags=tags).version
     client.set_registered_model_alias("pickled", "champion", str(version))
     assert not marker.exists()
 
@@ -328,7 +334,7 @@ def test_a_registry_outage_in_the_middle_of_the_decision_moves_nothing_and_a_ret
     """`mlflow server` stops after the candidate's version is registered and before the champion is read: the
     task fails (no alias moves, the version is not marked decided); with the server back, the next attempt of
     the same run key decides on that same version."""
-    import raytrain_driver.builtin_register as builtin_register
+    import raytrain_driver.register as register
     import raytrain_driver.registry_lock as registry_lock
 
     # A short lock lease, so the retry waits seconds, not a minute, for the failed attempt's ticket to go stale.
@@ -340,16 +346,16 @@ def test_a_registry_outage_in_the_middle_of_the_decision_moves_nothing_and_a_ret
     try:
         workdir = root / "work"
         config = small_config(
-            workdir, train_code="", mlflow_tracking_uri=url, model_name="outage", experiment_name="outage"
-        )  # the built-in classifier's fits (fit_for_registry), as above
-        dataset = prepare_dataset(config)
+            workdir, train_code=REGISTRY_CODE, mlflow_tracking_uri=url, model_name="outage", experiment_name="outage"
+        )  # fits of a user's code (fit_for_registry), as above
+        dataset = None
         client = MlflowClient(url)
         champion = register_for_test(
             config, dataset, fit_for_registry(client, workdir, config, dataset, "20261123-090000-aaaaaa", 0.5)
         )
         assert champion.decision == "promote"
 
-        assess = builtin_register.assess_champion
+        assess = register.assess_user_champion
         stopped = []
 
         def outage(*args: Any, **kwargs: Any) -> Any:
@@ -357,14 +363,14 @@ def test_a_registry_outage_in_the_middle_of_the_decision_moves_nothing_and_a_ret
             stopped.append(True)
             return assess(*args, **kwargs)
 
-        monkeypatch.setattr(builtin_register, "assess_champion", outage)
+        monkeypatch.setattr(register, "assess_user_champion", outage)
         fit = fit_for_registry(client, workdir, config, dataset, "20261123-100000-bbbbbb", 0.99)
         error = register_for_test(config, dataset, fit)
         assert stopped and isinstance(error, Exception), error  # the task ended Failed
         assert "outage version 2" in str(error), error
 
         server = start_mlflow_server(root, port)
-        monkeypatch.setattr(builtin_register, "assess_champion", assess)
+        monkeypatch.setattr(register, "assess_user_champion", assess)
         assert _champion(client, "outage") == champion.version  # nothing moved
         assert _versions(client, "outage") == [champion.version, "2"]
         assert APPLIED_TAG not in client.get_model_version("outage", "2").tags

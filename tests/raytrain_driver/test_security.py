@@ -1,7 +1,7 @@
 """What storage holds is data, never code; what names a folder or a filter is checked first.
 
 A writer of the checkpoint storage is the attacker here: it replaces a checkpoint file with a pickle that
-creates a file when unpickled, and rewrites the manifest so that the checkpoint is self-consistent.
+creates a file when unpickled, and (where it can write the MLflow run too) records the new files' digest there.
 """
 
 from __future__ import annotations
@@ -17,57 +17,31 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from raytrain_tasks.checkpoint import (
-    MODEL_FILE,
-    OPTIMIZER_FILE,
-    RNG_FILE,
-    ModelSpec,
-    TrainingState,
-    capture_rng_state,
-    load_checkpoint,
-    load_weights,
-    restore_rng_state,
-    save_checkpoint,
-)
+from raytrain_tasks.api import TrainSpec
+from raytrain_tasks.checkpoint import capture_rng_state, restore_rng_state
 from raytrain_tasks.config import TrainingConfig, check_run_key, parameters_of
 from raytrain_tasks.errors import UnsafeCheckpointError
-from raytrain_tasks.models import build_model
-from tests.helpers import CreatesAFile, rewrite_manifest
-
-SPEC = ModelSpec(model="mlp", in_features=8, num_classes=3, hidden_sizes=(16,))
+from raytrain_tasks.spec_loop import STATE_FILE
+from tests.helpers import CreatesAFile
 
 
-def write_checkpoint(directory: Path) -> Path:
-    model = build_model("mlp", 8, 3, [16])
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    model(torch.randn(4, 8)).sum().backward()
-    optimizer.step()
-    return save_checkpoint(
-        directory,
-        state=TrainingState(epoch=1, metrics={"val_accuracy": 0.5}, spec=SPEC),
-        model_state=model.state_dict(),
-        optimizer_state=optimizer.state_dict(),
-        rng_state=capture_rng_state(),
-    )
-
-
-@pytest.mark.parametrize("name", [MODEL_FILE, OPTIMIZER_FILE, RNG_FILE])
 @pytest.mark.parametrize("how", ["torch.save", "plain pickle"])
-def test_a_checkpoint_file_carrying_a_pickle_is_refused_and_never_runs(tmp_path: Path, name: str, how: str) -> None:
-    directory = write_checkpoint(tmp_path / "epoch-0001")
+def test_a_checkpoint_carrying_a_pickle_is_refused_and_never_runs(tmp_path: Path, how: str) -> None:
+    """A TrainSpec's checkpoint is read with torch's restricted unpickler alone, on the workers (a resume) and on
+    the driver (registration): an object that would run code when unpickled is refused before it is created."""
+    from raytrain_tasks.spec_loop import spec_load_model
+    from raytrain_tasks.table_classifier import classifier
+
+    folder = tmp_path / "epoch-0001"
+    folder.mkdir()
     marker = tmp_path / "pwned"
     if how == "torch.save":
-        torch.save({"state": CreatesAFile(marker)}, directory / name)
+        torch.save({"model": CreatesAFile(marker)}, folder / STATE_FILE)
     else:
-        (directory / name).write_bytes(pickle.dumps(CreatesAFile(marker)))
-    rewrite_manifest(directory)
-
-    with pytest.raises(UnsafeCheckpointError, match=name) as refused:
-        load_checkpoint(directory)
-    assert "storage_path" in str(refused.value)  # says what to check
-    if name == MODEL_FILE:  # the driver's loader (scoring, registration) reads only the weights
-        with pytest.raises(UnsafeCheckpointError, match=name):
-            load_weights(directory)
+        (folder / STATE_FILE).write_bytes(pickle.dumps(CreatesAFile(marker)))
+    assert isinstance(classifier, TrainSpec)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        spec_load_model(classifier)(folder, {})
     assert not marker.exists()
 
 
@@ -76,48 +50,13 @@ def test_rng_state_round_trips_without_any_pickled_object(tmp_path: Path) -> Non
     np.random.seed(4)
     torch.manual_seed(5)
     random.random(), np.random.rand(), np.random.randn()  # a cached Gaussian is part of numpy's state
-    directory = write_checkpoint(tmp_path / "c")
+    torch.save({"rng": capture_rng_state()}, tmp_path / STATE_FILE)
     expected = (random.random(), np.random.rand(3).tolist(), np.random.randn(), torch.rand(3).tolist())
     random.seed(99), np.random.seed(99), torch.manual_seed(99)
 
     # The file loads with the restricted unpickler alone.
-    torch.load(directory / RNG_FILE, weights_only=True)
-    loaded = load_checkpoint(directory)
-    assert loaded.rng_state is not None
-    restore_rng_state(loaded.rng_state)
+    restore_rng_state(torch.load(tmp_path / STATE_FILE, weights_only=True)["rng"])
     assert (random.random(), np.random.rand(3).tolist(), np.random.randn(), torch.rand(3).tolist()) == expected
-
-
-def test_a_format_1_checkpoint_loads_its_weights_and_never_unpickles_its_rng_file(tmp_path: Path) -> None:
-    directory = write_checkpoint(tmp_path / "old")
-    marker = tmp_path / "pwned"
-    # Format 1 kept numpy's state as a pickled object: here, one that would run code.
-    torch.save({"numpy": CreatesAFile(marker)}, directory / RNG_FILE)
-    rewrite_manifest(directory, format_version=1)
-
-    loaded = load_checkpoint(directory)
-    assert loaded.rng_state is None and loaded.optimizer_state is not None
-    assert set(loaded.model_state) == set(build_model("mlp", 8, 3, [16]).state_dict())
-    assert not marker.exists()
-
-
-def test_resume_does_not_fall_back_past_a_tampered_checkpoint(tmp_path: Path) -> None:
-    """An older checkpoint of storage someone tampered with is no safer: the resume stops and says why."""
-    import pyarrow.fs as pafs
-    from ray.train import Checkpoint
-
-    from raytrain_tasks.resume import load_newest_intact
-
-    run_dir = tmp_path / "run"
-    write_checkpoint(run_dir / "epoch-0000")
-    latest = write_checkpoint(run_dir / "epoch-0001")
-    marker = tmp_path / "pwned"
-    torch.save(CreatesAFile(marker), latest / RNG_FILE)
-    rewrite_manifest(latest)
-
-    with pytest.raises(UnsafeCheckpointError, match=RNG_FILE):
-        load_newest_intact(Checkpoint(str(latest), pafs.LocalFileSystem()), announce=False)
-    assert not marker.exists()
 
 
 @pytest.mark.parametrize(
@@ -159,27 +98,27 @@ def test_a_model_name_that_would_break_a_registry_filter_is_refused(name: str) -
 def test_registration_refuses_a_tampered_best_checkpoint_and_registers_nothing(tmp_path: Path) -> None:
     """The driver loads only the weights of the best checkpoint; a pickle there is refused before anything is
     logged or registered, and the code in it never runs. The attacker here can write storage *and* the MLflow
-    run (it records the new manifest digest), so the digest check passes and the loader itself must refuse."""
+    run (it records the new files' digest), so the digest check passes and the loader itself must refuse."""
     from mlflow import MlflowClient
 
     from flows.training import training_pipeline
-    from raytrain_tasks.checkpoint import manifest_digest
+    from raytrain_tasks.integrity import local_folder_digest
     from raytrain_tasks.tracking.controller import pin_tag
     from tests.helpers import small_config
 
-    config = small_config(tmp_path, epochs=2, register=False, train_code="")  # the built-in classifier's format
+    config = small_config(tmp_path, epochs=2, register=False)
     first = training_pipeline(**parameters_of(config))
     best = Path(first.fit.best_checkpoint_uri)
     marker = tmp_path / "pwned"
-    torch.save({"fc.weight": CreatesAFile(marker)}, best / MODEL_FILE)
-    rewrite_manifest(best)
-    MlflowClient(config.mlflow_tracking_uri).set_tag(first.fit.mlflow_run_id, pin_tag(best.name), manifest_digest(best))
+    torch.save({"model": CreatesAFile(marker)}, best / STATE_FILE)
+    client = MlflowClient(config.mlflow_tracking_uri)
+    client.set_tag(first.fit.mlflow_run_id, pin_tag(best.name), local_folder_digest(best))
 
     resumed = config.model_copy(update={"resume": first.run_key, "register": True})
     state = training_pipeline(**parameters_of(resumed), return_state=True)
     assert state.is_failed()
     error = state.result(raise_on_failure=False)
-    assert isinstance(error, UnsafeCheckpointError) and MODEL_FILE in str(error), error
+    assert "Weights only load failed" in str(error), error
     assert not marker.exists()
     client = MlflowClient(config.mlflow_tracking_uri)
     assert client.search_registered_models() == []
@@ -434,49 +373,6 @@ def test_the_cli_moves_uri_credentials_into_the_environment(monkeypatch: pytest.
 # --- checkpoints are trusted as far as the run's MLflow record vouches for them ----------------------------------
 
 
-def _run_with_two_checkpoints(tmp_path: Path) -> tuple[Path, dict[str, str]]:
-    from raytrain_tasks.checkpoint import manifest_digest
-
-    run_dir = tmp_path / "run"
-    pinned = {name: manifest_digest(write_checkpoint(run_dir / name)) for name in ("epoch-0000", "epoch-0001")}
-    return run_dir, pinned
-
-
-def test_a_checkpoint_replaced_by_another_valid_one_is_refused_on_resume(tmp_path: Path) -> None:
-    """Self-consistent is not enough: different weights with a matching manifest do not match the recorded digest."""
-    import pyarrow.fs as pafs
-    from ray.train import Checkpoint
-
-    from raytrain_tasks.resume import CheckpointPins, load_newest_intact
-
-    run_dir, pinned = _run_with_two_checkpoints(tmp_path)
-    pins = CheckpointPins(frozenset(pinned), pinned)
-    latest = Checkpoint(str(run_dir / "epoch-0001"), pafs.LocalFileSystem())
-    loaded, used = load_newest_intact(latest, announce=False, pins=pins)
-    assert used.path.endswith("epoch-0001")
-
-    write_checkpoint(run_dir / "epoch-0001")  # someone else's weights, written by the real format
-    with pytest.raises(UnsafeCheckpointError, match="epoch-0001 is not the one this run committed"):
-        load_newest_intact(latest, announce=False, pins=pins)
-
-
-def test_a_checkpoint_with_no_recorded_digest_is_passed_over_for_the_last_vouched_one(tmp_path: Path) -> None:
-    import pyarrow.fs as pafs
-    from ray.train import Checkpoint
-
-    from raytrain_tasks.resume import CheckpointPins, load_newest_intact
-
-    run_dir, pinned = _run_with_two_checkpoints(tmp_path)
-    write_checkpoint(run_dir / "epoch-0002")  # in storage before the resume, never recorded in MLflow
-    latest = Checkpoint(str(run_dir / "epoch-0002"), pafs.LocalFileSystem())
-    preexisting = frozenset({*pinned, "epoch-0002"})
-    _, used = load_newest_intact(latest, announce=False, pins=CheckpointPins(preexisting, pinned))
-    assert used.path.endswith("epoch-0001")
-    # One this fit's own workers committed after it started needs no record yet.
-    _, used = load_newest_intact(latest, announce=False, pins=CheckpointPins(frozenset(pinned), pinned))
-    assert used.path.endswith("epoch-0002")
-
-
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster", "prefect_api")
 def test_storage_cannot_vouch_for_itself_a_replaced_record_or_checkpoint_is_refused(tmp_path: Path) -> None:
@@ -485,16 +381,16 @@ def test_storage_cannot_vouch_for_itself_a_replaced_record_or_checkpoint_is_refu
     from mlflow import MlflowClient
 
     from flows.training import training_pipeline
-    from raytrain_tasks.checkpoint import manifest_digest
+    from raytrain_tasks.integrity import local_folder_digest
     from raytrain_tasks.tracking.controller import pinned_digests
     from tests.helpers import small_config
 
-    config = small_config(tmp_path, epochs=2, register=False, train_code="")  # the built-in classifier's format
+    config = small_config(tmp_path, epochs=2, register=False)
     first = training_pipeline(**parameters_of(config))
     client = MlflowClient(config.mlflow_tracking_uri)
     run_dir = Path(first.fit.run_uri)
     pinned = pinned_digests(client.get_run(first.fit.mlflow_run_id).data.tags)
-    on_disk = {p.name: manifest_digest(p) for p in run_dir.glob("epoch-*")}
+    on_disk = {p.name: local_folder_digest(p) for p in run_dir.glob("epoch-*")}
     assert on_disk and pinned == on_disk  # every kept checkpoint is vouched for, by the digest it has
 
     resumed = config.model_copy(update={"resume": first.run_key, "register": True})
@@ -507,11 +403,13 @@ def test_storage_cannot_vouch_for_itself_a_replaced_record_or_checkpoint_is_refu
 
     record.write_text(original)
     best = Path(first.fit.best_checkpoint_uri)
-    write_checkpoint(best)  # other weights, in the real format, with a matching manifest
+    other = torch.load(best / STATE_FILE, weights_only=True)
+    other["model"] = {key: value + 1.0 for key, value in other["model"].items()}  # other weights, the real format
+    torch.save(other, best / STATE_FILE)
     state = training_pipeline(**parameters_of(resumed), return_state=True)
     error = state.result(raise_on_failure=False)
     assert state.is_failed() and isinstance(error, UnsafeCheckpointError), error
-    assert "is not the one its run committed" in str(error) and best.name in str(error)
+    assert f"is not the one run {first.run_key} committed" in str(error) and best.name in str(error)
     assert client.search_registered_models() == []
 
 
@@ -528,7 +426,7 @@ def test_a_folder_the_snapshot_points_at_is_checked_whatever_its_name(tmp_path: 
     from flows.training import training_pipeline
     from tests.helpers import small_config
 
-    config = small_config(tmp_path, epochs=2, register=False, train_code="")  # the built-in classifier's format
+    config = small_config(tmp_path, epochs=2, register=False)
     first = training_pipeline(**parameters_of(config))
     run_dir = Path(first.fit.run_uri)
     shutil.copytree(run_dir / "epoch-0001", run_dir / "planted-0002")  # a real checkpoint, of the first epoch
@@ -560,12 +458,11 @@ def test_a_pickle_placed_beside_the_champions_pt2_never_runs_and_nothing_moves(t
 
     from mlflow import MlflowClient
 
-    from raytrain_driver.dataset import prepare_dataset
     from raytrain_tasks.errors import PromotionError
-    from tests.helpers import fit_for_registry, register_for_test, small_config
+    from tests.helpers import REGISTRY_CODE, fit_for_registry, register_for_test, small_config
 
-    config = small_config(tmp_path, train_code="", model_name="planted", experiment_name="planted")  # its fits
-    dataset = prepare_dataset(config)
+    config = small_config(tmp_path, train_code=REGISTRY_CODE, model_name="planted", experiment_name="planted")
+    dataset = None
     client = MlflowClient(config.mlflow_tracking_uri)
     champion = register_for_test(
         config, dataset, fit_for_registry(client, tmp_path, config, dataset, "20261125-010000-aaaaaa", 0.5)

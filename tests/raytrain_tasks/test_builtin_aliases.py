@@ -41,10 +41,9 @@ def test_the_built_in_flags_become_the_classifiers_train_config_under_its_names(
 
 def test_only_the_table_classifier_takes_them() -> None:
     """Your own code brings its own data and gate: the built-in's settings stay where they are (and the run warns
-    that they do nothing); the built-in classifier keeps them."""
-    for train_code in ("my_model.train:training", ""):
-        config = TrainingConfig(train_code=train_code, dataset="customers.csv", promotion_metric="val_loss")
-        assert with_builtin_settings_carried(config) is config
+    that they do nothing)."""
+    config = TrainingConfig(train_code="my_model.train:training", dataset="customers.csv", promotion_metric="val_loss")
+    assert with_builtin_settings_carried(config) is config
 
 
 def test_the_runs_own_s3_settings_stay_the_runs() -> None:
@@ -96,25 +95,6 @@ def test_the_table_classifier_is_what_a_run_trains_unless_it_names_other_code() 
     assert config.train_config == {"dataset": "synthetic", "hidden_sizes": [8]}
     params = config.public_params()
     assert params["train_code"] == TABLE_CLASSIFIER and "dataset" not in params and "hidden_sizes" not in params
-
-
-def test_a_run_of_the_built_in_classifier_from_an_earlier_release_resumes_as_it_started() -> None:
-    """A run started before the table classifier became the default logged train_code ''. `prefect-raytrain
-    resume` gives it back, so the run continues on the built-in classifier; a continuation that would train the
-    table classifier instead (a crashed deployment run, whose parameters left train_code out) is refused before it
-    trains, saying how to continue it."""
-    from flows.cli import parse_config
-    from flows.command import flags_from_params
-    from raytrain_tasks.errors import TrackingError
-    from raytrain_tasks.tracking.runs import _check_params_unchanged
-
-    started = TrainingConfig(train_code="", dataset="synthetic")
-    logged = {key: str(value) for key, value in started.public_params().items()}
-    assert parse_config(flags_from_params(logged, [])) == started
-    continued = with_builtin_settings_carried(TrainingConfig(dataset="synthetic"))
-    with pytest.raises(TrackingError, match=r"train_code: '' -> .*continue it with train_code=''") as refused:
-        _check_params_unchanged(logged, continued.public_params(), "20260101-000000-abcdef")
-    assert "--train-code ''" in str(refused.value)
 
 
 def test_the_table_classifier_reaches_a_cluster_as_part_of_the_pipelines_own_code() -> None:

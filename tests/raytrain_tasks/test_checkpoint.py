@@ -1,95 +1,21 @@
-"""The checkpoint format round-trips training state and refuses incomplete or corrupted checkpoints."""
+"""Where a checkpoint is written before Ray Train uploads it, and the folder each epoch's is committed under."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
-import torch
 
-from raytrain_tasks.checkpoint import (
-    MANIFEST_FILE,
-    MODEL_FILE,
-    ModelSpec,
-    TrainingState,
-    capture_rng_state,
-    load_checkpoint,
-    restore_rng_state,
-    save_checkpoint,
-)
-from raytrain_tasks.errors import CheckpointError
-from raytrain_tasks.models import build_model
-
-SPEC = ModelSpec(model="mlp", in_features=8, num_classes=3, hidden_sizes=(16,), class_labels=("a", "b", "c"))
+from raytrain_tasks.resume import checkpoint_dir_name
 
 
-def _write(directory: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = build_model("mlp", 8, 3, [16])
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    model(torch.randn(4, 8)).sum().backward()
-    optimizer.step()
-    state = TrainingState(epoch=4, metrics={"val_accuracy": 0.5}, spec=SPEC, history=[{"epoch": 4.0}])
-    save_checkpoint(
-        directory,
-        state=state,
-        model_state=model.state_dict(),
-        optimizer_state=optimizer.state_dict(),
-        rng_state=capture_rng_state(),
-    )
-    return model, optimizer
-
-
-def test_round_trip_restores_model_optimizer_and_rng(tmp_path: Path) -> None:
-    model, optimizer = _write(tmp_path)
-    expected_draw = torch.rand(3)  # the draw that follows the saved RNG state
-
-    loaded = load_checkpoint(tmp_path)
-    assert loaded.state.epoch == 4 and loaded.state.spec == SPEC
-    fresh = build_model("mlp", 8, 3, [16])
-    fresh.load_state_dict(loaded.model_state)
-    x = torch.randn(5, 8)
-    assert torch.equal(fresh(x), model(x))
-    assert loaded.optimizer_state is not None
-    assert loaded.optimizer_state["state"][0]["step"] == optimizer.state_dict()["state"][0]["step"]
-    assert loaded.rng_state is not None
-    restore_rng_state(loaded.rng_state)
-    assert torch.equal(torch.rand(3), expected_draw)
-
-
-def test_truncated_file_is_detected(tmp_path: Path) -> None:
-    _write(tmp_path)
-    data = (tmp_path / MODEL_FILE).read_bytes()
-    (tmp_path / MODEL_FILE).write_bytes(data[: len(data) // 2])
-    with pytest.raises(CheckpointError, match=f"corrupted: {MODEL_FILE} has"):
-        load_checkpoint(tmp_path)
-
-
-def test_same_size_corruption_is_detected(tmp_path: Path) -> None:
-    _write(tmp_path)
-    data = bytearray((tmp_path / MODEL_FILE).read_bytes())
-    data[-10] ^= 0xFF
-    (tmp_path / MODEL_FILE).write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match="SHA-256"):
-        load_checkpoint(tmp_path)
-
-
-def test_missing_manifest_means_incomplete(tmp_path: Path) -> None:
-    _write(tmp_path)
-    (tmp_path / MANIFEST_FILE).unlink()
-    with pytest.raises(CheckpointError, match="incomplete"):
-        load_checkpoint(tmp_path)
-
-
-def test_missing_listed_file_means_incomplete(tmp_path: Path) -> None:
-    _write(tmp_path)
-    manifest = json.loads((tmp_path / MANIFEST_FILE).read_text())
-    assert MODEL_FILE in manifest["files"]
-    (tmp_path / MODEL_FILE).unlink()
-    with pytest.raises(CheckpointError, match=f"{MODEL_FILE} is missing"):
-        load_checkpoint(tmp_path)
+def test_an_epoch_trained_again_never_reuses_the_folder_of_the_checkpoint_it_replaces() -> None:
+    """After a fallback to an older checkpoint, the next epochs go to folders of their own: Ray Train evicting the
+    old entry later would delete the folder, and the new checkpoint in it."""
+    assert checkpoint_dir_name(0) == "epoch-0001" and checkpoint_dir_name(11) == "epoch-0012"
+    assert checkpoint_dir_name(1, frozenset({"epoch-0002"})) == "epoch-0002-r1"
+    assert checkpoint_dir_name(1, frozenset({"epoch-0002", "epoch-0002-r1"})) == "epoch-0002-r2"
 
 
 KEY = "20261124-110000-abc123"
@@ -143,28 +69,3 @@ def test_without_a_run_key_each_checkpoint_gets_a_fresh_temporary_folder(
     with staging_folder(None) as first, staging_folder(None) as second:
         assert first != second and first.parent == second.parent == tmp_path
     assert list(tmp_path.iterdir()) == []
-
-
-def test_scoring_a_split_runs_in_bounded_batches_with_the_same_logits() -> None:
-    """Evaluation and the champion's re-scoring push a split through the model in batches (one pass over a large
-    split ran a GPU out of memory), with the logits of one whole pass."""
-    import numpy as np
-    import torch
-
-    from raytrain_driver.evaluation import PREDICT_BATCH_ROWS, predict_logits
-
-    seen: list[int] = []
-
-    class Recording(torch.nn.Linear):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            seen.append(len(x))
-            return super().forward(x)
-
-    torch.manual_seed(0)
-    model = Recording(8, 3)
-    features = np.random.default_rng(0).normal(size=(2 * PREDICT_BATCH_ROWS + 5, 8)).astype(np.float32)
-    logits = predict_logits(model, features)
-    assert seen == [PREDICT_BATCH_ROWS, PREDICT_BATCH_ROWS, 5]
-    with torch.no_grad():
-        whole = model(torch.from_numpy(features)).numpy()
-    np.testing.assert_allclose(logits, whole, rtol=1e-6, atol=1e-6)

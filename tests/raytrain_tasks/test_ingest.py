@@ -1,91 +1,22 @@
-"""Both ways of feeding workers (torch DataLoader, Ray Data shards): what each worker sees, and what it learns.
-The built-in classifier's loaders (raytrain_tasks/ingest.py), so its runs here set train_code '' (the table
-classifier's are test_spec_data's and test_spec_shards')."""
+"""Both ways of feeding the table classifier's workers (torch DataLoader, Ray Data shards): what each learns, the
+CPUs each needs, and what Ray Train starts for them (which rows each worker sees: test_spec_shards)."""
 
 from __future__ import annotations
 
-import json
 import signal
 from pathlib import Path
 from typing import Any
 
 import mlflow
 import pytest
-import ray.train
-from ray.data.dataset import MaterializedDataset
-from ray.train.torch import TorchTrainer
 
 from flows.training import training_pipeline
-from raytrain_tasks.config import TrainingConfig, parameters_of
+from raytrain_tasks.config import parameters_of
 from raytrain_tasks.data import DatasetRef
 from tasks.data import prepare_data
 from tests.helpers import small_config, this_ray_address
 
 pytestmark = pytest.mark.slow
-WORLD_SIZE = 2
-
-
-def _record_rows(loop_config: dict[str, Any]) -> None:
-    """On each worker: the rows of every batch of epochs 0 and 1, and of epoch 0 a second time."""
-    from raytrain_tasks.ingest import TrainBatches
-
-    config = TrainingConfig.model_validate(loop_config["config"])
-    dataset = DatasetRef.model_validate(loop_config["dataset"])
-    context = ray.train.get_context()
-    rank = context.get_world_rank()
-    batches = TrainBatches(config, dataset, rank, context.get_world_size())
-    seen = {name: [batch[2].tolist() for batch in batches.epoch(epoch)] for name, epoch in [("0", 0), ("1", 1)]}
-    seen["0 again"] = [batch[2].tolist() for batch in batches.epoch(0)]
-    sizes = {name: [len(rows) for rows in epoch] for name, epoch in seen.items()}
-    Path(loop_config["out"], f"rank{rank}.json").write_text(json.dumps({"rows": seen, "sizes": sizes}))
-    ray.train.report({"done": 1})
-
-
-@pytest.mark.parametrize("loader", ["torch", "ray_data", "ray_data streamed"])
-def test_each_worker_sees_a_disjoint_shard_that_covers_the_data_once_per_epoch(
-    loader: str, tmp_path: Path, ray_cluster: object, prefect_api: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    data_loader = loader.split()[0]
-    config = small_config(tmp_path, train_code="", data_loader=data_loader, cpus_per_worker=0.5, batch_size=64)
-    config = config.resolved(tmp_path, {})
-    dataset = prepare_data(config)
-    datasets: dict[str, Any] = {}
-    if data_loader == "ray_data":
-        from raytrain_tasks.ingest import data_config, ray_datasets
-
-        # Kept in the object store by default (small data); streamed every epoch when it would not fit there.
-        monkeypatch.setattr("raytrain_tasks.data.MATERIALIZE_SHARE", 0.0 if "streamed" in loader else 0.25)
-        pipelines = ray_datasets(config, dataset)
-        assert isinstance(pipelines["train"], MaterializedDataset) == ("streamed" not in loader)
-        datasets = {"datasets": pipelines, "dataset_config": data_config(pipelines["train"], WORLD_SIZE)}
-    out = tmp_path / "rows"
-    out.mkdir()
-    previous_handler = signal.getsignal(signal.SIGINT)
-    TorchTrainer(
-        _record_rows,
-        train_loop_config={"config": config.model_dump(), "dataset": dataset.model_dump(), "out": str(out)},
-        scaling_config=ray.train.ScalingConfig(num_workers=WORLD_SIZE, resources_per_worker={"CPU": 0.5}),
-        run_config=ray.train.RunConfig(name=f"rows-{loader.replace(' ', '-')}", storage_path=str(tmp_path / "runs")),
-        **datasets,
-    ).fit()
-    # fit() on the main thread installs a SIGINT handler that keeps its controller actor alive until the next
-    # fit; the flow's fit task restores the handler, and so does this test.
-    signal.signal(signal.SIGINT, previous_handler)
-
-    workers = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
-    for epoch in ("0", "1"):
-        shards = [[row for batch in worker["rows"][epoch] for row in batch] for worker in workers]
-        seen = [row for shard in shards for row in shard]
-        assert len(seen) == len(set(seen)), f"epoch {epoch}: a row reached two workers or one worker twice"
-        assert set(seen) <= set(range(dataset.train_rows))
-        # Equal shards (DDP steps in lockstep): fewer than world_size rows sit out an epoch.
-        assert dataset.train_rows - len(seen) < WORLD_SIZE
-        assert len(shards[0]) == len(shards[1])
-        assert all(size <= config.batch_size for worker in workers for size in worker["sizes"][epoch])
-    for worker in workers:
-        # Shuffled per epoch, and by the seed alone: replaying an epoch gives the same batches.
-        assert worker["rows"]["0"] != worker["rows"]["1"]
-        assert worker["rows"]["0 again"] == worker["rows"]["0"]
 
 
 def test_torch_and_ray_data_loaders_reach_the_same_accuracy(
@@ -94,7 +25,7 @@ def test_torch_and_ray_data_loaders_reach_the_same_accuracy(
     results = {}
     for loader in ("torch", "ray_data"):
         # The default cpus_per_worker (sized to the cluster): 2 workers and Ray Data on this 2-CPU Ray.
-        config = small_config(tmp_path / loader, train_code="", data_loader=loader, register=False, epochs=4)
+        config = small_config(tmp_path / loader, data_loader=loader, register=False, epochs=4)
         results[loader] = training_pipeline(**parameters_of(config)).fit
     torch_run, ray_data_run = results["torch"], results["ray_data"]
     assert torch_run.final_metrics["val_accuracy"] >= 0.9
@@ -120,7 +51,7 @@ def test_ray_data_that_streams_needs_cpus_beside_the_workers(tmp_path: Path, ray
     from raytrain_tasks.data import streams
     from raytrain_tasks.errors import ClusterError
 
-    config = small_config(tmp_path, train_code="", data_loader="ray_data", num_workers=2, cpus_per_worker=1.0)
+    config = small_config(tmp_path, data_loader="ray_data", num_workers=2, cpus_per_worker=1.0)
     object_store = ray_cluster["object_store_memory"]
     small = DatasetRef.model_validate({**DATASET_FIELDS, "train_rows": 1_000})
     big = DatasetRef.model_validate({**DATASET_FIELDS, "train_rows": int(object_store / (4 * 8 + 16))})
@@ -158,6 +89,7 @@ def test_a_run_without_ray_datasets_starts_no_dataset_manager(
     """Ray Train would start (and make the workers wait for) a Ray Data actor at every worker-group start."""
     from ray.util.state import list_actors
 
+    from raytrain_driver.preflight import resolve_code
     from raytrain_driver.sizing import FitPlan
     from raytrain_driver.trainer import build_trainer
     from raytrain_tasks.storage.locations import locate
@@ -172,12 +104,13 @@ def test_a_run_without_ray_datasets_starts_no_dataset_manager(
             )
         )
 
-    config = small_config(tmp_path, train_code="", epochs=1, cpus_per_worker=0.5).resolved(tmp_path, {})
+    config = small_config(tmp_path, epochs=1, cpus_per_worker=0.5).resolved(tmp_path, {})
     dataset = prepare_data(config)
     before = dataset_managers()
     previous_handler = signal.getsignal(signal.SIGINT)
     runs = locate(config.storage_path).child("runs")
-    result = build_trainer(config, FitPlan.of(config), dataset, "no-datasets", runs).fit()
+    spec = resolve_code(config)
+    result = build_trainer(config, FitPlan.of(config), dataset, "no-datasets", runs, spec=spec).fit()
     signal.signal(signal.SIGINT, previous_handler)
 
     assert result.checkpoint is not None  # it trained and checkpointed
@@ -194,13 +127,12 @@ def test_a_retried_elastic_fit_keeps_the_cpus_per_worker_it_trained_with(
     at 2 CPUs per worker (a bigger cluster) and the retry runs on this 2-CPU Ray: one worker, at 2 CPUs."""
     from prefect import flow
 
+    from raytrain_driver.preflight import code_params, resolve_code
     from raytrain_tasks.config import new_run_key
     from raytrain_tasks.tracking import runs as tracking
     from tasks.fit import distributed_fit
 
-    config = small_config(tmp_path, train_code="", num_workers=1, max_workers=2, epochs=1, register=False).resolved(
-        tmp_path, {}
-    )
+    config = small_config(tmp_path, num_workers=1, max_workers=2, epochs=1, register=False).resolved(tmp_path, {})
     dataset = prepare_data(config)
     run_key = new_run_key()
     client = mlflow.MlflowClient(config.mlflow_tracking_uri)
@@ -208,9 +140,8 @@ def test_a_retried_elastic_fit_keeps_the_cpus_per_worker_it_trained_with(
         client, config.experiment_name, config.mlflow_tracking_uri, config.storage_path
     )
     earlier_tags = {tracking.CPUS_PER_WORKER_TAG: "2"}
-    run_id, _ = tracking.start_or_reopen_run(
-        client, experiment_id, run_key, run_key, earlier_tags, config.public_params()
-    )
+    params = config.public_params(code_params(config, resolve_code(config)))
+    run_id, _ = tracking.start_or_reopen_run(client, experiment_id, run_key, run_key, earlier_tags, params)
     tracking.fail_run(client, run_id, RuntimeError("the worker group could not start: a node was lost"))
 
     @flow(name="fit-retry")

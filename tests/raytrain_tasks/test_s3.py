@@ -14,12 +14,11 @@ from mlflow import MlflowClient
 
 from devtools.s3_server import ADMIN, READER, LocalS3
 from flows.training import PipelineResult, training_pipeline
-from raytrain_driver.dataset import prepare_dataset
 from raytrain_tasks.config import parameters_of
 from raytrain_tasks.errors import StorageError
 from raytrain_tasks.storage.filesystem import StorageOptions
 from raytrain_tasks.storage.locations import s3_client
-from tests.helpers import small_config, table_dataset
+from tests.helpers import prepared_for, small_config, table_dataset
 
 BUCKET = "prt-tests"
 
@@ -141,7 +140,7 @@ def test_preflight_fails_fast_naming_the_setting(
         overrides["s3_endpoint_url"] = f"http://127.0.0.1:{_closed_port()}"
     config = s3_config(tmp_path, s3_server, "unused", storage_path=storage, **overrides)
     with pytest.raises(StorageError, match=expected) as info:  # how fast: `python -m bench.waits`
-        prepare_dataset(config)
+        prepared_for(config)  # prepare-data: storage is checked before the code loads anything
     assert "not-the-secret" not in str(info.value) and READER[1] not in str(info.value)
     if case == "no-bucket":
         assert "prt-missing" not in list_buckets(s3_server)  # nothing was created behind the user's back
