@@ -100,12 +100,7 @@ def render() -> str:
         meaning = _cell(f"**{field.title}.** {field.description or ''}" if field.title else field.description or "")
         if name in PINNED:
             meaning += f" {PINNED_NOTE} ([security](security.md))."
-        if name in RESUME_MAY_CHANGE and name in BUILTIN_CLASSIFIER_ONLY:
-            meaning += (
-                " With `train_code ''` a resume may give it another value; carried into the table classifier's"
-                " train_config, it must stay as the run started, as every key of it."
-            )
-        elif name in RESUME_MAY_CHANGE:
+        if name in RESUME_MAY_CHANGE:
             meaning += " A resume may give it another value (it steers the run, not what it trains)."
         if name in BUILTIN_CLASSIFIER_ONLY:
             meaning += (

@@ -67,7 +67,7 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
         description="Move 'champion' when the new version is better.",
     )
     input_example: Literal["synthetic", "validation_rows"] = Field(
-        json_schema_extra={**MAY_CHANGE_ON_RESUME, **BUILTIN_ONLY},
+        json_schema_extra=BUILTIN_ONLY,
         default="synthetic",
         title="Model input example",
         description=(

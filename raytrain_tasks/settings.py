@@ -195,8 +195,8 @@ class TrainingSettings(_Section):
             "Your own training code, 'package.module:attribute' naming a raytrain_tasks.api.TrainFunc (Ray Train's "
             "train_func with its metric and model loader) or TrainSpec (model, data, loss, metrics), imported from "
             "the directory the command runs in or from the installed packages (docs/own-model.md). The default is "
-            "the table classifier, a TrainSpec taking `dataset`, `hidden_sizes`, ... into its train_config. Empty: "
-            "the built-in classifier of earlier releases, kept so that their runs resume; it goes in a later one."
+            "the table classifier, a TrainSpec taking `dataset`, `hidden_sizes`, ... into its train_config. (Empty, "
+            "the built-in classifier of releases up to 0.2, is gone: CHANGELOG.md.)"
         ),
     )
     train_config: JsonObject = Field(
