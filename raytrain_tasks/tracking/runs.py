@@ -256,10 +256,11 @@ def _check_params_unchanged(logged: dict[str, str], params: dict[str, Any], run_
     if changed:
         details = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in sorted(changed.items()))
         if changed.get("train_code", ("-",))[0] == "":
-            # Started by the built-in classifier, before the table classifier became the default `train_code`.
-            details += (
-                "; it was started by the built-in classifier of an earlier release: continue it with "
-                "train_code='' (`--train-code ''`, or the parameter train_code set to an empty text)"
+            # Started by the built-in classifier of releases up to 0.2, whose code is gone (CHANGELOG.md).
+            raise TrackingError(
+                f"run {run_key} was started by the built-in classifier of releases up to 0.2 (train_code ''), which "
+                "is gone: it cannot be resumed. Start a new run without `resume`: the default train_code, the table "
+                "classifier, trains the same model"
             )
         raise TrackingError(
             f"run {run_key} was started with other settings ({details}); resume with the same config, "

@@ -97,6 +97,22 @@ def test_the_table_classifier_is_what_a_run_trains_unless_it_names_other_code() 
     assert params["train_code"] == TABLE_CLASSIFIER and "dataset" not in params and "hidden_sizes" not in params
 
 
+def test_a_continuation_of_a_run_of_the_built_in_classifier_is_refused_saying_it_cannot_be_resumed() -> None:
+    """A run started by releases up to 0.2 logged train_code ''. A continuation (a crashed deployment run, whose
+    parameters leave train_code out, or `train --resume`) would train the table classifier on its checkpoints: it
+    is refused before it trains, saying the run cannot be resumed and what to do (it said to continue it with
+    train_code '', which is refused now)."""
+    from raytrain_tasks.errors import TrackingError
+    from raytrain_tasks.tracking.runs import _check_params_unchanged
+
+    continued = with_builtin_settings_carried(TrainingConfig(dataset="synthetic"))
+    logged = {key: str(value) for key, value in continued.public_params().items()} | {"train_code": ""}
+    with pytest.raises(TrackingError, match=r"releases up to 0\.2 \(train_code ''\), which is gone") as refused:
+        _check_params_unchanged(logged, continued.public_params(), "20260101-000000-abcdef")
+    assert "cannot be resumed" in str(refused.value) and "without `resume`" in str(refused.value)
+    assert "--train-code ''" not in str(refused.value)
+
+
 def test_the_table_classifier_reaches_a_cluster_as_part_of_the_pipelines_own_code() -> None:
     """Its module is raytrain_tasks', which every cluster run ships: not a second time as the user's package."""
     import raytrain_tasks
