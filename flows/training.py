@@ -38,7 +38,7 @@ class PipelineResult(BaseModel):
 
     run_key: str
     config: TrainingConfig
-    # The built-in classifier's table, what your code's prepare wrote, or None: your code reads its own data.
+    # What your code's prepare wrote, or None: your code reads its own data.
     dataset: RunData | None
     fit: FitResult
     model: ModelRef | None

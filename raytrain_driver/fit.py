@@ -174,11 +174,9 @@ def _prepare_resume(
     reopened: bool,
     backend: str,
 ) -> OpenRun:
-    """What this fit may resume from. What existed before it is trusted only as far as MLflow vouches for it
-    (resume.CheckpointPins): every name, not only `epoch-*` ones, since anyone who can write storage can point Ray
-    Train's checkpoint snapshot at a folder of another name."""
+    """What this fit may resume from: the newest checkpoint whose files still hash to the digest MLflow recorded
+    when it was committed (``user_fit.choose_resume_point``); storage alone vouches for nothing."""
     logger = run_logger()
-    preexisting = frozenset(run_dir.list_names())
     journal = pins.pin_journal(config, run_key, state_dir())
     if reopened and (recovered := pins.pins_from_journal(client, run_id, journal)):
         logger.info(
@@ -198,7 +196,7 @@ def _prepare_resume(
     if resume_point.start:  # after a fallback too: where the run goes on, in the same words as ever
         uri = run_dir.child(resume_point.start).uri
         say_resume(logger, config, uri, resume_point.epoch, "; its files hash to the digest recorded at commit")
-    return OpenRun(run_id, experiment_id, reopened, backend, journal, preexisting, pinned, resume_point)
+    return OpenRun(run_id, experiment_id, reopened, backend, journal, pinned, resume_point)
 
 
 def _train(

@@ -133,7 +133,6 @@ class OpenRun:
     reopened: bool
     backend: str
     journal: PinJournal | None
-    # What existed in the run's storage before this fit, and the digests MLflow vouches for (resume.CheckpointPins).
-    preexisting: frozenset[str]
+    # The checkpoint digests MLflow vouches for (user_fit.choose_resume_point).
     pinned: dict[str, str]
     resume_point: ResumePoint | None

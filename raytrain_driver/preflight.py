@@ -76,14 +76,13 @@ def check_spec_data(config: TrainingConfig, spec: TrainFunc, dataset: RunData | 
     A ``TrainSpec``'s ``data(config)`` runs once, here, with Ray connected (it may build Ray Datasets): Splits of
     the wrong kind, an empty split, no test split or a missing column fail the fit in seconds, before an MLflow run
     or any worker (every worker would refuse them too)."""
-    from raytrain_tasks.prepared import PreparedData, data_dir_of
+    from raytrain_tasks.prepared import data_dir_of
     from raytrain_tasks.spec_loop import SpecTrainFunc
     from raytrain_tasks.user_code import user_config
 
     if not isinstance(spec.train_func, SpecTrainFunc):
         return spec.datasets is not None
-    prepared = dataset if isinstance(dataset, PreparedData) else None
-    code_config = user_config(config, spec, data_dir_of(prepared, config.storage_options))
+    code_config = user_config(config, spec, data_dir_of(dataset, config.storage_options))
     ray_data = spec.train_func.check_data(code_config)
     rows, workers = spec.train_func.train_rows, config.worker_range[1]
     if rows is not None and rows < workers:  # each worker trains on a share: one would get none (or repeats)

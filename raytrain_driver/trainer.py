@@ -28,7 +28,7 @@ from raytrain_tasks.errors import (
     UnverifiedCheckpointError,
     UserCodeError,
 )
-from raytrain_tasks.prepared import PreparedData, RunData
+from raytrain_tasks.prepared import RunData
 from raytrain_tasks.storage.locations import StorageLocation
 
 if TYPE_CHECKING:
@@ -144,9 +144,8 @@ def build_trainer(
     from raytrain_driver.user_fit import trainer_function
     from raytrain_tasks.failures import StopOnRepeatedFailure
 
-    prepared = dataset if isinstance(dataset, PreparedData) else None
     code, fixed = workers_code_dir(config), plan.fixed_workers
-    train_func, loop_config, data = trainer_function(config, spec, code, resume_point, prepared, fixed)
+    train_func, loop_config, data = trainer_function(config, spec, code, resume_point, dataset, fixed)
     score_attribute, score_order = spec.selection.name, spec.selection.order
     return RunTrainer(
         train_func,

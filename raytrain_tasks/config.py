@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from raytrain_tasks.api import Metric, pipeline_keys_refused
+from raytrain_tasks.api import pipeline_keys_refused
 from raytrain_tasks.datasets import check_held_out_share, checked_dataset
 from raytrain_tasks.errors import SettingsError
 from raytrain_tasks.settings import (
@@ -271,18 +271,6 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
                 "s3_region": region,
             }
         )
-
-    @property
-    def selection(self) -> Metric:
-        """The built-in classifier's `promotion_metric` with its direction, decided here alone: it picks a run's
-        best checkpoint (on the validation split), and its test-split counterpart is what the gate compares."""
-        return Metric(self.promotion_metric, higher_is_better=self.promotion_metric != "val_loss")
-
-    @property
-    def gate(self) -> Metric:
-        """The built-in classifier's gate: the held-out test split's counterpart of `promotion_metric`."""
-        selection = self.selection
-        return Metric("test_" + selection.name.removeprefix("val_"), selection.higher_is_better)
 
     def public_params(self, code_values: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The config as flat MLflow params: lists joined, credentials in URIs masked. For ``train_code``: no
