@@ -143,10 +143,7 @@ def ray_session(config: TrainingConfig) -> Iterator[None]:
     try:
         yield
     finally:
-        try:
-            ray.shutdown()
-        finally:
-            ray_groups_stopped()
+        shutdown_ray()
 
 
 def _init(config: TrainingConfig, warm: str = "") -> None:
@@ -243,10 +240,28 @@ def warm_ray() -> Iterator[str]:
         yield address
     finally:
         os.environ.pop(WARM_RAY_ENV, None)
-        try:
-            ray.shutdown()
-        finally:
-            ray_groups_stopped()
+        shutdown_ray()
+
+
+def shutdown_ray() -> None:
+    """``ray.shutdown()``, with this process's SIGTERM handler in force after it.
+
+    Ray 2.60's driver shutdown uninstalls its C++ failure-signal handler by setting SIGTERM (and SIGSEGV, SIGABRT,
+    ...) back to the default action at the C level (``RayLog::UninstallSignalAction``), under Python's handler,
+    which ``signal.getsignal`` still reports: a later SIGTERM (a Prefect cancellation of a served run, a second
+    signal) then killed the process at once, with nothing marked or logged. Installing the handler again from the
+    main thread puts Python's back.
+    """
+    import ray
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        ray.shutdown()
+    finally:
+        ray_groups_stopped()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _log_to_driver() -> bool:
