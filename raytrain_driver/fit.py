@@ -106,8 +106,8 @@ def _distributed_fit(
                 if run_id is None:
                     raise
                 # Before the local Ray is shut down on the way out: a cancellation's runner kills this process 30 s
-                # after its SIGTERM, and ray.shutdown() with the fit's thread still waiting on the controller was
-                # seen to take that long or to end the process (test_prefect_server's cancel test in CI: MLflow RUNNING).
+                # after its SIGTERM, and ray.shutdown() with the fit's thread still waiting on the controller can
+                # take that long or end the process (test_prefect_server's cancel test, in CI: MLflow RUNNING).
                 ended = True
                 _end_unfinished_run(exc, config, run_key, client, run_id, lease)
         # Pins the controller could not write to MLflow during an outage (kept in the journal meanwhile).
