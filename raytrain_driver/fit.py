@@ -81,42 +81,36 @@ def _distributed_fit(
     spec = resolve_code(config)  # fails before Ray, naming train_code
     client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
     run_id: str | None = None
-    ended = False
-    try:
-        with ray_session(config):
-            try:
-                ray_datasets = check_spec_data(config, spec, dataset)  # a TrainSpec's data() may build Ray Datasets
-                plan = check_cluster(config, runs, client, run_key, data_tasks_during_fit(spec))
-                experiment_id = tracking.ensure_experiment(
-                    client, config.experiment_name, config.mlflow_tracking_uri, config.storage_path
-                )
-                run_owner.mark_dead_runs_killed(client, experiment_id, found_by=run_key)
-                finished = finished_fit(run_dir, client, experiment_id, run_key)
-                if finished is not None:
-                    return _confirm_finished(config, dataset, run_key, client, experiment_id, finished, spec)
-                loader = data_loader_of(config, ray_datasets)
-                run_id, reopened = _start_run(
-                    config, dataset, run_key, run_dir, origin, plan, spec, client, experiment_id, loader
-                )
-                opened = _prepare_resume(
-                    config, run_key, run_dir, spec, client, run_id, experiment_id, reopened, plan.backend
-                )
-                result = _train(config, dataset, run_key, runs, plan, spec, client, opened, lease)
-            except BaseException as exc:
-                if run_id is None:
-                    raise
-                # Before the local Ray is shut down on the way out: a cancellation's runner kills this process 30 s
-                # after its SIGTERM, and ray.shutdown() with the fit's thread still waiting on the controller can
-                # take that long or end the process (test_prefect_server's cancel test, in CI: MLflow RUNNING).
-                ended = True
-                _end_unfinished_run(exc, config, run_key, client, run_id, lease)
-        # Pins the controller could not write to MLflow during an outage (kept in the journal meanwhile).
-        pins.pins_from_journal(client, run_id, opened.journal)
-        return _record_user_code(config, run_key, run_dir, spec, client, opened, result, lease, ray_datasets)
-    except BaseException as exc:
-        if run_id is None or ended:
-            raise
-        _end_unfinished_run(exc, config, run_key, client, run_id, lease)
+    with ray_session(config):
+        try:
+            ray_datasets = check_spec_data(config, spec, dataset)  # a TrainSpec's data() may build Ray Datasets
+            plan = check_cluster(config, runs, client, run_key, data_tasks_during_fit(spec))
+            experiment_id = tracking.ensure_experiment(
+                client, config.experiment_name, config.mlflow_tracking_uri, config.storage_path
+            )
+            run_owner.mark_dead_runs_killed(client, experiment_id, found_by=run_key)
+            finished = finished_fit(run_dir, client, experiment_id, run_key)
+            if finished is not None:
+                return _confirm_finished(config, dataset, run_key, client, experiment_id, finished, spec)
+            loader = data_loader_of(config, ray_datasets)
+            run_id, reopened = _start_run(
+                config, dataset, run_key, run_dir, origin, plan, spec, client, experiment_id, loader
+            )
+            opened = _prepare_resume(
+                config, run_key, run_dir, spec, client, run_id, experiment_id, reopened, plan.backend
+            )
+            result = _train(config, dataset, run_key, runs, plan, spec, client, opened, lease)
+            # Pins the controller could not write to MLflow during an outage (kept in the journal meanwhile).
+            pins.pins_from_journal(client, run_id, opened.journal)
+            return _record_user_code(config, run_key, run_dir, spec, client, opened, result, lease, ray_datasets)
+        except BaseException as exc:
+            if run_id is None:
+                raise
+            # Inside the Ray session, so before a local Ray is shut down on the way out: a cancellation's runner
+            # kills this process 30 s after its SIGTERM, and ray.shutdown() with the fit's thread still waiting on
+            # the controller can take that long or end the process (test_prefect_server's cancel test, in CI:
+            # MLflow RUNNING).
+            _end_unfinished_run(exc, config, run_key, client, run_id, lease)
 
 
 def _confirm_finished(
