@@ -30,7 +30,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 PREFECT_RAYTRAIN = str(Path(sys.executable).with_name("prefect-raytrain"))
 # 4 epochs of about 1.5 s each on 2 cores: long enough to land a signal mid-fit.
 WORKLOAD = ["--epochs", "4", "--dataset", "synthetic", "--synthetic-samples", "50000", "--num-workers", "2"]
-STOP_WITHIN_S = 15.0
+# How long the test waits for a signalled command to exit. The command's own deadline is 10 s (docs/fault-tolerance.md);
+# the seconds it took are printed, not asserted (a loaded CI machine stretches them): this wait only tells a command
+# that stops from one that hangs. One that ignored the signal trains to its end and exits 0, which fails the test.
+STOP_WAIT_S = 90.0
 
 
 class Command:
@@ -79,17 +82,17 @@ class Command:
             time.sleep(0.05)
 
     def signal_group(self, sig: int) -> tuple[int, float]:
-        """Signal the whole group; (exit status, seconds it took to exit). Fails past STOP_WITHIN_S."""
+        """Signal the whole group; (exit status, seconds it took to exit). Fails past STOP_WAIT_S."""
         self.watch()
         started = time.monotonic()
         os.killpg(self.process.pid, sig)
         try:
-            while self.process.poll() is None and time.monotonic() - started < STOP_WITHIN_S:
+            while self.process.poll() is None and time.monotonic() - started < STOP_WAIT_S:
                 self.watch()
                 time.sleep(0.05)
             took = time.monotonic() - started
             assert self.process.poll() is not None, (
-                f"still running {STOP_WITHIN_S:g} s after {sig!r}:\n" + (self.output()[-4000:])
+                f"still running {STOP_WAIT_S:g} s after {sig!r}:\n" + (self.output()[-4000:])
             )
             return self.process.returncode, took
         finally:

