@@ -15,7 +15,7 @@ from raytrain_driver.lease import HeldLease
 from raytrain_tasks.errors import UnsafeCheckpointError
 from raytrain_tasks.storage.locations import StorageLocation
 from raytrain_tasks.tracking import runs as tracking
-from raytrain_tasks.tracking.controller import checkpoint_name
+from raytrain_tasks.tracking.names import checkpoint_name
 
 if TYPE_CHECKING:
     import ray.train

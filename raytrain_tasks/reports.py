@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from raytrain_tasks.data import DatasetRef
-from raytrain_tasks.tracking.controller import epoch_number
+from raytrain_tasks.tracking.names import epoch_number
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from raytrain_tasks.tracking.controller import CHECKPOINT_PREFIX, epoch_number
+from raytrain_tasks.tracking.names import CHECKPOINT_PREFIX, epoch_number
 
 
 def checkpoint_dir_name(epoch: int, taken: frozenset[str] = frozenset()) -> str:

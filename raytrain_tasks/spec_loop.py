@@ -49,7 +49,7 @@ from raytrain_tasks.spec_data import (
     uses_ray_data,
 )
 from raytrain_tasks.spec_steps import batch_sums, mean_of, score_split, train_epoch
-from raytrain_tasks.tracking.controller import DATASET_DIGEST_KEY
+from raytrain_tasks.tracking.names import DATASET_DIGEST_KEY
 from raytrain_tasks.tracking.outcome import SPEC_LOOP_EXTRAS, headline
 from raytrain_tasks.worker_log import configure_worker_logging
 

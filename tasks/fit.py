@@ -14,7 +14,6 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 from prefect.settings import PREFECT_HOME
 
-from raytrain_driver.fit import fit_in_this_process
 from raytrain_driver.fit_record import FitResult
 from raytrain_driver.hooks import EpochView, Logger, RunHooks, run_hooks
 from raytrain_driver.origin import ENTRY_POINT
@@ -101,4 +100,6 @@ def distributed_fit(config: TrainingConfig, dataset: RunData | None, run_key: st
 
             # The job takes the run's lease itself (fit_in_this_process, run by raytrain_driver/fit_job.py there).
             return fit_as_ray_job(config, dataset, run_key, runs, run_dir, origin=origin)
+        from raytrain_driver.fit import fit_in_this_process  # Ray Train's modules: not on the CLI's way in
+
         return fit_in_this_process(config, dataset, run_key, runs, run_dir, origin)

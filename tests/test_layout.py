@@ -66,6 +66,11 @@ def torch_after_flow_imports() -> dict[str, bool]:
     return _loaded_after_import("torch", ["prefect", "ray", "mlflow", "pandas"], FLOW_MODULES)
 
 
+@pytest.fixture(scope="module")
+def ray_train_after_flow_imports() -> dict[str, bool]:
+    return _loaded_after_import("ray.train", ["prefect", "ray", "mlflow", "pandas"], FLOW_MODULES)
+
+
 @pytest.mark.parametrize("module", WORKER_MODULES)
 def test_worker_code_imports_without_prefect(module: str, prefect_after_worker_imports: dict[str, bool]) -> None:
     assert prefect_after_worker_imports[module] is False
@@ -102,6 +107,15 @@ def test_a_fit_job_runs_where_prefect_is_not_installed() -> None:
 @pytest.mark.parametrize("module", FLOW_MODULES)
 def test_flow_and_task_modules_do_not_load_torch(module: str, torch_after_flow_imports: dict[str, bool]) -> None:
     assert torch_after_flow_imports[module] is False
+
+
+@pytest.mark.parametrize("module", FLOW_MODULES)
+def test_flow_and_task_modules_do_not_load_ray_train(
+    module: str, ray_train_after_flow_imports: dict[str, bool]
+) -> None:
+    """Ray Train's modules (about 1 s of imports here) load after `ray.init`, beside the temporary Prefect API's
+    start (flows.cli.local_services), not before the CLI can start anything; the first fit of a process loads them."""
+    assert ray_train_after_flow_imports[module] is False
 
 
 def test_the_license_is_an_spdx_expression() -> None:

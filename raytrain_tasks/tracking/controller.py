@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 import time
 from typing import Any
@@ -20,61 +19,25 @@ from ray.train import Checkpoint, UserCallback
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 
 from raytrain_tasks.redact import redact
+from raytrain_tasks.tracking.names import (  # noqa: F401 - also imported from here
+    CHECKPOINT_PREFIX,
+    DATASET_DIGEST_KEY,
+    DATASET_HASH_TAG,
+    EPOCH_FOLDER,
+    EPOCH_METRICS,
+    LAST_CHECKPOINT_TAG,
+    MANIFEST_METRIC,
+    PIN_TAG_PREFIX,
+    STEP_KEY,
+    checkpoint_name,
+    checkpoint_order,
+    epoch_number,
+    pin_tag,
+    pinned_digests,
+)
 from raytrain_tasks.tracking.pin_journal import JournalEntry, PinJournal
 
 logger = logging.getLogger(__name__)
-
-# ``workers``: how many trained the epoch (an elastic run's count changes with the cluster).
-EPOCH_METRICS = ("train_loss", "val_loss", "val_accuracy", "epoch_seconds", "samples_per_second", "workers")
-STEP_KEY = "val_accuracy"
-LAST_CHECKPOINT_TAG = "prefect_raytrain.last_checkpoint"
-# Rank 0 reports the SHA-256 of each checkpoint's manifest (computed before upload) under this metrics key;
-# the controller records it in MLflow as PIN_TAG_PREFIX + folder name. A checkpoint is later trusted only
-# if its manifest still hashes to what was recorded: storage alone cannot vouch for itself.
-MANIFEST_METRIC = "checkpoint_manifest_sha256"
-PIN_TAG_PREFIX = "prefect_raytrain.checkpoint_sha256."
-DATASET_DIGEST_KEY = "dataset_sha256"
-DATASET_HASH_TAG = "prefect_raytrain.dataset_hash"
-
-
-def epoch_number(index: int | float) -> int:
-    """The epoch as people and MLflow count it, 1 to ``epochs``, from its 0-based index.
-
-    Checkpoints and Ray Train's reports keep the index (``TrainingState.epoch``, ``history[i]["epoch"]``).
-    Everything a person reads uses the number: the console and Prefect logs, the run summary and artifacts,
-    MLflow's ``step`` and tags, and the checkpoint folders (``epoch-0001`` holds the first epoch).
-    """
-    return int(index) + 1
-
-
-CHECKPOINT_PREFIX = "epoch-"  # the built-in loop's checkpoint folders: epoch-0001, epoch-0002, ...
-# The whole name of such a folder: the epoch, and after a retraining the attempt (epoch-0002-r1). Anything else
-# that starts with the prefix (epoch-0002.tmp, epoch-planted) is not one this project wrote.
-EPOCH_FOLDER = re.compile(r"epoch-\d{4,}(-r\d+)?")
-
-
-def checkpoint_order(name: str) -> tuple[int, ...]:
-    """Sort key of a run's checkpoint folders, oldest first: by time for Ray Train's checkpoint_<timestamp>; by
-    epoch, then retraining, for epoch-NNNN-rK, as numbers (epoch-0002-r10 after -r9, epoch-10000 after 9999)."""
-    if not EPOCH_FOLDER.fullmatch(name):
-        return (0, *map(int, re.findall(r"\d+", name)))
-    epoch, _, retrained = name.removeprefix(CHECKPOINT_PREFIX).partition("-r")
-    return (1, int(epoch), int(retrained or 0))
-
-
-def checkpoint_name(path: str) -> str:
-    """The folder name of the checkpoint at ``path`` (a local path or a URI, with or without a trailing slash):
-    the key of its pin tag, its LoggedModel and its place in Ray Train's run folder."""
-    return path.rstrip("/").rsplit("/", 1)[-1]
-
-
-def pin_tag(checkpoint_name: str) -> str:
-    return f"{PIN_TAG_PREFIX}{checkpoint_name}"
-
-
-def pinned_digests(tags: dict[str, str]) -> dict[str, str]:
-    """checkpoint folder name -> recorded manifest digest, from an MLflow run's tags."""
-    return {key.removeprefix(PIN_TAG_PREFIX): value for key, value in tags.items() if key.startswith(PIN_TAG_PREFIX)}
 
 
 def logged_steps(client: Any, run_id: str, step_key: str = STEP_KEY) -> set[int]:

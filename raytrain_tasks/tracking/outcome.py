@@ -7,7 +7,7 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from raytrain_tasks.tracking.controller import EPOCH_METRICS, epoch_number
+from raytrain_tasks.tracking.names import EPOCH_METRICS, epoch_number
 from raytrain_tasks.tracking.runs import NOTE_TAG
 
 if TYPE_CHECKING:
