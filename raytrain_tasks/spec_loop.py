@@ -22,8 +22,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow.fs as pafs
-import ray.train
-import ray.train.torch
 import torch
 from torch.utils.data import DistributedSampler
 
@@ -135,6 +133,8 @@ def spec_train_func(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:
 
 def _spec_loop(spec: TrainSpec) -> Callable[[dict[str, Any], RaySplits | None], None]:
     def train_func(config: dict[str, Any], ray_splits: RaySplits | None = None) -> None:
+        import ray.train.torch
+
         configure_worker_logging()
         _seed(int(config["seed"]))
         splits, facts = _worker_splits(spec, config, ray_splits)
@@ -319,6 +319,8 @@ def check_metric_named(
 def _run_folders() -> frozenset[str]:
     """The folders in this run's storage as the worker group starts, which a checkpoint of this attempt must not be
     named as. (Ray Train takes rank 0's ``checkpoint_dir_name`` for all ranks; every rank computes it alike.)"""
+    import ray.train
+
     storage = ray.train.get_context().get_storage()
     found = storage.storage_filesystem.get_file_info(
         pafs.FileSelector(storage.experiment_fs_path, allow_not_found=True)
@@ -342,6 +344,8 @@ def epoch_line(epoch: int, epochs: int, metrics: dict[str, Any], checkpoint_s: f
 def _report(
     metrics: dict[str, Any], model: Any, optimizer: Any, epoch: int, digest: str, rank: int, folder_name: str
 ) -> None:
+    import ray.train
+
     if rank != 0:  # rank 0 alone writes the checkpoint
         ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=folder_name)
         return
@@ -363,6 +367,8 @@ def _report(
 def _resume(model: Any, optimizer: Any, digest: str) -> int:
     """The epoch to start from: 0, or the one after the last committed checkpoint (model, optimizer, RNG restored:
     rank 0's, on every rank, as every rank was seeded alike and draws alike)."""
+    import ray.train
+
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return 0

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import ray.train.torch
 import torch
 import torch.distributed as dist
 
@@ -45,6 +44,8 @@ def batch_sums(spec: TrainSpec, model: Any, batches: Any, device: Any) -> tuple[
 
 def score_split(spec: TrainSpec, model: Any, batches: Any, split: str) -> dict[str, float]:
     """Loss and metrics over the whole split: this rank scores its batches, the sums are all-reduced."""
+    import ray.train.torch  # here, not at import: the CLI's check of the code imports this module before Ray starts
+
     model.eval()
     net = getattr(model, "module", model)  # not DDP's forward: it may sync buffers, which a rank with no batch skips
     distributed = dist.is_available() and dist.is_initialized()

@@ -118,6 +118,20 @@ def test_flow_and_task_modules_do_not_load_ray_train(
     assert ray_train_after_flow_imports[module] is False
 
 
+def test_the_clis_check_of_the_default_code_leaves_ray_train_for_after_rays_start() -> None:
+    """The CLI checks train_code before the temporary Prefect API and Ray start (flows.cli.main), and they start
+    only after it: Ray Train's modules (about 1.5 s here) imported by that check were on every run's way in."""
+    code = (
+        "import sys\n"
+        "from flows.cli import _train_code_problem, parse_config\n"
+        "assert _train_code_problem(parse_config([])) == ''\n"
+        "print(sorted(m for m in sys.modules if m.startswith('ray.train')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]"
+
+
 def test_the_license_is_an_spdx_expression() -> None:
     """A `license = { text = ... }` table makes setuptools print a deprecation warning at every install."""
     import tomllib
