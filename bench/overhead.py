@@ -408,6 +408,38 @@ def _log_marks(output: str, started_at: datetime) -> dict[str, float]:
     return {k: v for k, v in marks.items() if v is not None}
 
 
+IMPORT_LINE = re.compile(r"^import time:\s+\d+ \|\s+(\d+) \| ( *)(\S+)$")
+
+
+def import_seconds(module: str = "flows.training", repetitions: int = 3) -> dict[str, float]:
+    """``python -X importtime -c "import <module>"`` in fresh processes: the median cumulative seconds of the
+    module and of each package it imports directly (what the CLI pays before it can start anything)."""
+    runs: list[dict[str, float]] = []
+    for _ in range(repetitions):
+        done = subprocess.run(
+            [sys.executable, "-X", "importtime", "-c", f"import {module}"],
+            cwd=Path(__file__).resolve().parents[1],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        seconds: dict[str, float] = {}
+        children: dict[str, float] = {}  # importtime prints what a module imports before the module itself
+        for line in done.stderr.splitlines():
+            match = IMPORT_LINE.match(line)
+            if not match:
+                continue
+            if not match[2]:  # a top-level import: the module itself, or one of Python's start-up (site, ...)
+                if match[3] == module:
+                    seconds = {**children, module: int(match[1]) / 1e6}
+                children = {}
+            elif len(match[2]) == 2:
+                name = match[3].split(".")[0]
+                children[name] = children.get(name, 0.0) + int(match[1]) / 1e6
+        runs.append(seconds)
+    return median_of(runs)
+
+
 def _mlflow_in_loop(tracking_uri: str, experiment: str) -> float:
     from mlflow import MlflowClient
 
@@ -512,6 +544,7 @@ def main(argv: list[str] | None = None) -> None:
                 flush=True,
             )
         results["orchestration"] = {"flow": median_of(flows), "bare_fit": median_of(bares), "first_flow": first_run}
+        results["imports"] = import_seconds(repetitions=reps)
         results["flow_epochs"] = flow_epochs
 
     markdown = render(results)
@@ -594,6 +627,16 @@ def render(r: dict[str, Any]) -> str:
         + (f", after the flow (teardown) {flow['wall_s'] - flow['flow_end_s']:.1f} s" if "flow_end_s" in flow else "")
         + f". Bare fit: Ray start {bare['ray_start_s']:.1f} s of {bare['fixed_s']:.1f} s fixed.",
     ]
+    imports = r.get("imports")
+    if imports:
+        parts = sorted(((k, v) for k, v in imports.items() if k != "flows.training"), key=lambda kv: -kv[1])
+        lines += [
+            "",
+            f"Import of `flows.training` before the CLI starts anything (`python -X importtime`): "
+            f"{imports.get('flows.training', float('nan')):.2f} s; of it, first-hand: "
+            + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in parts[:6])
+            + ".",
+        ]
     first = o.get("first_flow")
     if first:
         lines += [
