@@ -60,7 +60,7 @@ def measure(workdir: Path) -> dict[str, float] | None:
     from flows.training import training_pipeline
     from raytrain_driver.cluster import worker_env
     from raytrain_tasks.config import TrainingConfig, parameters_of
-    from raytrain_tasks.tracking.controller import epoch_number
+    from raytrain_tasks.tracking.names import epoch_number
 
     tracking = f"sqlite:///{workdir / 'mlflow.db'}"
     config = TrainingConfig(

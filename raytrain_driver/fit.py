@@ -38,7 +38,8 @@ from raytrain_tasks.redact import redacted_errors
 from raytrain_tasks.storage.locations import StorageLocation
 from raytrain_tasks.tracking import pins, run_owner
 from raytrain_tasks.tracking import runs as tracking
-from raytrain_tasks.tracking.controller import MlflowEpochLogger, OpenMlflowEarly, RestartGuard, pinned_digests
+from raytrain_tasks.tracking.controller import MlflowEpochLogger, OpenMlflowEarly, RestartGuard
+from raytrain_tasks.tracking.names import pinned_digests
 
 if TYPE_CHECKING:
     from raytrain_tasks.api import TrainFunc

@@ -19,15 +19,8 @@ from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import CheckpointError, UserCodeError
 from raytrain_tasks.reports import EVALUATION_ARTIFACT_DIR, log_learning_curves
-from raytrain_tasks.tracking.controller import (
-    EPOCH_FOLDER,
-    checkpoint_name,
-    checkpoint_order,
-    epoch_number,
-    numeric_metrics,
-    pinned_digests,
-    report_step,
-)
+from raytrain_tasks.tracking.controller import numeric_metrics, report_step
+from raytrain_tasks.tracking.names import EPOCH_FOLDER, checkpoint_name, checkpoint_order, epoch_number, pinned_digests
 from raytrain_tasks.tracking.outcome import SPEC_LOOP_EXTRAS, headline, log_checkpoint_models, log_summary
 
 if TYPE_CHECKING:

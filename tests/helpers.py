@@ -364,7 +364,7 @@ def fit_for_registry(
     from raytrain_driver.fit_record import FitResult
     from raytrain_tasks.integrity import local_folder_digest
     from raytrain_tasks.tracking import runs as tracking
-    from raytrain_tasks.tracking.controller import pin_tag
+    from raytrain_tasks.tracking.names import pin_tag
     from tests.registry_code import write_checkpoint
 
     # As the fit makes it: a SQLite store keeps its artifacts beside its database, never in the working directory

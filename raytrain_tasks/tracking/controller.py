@@ -19,21 +19,16 @@ from ray.train import Checkpoint, UserCallback
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 
 from raytrain_tasks.redact import redact
-from raytrain_tasks.tracking.names import (  # noqa: F401 - also imported from here
-    CHECKPOINT_PREFIX,
+from raytrain_tasks.tracking.names import (
     DATASET_DIGEST_KEY,
     DATASET_HASH_TAG,
-    EPOCH_FOLDER,
     EPOCH_METRICS,
     LAST_CHECKPOINT_TAG,
     MANIFEST_METRIC,
-    PIN_TAG_PREFIX,
     STEP_KEY,
     checkpoint_name,
-    checkpoint_order,
     epoch_number,
     pin_tag,
-    pinned_digests,
 )
 from raytrain_tasks.tracking.pin_journal import JournalEntry, PinJournal
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import CheckpointError
+from raytrain_tasks.tracking.names import checkpoint_name, pin_tag, pinned_digests
 from raytrain_tasks.tracking.pin_journal import PinJournal
 
 if TYPE_CHECKING:
@@ -20,8 +21,6 @@ logger = logging.getLogger(__name__)
 
 def recorded_digest(client: MlflowClient, run_id: str, checkpoint_uri: str) -> str:
     """The manifest digest run ``run_id`` recorded for the checkpoint at ``checkpoint_uri``; CheckpointError if none."""
-    from raytrain_tasks.tracking.controller import checkpoint_name, pinned_digests
-
     name = checkpoint_name(checkpoint_uri)
     digest = pinned_digests(client.get_run(run_id).data.tags).get(name)
     if digest is None:
@@ -60,8 +59,6 @@ def pins_from_journal(client: MlflowClient, run_id: str, journal: PinJournal | N
     checkpoints were committed): their pins, and their epochs' metrics at their steps. A pin or a metric MLflow
     already has is never replaced. The folder names whose pins were added."""
     from mlflow.entities import Metric, RunTag
-
-    from raytrain_tasks.tracking.controller import pin_tag, pinned_digests
 
     if journal is None:
         return []

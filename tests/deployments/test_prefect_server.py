@@ -374,7 +374,7 @@ def test_cancelling_a_run_stops_training_and_keeps_it_resumable(prefect_server: 
     import psutil
 
     from raytrain_tasks.integrity import local_folder_digest
-    from raytrain_tasks.tracking.controller import pinned_digests
+    from raytrain_tasks.tracking.names import pinned_digests
 
     with _worker(prefect_server) as (_, worker_log):
         flow_run, mlflow_run_id = _start_until_epoch_2(prefect_server, ad_hoc, "cancel-test", worker_log)

@@ -229,7 +229,7 @@ def test_a_checkpoint_changed_before_a_restart_inside_the_fit_is_not_handed_to_t
 
 def _pinned_once_quiet(workdir: Path, quiet_s: float = 1.0) -> frozenset[str]:
     """The checkpoint folders pinned in the run's MLflow tags, once no new pin has come for ``quiet_s`` seconds."""
-    from raytrain_tasks.tracking.controller import pinned_digests
+    from raytrain_tasks.tracking.names import pinned_digests
 
     seen, since = frozenset[str](), time.monotonic()
     while True:

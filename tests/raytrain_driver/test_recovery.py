@@ -24,7 +24,7 @@ from flows.training import PipelineResult, training_pipeline
 from raytrain_tasks.config import RUN_KEY_PATTERN as RUN_KEY
 from raytrain_tasks.config import parameters_of
 from raytrain_tasks.resume import checkpoint_dir_name
-from raytrain_tasks.tracking.controller import EPOCH_METRICS, epoch_number
+from raytrain_tasks.tracking.names import EPOCH_METRICS, epoch_number
 from tests.helpers import (
     REPO_ROOT,
     Kill,
@@ -396,7 +396,7 @@ def test_a_storage_outage_mid_run_is_ridden_out(tmp_path: Path, reference: Pipel
     from raytrain_tasks.integrity import local_folder_digest
     from raytrain_tasks.storage.filesystem import StorageOptions
     from raytrain_tasks.storage.locations import download_dir, locate
-    from raytrain_tasks.tracking.controller import pinned_digests
+    from raytrain_tasks.tracking.names import pinned_digests
 
     door = Outage(int(s3_server.endpoint_url.rsplit(":", 1)[1]))
     door.open()

@@ -103,7 +103,7 @@ def test_registration_refuses_a_tampered_best_checkpoint_and_registers_nothing(t
 
     from flows.training import training_pipeline
     from raytrain_tasks.integrity import local_folder_digest
-    from raytrain_tasks.tracking.controller import pin_tag
+    from raytrain_tasks.tracking.names import pin_tag
     from tests.helpers import small_config
 
     config = small_config(tmp_path, epochs=2, register=False)
@@ -382,7 +382,7 @@ def test_storage_cannot_vouch_for_itself_a_replaced_record_or_checkpoint_is_refu
 
     from flows.training import training_pipeline
     from raytrain_tasks.integrity import local_folder_digest
-    from raytrain_tasks.tracking.controller import pinned_digests
+    from raytrain_tasks.tracking.names import pinned_digests
     from tests.helpers import small_config
 
     config = small_config(tmp_path, epochs=2, register=False)

@@ -76,7 +76,8 @@ def test_live_epoch_logging_survives_an_mlflow_outage(tmp_path: Path, monkeypatc
 def test_the_pin_the_controller_records_is_found_for_every_spelling_of_the_checkpoint_uri(tmp_path: Path) -> None:
     """The controller pins a checkpoint under the path Ray reports (a bucket key on S3, maybe with a trailing
     slash); evaluation and registration look it up by the URI the fit returns: both must reach the same pin."""
-    from raytrain_tasks.tracking.controller import MANIFEST_METRIC, log_epoch
+    from raytrain_tasks.tracking.controller import log_epoch
+    from raytrain_tasks.tracking.names import MANIFEST_METRIC
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     run_id = client.create_run(client.create_experiment("pins")).info.run_id
@@ -121,7 +122,7 @@ def test_the_pin_journal_keeps_pins_for_the_mlflow_run_they_belong_to_and_fills_
     controller on another machine than the driver writes none there."""
     import dataclasses
 
-    from raytrain_tasks.tracking.controller import pin_tag, pinned_digests
+    from raytrain_tasks.tracking.names import pin_tag, pinned_digests
     from raytrain_tasks.tracking.pin_journal import JournalEntry, PinJournal
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
