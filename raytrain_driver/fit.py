@@ -287,11 +287,13 @@ def _end_unfinished_run(
             f"stopped by {how} at {datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC (a cancellation from Prefect, an "
             f"interrupt, or the machine shutting down); its checkpoints are kept: continue it with "
             f"resume={run_key}",
+            exc,
         )
         raise exc
     from raytrain_driver.trainer import training_error
 
     error = training_error(exc, run_key, config)
+    tracking.release_interrupted_reads(exc)  # as stop_run does: not only a signal's exception is raised mid-query
     tracking.fail_run(client, run_id, error)
     if error is exc:
         raise exc

@@ -94,6 +94,7 @@ def register(
                 fit.mlflow_run_id,
                 f"stopped by {how} during register-model; its checkpoints are kept and at most one version is "
                 f"registered: continue it with resume={fit.run_key}",
+                exc,
             )
             raise
 
@@ -314,18 +315,23 @@ def _log_pt2(fit: FitResult, model: Any, example: Any, metadata: dict[str, Any],
     import torch
 
     with user_register.EXPORT_LOCK, mlflow.start_run(run_id=fit.mlflow_run_id):
-        if artifacts is not None:
-            mlflow.log_artifacts(str(artifacts), EVALUATION_ARTIFACT_DIR)
-        info = mlflow.pytorch.log_model(
-            model,
-            name=LOGGED_MODEL_NAME,
-            input_example=example,
-            # Explicit: MLflow's default is "pickle" on some tracking servers (Databricks); pt2 loads no pickles.
-            serialization_format="pt2",
-            # Explicit requirements: inferring them spawns a subprocess that costs ~8 s.
-            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}"],
-            metadata=metadata,
-        )
+        try:
+            if artifacts is not None:
+                mlflow.log_artifacts(str(artifacts), EVALUATION_ARTIFACT_DIR)
+            info = mlflow.pytorch.log_model(
+                model,
+                name=LOGGED_MODEL_NAME,
+                input_example=example,
+                # Explicit: MLflow's default is "pickle" on some tracking servers (Databricks); pt2 loads no pickles.
+                serialization_format="pt2",
+                # Explicit requirements: inferring them spawns a subprocess that costs ~8 s.
+                pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}"],
+                metadata=metadata,
+            )
+        except BaseException as exc:
+            # start_run's exit writes the run's end next: a stop raised mid-read must not hold that read's lock.
+            tracking.release_interrupted_reads(exc)
+            raise
     return str(info.model_uri)
 
 

@@ -56,6 +56,31 @@ def seed_mlflow_store(db: Path) -> Path:
     return db
 
 
+@contextmanager
+def a_stop_in_the_next_mlflow_query() -> Iterator[None]:
+    """Raise Prefect's TerminationSignal (what SIGTERM raises in a flow run) in this thread's next MLflow query on
+    a SQL store, after SQLite ran it and before SQLAlchemy fetched its rows: one of the places a signal's handler
+    can run. Nothing is raised after the first."""
+    from prefect.exceptions import TerminationSignal
+    from sqlalchemy.orm import loading
+
+    fetch = loading.instances.__code__
+    raised: list[bool] = []
+
+    def trace(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is fetch and not raised:
+            raised.append(True)
+            raise TerminationSignal(signal=signal.SIGTERM)
+
+    previous = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
+    assert raised, "no MLflow query ran in the block"
+
+
 def this_ray_address() -> str:
     """The GCS address of the Ray this process is connected to, for Ray's State API (``list_actors`` and the
     like). Without one, the State API follows RAY_ADDRESS or /tmp/ray/ray_current_cluster, which any earlier

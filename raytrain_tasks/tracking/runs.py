@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import subprocess
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -162,6 +163,27 @@ FIT_RECORD_TAG = "prefect_raytrain.fit_record_sha256"
 NOTE_TAG = "mlflow.note.content"  # the run's description in the MLflow UI (Markdown)
 
 
+def release_interrupted_reads(error: BaseException) -> None:
+    """Let go of what the frames ``error`` came through still hold (and those of the errors it chains).
+
+    A signal's exception (Prefect's TerminationSignal, KeyboardInterrupt) is raised wherever the main thread is,
+    and SQLAlchemy closes a query's cursor only on an ``Exception``: stopped between an MLflow query's execute and
+    its fetch, the cursor stays open in the frame it was interrupted in, and with it its SQLite read lock, for as
+    long as the traceback lives, which is while the stop is handled. Writing the run's end then waited 20 s
+    (MLflow's busy timeout) for a lock this very process held, and failed: the run stayed RUNNING past the stop's
+    deadline (test_signals, register-model, in CI). The frames keep their code and lines for the logs.
+    """
+    seen: set[int] = set()
+    chained: list[BaseException | None] = [error]
+    while chained:
+        current = chained.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)  # the frames still executing (this handler's) are kept
+        chained += [current.__cause__, current.__context__]
+
+
 def finish_run(client: MlflowClient, run_id: str) -> None:
     client.set_terminated(run_id, status="FINISHED")
 
@@ -178,11 +200,13 @@ def fail_run(client: MlflowClient, run_id: str, error: BaseException) -> None:
         logger.warning("could not mark MLflow run %s FAILED (%s); the next run of the experiment marks it", run_id, exc)
 
 
-def stop_run(client: MlflowClient, run_id: str, reason: str) -> None:
-    """Mark the run KILLED with ``reason`` in KILLED_TAG: it was stopped from outside (a cancellation), it did
-    not fail; its checkpoints stay for a resume. An unreachable MLflow is logged, not raised."""
+def stop_run(client: MlflowClient, run_id: str, reason: str, stop: BaseException) -> None:
+    """Mark the run KILLED with ``reason`` in KILLED_TAG: it was stopped from outside (``stop``: a cancellation's
+    TerminationSignal, a KeyboardInterrupt), it did not fail; its checkpoints stay for a resume. An unreachable
+    MLflow is logged, not raised."""
     from mlflow.exceptions import MlflowException
 
+    release_interrupted_reads(stop)
     try:
         client.set_tag(run_id, KILLED_TAG, redact(reason)[:4000])
         client.set_terminated(run_id, status="KILLED")

@@ -24,15 +24,46 @@ from tests.helpers import (
     REGISTRY_CODE,
     REPO_ROOT,
     MlflowServer,
+    a_stop_in_the_next_mlflow_query,
     fit_for_registry,
     free_port,
     register_for_test,
+    seed_mlflow_store,
     small_config,
     start_mlflow_server,
     stop_process_group,
 )
 
 LEASE_S = 4.0
+
+
+def test_a_stop_while_the_model_is_logged_ends_register_model_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """register-model logs the model inside MLflow's start_run, whose exit writes the run's end. A SIGTERM raised
+    in one of log_model's queries held that query's SQLite lock while the exit wrote: it waited 20 s, then
+    'database is locked' replaced the stop, and the run was not marked KILLED (test_signals, register-model)."""
+    import mlflow
+    import torch
+    from prefect.exceptions import TerminationSignal
+
+    from raytrain_driver.register import _log_pt2
+
+    uri = f"sqlite:///{seed_mlflow_store(tmp_path / 'mlflow.db')}"
+    client = tracking.connect(uri)
+    experiment = client.create_experiment("stopped", artifact_location=(tmp_path / "artifacts").as_uri())
+    run_id = client.create_run(experiment).info.run_id
+    log_model = mlflow.pytorch.log_model
+
+    def stopped_in_a_query(*args: Any, **kwargs: Any) -> Any:
+        with a_stop_in_the_next_mlflow_query():
+            return log_model(*args, **kwargs)
+
+    monkeypatch.setattr(mlflow.pytorch, "log_model", stopped_in_a_query)
+    fit = FitResult.model_construct(mlflow_run_id=run_id)
+    with tracking.using_tracking_uri(uri), pytest.raises(TerminationSignal):
+        _log_pt2(fit, torch.nn.Linear(3, 2), torch.zeros(2, 3), {}, artifacts=None)
+    assert client.get_run(run_id).info.status == "FAILED"  # start_run's exit; register-model then marks it KILLED
 
 
 @pytest.mark.slow

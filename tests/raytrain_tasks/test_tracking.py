@@ -15,7 +15,13 @@ from mlflow import MlflowClient
 from raytrain_tasks.tracking import pins, run_owner
 from raytrain_tasks.tracking import runs as tracking
 from raytrain_tasks.tracking.controller import MlflowEpochLogger
-from tests.helpers import free_port, start_mlflow_server, stop_process_group
+from tests.helpers import (
+    a_stop_in_the_next_mlflow_query,
+    free_port,
+    seed_mlflow_store,
+    start_mlflow_server,
+    stop_process_group,
+)
 
 
 def test_a_run_whose_driver_died_is_marked_killed_by_the_next_pipeline(tmp_path: Path) -> None:
@@ -39,6 +45,26 @@ def test_a_run_whose_driver_died_is_marked_killed_by_the_next_pipeline(tmp_path:
     assert "ended without finishing" in killed.data.tags[run_owner.KILLED_TAG]
     assert client.get_run(live).info.status == "RUNNING"  # its driver (this process) still runs
     assert client.get_run(elsewhere).info.status == "RUNNING"  # another host: nobody here can tell
+
+
+def test_a_run_stopped_in_the_middle_of_an_mlflow_query_is_marked_killed(tmp_path: Path) -> None:
+    """Seen in CI (test_signals, register-model): a SIGTERM raised between a query's execute and its fetch left the
+    query's SQLite read lock held by the traceback, so marking the run KILLED waited out MLflow's 20 s busy
+    timeout, failed, and left the run RUNNING past the stop's deadline."""
+    from prefect.exceptions import TerminationSignal
+
+    client = tracking.connect(f"sqlite:///{seed_mlflow_store(tmp_path / 'mlflow.db')}")
+    run_id = client.create_run(client.create_experiment("stopped"), tags={"a": "1", "b": "2"}).info.run_id
+    with pytest.raises(TerminationSignal):
+        try:
+            with a_stop_in_the_next_mlflow_query():
+                client.get_run(run_id)
+        except TerminationSignal as stop:  # as the fit and register-model handle it: the traceback alive
+            tracking.stop_run(client, run_id, "stopped by SIGTERM", stop)
+            raise
+    stopped = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(run_id)
+    assert stopped.info.status == "KILLED"
+    assert stopped.data.tags[run_owner.KILLED_TAG] == "stopped by SIGTERM"
 
 
 class _Checkpoint:
