@@ -100,10 +100,10 @@ def user_frames(exc: BaseException) -> str:
         if "importlib" not in frame.filename and not frame.filename.endswith(("user_code.py", "spec_loop.py"))
     ]
     where = "".join(traceback.format_list(frames)).rstrip()
-    return f"{type(exc).__name__}: {exc}{_key_hint(exc)}" + (f"\n{where}" if where else "")
+    return f"{type(exc).__name__}: {exc}{key_hint(exc)}" + (f"\n{where}" if where else "")
 
 
-def _key_hint(exc: BaseException) -> str:
+def key_hint(exc: BaseException) -> str:
     """For a KeyError on another name of a key the pipeline puts into ``config`` (``num_epochs``): which one."""
     key = exc.args[0] if isinstance(exc, KeyError) and exc.args else None
     if not isinstance(key, str) or key not in PIPELINE_KEY_ALIASES:

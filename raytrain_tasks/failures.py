@@ -14,7 +14,7 @@ from typing import Any
 
 from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 
-from raytrain_tasks.errors import RepeatedFailureError
+from raytrain_tasks.errors import RepeatedFailureError, key_hint
 
 # Addresses, pids and object ids differ between attempts of the same bug.
 _VOLATILE = re.compile(r"0x[0-9a-f]+|pid=\d+|ip=[\d.]+|\b[0-9a-f]{16,}\b")
@@ -59,10 +59,10 @@ class StopOnRepeatedFailure(WorkerGroupCallback):  # type: ignore[misc]
         base = getattr(error, "_base_exc", error)
         raise RepeatedFailureError(
             f"run {self.run_key}: the training raised the same exception on two attempts in a row "
-            f"({type(base).__name__}: {base}, worker rank {rank}). It fails the same way on every attempt (a bug in "
-            "the training code, or data or settings it cannot handle), so it is not retried: neither by Ray Train's "
-            "worker-group restarts (`max_failures`) nor by Prefect (`fit_retries`). Fix the cause, then continue "
-            f"the run with `resume={self.run_key}` (from its last checkpoint; from epoch 1 if none was committed). "
-            "The worker's traceback:\n"
+            f"({type(base).__name__}: {base}{key_hint(base)}, worker rank {rank}). It fails the same way on every "
+            "attempt (a bug in the training code, or data or settings it cannot handle), so it is not retried: "
+            "neither by Ray Train's worker-group restarts (`max_failures`) nor by Prefect (`fit_retries`). Fix the "
+            f"cause, then continue the run with `resume={self.run_key}` (from its last checkpoint; from epoch 1 if "
+            "none was committed). The worker's traceback:\n"
             f"{str(error)[-4000:]}"
         )

@@ -142,9 +142,9 @@ def test_a_failure_after_the_mlflow_run_started_marks_it_failed(
 def test_an_exception_that_repeats_identically_stops_the_retries_and_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A bug in the training code (here a ValueError from a shape check, raised on every attempt) was retried
-    `max_failures` times by Ray Train and then `fit_retries` times by Prefect: six worker-group starts with these
-    settings, and a message that the run "can continue". Now the second identical failure ends it."""
+    """A bug in the training code (here a KeyError on the `num_epochs` of Ray's docs, raised on every attempt) was
+    retried `max_failures` times by Ray Train and then `fit_retries` times by Prefect: six worker-group starts with
+    these settings, and a message that the run "can continue". Now the second identical failure ends it."""
     import textwrap
 
     from prefect import flow
@@ -162,7 +162,7 @@ def test_an_exception_that_repeats_identically_stops_the_retries_and_says_so(
             def train_func(config):
                 with open({str(starts)!r}, "a") as out:
                     out.write("start\\n")
-                raise ValueError("expected input of 64 features, got 8")
+                return config["num_epochs"]  # ported from Ray's docs: the pipeline names it "epochs"
 
             training = TrainFunc(train_func, metric=Metric("val_loss", higher_is_better=False))
             """
@@ -186,7 +186,8 @@ def test_an_exception_that_repeats_identically_stops_the_retries_and_says_so(
     assert not retryable
     message = str(error)
     assert "same exception on two attempts in a row" in message and "not retried" in message
-    assert "expected input of 64 features, got 8" in message and "can continue" not in message
+    assert "KeyError: 'num_epochs'" in message and "can continue" not in message
+    assert "into config as 'epochs': read that key" in message  # seen by a newcomer: it named no key before
     assert starts.read_text().count("start") == 2  # the first start and one restart: no more, no Prefect retry
     (run,) = _mlflow_runs(tmp_path)
     assert run.info.status == "FAILED"  # type: ignore[attr-defined]
