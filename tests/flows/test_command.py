@@ -18,7 +18,7 @@ import pytest
 from mlflow import MlflowClient
 
 from flows.cli import parse_config
-from flows.command import flags_from_params
+from flows.command import PREFECT_CONFIGURED_BY, flags_from_params, main
 from raytrain_tasks.builtin_aliases import with_builtin_settings_carried
 from raytrain_tasks.config import TrainingConfig
 from tests.helpers import free_port, stop_process_group
@@ -77,6 +77,31 @@ def test_a_masked_setting_must_be_given_again() -> None:
         raise AssertionError("a masked value was used as it is")
     given = ["--mlflow-tracking-uri=http://mlflow.example:5000"]
     assert not any(flag.startswith("--mlflow-tracking-uri") for flag in flags_from_params(params, given))
+
+
+def test_the_embedded_defaults_keep_prefects_state_under_pipeline_unless_prefect_is_set_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A newcomer's `prefect-raytrain train` (no Prefect set up) left Prefect's database and the pin journals in
+    ~/.prefect, though the README says the embedded defaults keep every piece of state under ./.pipeline."""
+    for name in PREFECT_CONFIGURED_BY:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["runs"]) == 0
+    assert os.environ["PREFECT_HOME"] == str(tmp_path / ".pipeline" / "prefect")
+    assert (tmp_path / ".pipeline" / "prefect").is_dir()
+
+    monkeypatch.delenv("PREFECT_HOME")
+    profiles = tmp_path / "home" / ".prefect" / "profiles.toml"  # `prefect config set` wrote one: Prefect's own
+    profiles.parent.mkdir(parents=True)
+    profiles.write_text('active = "default"\n')
+    assert main(["runs"]) == 0
+    assert "PREFECT_HOME" not in os.environ
+    profiles.unlink()
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4200/api")  # a server of the user's
+    assert main(["runs"]) == 0
+    assert "PREFECT_HOME" not in os.environ
 
 
 @pytest.mark.slow
