@@ -232,9 +232,11 @@ def _decided(
             client.set_registered_model_alias(name, PREVIOUS_CHAMPION, recorded_champion)
         client.set_model_version_tag(name, version, APPLIED_TAG, "true")
     champion_score = tags.get("promotion.champion_score")
+    # What the log line and the summary say: a retry or a resume of a registered run moves no alias now.
+    earlier = f"{tags.get('promotion.reason', '')}; decided earlier, when this run registered the version"
     decision = PromotionDecision(
         Promotion(action),
-        tags.get("promotion.reason", ""),
+        earlier,
         score,
         float(champion_score) if champion_score else None,
     )

@@ -155,6 +155,9 @@ def test_one_version_per_run_key_however_often_register_runs(registry: dict[str,
     assert ref.aliases == ("champion",) and ref.decision == "promote"
     again = register_for_test(config, dataset, fit)  # a Prefect retry, or a resume of the finished run
     assert (again.version, again.decision, again.aliases) == (ref.version, "promote", ("champion",))
+    # A newcomer's resume of a finished run printed the old decision as if it were made now.
+    assert ref.reason == "no champion yet"
+    assert again.reason == "no champion yet; decided earlier, when this run registered the version"
     assert _versions(client, "gate") == [ref.version]
     logged = client.search_logged_models(experiment_ids=[fit.mlflow_experiment_id])
     assert [m.source_run_id for m in logged].count(fit.mlflow_run_id) == 1  # the model was logged once
