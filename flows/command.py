@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_tasks.config import TrainingConfig
+from raytrain_tasks.environment import embedded_prefect_home
 from raytrain_tasks.redact import MASK, redact_uri
 from raytrain_tasks.settings import DEFAULT_STATE_DIR
 
@@ -34,7 +35,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(__doc__)
         return 0 if args else 2
     command, rest = args[0], args[1:]
-    embedded_prefect_home()
+    if command in ("train", "resume"):
+        embedded_prefect_home(DEFAULT_STATE_DIR)
     if command == "train":
         from flows.cli import main as train
         from flows.training import training_pipeline
@@ -48,25 +50,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ui(rest)
     print(f"{PROG}: unknown command {command!r}; one of: train, runs, resume, ui", file=sys.stderr)
     return 2
-
-
-# What says Prefect is set up on this machine: then its home, profile and API are the user's, used as they are.
-PREFECT_CONFIGURED_BY = ("PREFECT_HOME", "PREFECT_API_URL", "PREFECT_PROFILES_PATH", "PREFECT_PROFILE")
-
-
-def embedded_prefect_home() -> None:
-    """Prefect's state (the temporary API's database, the pin journals) goes to ./.pipeline/prefect, beside
-    MLflow's store and the checkpoints, as `make run` keeps it: the embedded defaults leave nothing in ~/.prefect
-    (a newcomer following docs/own-model.md found 5 MB there). Unless Prefect is set up here: one of
-    ``PREFECT_CONFIGURED_BY`` in the environment, or a profiles file in ~/.prefect (`prefect profile`,
-    `prefect config set`), which the command then uses as Prefect would. Before Prefect is imported."""
-    if any(os.environ.get(name) for name in PREFECT_CONFIGURED_BY):
-        return
-    if (Path.home() / ".prefect" / "profiles.toml").exists():
-        return
-    home = Path(DEFAULT_STATE_DIR, "prefect").resolve()
-    home.mkdir(parents=True, exist_ok=True)
-    os.environ["PREFECT_HOME"] = str(home)
 
 
 def _location_parser(prog: str, description: str) -> argparse.ArgumentParser:

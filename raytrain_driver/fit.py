@@ -293,7 +293,6 @@ def _end_unfinished_run(
     from raytrain_driver.trainer import training_error
 
     error = training_error(exc, run_key, config)
-    tracking.release_interrupted_reads(exc)  # as stop_run does: not only a signal's exception is raised mid-query
     tracking.fail_run(client, run_id, error)
     if error is exc:
         raise exc

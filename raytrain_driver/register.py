@@ -232,8 +232,10 @@ def _decided(
             client.set_registered_model_alias(name, PREVIOUS_CHAMPION, recorded_champion)
         client.set_model_version_tag(name, version, APPLIED_TAG, "true")
     champion_score = tags.get("promotion.champion_score")
-    # What the log line and the summary say: a retry or a resume of a registered run moves no alias now.
-    earlier = f"{tags.get('promotion.reason', '')}; decided earlier, when this run registered the version"
+    # The log line and the summary say so: a retry or a resume of a registered run does not decide again.
+    earlier = "; ".join(
+        filter(None, [tags.get("promotion.reason"), "decided earlier, when this run registered the version"])
+    )
     decision = PromotionDecision(
         Promotion(action),
         earlier,
@@ -316,24 +318,24 @@ def _log_pt2(fit: FitResult, model: Any, example: Any, metadata: dict[str, Any],
     import mlflow
     import torch
 
-    with user_register.EXPORT_LOCK, mlflow.start_run(run_id=fit.mlflow_run_id):
-        try:
-            if artifacts is not None:
-                mlflow.log_artifacts(str(artifacts), EVALUATION_ARTIFACT_DIR)
-            info = mlflow.pytorch.log_model(
-                model,
-                name=LOGGED_MODEL_NAME,
-                input_example=example,
-                # Explicit: MLflow's default is "pickle" on some tracking servers (Databricks); pt2 loads no pickles.
-                serialization_format="pt2",
-                # Explicit requirements: inferring them spawns a subprocess that costs ~8 s.
-                pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}"],
-                metadata=metadata,
-            )
-        except BaseException as exc:
-            # start_run's exit writes the run's end next: a stop raised mid-read must not hold that read's lock.
-            tracking.release_interrupted_reads(exc)
-            raise
+    # start_run's exit writes the run's end: a stop raised in a query of the block must not hold that query's lock.
+    with (
+        user_register.EXPORT_LOCK,
+        mlflow.start_run(run_id=fit.mlflow_run_id),
+        tracking.releasing_interrupted_reads(),
+    ):
+        if artifacts is not None:
+            mlflow.log_artifacts(str(artifacts), EVALUATION_ARTIFACT_DIR)
+        info = mlflow.pytorch.log_model(
+            model,
+            name=LOGGED_MODEL_NAME,
+            input_example=example,
+            # Explicit: MLflow's default is "pickle" on some tracking servers (Databricks); pt2 loads no pickles.
+            serialization_format="pt2",
+            # Explicit requirements: inferring them spawns a subprocess that costs ~8 s.
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}"],
+            metadata=metadata,
+        )
     return str(info.model_uri)
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from raytrain_tasks.errors import TrackingError
+from raytrain_tasks.tracking import runs as tracking
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -87,8 +88,9 @@ def model_lock(
     )
     beat.start()
     try:
-        _wait_for_turn(client, queue, ticket, lease_s, deadline, wait_s)
-        yield handle
+        with tracking.releasing_interrupted_reads():  # the ticket's deletion below writes to the registry
+            _wait_for_turn(client, queue, ticket, lease_s, deadline, wait_s)
+            yield handle
     finally:
         stop.set()
         beat.join(timeout=lease_s)

@@ -39,6 +39,33 @@ def apply_process_defaults() -> None:
         Path(os.environ["PREFECT_HOME"]).expanduser().mkdir(parents=True, exist_ok=True)
 
 
+# What says Prefect is set up here: then its home, profile and API are the user's, used as they are.
+PREFECT_CONFIGURED_BY = ("PREFECT_HOME", "PREFECT_API_URL", "PREFECT_PROFILES_PATH", "PREFECT_PROFILE")
+
+
+def embedded_prefect_home(state_dir: str) -> None:
+    """The command's embedded defaults: Prefect's state (the temporary API's database, the pin journals) goes to
+    ``<state_dir>/prefect`` in the folder the command runs in, beside MLflow's store and the checkpoints, as
+    `make run` keeps it (a newcomer following docs/own-model.md found 5 MB in ~/.prefect). Unless Prefect is set up
+    here: one of ``PREFECT_CONFIGURED_BY`` in the environment, a profiles file in ~/.prefect (`prefect profile`,
+    `prefect config set`), or settings Prefect reads from this folder (``prefect.toml``, ``PREFECT_`` lines in
+    ``.env``, ``[tool.prefect]`` in ``pyproject.toml``): Prefect then does as it would. Call it before Prefect
+    reads its settings; not at an import that a deployment's worker makes."""
+    if any(os.environ.get(name) for name in PREFECT_CONFIGURED_BY):
+        return
+    if (Path.home() / ".prefect" / "profiles.toml").exists() or Path("prefect.toml").exists():
+        return
+    for file, mark in ((".env", "PREFECT_"), ("pyproject.toml", "[tool.prefect")):
+        try:
+            if mark in Path(file).read_text(errors="replace"):
+                return
+        except OSError:  # absent (or unreadable, as Prefect would find it too)
+            continue
+    home = Path(state_dir, "prefect").resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    os.environ["PREFECT_HOME"] = str(home)
+
+
 def apply_mlflow_client_defaults() -> None:
     """Set each of ``MLFLOW_CLIENT_DEFAULTS`` the environment does not set."""
     for name, value in MLFLOW_CLIENT_DEFAULTS.items():

@@ -64,6 +64,8 @@ def a_stop_in_the_next_mlflow_query() -> Iterator[None]:
     from prefect.exceptions import TerminationSignal
     from sqlalchemy.orm import loading
 
+    # SQLAlchemy 2.0's ORM fetch, read in 2.0.x: it gets the executed cursor and closes it on an Exception only.
+    # If it is renamed, the block's query runs unstopped and the assertion below says so.
     fetch = loading.instances.__code__
     raised: list[bool] = []
 

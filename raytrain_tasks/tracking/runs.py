@@ -167,11 +167,12 @@ def release_interrupted_reads(error: BaseException) -> None:
     """Let go of what the frames ``error`` came through still hold (and those of the errors it chains).
 
     A signal's exception (Prefect's TerminationSignal, KeyboardInterrupt) is raised wherever the main thread is,
-    and SQLAlchemy closes a query's cursor only on an ``Exception``: stopped between an MLflow query's execute and
-    its fetch, the cursor stays open in the frame it was interrupted in, and with it its SQLite read lock, for as
-    long as the traceback lives, which is while the stop is handled. Writing the run's end then waited 20 s
-    (MLflow's busy timeout) for a lock this very process held, and failed: the run stayed RUNNING past the stop's
-    deadline (test_signals, register-model, in CI). The frames keep their code and lines for the logs.
+    and SQLAlchemy closes a query's cursor only on an ``Exception`` (sqlalchemy.orm.loading.instances, 2.0): stopped
+    between an MLflow query's execute and its fetch, the cursor stays open in the frame it was interrupted in, and
+    with it its SQLite read lock, for as long as the traceback lives, which is while the stop is handled. Writing
+    the run's end then waited 20 s (MLflow's busy timeout) for a lock this very process held, and failed: the run
+    stayed RUNNING past the stop's deadline (test_signals, register-model, in CI). The frames keep their code and
+    lines for the logs.
     """
     seen: set[int] = set()
     chained: list[BaseException | None] = [error]
@@ -181,7 +182,19 @@ def release_interrupted_reads(error: BaseException) -> None:
             continue
         seen.add(id(current))
         traceback.clear_frames(current.__traceback__)  # the frames still executing (this handler's) are kept
-        chained += [current.__cause__, current.__context__]
+        chained += [current.__cause__, current.__context__, *getattr(current, "exceptions", ())]
+
+
+@contextmanager
+def releasing_interrupted_reads() -> Iterator[None]:
+    """For a block whose way out writes to MLflow (a ``finally``, an exit that ends the run): a stop raised in it
+    (an exception that is no ``Exception``) lets go of the query it interrupted first."""
+    try:
+        yield
+    except BaseException as exc:
+        if not isinstance(exc, Exception):
+            release_interrupted_reads(exc)
+        raise
 
 
 def finish_run(client: MlflowClient, run_id: str) -> None:
@@ -242,7 +255,8 @@ def system_metrics(enabled: bool, tracking_uri: str, run_id: str, resumed: bool)
     monitor = SystemMetricsMonitor(run_id, sampling_interval=5, resume_logging=resumed, tracking_uri=tracking_uri)
     monitor.start()
     try:
-        yield
+        with releasing_interrupted_reads():  # finish() logs the last samples
+            yield
     finally:
         monitor.finish()
 

@@ -18,9 +18,10 @@ import pytest
 from mlflow import MlflowClient
 
 from flows.cli import parse_config
-from flows.command import PREFECT_CONFIGURED_BY, flags_from_params, main
+from flows.command import flags_from_params
 from raytrain_tasks.builtin_aliases import with_builtin_settings_carried
 from raytrain_tasks.config import TrainingConfig
+from raytrain_tasks.environment import PREFECT_CONFIGURED_BY, embedded_prefect_home
 from tests.helpers import free_port, stop_process_group
 
 PREFECT_RAYTRAIN = str(Path(sys.executable).with_name("prefect-raytrain"))
@@ -88,20 +89,29 @@ def test_the_embedded_defaults_keep_prefects_state_under_pipeline_unless_prefect
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)
-    assert main(["runs"]) == 0
-    assert os.environ["PREFECT_HOME"] == str(tmp_path / ".pipeline" / "prefect")
-    assert (tmp_path / ".pipeline" / "prefect").is_dir()
 
-    monkeypatch.delenv("PREFECT_HOME")
-    profiles = tmp_path / "home" / ".prefect" / "profiles.toml"  # `prefect config set` wrote one: Prefect's own
+    def home_set_by_the_command() -> str | None:
+        embedded_prefect_home(".pipeline")
+        home = os.environ.get("PREFECT_HOME")
+        monkeypatch.delenv("PREFECT_HOME", raising=False)
+        return home
+
+    assert home_set_by_the_command() == str(tmp_path / ".pipeline" / "prefect")
+    assert (tmp_path / ".pipeline" / "prefect").is_dir()
+    # Prefect set up by the user, each way Prefect itself reads it: left to Prefect.
+    profiles = tmp_path / "home" / ".prefect" / "profiles.toml"  # `prefect config set` wrote one
     profiles.parent.mkdir(parents=True)
     profiles.write_text('active = "default"\n')
-    assert main(["runs"]) == 0
-    assert "PREFECT_HOME" not in os.environ
+    assert home_set_by_the_command() is None
     profiles.unlink()
+    for file, text in (("prefect.toml", "[api]\n"), (".env", "PREFECT_HOME=/srv/prefect\n")):
+        (tmp_path / file).write_text(text)
+        assert home_set_by_the_command() is None, file
+        (tmp_path / file).unlink()
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "mine"\n')  # no Prefect settings in it
+    assert home_set_by_the_command() == str(tmp_path / ".pipeline" / "prefect")
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4200/api")  # a server of the user's
-    assert main(["runs"]) == 0
-    assert "PREFECT_HOME" not in os.environ
+    assert home_set_by_the_command() is None
 
 
 @pytest.mark.slow

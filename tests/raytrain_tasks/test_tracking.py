@@ -67,6 +67,29 @@ def test_a_run_stopped_in_the_middle_of_an_mlflow_query_is_marked_killed(tmp_pat
     assert stopped.data.tags[run_owner.KILLED_TAG] == "stopped by SIGTERM"
 
 
+def test_a_stop_raised_in_a_query_holds_no_sqlite_lock_once_out_of_a_releasing_block(tmp_path: Path) -> None:
+    """What the blocks whose way out writes to MLflow rely on (the registry lock's ticket deletion, start_run's
+    exit in register-model, the system-metrics monitor's last samples): once a stop has left the block, the
+    query it interrupted holds no read lock, whichever pooled connection the next write gets."""
+    import sqlite3
+
+    from prefect.exceptions import TerminationSignal
+
+    db = seed_mlflow_store(tmp_path / "mlflow.db")
+    client = tracking.connect(f"sqlite:///{db}")
+    run_id = client.create_run(client.create_experiment("stopped"), tags={"a": "1", "b": "2"}).info.run_id
+    other = sqlite3.connect(db, timeout=0, isolation_level=None)  # another writer, as the next pooled connection
+    with pytest.raises(TerminationSignal):
+        try:
+            with tracking.releasing_interrupted_reads(), a_stop_in_the_next_mlflow_query():
+                client.get_run(run_id)
+        except TerminationSignal:
+            other.execute("BEGIN EXCLUSIVE")  # 'database is locked' while any read is open
+            other.execute("ROLLBACK")
+            raise
+    other.close()
+
+
 class _Checkpoint:
     path = "/storage/runs/key/epoch-0000"
 
