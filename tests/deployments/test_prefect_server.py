@@ -374,7 +374,7 @@ def test_cancelling_a_run_stops_training_and_keeps_it_resumable(prefect_server: 
     import psutil
 
     from raytrain_tasks.integrity import local_folder_digest
-    from raytrain_tasks.tracking.names import pinned_digests
+    from raytrain_tasks.tracking.names import checkpoint_order, pinned_digests
 
     with _worker(prefect_server) as (_, worker_log):
         flow_run, mlflow_run_id = _start_until_epoch_2(prefect_server, ad_hoc, "cancel-test", worker_log)
@@ -398,7 +398,12 @@ def test_cancelling_a_run_stops_training_and_keeps_it_resumable(prefect_server: 
         checkpoints = sorted((prefect_server.checkout / ".pipeline" / "storage" / "runs" / run_key).glob("epoch-*"))
         assert checkpoints
         pinned = pinned_digests(run.data.tags)  # each kept, whole: the files it was committed with
-        assert all(local_folder_digest(folder) == pinned[folder.name] for folder in checkpoints), checkpoints
+        committed = [folder for folder in checkpoints if folder.name in pinned]
+        assert len(committed) >= 2 and all(local_folder_digest(f) == pinned[f.name] for f in committed), checkpoints
+        # A folder Ray Train wrote as the cancel came, before it was committed (pinned, with its epoch's metrics),
+        # can only be the newest; the resume passes it over and says why, or finds its pin in the pin journal.
+        uncommitted = [folder.name for folder in checkpoints if folder.name not in pinned]
+        assert all(checkpoint_order(name) > checkpoint_order(committed[-1].name) for name in uncommitted), checkpoints
 
         resumed = _api(  # what `prefect deployment run training-pipeline/ad-hoc -p resume=<run key>` does
             prefect_server,
@@ -414,7 +419,14 @@ def test_cancelling_a_run_stops_training_and_keeps_it_resumable(prefect_server: 
     assert not [other for other in runs if other.parameters.get("continue_flow_run") == continues]
     history = tracking.get_metric_history(mlflow_run_id, "val_accuracy")
     assert sorted(m.step for m in history) == list(range(1, EPOCHS + 1))
-    assert tracking.get_run(mlflow_run_id).info.status == "FINISHED"
+    finished_run = tracking.get_run(mlflow_run_id)
+    assert finished_run.info.status == "FINISHED"
+    passed_over = finished_run.data.tags.get("prefect_raytrain.resume_fallback", "")
+    recovered = pinned_digests(finished_run.data.tags)
+    checkpoint_dir = prefect_server.checkout / ".pipeline" / "storage" / "runs" / run_key
+    for name in uncommitted:
+        whole = recovered.get(name) == local_folder_digest(checkpoint_dir / name)
+        assert whole or f"{name}: never recorded as committed" in passed_over, (name, passed_over)
     print(f"\ncancel: Cancelled after {to_cancelled:.1f} s, every process it started gone after {to_stopped:.1f} s")
 
 
