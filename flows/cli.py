@@ -122,7 +122,7 @@ def main(
         sys.unraisablehook = unraisable_hook
     if not state.is_completed():
         error = redact(str(state.result(raise_on_failure=False)))
-        print(f"\npipeline {state.name.lower()}: {error}{_cli_continuation(error)}", file=sys.stderr)
+        print(f"\npipeline {state.name.lower()}: {_in_cli_words(error)}", file=sys.stderr)
         return 1
     print(format_summary(state.result()))
     # The process ends next: spare CPython's shutdown its full collections over the ~1M objects that Prefect,
@@ -193,11 +193,18 @@ def _train_code_problem(config: TrainingConfig) -> str:
     return ""
 
 
-def _cli_continuation(error: str) -> str:
-    """The command that continues a failed run, when its error says it can be continued (``resume=<run key>``, the
-    flow parameter's form, which a deployment's user gives)."""
-    found = re.search(r"`resume=(\d{8}-\d{6}-[0-9a-f]{6})`", error)
-    return f"\n\ncontinue it with: prefect-raytrain resume {found.group(1)}" if found else ""
+_RESUME_PARAMETER = re.compile(r"`?resume=(\d{8}-\d{6}-[0-9a-f]{6})`?")
+
+
+def _in_cli_words(error: str) -> str:
+    """A failed run's error as the console shows it: where it says how to continue the run in the flow parameter's
+    form (``resume=<run key>``, what a deployment's user gives), the command's form instead, and that command
+    again on the last line."""
+    found = _RESUME_PARAMETER.search(error)
+    if not found:
+        return error
+    error = _RESUME_PARAMETER.sub(lambda m: f"`prefect-raytrain resume {m.group(1)}`", error)
+    return f"{error}\n\ncontinue it with: prefect-raytrain resume {found.group(1)}"
 
 
 def _how_to_continue(config: TrainingConfig) -> str:

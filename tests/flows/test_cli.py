@@ -131,6 +131,8 @@ def test_a_failed_run_ends_with_one_message_and_the_command_that_continues_it(tm
     run_key = re.search(r"run key (\d{8}-\d{6}-[0-9a-f]{6})", err)
     assert run_key is not None, err
     assert err.rstrip().endswith(f"continue it with: prefect-raytrain resume {run_key.group(1)}"), err[-600:]
+    message = err[err.rindex("pipeline failed:") :]  # in the command's words, not the flow parameter's
+    assert "resume=" not in message and f"`prefect-raytrain resume {run_key.group(1)}`" in message, message
 
 
 def test_the_help_shows_every_default() -> None:
