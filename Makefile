@@ -9,6 +9,8 @@ PY := $(VENV)/bin/python
 CONSTRAINTS ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,-c constraints-cpu.txt)
 ARGS ?=
 PYTEST_ARGS ?=
+# make server's port on 127.0.0.1, and the API's that make serve talks to (unless PREFECT_API_URL is set)
+PREFECT_PORT ?= 4200
 
 # Keep all state of a local run under ./.pipeline, and keep an offline machine quiet.
 export PREFECT_HOME ?= $(CURDIR)/.pipeline/prefect
@@ -65,12 +67,12 @@ typecheck: install
 s3: install  ## a local S3-compatible server on 127.0.0.1:8333 (SeaweedFS), data in .pipeline/s3
 	$(PY) -m devtools.s3_server --dir .pipeline/s3 --port 8333
 
-server: install  ## a local Prefect server and UI on http://127.0.0.1:4200
+server: install  ## a local Prefect server and UI on http://127.0.0.1:4200 (another: PREFECT_PORT=...)
 	@mkdir -p "$(PREFECT_HOME)"
-	$(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200
+	$(VENV)/bin/prefect server start --host 127.0.0.1 --port $(PREFECT_PORT)
 
 serve: install  ## serve the deployments of deployments/prefect.yaml from this process (schedules included)
-	PREFECT_API_URL=$${PREFECT_API_URL:-http://127.0.0.1:4200/api} $(PY) -m deployments.serve $(ARGS)
+	PREFECT_API_URL=$${PREFECT_API_URL:-http://127.0.0.1:$(PREFECT_PORT)/api} $(PY) -m deployments.serve $(ARGS)
 
 bench: install  ## benchmarks that print figures (not tests); results in bench/results/, every target in targets.md
 	@mkdir -p bench/results && date +%s > bench/results/started

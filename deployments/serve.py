@@ -18,12 +18,13 @@ import argparse
 import contextlib
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from flows.continuation import ensure_zombie_automation
+from flows.continuation import HEARTBEAT_SECONDS, HEARTBEAT_TAG, ensure_zombie_automation
 from flows.training import training_pipeline
 from raytrain_driver.cluster import warm_ray
 from raytrain_tasks.errors import UserCodeError
@@ -129,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --prefect-file {args.prefect_file}: no deployments: list to serve ({exc})", file=sys.stderr)
         return 2
     try:
+        environment = served_environment(specs, os.environ)
         deployments = build_deployments(specs)
-    except UserCodeError as exc:  # a deployment's train_code, imported for its form
+    except (UserCodeError, ValueError) as exc:  # a deployment's train_code, imported for its form; its heartbeats
         print(f"error: --prefect-file {args.prefect_file}: {exc}", file=sys.stderr)
         return 2
     taken = work_pool_deployments([spec["name"] for spec in specs])
@@ -150,8 +152,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Served runs are child processes of this one: they get the environment the work pool gives its runs
     # (the heartbeat frequency that the zombie-run watch relies on).
-    for spec in specs:
-        os.environ.update(((spec.get("work_pool") or {}).get("job_variables") or {}).get("env") or {})
+    os.environ.update(environment)
     ensure_zombie_automation(training_pipeline.name)
     poll = None if "PREFECT_RUNNER_POLL_FREQUENCY" in os.environ else RUNNER_POLL_S
     with contextlib.ExitStack() as stack:
@@ -163,6 +164,39 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             pause_served([spec["name"] for spec in specs])
     return 0
+
+
+HEARTBEAT_SETTING = "PREFECT_FLOWS_HEARTBEAT_FREQUENCY"
+
+
+def served_environment(specs: list[dict[str, Any]], environ: Mapping[str, str]) -> dict[str, str]:
+    """What serving adds to its environment for the runs it starts (its children): each deployment's
+    ``work_pool.job_variables.env``, as a work pool would give its runs, and a heartbeat every
+    ``HEARTBEAT_SECONDS`` where a deployment is tagged ``HEARTBEAT_TAG`` and nothing sets the frequency (a file of
+    one's own that copied the tag and the crash trigger, not the env: every run would fail as it starts).
+    ValueError, naming the deployment and the setting, where one tagged so would send heartbeats less often: the
+    zombie watch would set its live runs Crashed."""
+    environment: dict[str, str] = {}
+    for spec in specs:
+        env = ((spec.get("work_pool") or {}).get("job_variables") or {}).get("env") or {}
+        environment.update({name: str(value) for name, value in env.items()})
+    every = environment.get(HEARTBEAT_SETTING, environ.get(HEARTBEAT_SETTING))
+    for spec in specs:
+        if HEARTBEAT_TAG not in (spec.get("tags") or []):
+            continue
+        if every is None:
+            environment[HEARTBEAT_SETTING] = every = str(HEARTBEAT_SECONDS)
+        try:
+            seconds = float(every)
+        except ValueError:
+            seconds = float("inf")
+        if not 0 < seconds <= HEARTBEAT_SECONDS:
+            raise ValueError(
+                f"deployment {spec.get('name')!r} is tagged {HEARTBEAT_TAG!r} (its runs are set Crashed when their "
+                f"heartbeats stop) but would send one every {every} s: set {HEARTBEAT_SETTING}="
+                f"{HEARTBEAT_SECONDS} in its work_pool.job_variables.env (or leave it unset), or remove the tag"
+            )
+    return environment
 
 
 def pause_served(names: list[str]) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import re
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -132,3 +135,67 @@ def test_serve_refuses_a_prefect_file_it_cannot_serve_before_touching_the_server
     broken.write_text("deployments:\n  - name: mine\n    parameters: {train_code: 'no_such_package.train:training'}\n")
     assert main(["--prefect-file", str(broken)]) == 2
     assert "no module named 'no_such_package'" in capsys.readouterr().err
+
+
+def _the_guides_deployments_file(train_code: str) -> str:
+    """docs/own-model.md's my-deployments.yaml, as a newcomer copies it, naming ``train_code``."""
+    guide = (REPO_ROOT / "docs" / "own-model.md").read_text()
+    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", guide, flags=re.DOTALL) if "# my-deployments.yaml" in b]
+    return textwrap.dedent(block).replace("my_images.train:training", train_code)
+
+
+def test_the_guides_deployments_file_served_continues_crashed_runs_and_sends_their_heartbeats(
+    prefect_api: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file of one's own, copied from docs/own-model.md, served: its deployment is watched for lost runs and
+    continues crashed ones (its tag and its trigger), and its runs send the heartbeats the watch needs. A newcomer
+    who copied only the tag and the trigger of deployments/prefect.yaml got runs that failed as they started
+    ("tagged 'heartbeats-30s' ... but sends heartbeats every 180 s")."""
+    import prefect
+
+    from deployments import serve
+    from flows.continuation import HEARTBEAT_SECONDS, HEARTBEAT_TAG
+
+    own = tmp_path / "my-deployments.yaml"
+    own.write_text(_the_guides_deployments_file("examples.diabetes_regression.train:training"))
+    monkeypatch.chdir(REPO_ROOT)  # where `examples` imports from, as the user's package from their folder
+    monkeypatch.delenv("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", raising=False)  # Prefect's default: every 180 s
+    served: dict[str, Any] = {}
+
+    def serve_and_stop(*deployments: Any, **runner_options: Any) -> None:
+        for deployment in deployments:
+            deployment.apply()
+        served.update(deployments=deployments, heartbeat=os.environ.get("PREFECT_FLOWS_HEARTBEAT_FREQUENCY"))
+
+    monkeypatch.setattr(prefect, "serve", serve_and_stop)
+    assert serve.main(["--prefect-file", str(own), "--no-warm-ray"]) == 0
+    (deployment,) = served["deployments"]
+    assert HEARTBEAT_TAG in deployment.tags and served["heartbeat"] == str(HEARTBEAT_SECONDS)
+    (trigger,) = deployment.triggers
+    assert trigger.expect == {"prefect.flow-run.Crashed"}
+    assert trigger.match_related.get("prefect.resource.name") == [deployment.name]  # its own runs, none other
+
+
+def test_serve_refuses_a_deployment_watched_for_heartbeats_it_would_not_send(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deployment tagged heartbeats-30s whose env sets a slower heartbeat: its live runs would be set Crashed
+    by the watch. serve refuses the file at once (exit 2), naming the deployment and the setting to change."""
+    import prefect
+
+    from deployments.serve import main
+
+    def never(*deployments: Any, **runner_options: Any) -> None:
+        raise AssertionError("serve started serving a file it should have refused")
+
+    monkeypatch.setattr(prefect, "serve", never)
+    monkeypatch.setattr("deployments.serve.work_pool_deployments", never)  # nor asked the server anything
+
+    spec = (
+        "deployments:\n  - name: slow-beats\n    tags: [heartbeats-30s]\n"
+        "    work_pool: {job_variables: {env: {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: '180'}}}\n"
+    )
+    (tmp_path / "mine.yaml").write_text(spec)
+    assert main(["--prefect-file", str(tmp_path / "mine.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "'slow-beats' is tagged 'heartbeats-30s'" in err and "PREFECT_FLOWS_HEARTBEAT_FREQUENCY=30" in err, err
