@@ -21,7 +21,7 @@ from prefect.exceptions import TerminationSignal
 from pydantic import ValidationError
 
 from flows.console import quiet_console
-from flows.stop_signals import send_again_a_stop_that_a_finalizer_swallowed
+from flows.stop_signals import noted_run_key, send_again_a_stop_that_a_finalizer_swallowed
 from raytrain_driver.process_groups import end_ray_groups
 from raytrain_tasks.config import TrainingConfig, describe_validation_error, parameters_of
 from raytrain_tasks.errors import ClusterError
@@ -103,7 +103,7 @@ def main(
     if not verbose:
         quiet_console()
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    _exit_at_the_latest_after_a_signal()
+    _exit_at_the_latest_after_a_signal(config)
     unraisable_hook = send_again_a_stop_that_a_finalizer_swallowed()
     try:
         with local_services(config):
@@ -141,7 +141,7 @@ def _stop(signum: int, frame: types.FrameType | None) -> None:
 STOP_DEADLINE_S = 10.0
 
 
-def _exit_at_the_latest_after_a_signal() -> None:
+def _exit_at_the_latest_after_a_signal(config: TrainingConfig) -> None:
     """A deadline on stopping: after a SIGTERM, SIGINT or SIGHUP, the run normally stops in a few seconds (Prefect
     turns the signal into a cancellation, the fit marks its MLflow run KILLED). If it is still running
     ``STOP_DEADLINE_S`` later (seen once when the signal landed between the fit and register-model), the process
@@ -166,7 +166,7 @@ def _exit_at_the_latest_after_a_signal() -> None:
         try:
             print(
                 f"\npipeline stopped by {signal.Signals(received[0]).name}: still stopping after "
-                f"{STOP_DEADLINE_S:g} s, exiting; continue it with `prefect-raytrain resume <run key>`",
+                f"{STOP_DEADLINE_S:g} s, exiting{_how_to_continue(config)}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -208,9 +208,10 @@ def _in_cli_words(error: str) -> str:
 
 
 def _how_to_continue(config: TrainingConfig) -> str:
-    if config.resume:
-        return f"; continue it with `prefect-raytrain resume {config.resume}`"
-    return "; if it printed a run key, continue it with `prefect-raytrain resume <run key>`"
+    """How a stopped command's run goes on: the command that continues it, once the run has a key."""
+    if run_key := config.resume or noted_run_key():
+        return f"; continue it with `prefect-raytrain resume {run_key}`"
+    return "; it stopped before its run had a run key (nothing trained): start it again"
 
 
 def credentials_to_environment(config: TrainingConfig) -> TrainingConfig:

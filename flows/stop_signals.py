@@ -52,3 +52,17 @@ def send_again_a_stop_that_a_finalizer_swallowed() -> Callable[[Any], object]:
     hook.sends_stops_again = True  # type: ignore[attr-defined]
     sys.unraisablehook = hook
     return previous
+
+
+_RUN_KEYS: list[str] = []
+
+
+def note_run_key(run_key: str) -> None:
+    """Remember the run key of the run this process trains (the flow calls it as soon as the key is known): the
+    command's stop message then names the command that continues that run."""
+    _RUN_KEYS.append(run_key)
+
+
+def noted_run_key() -> str | None:
+    """The run key of the last run this process started; None before any had one."""
+    return _RUN_KEYS[-1] if _RUN_KEYS else None

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict
 from flows.continuation import already_continued, continuation_of, log_continuation, prepare_recovery
 from flows.parameters import with_settings_as_parameters
 from flows.run_settings import check_deployment_pins
-from flows.stop_signals import send_again_a_stop_that_a_finalizer_swallowed
+from flows.stop_signals import note_run_key, send_again_a_stop_that_a_finalizer_swallowed
 from raytrain_driver.fit_record import FitResult
 from raytrain_driver.preflight import code_model_name
 from raytrain_tasks.builtin_aliases import with_builtin_settings_carried
@@ -96,6 +96,7 @@ def _pipeline(config: TrainingConfig) -> PipelineResult:
         )
     config = config.resolved(Path.cwd(), os.environ, code_model_name(config))
     run_key = config.resume or new_run_key()
+    note_run_key(run_key)  # a stop from now on names the command that continues this run
     prepare_recovery(run_key)
     get_run_logger().info(
         "run key %s (after a crash, continue it with resume=%s, or `prefect-raytrain resume %s`)",

@@ -188,6 +188,10 @@ def test_a_signal_to_the_whole_group_stops_the_command_in_seconds(
     print(f"\n{moment}: {sig.name} -> exit {code} in {took:.1f} s\n{output[-1500:]}")
     assert code != 0, output[-3000:]
     assert command.left_behind() == [], output[-3000:]
+    if "pipeline stopped by" in output:  # its last words: how the run goes on, naming it once it has a key
+        run_key = _run_key(output)
+        said = output[output.rindex("pipeline stopped by") :]
+        assert (f"prefect-raytrain resume {run_key}" if run_key else "start it again") in said, said
     run = _only_run(tmp_path)
     if run is not None:  # KILLED when the signal stopped it; FINISHED when it landed after the fit's end
         expected = ("KILLED",) if moment == "mid-fit" else ("KILLED", "FINISHED")
@@ -242,12 +246,14 @@ STUCK_AFTER_A_SIGNAL = """
 import signal, sys, time
 import ray
 import flows.cli as cli
+from flows.stop_signals import note_run_key
 from raytrain_driver.cluster import ray_session
 from raytrain_tasks.config import TrainingConfig
 
 cli.STOP_DEADLINE_S = 1.0
 signal.signal(signal.SIGTERM, lambda *_: None)  # a stop that never ends (seen between the fit and register-model)
-cli._exit_at_the_latest_after_a_signal()
+cli._exit_at_the_latest_after_a_signal(TrainingConfig())
+note_run_key("20261205-084600-c0ffee")  # as the flow does once its run has a key
 with ray_session(TrainingConfig()):
     ray.get([ray.remote(lambda: 1).remote() for _ in range(2)])  # workers of the raylet, as a fit has
     print("ready", flush=True)
@@ -277,6 +283,7 @@ def test_a_stop_that_overruns_its_deadline_still_ends_every_ray_process_it_start
         code, _ = command.signal_group(signal.SIGTERM)
         assert code == 128 + signal.SIGTERM, command.output()[-3000:]
         assert "still stopping after 1 s" in command.output()
+        assert "continue it with `prefect-raytrain resume 20261205-084600-c0ffee`" in command.output()
         assert command.left_behind(grace=3.0) == [], command.output()[-3000:]
     finally:  # whatever failed: nothing of it outlives the test (Ray's services are in sessions of their own)
         command.watch()
