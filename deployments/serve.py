@@ -170,32 +170,31 @@ HEARTBEAT_SETTING = "PREFECT_FLOWS_HEARTBEAT_FREQUENCY"
 
 
 def served_environment(specs: list[dict[str, Any]], environ: Mapping[str, str]) -> dict[str, str]:
-    """What serving adds to its environment for the runs it starts (its children): each deployment's
-    ``work_pool.job_variables.env``, as a work pool would give its runs, and a heartbeat every
+    """What serving adds to its environment for the runs it starts (its children, which share it): each
+    deployment's ``work_pool.job_variables.env``, as a work pool would give its runs, and a heartbeat every
     ``HEARTBEAT_SECONDS`` where a deployment is tagged ``HEARTBEAT_TAG`` and nothing sets the frequency (a file of
     one's own that copied the tag and the crash trigger, not the env: every run would fail as it starts).
-    ValueError, naming the deployment and the setting, where one tagged so would send heartbeats less often: the
-    zombie watch would set its live runs Crashed."""
+    ValueError, naming the deployments and where the value comes from, where the runs of one tagged so would
+    send heartbeats at another frequency: the zombie watch would set its live runs Crashed."""
     environment: dict[str, str] = {}
+    source: dict[str, str] = {}
     for spec in specs:
         env = ((spec.get("work_pool") or {}).get("job_variables") or {}).get("env") or {}
         environment.update({name: str(value) for name, value in env.items()})
+        source.update(dict.fromkeys(env, f"the work_pool.job_variables.env of deployment {spec.get('name')!r}"))
+    tagged = [str(spec.get("name")) for spec in specs if HEARTBEAT_TAG in (spec.get("tags") or [])]
     every = environment.get(HEARTBEAT_SETTING, environ.get(HEARTBEAT_SETTING))
-    for spec in specs:
-        if HEARTBEAT_TAG not in (spec.get("tags") or []):
-            continue
-        if every is None:
-            environment[HEARTBEAT_SETTING] = every = str(HEARTBEAT_SECONDS)
-        try:
-            seconds = float(every)
-        except ValueError:
-            seconds = float("inf")
-        if not 0 < seconds <= HEARTBEAT_SECONDS:
-            raise ValueError(
-                f"deployment {spec.get('name')!r} is tagged {HEARTBEAT_TAG!r} (its runs are set Crashed when their "
-                f"heartbeats stop) but would send one every {every} s: set {HEARTBEAT_SETTING}="
-                f"{HEARTBEAT_SECONDS} in its work_pool.job_variables.env (or leave it unset), or remove the tag"
-            )
+    if not tagged:
+        return environment
+    if every is None:
+        environment[HEARTBEAT_SETTING] = str(HEARTBEAT_SECONDS)
+    elif every.strip() != str(HEARTBEAT_SECONDS):
+        raise ValueError(
+            f"{', '.join(tagged)} {'is' if len(tagged) == 1 else 'are'} tagged {HEARTBEAT_TAG!r} (a run is set "
+            f"Crashed when its heartbeats stop), but {source.get(HEARTBEAT_SETTING, 'the environment serve runs in')} "
+            f"sets {HEARTBEAT_SETTING}={every!r} for every run serve starts: set it to {HEARTBEAT_SECONDS} there or "
+            "leave it unset, or remove the tag"
+        )
     return environment
 
 

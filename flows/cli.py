@@ -21,11 +21,12 @@ from prefect.exceptions import TerminationSignal
 from pydantic import ValidationError
 
 from flows.console import quiet_console
-from flows.stop_signals import noted_run_key, send_again_a_stop_that_a_finalizer_swallowed
+from flows.stop_signals import note_run_key, noted_run_key, send_again_a_stop_that_a_finalizer_swallowed
 from raytrain_driver.process_groups import end_ray_groups
 from raytrain_tasks.config import TrainingConfig, describe_validation_error, parameters_of
-from raytrain_tasks.errors import ClusterError
+from raytrain_tasks.errors import ClusterError, RunLeaseLostError
 from raytrain_tasks.redact import redact, redact_uri, strip_credentials
+from raytrain_tasks.tracking.runs import opened_here
 
 
 def build_parser(prog: str = "python -m flows.training") -> argparse.ArgumentParser:
@@ -102,6 +103,7 @@ def main(
         return 2
     if not verbose:
         quiet_console()
+    note_run_key(None)  # this command's run has no key yet
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     _exit_at_the_latest_after_a_signal(config)
     unraisable_hook = send_again_a_stop_that_a_finalizer_swallowed()
@@ -121,8 +123,13 @@ def main(
             signal.signal(sig, handler)
         sys.unraisablehook = unraisable_hook
     if not state.is_completed():
-        error = redact(str(state.result(raise_on_failure=False)))
-        print(f"\npipeline {state.name.lower()}: {_in_cli_words(error)}", file=sys.stderr)
+        failure = state.result(raise_on_failure=False)
+        # A driver that lost its run's lease was stopped so that another can go on: not this command's to continue.
+        continues = not isinstance(failure, RunLeaseLostError)
+        print(
+            f"\npipeline {state.name.lower()}: {_in_cli_words(redact(str(failure)), config, continues)}",
+            file=sys.stderr,
+        )
         return 1
     print(format_summary(state.result()))
     # The process ends next: spare CPython's shutdown its full collections over the ~1M objects that Prefect,
@@ -193,25 +200,34 @@ def _train_code_problem(config: TrainingConfig) -> str:
     return ""
 
 
-_RESUME_PARAMETER = re.compile(r"`?resume=(\d{8}-\d{6}-[0-9a-f]{6})`?")
+_RESUME_PARAMETER = re.compile(r"(?<![\w-])(`?)resume=(\d{8}-\d{6}-[0-9a-f]{6})\1")
 
 
-def _in_cli_words(error: str) -> str:
+def _continue_command(config: TrainingConfig, run_key: str) -> str:
+    """The command that continues run ``run_key``: `resume`, or for a Ray Job run `train` with its flags, which
+    re-attaches to its job (`resume` would continue it as a plain driver in this process)."""
+    if config.launch_mode == "ray_job":
+        return f"prefect-raytrain train <the same flags> --resume {run_key}"
+    return f"prefect-raytrain resume {run_key}"
+
+
+def _in_cli_words(error: str, config: TrainingConfig, continues: bool = True) -> str:
     """A failed run's error as the console shows it: where it says how to continue the run in the flow parameter's
-    form (``resume=<run key>``, what a deployment's user gives), the command's form instead, and that command
-    again on the last line."""
+    form (``resume=<run key>``, what a deployment's user gives), the command's form instead, and (``continues``)
+    that command again on the last line."""
     found = _RESUME_PARAMETER.search(error)
     if not found:
         return error
-    error = _RESUME_PARAMETER.sub(lambda m: f"`prefect-raytrain resume {m.group(1)}`", error)
-    return f"{error}\n\ncontinue it with: prefect-raytrain resume {found.group(1)}"
+    error = _RESUME_PARAMETER.sub(lambda m: f"`{_continue_command(config, m.group(2))}`", error)
+    return f"{error}\n\ncontinue it with: {_continue_command(config, found.group(2))}" if continues else error
 
 
 def _how_to_continue(config: TrainingConfig) -> str:
-    """How a stopped command's run goes on: the command that continues it, once the run has a key."""
-    if run_key := config.resume or noted_run_key():
-        return f"; continue it with `prefect-raytrain resume {run_key}`"
-    return "; it stopped before its run had a run key (nothing trained): start it again"
+    """How a stopped command's run goes on: the command that continues it, once there is a run to continue."""
+    run_key = config.resume or noted_run_key()
+    if run_key and (config.resume or config.launch_mode == "ray_job" or opened_here(run_key)):
+        return f"; continue it with `{_continue_command(config, run_key)}`"
+    return "; it stopped before its MLflow run was started (nothing trained): start it again"
 
 
 def credentials_to_environment(config: TrainingConfig) -> TrainingConfig:

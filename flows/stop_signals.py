@@ -54,15 +54,15 @@ def send_again_a_stop_that_a_finalizer_swallowed() -> Callable[[Any], object]:
     return previous
 
 
-_RUN_KEYS: list[str] = []
+_RUN_KEY: list[str] = []  # at most one: the run key of the run this process trains now
 
 
-def note_run_key(run_key: str) -> None:
-    """Remember the run key of the run this process trains (the flow calls it as soon as the key is known): the
-    command's stop message then names the command that continues that run."""
-    _RUN_KEYS.append(run_key)
+def note_run_key(run_key: str | None) -> None:
+    """Remember the run key of the run this process trains (the flow calls it as soon as the key is known; the
+    CLI with None as it starts): the command's stop message then names the command that continues that run."""
+    _RUN_KEY[:] = [run_key] if run_key else []
 
 
 def noted_run_key() -> str | None:
-    """The run key of the last run this process started; None before any had one."""
-    return _RUN_KEYS[-1] if _RUN_KEYS else None
+    """The run key of the run this process trains; None before it has one."""
+    return _RUN_KEY[0] if _RUN_KEY else None

@@ -106,6 +106,15 @@ def earlier_share(client: MlflowClient, experiment_name: str, run_key: str) -> f
     return share if share is not None and math.isfinite(share) else None
 
 
+_OPENED_RUN_KEYS: set[str] = set()
+
+
+def opened_here(run_key: str) -> bool:
+    """Whether this process opened (started or reopened) the MLflow run of ``run_key``: only then does a resume
+    of the run key find a run to continue."""
+    return run_key in _OPENED_RUN_KEYS
+
+
 def start_or_reopen_run(
     client: MlflowClient,
     experiment_id: str,
@@ -124,6 +133,7 @@ def start_or_reopen_run(
         run = client.create_run(experiment_id, run_name=run_name, tags={RUN_KEY_TAG: run_key, **tags})
         run_id, reopened = run.info.run_id, False
         _log_params(client, run_id, params)
+        _OPENED_RUN_KEYS.add(run_key)
         return run_id, reopened
     _check_params_unchanged(existing.data.params, params, run_key)
     _check_dataset_unchanged(existing.data.tags, tags.get(DATASET_HASH_TAG), run_key)
@@ -139,6 +149,7 @@ def start_or_reopen_run(
         client.set_tag(run_id, key, value)
     new = {k: v for k, v in params.items() if k not in existing.data.params}
     _log_params(client, run_id, new)
+    _OPENED_RUN_KEYS.add(run_key)
     return run_id, True
 
 

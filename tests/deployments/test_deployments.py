@@ -115,6 +115,7 @@ def test_the_served_deployments_end_paused_whatever_stopped_serving(
         raise SystemExit(0)  # what the runner's SIGTERM handler raises; here before its own pause ran
 
     monkeypatch.setattr(prefect, "serve", serve_until_sigterm)
+    monkeypatch.setenv("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "30")  # what serve sets, as it was after the test
     with pytest.raises(SystemExit):
         serve.main(["--no-warm-ray"])  # the warm Ray: test_prefect_server.py
     with get_client(sync_client=True) as client:
@@ -159,7 +160,9 @@ def test_the_guides_deployments_file_served_continues_crashed_runs_and_sends_the
     own = tmp_path / "my-deployments.yaml"
     own.write_text(_the_guides_deployments_file("examples.diabetes_regression.train:training"))
     monkeypatch.chdir(REPO_ROOT)  # where `examples` imports from, as the user's package from their folder
-    monkeypatch.delenv("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", raising=False)  # Prefect's default: every 180 s
+    # Prefect's default (every 180 s) here; removed again after the test whatever serve set
+    monkeypatch.setenv("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "")
+    monkeypatch.delenv("PREFECT_FLOWS_HEARTBEAT_FREQUENCY")
     served: dict[str, Any] = {}
 
     def serve_and_stop(*deployments: Any, **runner_options: Any) -> None:
@@ -198,4 +201,5 @@ def test_serve_refuses_a_deployment_watched_for_heartbeats_it_would_not_send(
     (tmp_path / "mine.yaml").write_text(spec)
     assert main(["--prefect-file", str(tmp_path / "mine.yaml")]) == 2
     err = capsys.readouterr().err
-    assert "'slow-beats' is tagged 'heartbeats-30s'" in err and "PREFECT_FLOWS_HEARTBEAT_FREQUENCY=30" in err, err
+    assert "slow-beats is tagged 'heartbeats-30s'" in err, err
+    assert "job_variables.env of deployment 'slow-beats' sets PREFECT_FLOWS_HEARTBEAT_FREQUENCY='180'" in err

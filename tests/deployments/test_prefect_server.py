@@ -399,7 +399,7 @@ def test_cancelling_a_run_stops_training_and_keeps_it_resumable(prefect_server: 
         assert checkpoints
         pinned = pinned_digests(run.data.tags)  # each kept, whole: the files it was committed with
         committed = [folder for folder in checkpoints if folder.name in pinned]
-        assert len(committed) >= 2 and all(local_folder_digest(f) == pinned[f.name] for f in committed), checkpoints
+        assert committed and all(local_folder_digest(f) == pinned[f.name] for f in committed), checkpoints
         # A folder Ray Train wrote as the cancel came, before it was committed (pinned, with its epoch's metrics),
         # can only be the newest; the resume passes it over and says why, or finds its pin in the pin journal.
         uncommitted = [folder.name for folder in checkpoints if folder.name not in pinned]

@@ -135,6 +135,25 @@ def test_a_failed_run_ends_with_one_message_and_the_command_that_continues_it(tm
     assert "resume=" not in message and f"`prefect-raytrain resume {run_key.group(1)}`" in message, message
 
 
+def test_a_failure_says_how_to_continue_in_the_commands_words() -> None:
+    """The error of a run that can be continued names `resume=<run key>` (the flow parameter, as a deployment's
+    user gives it); the console says the command instead, and again on its last line. A Ray Job run is continued
+    with `train ... --resume` (which re-attaches to its job); a driver that lost its lease is told of no command."""
+    from flows.cli import _in_cli_words
+    from raytrain_tasks.config import TrainingConfig
+
+    key = "20261205-084600-c0ffee"
+    error = f"epoch 2 failed 3 times; fix the cause, then continue the run with `resume={key}` (from its last one)"
+    said = _in_cli_words(error, TrainingConfig())
+    assert f"continue the run with `prefect-raytrain resume {key}` (from" in said and "resume=" not in said, said
+    assert said.endswith(f"\n\ncontinue it with: prefect-raytrain resume {key}"), said
+    job = _in_cli_words(error, TrainingConfig(launch_mode="ray_job", ray_address="10.0.0.5:6379"))
+    assert job.endswith(f"continue it with: prefect-raytrain train <the same flags> --resume {key}"), job
+    assert _in_cli_words(f"a flag: --resume={key}", TrainingConfig()) == f"a flag: --resume={key}"
+    lost = _in_cli_words(f"the run belongs to its holder now (or to `resume={key}`)", TrainingConfig(), False)
+    assert lost == f"the run belongs to its holder now (or to `prefect-raytrain resume {key}`)", lost
+
+
 def test_the_help_shows_every_default() -> None:
     """`--help` shows each setting's default (a newcomer looked up the learning rate in docs/configuration.md)."""
     from flows.cli import build_parser

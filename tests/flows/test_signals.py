@@ -188,11 +188,13 @@ def test_a_signal_to_the_whole_group_stops_the_command_in_seconds(
     print(f"\n{moment}: {sig.name} -> exit {code} in {took:.1f} s\n{output[-1500:]}")
     assert code != 0, output[-3000:]
     assert command.left_behind() == [], output[-3000:]
-    if "pipeline stopped by" in output:  # its last words: how the run goes on, naming it once it has a key
-        run_key = _run_key(output)
-        said = output[output.rindex("pipeline stopped by") :]
-        assert (f"prefect-raytrain resume {run_key}" if run_key else "start it again") in said, said
     run = _only_run(tmp_path)
+    if "pipeline stopped by" in output:  # its last words: how the run goes on
+        said = output[output.rindex("pipeline stopped by") :]
+        if f"prefect-raytrain resume {_run_key(output)}" in said or moment in ("mid-fit", "register-model"):
+            assert run is not None and f"prefect-raytrain resume {_run_key(output)}`" in said, said
+        else:  # stopped before its MLflow run was started
+            assert "start it again" in said, said
     if run is not None:  # KILLED when the signal stopped it; FINISHED when it landed after the fit's end
         expected = ("KILLED",) if moment == "mid-fit" else ("KILLED", "FINISHED")
         assert run.info.status in expected, (run.info.status, output[-3000:])  # type: ignore[attr-defined]
@@ -246,14 +248,12 @@ STUCK_AFTER_A_SIGNAL = """
 import signal, sys, time
 import ray
 import flows.cli as cli
-from flows.stop_signals import note_run_key
 from raytrain_driver.cluster import ray_session
 from raytrain_tasks.config import TrainingConfig
 
 cli.STOP_DEADLINE_S = 1.0
 signal.signal(signal.SIGTERM, lambda *_: None)  # a stop that never ends (seen between the fit and register-model)
-cli._exit_at_the_latest_after_a_signal(TrainingConfig())
-note_run_key("20261205-084600-c0ffee")  # as the flow does once its run has a key
+cli._exit_at_the_latest_after_a_signal(TrainingConfig(resume="20261205-084600-c0ffee"))
 with ray_session(TrainingConfig()):
     ray.get([ray.remote(lambda: 1).remote() for _ in range(2)])  # workers of the raylet, as a fit has
     print("ready", flush=True)
