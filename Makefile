@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh machine:
 #   make run   - create .venv if missing, install, run the pipeline end to end on embedded defaults
-#   make test  - same bootstrap, then the test suite
+#   make test  - same bootstrap, then the fast and end-to-end tiers of the tests (make test-chaos: the third)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -17,7 +17,7 @@ export PREFECT_HOME ?= $(CURDIR)/.pipeline/prefect
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: install run test test-fast lint typecheck s3 server serve bench bench-smoke docs clean
+.PHONY: install run test test-fast test-chaos test-profile lint typecheck s3 server serve bench bench-smoke docs clean
 
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,30 +30,41 @@ install: $(VENV)/.installed
 run: install
 	$(PY) -m flows.training $(ARGS)
 
-# The whole suite in two passes: the tests without the marker `slow` in two processes as test-fast runs them,
-# then the end-to-end tests serially (each trains on both cores; their stop and heartbeat windows are measured in
-# seconds). Both passes run whatever the first's outcome; pytest's exit 5 (nothing selected) fails only when
-# neither pass selected a test. A PYTEST_ARGS with its own -m runs one serial pass with it instead.
+# The tests in three tiers, by marker (declared in pyproject.toml, described in docs/development.md):
+#   fast:  neither `slow` nor `chaos`: no training run; two processes (each module in one, in file order)
+#   e2e:   `slow` and not `chaos`: every promise that needs the whole pipeline, shown once; serial (each trains
+#          on both cores)
+#   chaos: `chaos`: real time windows and real deaths across processes and machines; serial
+# make test runs the import rules, the fast tier, then the end-to-end tier (15 minutes here); CI runs
+# make test-chaos after it. A PYTEST_ARGS with its own -m runs one serial pass with it instead.
+FAST := not slow and not chaos
+E2E := slow and not chaos
+PROFILE ?=
 test: install
 	$(VENV)/bin/lint-imports
 ifneq (,$(findstring -m ,$(PYTEST_ARGS) ))
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PROFILE) $(PYTEST_ARGS)
 else
-	@fast=0; slow=0; \
-	$(PY) -m pytest -m "not slow" -n 2 --dist loadscope $(PYTEST_ARGS) || fast=$$?; \
-	$(PY) -m pytest -m slow $(PYTEST_ARGS) || slow=$$?; \
-	echo "make test: not slow exit $$fast, slow exit $$slow (5: no test selected)"; \
-	for rc in $$fast $$slow; do [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || exit $$rc; done; \
-	[ $$fast -ne 5 ] || [ $$slow -ne 5 ] || exit 5
+	@fast=0; e2e=0; \
+	$(PY) -m pytest -m "$(FAST)" -n 2 --dist loadscope $(PROFILE) $(PYTEST_ARGS) || fast=$$?; \
+	$(PY) -m pytest -m "$(E2E)" $(PROFILE) $(PYTEST_ARGS) || e2e=$$?; \
+	echo "make test: fast tier exit $$fast, end-to-end tier exit $$e2e (5: no test selected)"; \
+	for rc in $$fast $$e2e; do [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || exit $$rc; done; \
+	[ $$fast -ne 5 ] || [ $$e2e -ne 5 ] || exit 5
 endif
 
-# Everything but the end-to-end tests, in two processes (pytest-xdist): most of their time is imports and
-# subprocesses. The end-to-end tests stay serial in `make test`: each trains on both cores, and their stop and
-# heartbeat windows are measured in seconds. --dist loadscope keeps each module in one process: its module-scoped
-# fixtures (a prepared dataset, the registry's champions) start once, and its tests run in file order.
 test-fast: install
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -m "not slow" -n 2 --dist loadscope $(PYTEST_ARGS)
+	$(PY) -m pytest -m "$(FAST)" -n 2 --dist loadscope $(PROFILE) $(PYTEST_ARGS)
+
+test-chaos: install
+	$(PY) -m pytest -m chaos $(PROFILE) $(PYTEST_ARGS)
+
+# Every tier with devtools/pytest_profile.py: each test's wall and CPU seconds, in bench/results/suite_cpu.tsv.
+test-profile: install
+	@rm -f bench/results/suite_cpu.tsv
+	-$(MAKE) --no-print-directory test PROFILE="-p devtools.pytest_profile --profile-tsv bench/results/suite_cpu.tsv"
+	-$(MAKE) --no-print-directory test-chaos PROFILE="-p devtools.pytest_profile --profile-tsv bench/results/suite_cpu.tsv"
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -7,7 +7,9 @@ import shutil
 import signal
 import tempfile
 from collections.abc import Iterator
+from typing import Any
 
+import psutil
 import pytest
 
 # Before Prefect is imported anywhere: a private Prefect home, and no telemetry from an offline machine.
@@ -36,6 +38,36 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from tests.helpers import _MLFLOW_TEMPLATE, MlflowServer, free_port, start_mlflow_server, stop_process_group  # noqa: E402
+
+
+def _left_running() -> list[psutil.Process]:
+    """Processes other than this one that inherited this session's Prefect home: what the tests started (Ray,
+    servers, commands) and did not stop, wherever they were reparented to."""
+    left = []
+    for process in psutil.process_iter():
+        try:
+            if process.pid != os.getpid() and process.environ().get("PRT_TESTS_PREFECT_HOME") == _PREFECT_HOME:
+                left.append(process)
+        except psutil.Error:  # gone meanwhile, or not ours to read
+            continue
+    return left
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """As MLflow's conftest does: name what the tests left running (a test that starts a process stops it).
+    Processes a shutdown is still ending get a few seconds first."""
+    if hasattr(terminalreporter.config, "workerinput"):
+        return
+    _, left = psutil.wait_procs(_left_running(), timeout=5)
+    left = [process for process in left if process.is_running()]
+    if not left:
+        return
+    terminalreporter.section("processes the tests left running")
+    for process in left:
+        try:
+            terminalreporter.write_line(f"pid {process.pid}: {' '.join(process.cmdline())[:160]}")
+        except psutil.Error:
+            continue
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
