@@ -14,6 +14,7 @@ import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -22,7 +23,7 @@ from mlflow import MlflowClient
 from flows.training import training_pipeline
 from raytrain_tasks.api import Metric, TrainFunc
 from raytrain_tasks.config import TrainingConfig, parameters_of
-from raytrain_tasks.errors import DataRefusedError, TrackingError, TrainingError, UserCodeError
+from raytrain_tasks.errors import DataRefusedError, TrackingError, UserCodeError
 from raytrain_tasks.prepared import PreparedData
 from raytrain_tasks.user_code import resolve
 from tests.helpers import mlflow_client, only_run, run_killing_a_worker, small_config, start_flow
@@ -342,19 +343,17 @@ def _finished_in_one_run_despite_a_killed_worker(tmp_path: Path, config: Any, me
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster", "prefect_api")
-def test_the_gate_moves_champion_only_to_a_lower_rmse(tmp_path: Path) -> None:
-    """examples/diabetes_regression: RMSE, lower is better. A good run takes `champion`; a worse one (fewer
-    epochs) is registered as `challenger` and the champion stays; the registered model loads and predicts."""
+def test_the_diabetes_example_trains_a_champion_that_predicts_with_its_checkpoints_sorted_by_rmse(
+    tmp_path: Path,
+) -> None:
+    """examples/diabetes_regression as a user runs it: RMSE, lower is better. Its run takes `champion`, its kept
+    checkpoints are models sorted by val_rmse, and the registered model loads and predicts. (A worse run staying
+    challenger is shown on the TrainSpec runs below, whose gate compares test_mae, also lower-is-better.)"""
     import mlflow
     import numpy as np
 
-    good = training_pipeline(**parameters_of(own_config(tmp_path, DIABETES, epochs=12, register=True)))
+    good = training_pipeline(**parameters_of(own_config(tmp_path, DIABETES, register=True)))
     assert good.model is not None and good.model.aliases == ("champion",), good.model
-    worse = training_pipeline(**parameters_of(own_config(tmp_path, DIABETES, epochs=1, register=True)))
-    assert worse.model is not None
-    assert worse.fit.scores["val_rmse"] > good.fit.scores["val_rmse"]
-    assert worse.model.aliases == ("challenger",), worse.model
-    assert "does not beat champion" in worse.model.reason
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert str(client.get_registered_model("digits-test").aliases["champion"]) == good.model.version
     _kept_checkpoints_are_models_sorted_by_the_metric(client, good, "val_rmse", higher_is_better=False)
@@ -396,115 +395,109 @@ def _kept_checkpoints_are_models_sorted_by_the_metric(
     assert len(client.get_metric_history(fit.mlflow_run_id, metric)) == len(history)
 
 
-@pytest.mark.slow
-@pytest.mark.usefixtures("ray_cluster", "prefect_api")
-def test_a_train_spec_champion_is_scored_again_on_the_data_of_today(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Two runs of one TrainSpec whose data changed in between (y = -2x, then y = 2x, chosen by train_config): the
-    second run's gate scores the champion on today's test split (what loading it from the registry and scoring
-    those rows gives), not by the test_loss it recorded on its own data."""
-    import mlflow
+# --- one TrainSpec with prepare, a typed setting choosing its metric, registered twice -------------------------
+
+CHOSEN_METRIC = """
+    from pathlib import Path
+    from typing import Literal
     import torch
+    from pydantic import BaseModel
+    from torch.utils.data import Subset, TensorDataset
+    from raytrain_tasks.api import Metric, Splits, TrainSpec
 
-    source = """
-        import torch
-        from torch.utils.data import TensorDataset
-        from raytrain_tasks.api import Metric, Splits, TrainSpec
+    class Settings(BaseModel):
+        select_by: Literal["loss", "mae"] = "loss"
+        source: str = ""
+        slope: float = 2.0
 
-        def data(config):
-            x = torch.linspace(-1, 1, 60).unsqueeze(1)
-            rows = TensorDataset(x, float(config["slope"]) * x)
-            return Splits(*(torch.utils.data.Subset(rows, range(start, 60, 3)) for start in range(3)))
+    def prepare(config, folder):
+        (folder / "rows.csv").write_text(Path(config["source"]).read_text())
 
-        training = TrainSpec(data=data, model=lambda config, example: torch.nn.Linear(1, 1),
-                             loss=torch.nn.functional.mse_loss, metric=Metric("loss", higher_is_better=False),
-                             optimizer=lambda parameters, config: torch.optim.SGD(parameters, lr=1.0))
-    """
-    (tmp_path / "code").mkdir()
-    name = _module(tmp_path / "code", monkeypatch, source, name="changing_data")
-    code = f"{name}:training"
-    first = training_pipeline(
-        **parameters_of(own_config(tmp_path, code, epochs=5, register=True, train_config='{"slope": -2}'))
-    )
-    assert first.model is not None and first.model.aliases == ("champion",), first.model
-    second = training_pipeline(
-        **parameters_of(own_config(tmp_path, code, epochs=5, register=True, train_config='{"slope": 2}'))
-    )
-    assert second.model is not None
-    x = torch.linspace(-1, 1, 60).unsqueeze(1)[2::3]
-    with _tracking(tmp_path):
-        champion = mlflow.pytorch.load_model(f"models:/digits-test/{first.model.version}")
-    with torch.no_grad():
-        today = float(torch.nn.functional.mse_loss(champion(x), 2 * x))
-    tags = (
-        MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_model_version("digits-test", second.model.version).tags
-    )
-    assert float(tags["promotion.champion_score"]) == pytest.approx(today, rel=1e-4), tags
-    recorded = first.fit.scores["test_loss"]
-    assert abs(today - recorded) > 0.1, (today, recorded)  # scored again, on other rows than it was trained for
+    def data(config):  # y = slope * x on the prepared rows: the slope is the data of the day
+        values = [float(v) for v in (Path(config["data_dir"]) / "rows.csv").read_text().split()]
+        x = torch.tensor(values).unsqueeze(1)
+        rows = TensorDataset(x, config["slope"] * x)
+        return Splits(*(Subset(rows, range(start, len(rows), 3)) for start in range(3)))
+
+    training = TrainSpec(data=data, prepare=prepare, model=lambda config, example: torch.nn.Linear(1, 1),
+                         loss=torch.nn.functional.mse_loss,
+                         metrics=lambda outputs, targets: {"mae": (outputs - targets).abs().mean()},
+                         metric=lambda config: Metric(config["select_by"], higher_is_better=False),
+                         settings=Settings,
+                         optimizer=lambda parameters, config: torch.optim.SGD(parameters, lr=config["lr"]),
+                         model_metadata=lambda config: {"output": "slope*x", "chosen_by": config["select_by"]})
+"""
+
+
+@pytest.fixture(scope="module")
+def spec_registry(tmp_path_factory: pytest.TempPathFactory, ray_cluster: Any, prefect_api: Any) -> SimpleNamespace:
+    """One workdir, one registry, one TrainSpec with `prepare` (its data versioned by content) whose typed setting
+    picks the metric: a setting its class refuses; a good run on y = 2x (champion); a resume after the prepared
+    source grew (refused); a run on the data of another day, y = 2.5x, that barely learns (challenger)."""
+    workdir = tmp_path_factory.mktemp("spec-registry")
+    (workdir / "code").mkdir()
+    rows = workdir / "rows.txt"
+    rows.write_text("\n".join(str(i / 30) for i in range(-30, 30)))
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        code = f"{_module(workdir / 'code', monkeypatch, CHOSEN_METRIC, name='chosen_metric_prepared')}:training"
+
+        def config(**overrides: Any) -> TrainingConfig:
+            # lr 0.5 on batches of 4: the bias settles at once, the slope within the 9 steps of 3 epochs
+            settings = {"epochs": 3, "batch_size": 4, "register": True, "learning_rate": 0.5, **overrides}
+            return own_config(workdir, code, **settings)
+
+        runs = SimpleNamespace(workdir=workdir, code=code, rows=rows)
+        runs.refused_setting = training_pipeline(
+            **parameters_of(config(train_config={"select_by": "f1", "source": str(rows)})), return_state=True
+        )
+        runs.mlflow_runs_after_refusal = only_run(workdir)
+        mae_of = {"select_by": "mae", "source": str(rows)}
+        runs.first = training_pipeline(**parameters_of(config(train_config=mae_of)))
+        rows.write_text("\n".join(str(i / 30) for i in range(-30, 31)))  # the source grew
+        runs.grown_resume = training_pipeline(
+            **parameters_of(config(train_config=mae_of, resume=runs.first.run_key)), return_state=True
+        )
+        runs.first_status_after_resume = mlflow_client(workdir).get_run(runs.first.fit.mlflow_run_id).info.status
+        runs.second = training_pipeline(
+            **parameters_of(config(epochs=1, learning_rate=1e-6, train_config={**mae_of, "slope": 2.5}))
+        )
+    return runs
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("ray_cluster", "prefect_api")
 def test_a_setting_of_the_code_chooses_the_metric_that_picks_the_checkpoint_and_gates(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    spec_registry: SimpleNamespace,
 ) -> None:
     """`metric=` as a function of config, chosen by a typed setting (as the built-in's promotion_metric is): the run
     picks its best checkpoint by val_mae, the registered version is gated on test_mae; a choice the settings class
     does not allow is refused before anything starts."""
-    source = """
-        from typing import Literal
-        import torch
-        from pydantic import BaseModel
-        from torch.utils.data import Subset, TensorDataset
-        from raytrain_tasks.api import Metric, Splits, TrainSpec
-
-        class Settings(BaseModel):
-            select_by: Literal["loss", "mae"] = "loss"
-
-        def data(config):
-            x = torch.linspace(-1, 1, 60).unsqueeze(1)
-            rows = TensorDataset(x, 3 * x)
-            return Splits(*(Subset(rows, range(start, 60, 3)) for start in range(3)))
-
-        training = TrainSpec(data=data, model=lambda config, example: torch.nn.Linear(1, 1),
-                             loss=torch.nn.functional.mse_loss,
-                             metrics=lambda outputs, targets: {"mae": (outputs - targets).abs().mean()},
-                             metric=lambda config: Metric(config["select_by"], higher_is_better=False),
-                             settings=Settings,
-                             model_metadata=lambda config: {"output": "3x", "chosen_by": config["select_by"]})
-    """
-    code = f"{_module(tmp_path, monkeypatch, source, name='chosen_metric')}:training"
-    with pytest.raises(UserCodeError, match=r"train_config.select_by: Input should be 'loss' or 'mae'"):
-        training_pipeline(**parameters_of(own_config(tmp_path, code, train_config={"select_by": "f1"})))
-    assert only_run(tmp_path) is None
-    result = training_pipeline(
-        **parameters_of(own_config(tmp_path, code, epochs=3, register=True, train_config={"select_by": "mae"}))
-    )
+    refused, workdir, result = spec_registry.refused_setting, spec_registry.workdir, spec_registry.first
+    assert refused.is_failed(), refused
+    error = refused.result(raise_on_failure=False)
+    assert isinstance(error, UserCodeError), repr(error)
+    assert re.search(r"train_config.select_by: Input should be 'loss' or 'mae'", str(error)), str(error)
+    assert spec_registry.mlflow_runs_after_refusal is None
     assert result.model is not None and set(result.fit.scores) == {"val_mae", "val_loss", "test_mae", "test_loss"}
-    run = only_run(tmp_path)
+    client = mlflow_client(workdir)
+    run = client.get_run(result.fit.mlflow_run_id)
     assert run.data.tags["summary.best_val_mae"] and run.data.params["train_config.select_by"] == "mae"
     # The run's summary, as the built-in's: the final value of every reported metric, and the table of best and final
     assert {"summary.final_val_mae", "summary.final_val_loss", "summary.final_train_loss"} <= set(run.data.tags)
     table = run.data.tags["mlflow.note.content"].split("#### Result", 1)[1]
     assert "| epoch | val_mae | train_loss | val_loss |\n" in table and "best by val_mae:" in table, table  # no timing
-    version = mlflow_client(tmp_path).get_model_version("digits-test", result.model.version)
+    version = client.get_model_version("digits-test", result.model.version)
     assert version.tags["gate.metric"] == "test_mae", version.tags
     # The version's description names what picked its checkpoint (it named the gate's metric, test_mae, before)
     assert "by val_mae;" in version.description, version.description
-    with _tracking(tmp_path):  # the code's model_metadata beside the pipeline's own keys
+    with _tracking(workdir):  # the code's model_metadata beside the pipeline's own keys
         import mlflow
 
         metadata = mlflow.models.get_model_info(f"models:/digits-test/{result.model.version}").metadata
-    assert metadata["output"] == "3x" and metadata["chosen_by"] == "mae", metadata
-    assert metadata["run_key"] == result.run_key and metadata["train_code"] == code, metadata
-    _kept_checkpoints_are_models_sorted_by_the_metric(
-        mlflow_client(tmp_path), result, "val_mae", higher_is_better=False
-    )
+    assert metadata["output"] == "slope*x" and metadata["chosen_by"] == "mae", metadata
+    assert metadata["run_key"] == result.run_key and metadata["train_code"] == spec_registry.code, metadata
+    _kept_checkpoints_are_models_sorted_by_the_metric(client, result, "val_mae", higher_is_better=False)
     # As the built-in classifier's runs show them: the learning curves the run page links, and each epoch how fast
     # the whole group trained and on how many workers.
-    client = mlflow_client(tmp_path)
     assert "evaluation/learning_curves.png" in [a.path for a in client.list_artifacts(run.info.run_id, "evaluation")]
     for key, plausible in (("samples_per_second", lambda value: value > 0), ("workers", lambda value: value == 2)):
         points = client.get_metric_history(run.info.run_id, key)
@@ -515,146 +508,15 @@ def test_a_setting_of_the_code_chooses_the_metric_that_picks_the_checkpoint_and_
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("ray_cluster", "prefect_api")
-def test_a_train_specs_checkpoints_are_named_by_epoch_and_a_retrained_epoch_gets_a_folder_of_its_own(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A TrainSpec's checkpoint folders are named for their epoch (epoch-0001, ...), as the built-in classifier's
-    are. A resume that passes over a tampered newest checkpoint retrains that epoch into epoch-0002-r1: the folder
-    of the checkpoint it replaces is never written into (Ray Train, evicting the old entry later, would delete the
-    new checkpoint with it), and the run finishes in the same MLflow run."""
-    source = """
-        from pathlib import Path
-        import torch
-        from torch.utils.data import Subset, TensorDataset
-        from raytrain_tasks.api import Metric, Splits, TrainSpec
-
-        STOP = Path(__file__).with_name("stop-in-epoch-3")
-
-        class Stopping(torch.optim.SGD):  # 2 steps per worker and epoch: fails as epoch 3 starts while STOP exists
-            steps = 0
-
-            def step(self, closure=None):
-                Stopping.steps += 1
-                if Stopping.steps > 4 and STOP.exists():
-                    raise RuntimeError("stopped in epoch 3")
-                return super().step(closure)
-
-        def data(config):
-            x = torch.linspace(-1, 1, 96).unsqueeze(1)
-            rows = TensorDataset(x, 3 * x)
-            return Splits(Subset(rows, range(64)), Subset(rows, range(64, 80)), Subset(rows, range(80, 96)))
-
-        training = TrainSpec(data=data, model=lambda config, example: torch.nn.Linear(1, 1),
-                             loss=torch.nn.functional.mse_loss,
-                             metrics=lambda outputs, targets: {"mae": (outputs - targets).abs().mean()},
-                             metric=Metric("loss", higher_is_better=False),
-                             optimizer=lambda parameters, config: Stopping(parameters, lr=0.1))
-    """
-    code = f"{_module(tmp_path, monkeypatch, source, name='retrained')}:training"
-    (tmp_path / "stop-in-epoch-3").touch()
-    settings = {"epochs": 3, "batch_size": 16, "max_failures": 0, "fit_retries": 0, "checkpoints_to_keep": 10}
-    failed = training_pipeline(**parameters_of(own_config(tmp_path, code, **settings)), return_state=True)
-    assert failed.is_failed(), failed
-    (run_dir,) = (tmp_path / "storage" / "runs").iterdir()
-    assert sorted(p.name for p in run_dir.iterdir() if p.is_dir()) == ["epoch-0001", "epoch-0002"]
-    (run_dir / "epoch-0002" / "spec_state.pt").write_bytes(b"tampered")
-    (tmp_path / "stop-in-epoch-3").unlink()
-    resumed = training_pipeline(**parameters_of(own_config(tmp_path, code, resume=run_dir.name, **settings)))
-    folders = sorted(p.name for p in run_dir.iterdir() if p.is_dir())
-    assert folders == ["epoch-0001", "epoch-0002", "epoch-0002-r1", "epoch-0003"], folders
-    assert (run_dir / "epoch-0002" / "spec_state.pt").read_bytes() == b"tampered"  # never written into
-    best = resumed.fit.best_checkpoint_uri.rstrip("/").rsplit("/", 1)[-1]
-    assert best in {"epoch-0001", "epoch-0002-r1", "epoch-0003"}, best  # never the tampered one
-    run = only_run(tmp_path)
-    assert run.info.status == "FINISHED" and "epoch-0002" in run.data.tags["prefect_raytrain.resume_fallback"]
-    steps = sorted(m.step for m in mlflow_client(tmp_path).get_metric_history(run.info.run_id, "val_loss"))
-    assert steps == [1, 2, 3], steps  # epoch 2 retrained: logged once
-
-
-@pytest.mark.slow
-@pytest.mark.usefixtures("ray_cluster", "prefect_api")
-def test_a_folder_the_snapshot_points_at_is_never_resumed_from_by_user_code(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Whoever can write storage copies an older checkpoint of a TrainSpec's run to a folder of another name and
-    points Ray Train's checkpoint snapshot at it. The user's code must not be handed it by get_checkpoint() (it has
-    no digest MLflow recorded): the workers resume from the newest verified checkpoint, and the run's record
-    names the foreign folder and registers nothing, as the built-in classifier's does (test_security)."""
-    import shutil
-
-    from raytrain_tasks.errors import UnsafeCheckpointError
-
-    source = """
-        import torch
-        from torch.utils.data import Subset, TensorDataset
-        from raytrain_tasks.api import Metric, Splits, TrainSpec
-
-        def data(config):
-            x = torch.linspace(-1, 1, 96).unsqueeze(1)
-            rows = TensorDataset(x, 3 * x)
-            return Splits(Subset(rows, range(64)), Subset(rows, range(64, 80)), Subset(rows, range(80, 96)))
-
-        training = TrainSpec(data=data, model=lambda config, example: torch.nn.Linear(1, 1),
-                             loss=torch.nn.functional.mse_loss, metric=Metric("loss", higher_is_better=False))
-    """
-    code = f"{_module(tmp_path, monkeypatch, source, name='planted')}:training"
-    config = own_config(tmp_path, code, epochs=2, batch_size=16)
-    first = training_pipeline(**parameters_of(config))
-    run_dir = Path(first.fit.run_uri)
-    shutil.copytree(run_dir / "epoch-0001", run_dir / "planted-0002")  # a real checkpoint, of the first epoch
-    snapshot = run_dir / "checkpoint_manager_snapshot.json"
-    snapshot.write_text(snapshot.read_text().replace("epoch-0002", "planted-0002"))
-    (run_dir / "fit.json").unlink()  # as a driver killed between the last epoch and its record leaves the run
-
-    resumed = config.model_copy(update={"resume": first.run_key, "register": True})
-    state = training_pipeline(**parameters_of(resumed), return_state=True)
-    error = state.result(raise_on_failure=False)
-    assert state.is_failed() and isinstance(error, UnsafeCheckpointError), error
-    assert "planted-0002" in str(error), error
-    # From the planted copy of epoch 1, epoch 2 would have been trained again, into epoch-0002-r1.
-    assert not (run_dir / "epoch-0002-r1").exists()
-    history = mlflow_client(tmp_path).get_metric_history(first.fit.mlflow_run_id, "val_loss")
-    assert sorted(m.step for m in history) == [1, 2], history
-    assert mlflow_client(tmp_path).search_registered_models() == []
-
-
-@pytest.mark.slow
-@pytest.mark.usefixtures("ray_cluster", "prefect_api")
-def test_prepared_data_is_versioned_read_by_every_worker_and_pinned_to_its_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_prepared_data_is_versioned_read_by_every_worker_and_pinned_to_its_run(spec_registry: SimpleNamespace) -> None:
     """A TrainSpec with prepare: prepare-data stores what it writes under its content hash, the workers and the
     driver's registration read it from config["data_dir"], the MLflow run and the registered version name that
     hash, and a resume after the source changed is refused (the run continues only on the data it started on)."""
-    source = """
-        from pathlib import Path
-        import torch
-        from torch.utils.data import TensorDataset
-        from raytrain_tasks.api import Metric, Splits, TrainSpec
-
-        def prepare(config, folder):
-            (folder / "rows.csv").write_text(Path(config["source"]).read_text())
-
-        def data(config):
-            values = [float(v) for v in (Path(config["data_dir"]) / "rows.csv").read_text().split()]
-            x = torch.tensor(values).unsqueeze(1)
-            rows = TensorDataset(x, 3 * x)
-            return Splits(*(torch.utils.data.Subset(rows, range(start, len(rows), 3)) for start in range(3)))
-
-        training = TrainSpec(data=data, prepare=prepare, model=lambda config, example: torch.nn.Linear(1, 1),
-                             loss=torch.nn.functional.mse_loss, metric=Metric("loss", higher_is_better=False))
-    """
-    (tmp_path / "code").mkdir()
-    name = _module(tmp_path / "code", monkeypatch, source, name="prepared_rows")
-    rows = tmp_path / "rows.txt"
-    rows.write_text("\n".join(str(i / 10) for i in range(-15, 15)))
-    settings = {"epochs": 2, "register": True, "train_config": json.dumps({"source": str(rows)})}
-    first = training_pipeline(**parameters_of(own_config(tmp_path, f"{name}:training", **settings)))
+    first, workdir = spec_registry.first, spec_registry.workdir
     assert isinstance(first.dataset, PreparedData) and first.model is not None
-    stored = tmp_path / "storage" / "datasets" / first.dataset.content_hash / "files" / "rows.csv"
-    assert stored.read_text() == rows.read_text()
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    stored = workdir / "storage" / "datasets" / first.dataset.content_hash / "files" / "rows.csv"
+    assert stored.read_text() == "\n".join(str(i / 30) for i in range(-30, 30))  # the source as it was then
+    client = mlflow_client(workdir)
     run = client.get_run(first.fit.mlflow_run_id)
     assert run.data.tags["prefect_raytrain.dataset_hash"] == first.dataset.content_hash
     # The MLflow UI's lineage: the stored version is the run's training input, named by its content.
@@ -667,11 +529,43 @@ def test_prepared_data_is_versioned_read_by_every_worker_and_pinned_to_its_run(
         first.dataset.content_hash
     )
 
-    rows.write_text("\n".join(str(i / 10) for i in range(-15, 16)))  # the source grew
-    with pytest.raises(Exception, match=r"was trained on dataset .*prepare-data now gives dataset") as refused:
-        training_pipeline(**parameters_of(own_config(tmp_path, f"{name}:training", resume=first.run_key, **settings)))
-    assert first.dataset.content_hash in str(refused.value)
-    assert client.get_run(first.fit.mlflow_run_id).info.status == "FINISHED"  # the run it refused is untouched
+    refused = spec_registry.grown_resume  # the source grew, then the run was resumed
+    assert refused.is_failed(), refused
+    error = str(refused.result(raise_on_failure=False))
+    assert re.search(r"was trained on dataset .*prepare-data now gives dataset", error), error
+    assert first.dataset.content_hash in error
+    assert spec_registry.first_status_after_resume == "FINISHED"  # the run it refused is untouched
+
+
+@pytest.mark.slow
+def test_a_train_spec_champion_is_scored_again_on_the_data_of_today_and_a_worse_run_stays_challenger(
+    spec_registry: SimpleNamespace,
+) -> None:
+    """Two runs of one TrainSpec whose data changed in between (y = 2x, then y = 2.5x, chosen by train_config): the
+    second run's gate scores the champion on today's test split (what loading it from the registry and scoring
+    those rows gives), not by the test_mae it recorded on its own data. The second run, which barely trained, does
+    not beat it there (lower is better): it is registered as `challenger` and the champion stays."""
+    import mlflow
+    import torch
+
+    first, second, workdir = spec_registry.first, spec_registry.second, spec_registry.workdir
+    assert first.model is not None and first.model.aliases == ("champion",), first.model
+    assert second.model is not None
+    values = [float(v) for v in spec_registry.rows.read_text().split()]  # the second run's source
+    x = torch.tensor(values).unsqueeze(1)[2::3]
+    with _tracking(workdir):
+        champion = mlflow.pytorch.load_model(f"models:/digits-test/{first.model.version}")
+    with torch.no_grad():
+        today = float((champion(x) - 2.5 * x).abs().mean())
+    client = mlflow_client(workdir)
+    tags = client.get_model_version("digits-test", second.model.version).tags
+    assert float(tags["promotion.champion_score"]) == pytest.approx(today, rel=1e-4), tags
+    recorded = first.fit.scores["test_mae"]
+    assert abs(today - recorded) > 0.1, (today, recorded)  # scored again, on other rows than it was trained for
+    assert second.fit.scores["test_mae"] > today and second.fit.scores["val_mae"] > first.fit.scores["val_mae"]
+    assert second.model.aliases == ("challenger",), second.model
+    assert "does not beat champion" in second.model.reason
+    assert str(client.get_registered_model("digits-test").aliases["champion"]) == first.model.version
 
 
 def _tracking(workdir: Path) -> Any:
@@ -682,21 +576,26 @@ def _tracking(workdir: Path) -> Any:
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster", "prefect_api")
-def test_user_code_outside_the_project_that_never_reports_the_gate_metric_fails_and_registers_nothing(
+def test_user_code_outside_the_project_that_never_reports_the_gate_metric_fails_once_and_registers_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The code lives in a folder of its own (the command's working directory), reaches the workers from there,
     trains and checkpoints, but reports `loss` while its TrainFunc gates on `val_score`: the log says so at the
-    first committed epoch (with the epoch's own metrics shown), and the run fails at its end."""
-    source = """
+    first committed epoch (with the epoch's own metrics shown), and the run fails at its end, once: the driver's
+    UserCodeError is not retried by Prefect (what a train_func that never checkpoints also raises there,
+    tests/examples/test_own_code_reports.py)."""
+    starts = tmp_path / "starts.txt"
+    source = f"""
         import tempfile, torch, ray.train
         from raytrain_tasks.api import Metric, TrainFunc
 
         def train_func(config):
+            with open({str(starts)!r}, "a") as out:
+                out.write("start\\n")
             for epoch in range(config["epochs"]):
                 with tempfile.TemporaryDirectory() as folder:
-                    torch.save({"epoch": epoch}, f"{folder}/state.pt")
-                    ray.train.report({"epoch": epoch, "loss": 1.0 / (epoch + 1)},
+                    torch.save({{"epoch": epoch}}, f"{{folder}}/state.pt")
+                    ray.train.report({{"epoch": epoch, "loss": 1.0 / (epoch + 1)}},
                                      checkpoint=ray.train.Checkpoint.from_directory(folder))
 
         training = TrainFunc(train_func, metric=Metric("val_score", higher_is_better=True),
@@ -706,16 +605,17 @@ def test_user_code_outside_the_project_that_never_reports_the_gate_metric_fails_
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     name = _module(elsewhere, monkeypatch, source)
-    config = own_config(tmp_path, f"{name}:training", epochs=2, register=True)
+    config = own_config(tmp_path, f"{name}:training", epochs=2, register=True, max_failures=2, fit_retries=2)
     with ThreadPoolExecutor(1) as pool:
         state = start_flow(pool, config).result(timeout=600)
     assert state.is_failed()
     error = state.result(raise_on_failure=False)
-    assert isinstance(error, TrainingError | Exception) and "val_score" in str(error), error
+    assert isinstance(error, UserCodeError) and "val_score" in str(error), repr(error)
     assert "start a new run" in str(error) and "resume=" in str(error), error  # which fix a resume can take
     run = only_run(tmp_path)
     assert run is not None and run.info.status == "FAILED"
     assert client_versions(tmp_path) == []
+    assert starts.read_text().count("start") == 2, starts.read_text()  # once per worker: no Prefect retry
     said = [record.getMessage() for record in caplog.records]
     first = next(i for i, line in enumerate(said) if line.startswith("epoch 1/2 committed: ") and "loss=1.0000" in line)
     warning = next(i for i, line in enumerate(said) if "but not ['val_score']" in line)
@@ -727,45 +627,15 @@ def client_versions(workdir: Path) -> list[Any]:
     return list(client.search_model_versions("name = 'digits-test'"))
 
 
-@pytest.mark.slow
-@pytest.mark.usefixtures("ray_cluster", "prefect_api")
-def test_a_type_error_in_the_users_code_is_not_retried_and_shows_their_frames(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Every attempt would fail the same way: the fit stops at the first one (one start per worker, not
-    `max_failures` + 1 of them, nor Prefect's `fit_retries`), names the error and the user's own function."""
-    starts = tmp_path / "starts.txt"
-    source = f"""
-        import ray.train
-        from raytrain_tasks.api import Metric, TrainFunc
+# --- one TrainSpec run stopped by its own code, resumed three times --------------------------------------------
 
-        def shape_mismatch_in_my_loop(config):
-            with open({str(starts)!r}, "a") as out:
-                out.write("start\\n")
-            raise TypeError("unsupported operand: my_layer(x) got a list")
-
-        training = TrainFunc(shape_mismatch_in_my_loop, metric=Metric("val_loss", higher_is_better=False))
-    """
-    name = _module(tmp_path, monkeypatch, source, name="typo_code")
-    config = own_config(tmp_path, f"{name}:training", epochs=2, max_failures=2, fit_retries=2)
-    with ThreadPoolExecutor(1) as pool:
-        state = start_flow(pool, config).result(timeout=600)
-    assert state.is_failed()
-    error = state.result(raise_on_failure=False)
-    assert isinstance(error, UserCodeError), repr(error)
-    assert "TypeError" in str(error) and "shape_mismatch_in_my_loop" in str(error) and "Not retried" in str(error)
-    assert starts.read_text().count("start") == 2  # once per worker: no restart, no Prefect retry
-    run = only_run(tmp_path)
-    assert run is not None and run.info.status == "FAILED"
-
-
-CHANGING_DATA = """
+STOPPED_AND_RESUMED = """
     import os
     import numpy as np, torch
     from torch.utils.data import TensorDataset
     from raytrain_tasks.api import Metric, Splits, TrainSpec
 
-    calls, stop_marker = 0, ""
+    training_batches, stop_marker = 0, ""
 
     def data(config):  # called on every worker too: where the test's marker is
         global stop_marker
@@ -776,146 +646,169 @@ CHANGING_DATA = """
         rows = TensorDataset(x, 3 * x)
         return Splits(rows, rows, rows)
 
-    def loss(outputs, targets):
-        global calls
-        calls += torch.is_grad_enabled()  # training (not scoring): 2 batches an epoch on each worker
-        if calls > 4 and os.path.exists(stop_marker):  # epoch 3 stops while the test's marker is there
-            raise TypeError("stopped by the test in epoch 3")
+    def loss_of_my_own(outputs, targets):
+        global training_batches
+        training_batches += torch.is_grad_enabled()  # training (not scoring): 2 batches an epoch on each worker
+        if training_batches > 4 and os.path.exists(stop_marker):  # epoch 3, while the test's marker is there
+            raise TypeError("unsupported operand in epoch 3: my_layer(x) got a list")
         return torch.nn.functional.mse_loss(outputs, targets)
 
-    training = TrainSpec(data=data, model=lambda config, example: torch.nn.Linear(1, 1), loss=loss,
+    training = TrainSpec(data=data, model=lambda config, example: torch.nn.Linear(1, 1), loss=loss_of_my_own,
                          metric=Metric("loss", higher_is_better=False),
                          defaults={"data_file": "", "stop_marker": "", "starts": ""})
 """
 
 
+def _folders(run_dir: Path) -> list[str]:
+    return sorted(path.name for path in run_dir.iterdir() if path.is_dir())
+
+
+def _logged_steps(workdir: Path, run_id: str) -> list[int]:
+    return sorted(m.step for m in mlflow_client(workdir).get_metric_history(run_id, "val_loss"))
+
+
+@pytest.fixture(scope="module")
+def resumed_spec(tmp_path_factory: pytest.TempPathFactory, ray_cluster: Any, prefect_api: Any) -> SimpleNamespace:
+    """One run of a TrainSpec without `prepare` (pinned by the content hash of its splits), each step as a user
+    meets it, with what the test reads taken as each step ends:
+    1. a TypeError of the code in epoch 3 stops it (epochs 1 and 2 checkpointed);
+    2. resumed after its data file changed: refused by the workers;
+    3. the data put back and epoch 2's checkpoint tampered with: resumed, epoch 2 retrained, finished;
+    4. Ray Train's checkpoint snapshot pointed at a copy of epoch 1 under another name: the resume is refused."""
+    import shutil
+
+    import numpy as np
+
+    workdir = tmp_path_factory.mktemp("resumed-spec")
+    data_file, marker, starts = workdir / "rows.npy", workdir / "stop", workdir / "starts.txt"
+    np.save(data_file, np.linspace(-1, 1, 64, dtype=np.float32))
+    marker.touch()
+    steps = SimpleNamespace(workdir=workdir)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        code = f"{_module(workdir, monkeypatch, STOPPED_AND_RESUMED, name='stopped_and_resumed')}:training"
+        train_config = {"data_file": str(data_file), "stop_marker": str(marker), "starts": str(starts)}
+
+        def run(**overrides: Any) -> Any:
+            settings = {"epochs": 3, "batch_size": 16, "max_failures": 2, "fit_retries": 2, "checkpoints_to_keep": 10}
+            config = own_config(workdir, code, train_config=train_config, **{**settings, **overrides})
+            with ThreadPoolExecutor(1) as pool:
+                return start_flow(pool, config).result(timeout=600)
+
+        steps.stopped = run(register=True)
+        steps.stopped_run = only_run(workdir)
+        (run_dir,) = (workdir / "storage" / "runs").iterdir()
+        steps.run_dir = run_dir
+        steps.stopped_folders = _folders(run_dir)
+        steps.stopped_starts = starts.read_text()
+        steps.stopped_steps = _logged_steps(workdir, steps.stopped_run.info.run_id)
+
+        np.save(data_file, np.linspace(-2, 2, 64, dtype=np.float32))  # other rows, the same shape
+        marker.unlink()
+        starts.unlink()
+        steps.changed = run(register=True, resume=run_dir.name)
+        steps.changed_run = only_run(workdir)
+        steps.changed_starts = starts.read_text()
+        steps.changed_steps = _logged_steps(workdir, steps.stopped_run.info.run_id)
+        steps.changed_versions = client_versions(workdir)
+
+        np.save(data_file, np.linspace(-1, 1, 64, dtype=np.float32))  # the rows it was trained on
+        (run_dir / "epoch-0002" / "spec_state.pt").write_bytes(b"tampered")
+        steps.retrained = run(resume=run_dir.name)
+        steps.retrained_run = only_run(workdir)
+        steps.retrained_folders = _folders(run_dir)
+        steps.retrained_steps = _logged_steps(workdir, steps.stopped_run.info.run_id)
+
+        # A real checkpoint, of the first epoch, where Ray Train's record says the newest one is.
+        shutil.copytree(run_dir / "epoch-0001", run_dir / "planted-0003")
+        snapshot = run_dir / "checkpoint_manager_snapshot.json"
+        snapshot.write_text(snapshot.read_text().replace("epoch-0003", "planted-0003"))
+        (run_dir / "fit.json").unlink()  # as a driver killed between the last epoch and its record leaves the run
+        steps.planted = run(register=True, resume=run_dir.name)
+        steps.planted_folders = _folders(run_dir)
+        steps.planted_steps = _logged_steps(workdir, steps.stopped_run.info.run_id)
+        steps.planted_models = mlflow_client(workdir).search_registered_models()
+    return steps
+
+
 @pytest.mark.slow
-@pytest.mark.usefixtures("ray_cluster", "prefect_api")
+def test_a_type_error_in_the_users_code_is_not_retried_and_shows_their_frames(resumed_spec: SimpleNamespace) -> None:
+    """Every attempt would fail the same way: the fit stops at the first one (one start per worker, not
+    `max_failures` + 1 of them, nor Prefect's `fit_retries`), names the error and the user's own function, and
+    registers nothing."""
+    state = resumed_spec.stopped
+    assert state.is_failed(), state
+    error = state.result(raise_on_failure=False)
+    assert isinstance(error, UserCodeError), repr(error)
+    assert "TypeError" in str(error) and "loss_of_my_own" in str(error) and "Not retried" in str(error), str(error)
+    # The driver's check of the data, then once per worker: no restart, no Prefect retry.
+    assert resumed_spec.stopped_starts.count("start") == 3, resumed_spec.stopped_starts
+    assert resumed_spec.stopped_run is not None and resumed_spec.stopped_run.info.status == "FAILED"
+    assert client_versions(resumed_spec.workdir) == []
+
+
+@pytest.mark.slow
 def test_a_resume_on_data_that_changed_since_the_last_checkpoint_is_refused_and_trains_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    resumed_spec: SimpleNamespace,
 ) -> None:
     """A TrainSpec without ``prepare`` is pinned by the content hash of its splits: a run continued after its
     data changed would mix two datasets in one model and one MLflow run. The resume is refused, naming the
     change and what to do; no epoch is trained or logged again and nothing is registered."""
-    import numpy as np
-
-    data_file, marker, starts = tmp_path / "rows.npy", tmp_path / "stop", tmp_path / "starts.txt"
-    np.save(data_file, np.linspace(-1, 1, 64, dtype=np.float32))
-    marker.touch()
-    name = _module(tmp_path, monkeypatch, CHANGING_DATA, name="data_changed_since_its_checkpoint")  # its own name
-    config = own_config(
-        tmp_path,
-        f"{name}:training",
-        register=True,
-        batch_size=16,
-        train_config={"data_file": str(data_file), "stop_marker": str(marker), "starts": str(starts)},
-    )
-    with ThreadPoolExecutor(1) as pool:
-        first = start_flow(pool, config).result(timeout=600)
-    assert first.is_failed(), first
-    run = only_run(tmp_path)
-    client = mlflow_client(tmp_path)
-    logged = sorted(m.step for m in client.get_metric_history(run.info.run_id, "val_loss"))
+    logged = resumed_spec.stopped_steps
     assert logged in ([1], [1, 2]), logged  # stopped in epoch 3, after one or two committed checkpoints
-
-    np.save(data_file, np.linspace(-2, 2, 64, dtype=np.float32))  # other rows, the same shape
-    marker.unlink()
-    starts.unlink()
-    resumed = own_config(
-        tmp_path,
-        f"{name}:training",
-        register=True,
-        batch_size=16,
-        train_config={"data_file": str(data_file), "stop_marker": str(marker), "starts": str(starts)},
-        resume=run.data.tags["prefect_raytrain.run_key"],
-    )
-    with ThreadPoolExecutor(1) as pool:
-        second = start_flow(pool, resumed).result(timeout=600)
+    second = resumed_spec.changed
     error = second.result(raise_on_failure=False)
     assert second.is_failed(), second
     assert isinstance(error, DataRefusedError), repr(error)  # a DatasetError, which Prefect does not retry
     assert "the data changed since this run's last checkpoint" in str(error), repr(error)
     assert "Start a new run instead" in str(error), repr(error)
-    after = only_run(tmp_path)  # the same MLflow run, not finished, and no epoch logged again
-    assert after.info.run_id == run.info.run_id and after.info.status != "FINISHED"
-    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "val_loss")) == logged
-    assert client_versions(tmp_path) == []
+    after = resumed_spec.changed_run  # the same MLflow run, not finished, and no epoch logged again
+    assert after.info.run_id == resumed_spec.stopped_run.info.run_id and after.info.status != "FINISHED"
+    assert resumed_spec.changed_steps == logged
+    assert resumed_spec.changed_versions == []
     # Refused once: every attempt would refuse the same (no worker-group restart, no Prefect retry). The data is
     # read by the driver's check and once by each worker.
-    assert starts.read_text().count("start") == 3, starts.read_text()
-
-
-NO_CHECKPOINT = """
-    import ray.train, torch
-    from raytrain_tasks.api import Metric, TrainFunc
-
-    def train_func(config):
-        with open(config["starts"], "a") as out:
-            out.write("start\\n")
-        for epoch in range(config["epochs"]):
-            ray.train.report({"epoch": epoch, "val_loss": 1.0 / (epoch + 1)})  # no checkpoint=
-
-    training = TrainFunc(train_func, metric=Metric("val_loss", higher_is_better=False), defaults={"starts": ""},
-                         load_model=lambda path, config: torch.nn.Linear(1, 1),
-                         input_example=lambda config: torch.zeros(1, 1))
-"""
-MISNAMED_METRIC = """
-    import torch
-    from torch.utils.data import TensorDataset
-    from raytrain_tasks.api import Metric, Splits, TrainSpec
-
-    def data(config):
-        with open(config["starts"], "a") as out:
-            out.write("start\\n")
-        rows = TensorDataset(torch.linspace(-1, 1, 30).unsqueeze(1), torch.linspace(-3, 3, 30).unsqueeze(1))
-        return Splits(rows, rows, rows)
-
-    training = TrainSpec(data=data, model=lambda config, example: torch.nn.Linear(1, 1),
-                         loss=torch.nn.functional.mse_loss,
-                         metrics=lambda outputs, targets: {"mae": (outputs - targets).abs().mean()},
-                         metric=Metric("MAE", higher_is_better=False), defaults={"starts": ""})
-"""
+    assert resumed_spec.changed_starts.count("start") == 3, resumed_spec.changed_starts
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("ray_cluster", "prefect_api")
-@pytest.mark.parametrize(
-    ("source", "says"),
-    [
-        (NO_CHECKPOINT, "never passed a checkpoint to ray.train.report"),
-        (MISNAMED_METRIC, r"TrainSpec\(metric='MAE'\) names no metric .* \(did you mean 'mae'\?\)"),
-    ],
-    ids=["no-checkpoint", "misnamed-metric"],
-)
-def test_code_that_can_never_give_a_model_fails_once_without_retries(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, says: str
+def test_a_train_specs_checkpoints_are_named_by_epoch_and_a_retrained_epoch_gets_a_folder_of_its_own(
+    resumed_spec: SimpleNamespace,
 ) -> None:
-    """Code that reports no checkpoint, or a TrainSpec whose metric its metrics=... never computes, fails the same
-    way on every attempt: the run fails at once (no worker-group restart, no Prefect retry), says why, registers
-    nothing. The misnamed metric is found on the first batch, before an epoch trains (it was found after the last)."""
-    starts = tmp_path / "starts.txt"
-    name = _module(tmp_path, monkeypatch, source, name=f"hopeless_{len(source)}")  # one module name per code
-    config = own_config(
-        tmp_path,
-        f"{name}:training",
-        epochs=2,
-        register=True,
-        max_failures=2,
-        fit_retries=2,
-        train_config={"starts": str(starts)},
-    )
-    with ThreadPoolExecutor(1) as pool:
-        state = start_flow(pool, config).result(timeout=600)
+    """A TrainSpec's checkpoint folders are named for their epoch (epoch-0001, ...), as the built-in classifier's
+    are. A resume that passes over a tampered newest checkpoint retrains that epoch into epoch-0002-r1: the folder
+    of the checkpoint it replaces is never written into (Ray Train, evicting the old entry later, would delete the
+    new checkpoint with it), and the run finishes in the same MLflow run."""
+    run_dir = resumed_spec.run_dir
+    assert resumed_spec.stopped_folders == ["epoch-0001", "epoch-0002"], resumed_spec.stopped_folders
+    resumed = resumed_spec.retrained
+    assert resumed.is_completed(), resumed
+    folders = resumed_spec.retrained_folders
+    assert folders == ["epoch-0001", "epoch-0002", "epoch-0002-r1", "epoch-0003"], folders
+    assert (run_dir / "epoch-0002" / "spec_state.pt").read_bytes() == b"tampered"  # never written into
+    best = resumed.result().fit.best_checkpoint_uri.rstrip("/").rsplit("/", 1)[-1]
+    assert best in {"epoch-0001", "epoch-0002-r1", "epoch-0003"}, best  # never the tampered one
+    run = resumed_spec.retrained_run
+    assert run.info.run_id == resumed_spec.stopped_run.info.run_id
+    assert run.info.status == "FINISHED" and "epoch-0002" in run.data.tags["prefect_raytrain.resume_fallback"]
+    assert resumed_spec.retrained_steps == [1, 2, 3], resumed_spec.retrained_steps  # epoch 2 retrained: logged once
+
+
+@pytest.mark.slow
+def test_a_folder_the_snapshot_points_at_is_never_resumed_from_by_user_code(resumed_spec: SimpleNamespace) -> None:
+    """Whoever can write storage copies an older checkpoint of a TrainSpec's run to a folder of another name and
+    points Ray Train's checkpoint snapshot at it. The user's code must not be handed it by get_checkpoint() (it has
+    no digest MLflow recorded): the workers resume from the newest verified checkpoint, and the run's record
+    names the foreign folder and registers nothing, as the built-in classifier's does (test_security)."""
+    from raytrain_tasks.errors import UnsafeCheckpointError
+
+    state = resumed_spec.planted
     error = state.result(raise_on_failure=False)
-    assert state.is_failed() and isinstance(error, UserCodeError), repr(error)
-    assert re.search(says, str(error)), str(error)
-    run = only_run(tmp_path)
-    assert run is not None and run.info.status == "FAILED"
-    steps = sorted(m.step for m in mlflow_client(tmp_path).get_metric_history(run.info.run_id, "val_loss"))
-    assert steps == [], steps  # no report without a checkpoint is logged; the misnamed metric stops before epoch 1
-    assert client_versions(tmp_path) == []
-    # One attempt: each worker (and, for the spec, the driver's check of its data) started once.
-    assert starts.read_text().count("start") == (2 if source is NO_CHECKPOINT else 3), starts.read_text()
+    assert state.is_failed() and isinstance(error, UnsafeCheckpointError), error
+    assert "planted-0003" in str(error), error
+    # From the planted copy of epoch 1, epochs 2 and 3 would have been trained again, into folders of their own.
+    assert resumed_spec.planted_folders == [*resumed_spec.retrained_folders, "planted-0003"]
+    assert resumed_spec.planted_steps == [1, 2, 3], resumed_spec.planted_steps
+    assert resumed_spec.planted_models == []
 
 
 def test_a_train_spec_without_a_held_out_test_split_is_refused_before_training() -> None:

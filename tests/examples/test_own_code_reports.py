@@ -1,0 +1,127 @@
+"""What your code reports decides whether a run can give a model, checked without a cluster: a TrainSpec's loop
+runs under Ray Train's local mode (`ScalingConfig(num_workers=0)`, in this process), the controller's epoch
+logger is called with real checkpoint folders and a real MLflow store, and the driver's choice of the best
+checkpoint reads real `ray.train.Result`s. That such a UserCodeError fails the run once, with no retry, is shown
+end to end in test_own_code.py (a worker's TypeError; the driver's never-reported gate metric)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow.fs as pafs
+import pytest
+import ray.train
+import torch
+from mlflow import MlflowClient
+from torch.utils.data import TensorDataset
+
+from raytrain_driver.user_fit import best_checkpoint
+from raytrain_tasks.api import Metric, Splits, TrainFunc, TrainSpec
+from raytrain_tasks.errors import UserCodeError
+from raytrain_tasks.spec_loop import SpecTrainFunc
+from raytrain_tasks.tracking.controller import MlflowEpochLogger
+from tests.helpers import seed_mlflow_store
+
+PIPELINE_CONFIG = {"epochs": 2, "batch_size": 16, "lr": 0.1, "seed": 0, "num_workers": 1, "use_gpu": False}
+
+
+@pytest.fixture
+def local_mode() -> Iterator[None]:
+    """Ray Train's local mode leaves its train-function utilities set in this process: cleared after the test, so
+    no later test finds itself inside a Ray Train worker."""
+    from ray.train.v2._internal.execution.train_fn_utils import set_train_fn_utils
+
+    yield
+    set_train_fn_utils(None)
+
+
+@pytest.mark.usefixtures("local_mode")
+def test_a_train_spec_metric_its_metrics_never_compute_stops_on_the_first_batch_before_any_training() -> None:
+    """A TrainSpec whose metric its metrics=... never computes (`MAE` where they give `mae`) can never pick a
+    checkpoint: its loop stops with a UserCodeError naming the metric and the likely one, on the first batch (its
+    loss computed once, without a gradient), before an epoch trains or anything is reported (it was found after
+    the last epoch)."""
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    losses: list[bool] = []
+
+    def loss(outputs: Any, targets: Any) -> Any:
+        losses.append(torch.is_grad_enabled())
+        return torch.nn.functional.mse_loss(outputs, targets)
+
+    rows = TensorDataset(torch.linspace(-1, 1, 30).unsqueeze(1), torch.linspace(-3, 3, 30).unsqueeze(1))
+    spec = TrainSpec(
+        data=lambda config: Splits(rows, rows, rows),
+        model=lambda config, example: torch.nn.Linear(1, 1),
+        loss=loss,
+        metrics=lambda outputs, targets: {"mae": (outputs - targets).abs().mean()},
+        metric=Metric("MAE", higher_is_better=False),
+    )
+    loop = SpecTrainFunc(spec)
+    trainer = TorchTrainer(lambda: loop(dict(PIPELINE_CONFIG)), scaling_config=ScalingConfig(num_workers=0))
+    with pytest.raises(UserCodeError) as raised:
+        trainer.fit()
+    says = r"TrainSpec\(metric='MAE'\) names no metric .* \(did you mean 'mae'\?\)"
+    assert re.search(says, str(raised.value)), str(raised.value)
+    assert losses == [False], losses  # the first batch, scored for its names; no training step
+
+
+def _checkpoint(folder: Path) -> ray.train.Checkpoint:
+    folder.mkdir(parents=True)
+    (folder / "state.pt").write_bytes(b"the weights of an epoch")
+    return ray.train.Checkpoint(str(folder), filesystem=pafs.LocalFileSystem())
+
+
+def test_reports_without_a_checkpoint_are_never_logged_as_epochs_of_the_run(tmp_path: Path) -> None:
+    """The controller logs an epoch to MLflow only with a persisted checkpoint: a train_func that reports without
+    `checkpoint=` leaves the run without a step (anything else would be redone on resume)."""
+    db = seed_mlflow_store(tmp_path / "mlflow.db")
+    client = MlflowClient(f"sqlite:///{db}")
+    run_id = client.create_run(client.create_experiment("reports")).info.run_id
+    epochs = MlflowEpochLogger(f"sqlite:///{db}", run_id, keys=None)  # keys=None: the user's code, every number
+    for epoch in range(2):
+        epochs.after_report(None, [{"epoch": epoch, "val_loss": 1.0 / (epoch + 1)}], None)
+    assert client.get_metric_history(run_id, "val_loss") == []
+    epochs.after_report(None, [{"epoch": 0, "val_loss": 1.0}], _checkpoint(tmp_path / "checkpoint_a"))
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "val_loss")] == [(1, 1.0)]
+
+
+@pytest.mark.parametrize(
+    ("reports", "says"),
+    [
+        ([], r"train_func never passed a checkpoint to ray.train.report\(\.\.\., checkpoint=\.\.\.\)"),
+        (
+            [{"epoch": 0, "loss": 1.0}],
+            r"never reported \['val_score'\] with a checkpoint \(it reported \['loss'\]\)",
+        ),
+    ],
+    ids=["no checkpoint", "not the gate metric"],
+)
+def test_a_fit_that_kept_no_checkpoint_with_the_gate_metric_gives_no_model_and_says_why(
+    tmp_path: Path, reports: list[dict[str, Any]], says: str
+) -> None:
+    """Nothing can be registered, nor resumed, from a fit whose kept checkpoints are none, or hold no report of
+    the code's metric: a UserCodeError (which Prefect does not retry) naming what the code should report, with
+    the resume that fix allows. A fit that reported its metric gives its best checkpoint."""
+    spec = TrainFunc(
+        lambda config: None,
+        metric=Metric("val_score", higher_is_better=True),
+        load_model=lambda path, config: torch.nn.Linear(1, 1),
+        input_example=lambda config: torch.zeros(1, 1),
+    )
+    kept = [(_checkpoint(tmp_path / f"checkpoint_{i}"), metrics) for i, metrics in enumerate(reports)]
+    result = ray.train.Result(metrics=None, checkpoint=None, error=None, path=str(tmp_path), best_checkpoints=kept)
+    with pytest.raises(UserCodeError, match=says) as raised:
+        best_checkpoint(result, spec, "20260101-000000-abcdef")
+    assert "resume=20260101-000000-abcdef" in str(raised.value)
+
+    scored = [
+        (_checkpoint(tmp_path / f"scored_{i}"), {"epoch": i, "val_score": score})
+        for i, score in enumerate((0.2, 0.9, 0.5))
+    ]
+    result = ray.train.Result(metrics=None, checkpoint=None, error=None, path=str(tmp_path), best_checkpoints=scored)
+    assert best_checkpoint(result, spec, "20260101-000000-abcdef") == scored[1]  # higher is better
