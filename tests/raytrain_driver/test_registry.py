@@ -71,6 +71,7 @@ def test_a_stop_while_the_model_is_logged_ends_register_model_at_once(
 
 
 @pytest.mark.slow
+@pytest.mark.chaos
 def test_lock_serialises_pipelines_and_outlives_a_killed_holder(mlflow_server: str, tmp_path: Path) -> None:
     client = MlflowClient(mlflow_server)
     client.create_registered_model("locked")
@@ -369,6 +370,7 @@ def test_a_holder_whose_lock_was_taken_over_does_not_finish_an_interrupted_promo
 
 
 @pytest.mark.slow
+@pytest.mark.chaos
 def test_a_registry_outage_in_the_middle_of_the_decision_moves_nothing_and_a_retry_decides(
     tmp_path_factory: pytest.TempPathFactory, prefect_api: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

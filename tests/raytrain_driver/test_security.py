@@ -9,7 +9,11 @@ from __future__ import annotations
 import json
 import pickle
 import random
+import shutil
+import sqlite3
 from collections.abc import Iterator
+from contextlib import closing
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -93,9 +97,80 @@ def test_a_model_name_that_would_break_a_registry_filter_is_refused(name: str) -
         TrainingConfig(model_name=name)
 
 
+# --- one finished run, tampered with by a writer of its storage ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FinishedRun:
+    workdir: Path  # the run's storage and its MLflow store (mlflow.db)
+    config: TrainingConfig  # register=False, as the run was trained
+    run_key: str
+    mlflow_run_id: str
+    mlflow_experiment_id: str
+    run_dir: Path
+    best: Path  # the best checkpoint's folder
+
+
+def _copy_run(source: Path, target: Path) -> None:
+    """A run's working folder (storage, MLflow store) from ``source`` into ``target``, where nothing of it is left
+    but the MLflow database. That one is written with SQLite's own backup, page by page: connections MLflow keeps
+    open on it (its engines are cached per URI for the process) then read the copy, not the unlinked file that a
+    copy over it would leave them on."""
+    for entry in source.iterdir():
+        if entry.name == "mlflow.db":
+            continue
+        if entry.is_dir():
+            shutil.copytree(entry, target / entry.name)
+        else:
+            shutil.copy2(entry, target / entry.name)
+    with closing(sqlite3.connect(source / "mlflow.db")) as src, closing(sqlite3.connect(target / "mlflow.db")) as dst:
+        src.backup(dst)
+
+
+@pytest.fixture(scope="module")
+def _trained_once(
+    tmp_path_factory: pytest.TempPathFactory, ray_cluster: object, prefect_api: None
+) -> tuple[FinishedRun, Path]:
+    """One real fit of two epochs for every tampering test below, and a pristine copy of all it left."""
+    from flows.training import training_pipeline
+    from tests.helpers import small_config
+
+    workdir = tmp_path_factory.mktemp("finished-run")
+    config = small_config(workdir, epochs=2, register=False)
+    first = training_pipeline(**parameters_of(config))
+    run = FinishedRun(
+        workdir=workdir,
+        config=config,
+        run_key=first.run_key,
+        mlflow_run_id=first.fit.mlflow_run_id,
+        mlflow_experiment_id=first.fit.mlflow_experiment_id,
+        run_dir=Path(first.fit.run_uri),
+        best=Path(first.fit.best_checkpoint_uri),
+    )
+    pristine = tmp_path_factory.mktemp("finished-run-pristine")
+    _copy_run(workdir, pristine)
+    return run, pristine
+
+
+@pytest.fixture
+def finished_run(_trained_once: tuple[FinishedRun, Path]) -> FinishedRun:
+    """The shared run as its fit left it, whatever the test before tampered with: each test gets its own copy, at
+    the run's own paths (Ray Train's snapshot and the MLflow run's params name them; a resume elsewhere would
+    be refused or read the original)."""
+    run, pristine = _trained_once
+    for entry in run.workdir.iterdir():
+        if entry.is_dir():
+            shutil.rmtree(entry)
+        elif entry.name != "mlflow.db":
+            entry.unlink()
+    _copy_run(pristine, run.workdir)
+    return run
+
+
 @pytest.mark.slow
-@pytest.mark.usefixtures("ray_cluster", "prefect_api")
-def test_registration_refuses_a_tampered_best_checkpoint_and_registers_nothing(tmp_path: Path) -> None:
+def test_registration_refuses_a_tampered_best_checkpoint_and_registers_nothing(
+    finished_run: FinishedRun, tmp_path: Path
+) -> None:
     """The driver loads only the weights of the best checkpoint; a pickle there is refused before anything is
     logged or registered, and the code in it never runs. The attacker here can write storage *and* the MLflow
     run (it records the new files' digest), so the digest check passes and the loader itself must refuse."""
@@ -104,17 +179,14 @@ def test_registration_refuses_a_tampered_best_checkpoint_and_registers_nothing(t
     from flows.training import training_pipeline
     from raytrain_tasks.integrity import local_folder_digest
     from raytrain_tasks.tracking.names import pin_tag
-    from tests.helpers import small_config
 
-    config = small_config(tmp_path, epochs=2, register=False)
-    first = training_pipeline(**parameters_of(config))
-    best = Path(first.fit.best_checkpoint_uri)
+    config, best = finished_run.config, finished_run.best
     marker = tmp_path / "pwned"
     torch.save({"model": CreatesAFile(marker)}, best / STATE_FILE)
     client = MlflowClient(config.mlflow_tracking_uri)
-    client.set_tag(first.fit.mlflow_run_id, pin_tag(best.name), local_folder_digest(best))
+    client.set_tag(finished_run.mlflow_run_id, pin_tag(best.name), local_folder_digest(best))
 
-    resumed = config.model_copy(update={"resume": first.run_key, "register": True})
+    resumed = config.model_copy(update={"resume": finished_run.run_key, "register": True})
     state = training_pipeline(**parameters_of(resumed), return_state=True)
     assert state.is_failed()
     error = state.result(raise_on_failure=False)
@@ -123,8 +195,73 @@ def test_registration_refuses_a_tampered_best_checkpoint_and_registers_nothing(t
     client = MlflowClient(config.mlflow_tracking_uri)
     assert client.search_registered_models() == []
     # Only the first fit's checkpoint LoggedModels: no model was logged for registration.
-    logged = client.search_logged_models([first.fit.mlflow_experiment_id])
+    logged = client.search_logged_models([finished_run.mlflow_experiment_id])
     assert [m.name for m in logged if m.model_type != "checkpoint"] == [] and logged
+
+
+@pytest.mark.slow
+def test_storage_cannot_vouch_for_itself_a_replaced_record_or_checkpoint_is_refused(
+    finished_run: FinishedRun,
+) -> None:
+    """fit.json (it carries the scores the promotion gate compares) and the best checkpoint are trusted only while
+    they hash to what the MLflow run recorded when they were written."""
+    from mlflow import MlflowClient
+
+    from flows.training import training_pipeline
+    from raytrain_tasks.integrity import local_folder_digest
+    from raytrain_tasks.tracking.names import pinned_digests
+
+    config, run_dir, best = finished_run.config, finished_run.run_dir, finished_run.best
+    client = MlflowClient(config.mlflow_tracking_uri)
+    pinned = pinned_digests(client.get_run(finished_run.mlflow_run_id).data.tags)
+    on_disk = {p.name: local_folder_digest(p) for p in run_dir.glob("epoch-*")}
+    assert on_disk and pinned == on_disk  # every kept checkpoint is vouched for, by the digest it has
+
+    resumed = config.model_copy(update={"resume": finished_run.run_key, "register": True})
+    record = run_dir / "fit.json"
+    original = record.read_text()
+    record.write_text(original.replace('"test_accuracy": 0.', '"test_accuracy": 1.0, "x": 0.', 1))
+    state = training_pipeline(**parameters_of(resumed), return_state=True)
+    error = state.result(raise_on_failure=False)
+    assert state.is_failed() and isinstance(error, UnsafeCheckpointError) and "fit.json" in str(error), error
+
+    record.write_text(original)
+    other = torch.load(best / STATE_FILE, weights_only=True)
+    other["model"] = {key: value + 1.0 for key, value in other["model"].items()}  # other weights, the real format
+    torch.save(other, best / STATE_FILE)
+    state = training_pipeline(**parameters_of(resumed), return_state=True)
+    error = state.result(raise_on_failure=False)
+    assert state.is_failed() and isinstance(error, UnsafeCheckpointError), error
+    assert f"is not the one run {finished_run.run_key} committed" in str(error) and best.name in str(error)
+    assert client.search_registered_models() == []
+
+
+@pytest.mark.slow
+def test_a_folder_the_snapshot_points_at_is_checked_whatever_its_name(finished_run: FinishedRun) -> None:
+    """Whoever can write storage copies an older checkpoint to a folder not named `epoch-*` and points Ray Train's
+    checkpoint snapshot at it. A resume must check it against the digests MLflow recorded like any folder that
+    existed before the fit (it has none: passed over), not trust it as one this fit's own workers committed."""
+    from mlflow import MlflowClient
+
+    from flows.training import training_pipeline
+
+    config, run_dir = finished_run.config, finished_run.run_dir
+    shutil.copytree(run_dir / "epoch-0001", run_dir / "planted-0002")  # a real checkpoint, of the first epoch
+    snapshot = run_dir / "checkpoint_manager_snapshot.json"
+    assert "epoch-0002" in snapshot.read_text()
+    snapshot.write_text(snapshot.read_text().replace("epoch-0002", "planted-0002"))
+    (run_dir / "fit.json").unlink()  # as a driver killed between the last epoch and its record leaves the run
+
+    resumed = config.model_copy(update={"resume": finished_run.run_key})
+    state = training_pipeline(**parameters_of(resumed), return_state=True)
+    error = state.result(raise_on_failure=False)
+    assert state.is_failed() and isinstance(error, UnsafeCheckpointError), error
+    assert "planted-0002" in str(error) and "never writes" in str(error)
+    # The workers passed it over (no digest recorded) and resumed from epoch-0002, the last: nothing was trained.
+    # From the planted copy of epoch 1, epoch 2 would have been trained again, into epoch-0002-r1.
+    assert not (run_dir / "epoch-0002-r1").exists()
+    history = MlflowClient(config.mlflow_tracking_uri).get_metric_history(finished_run.mlflow_run_id, "val_accuracy")
+    assert sorted(m.step for m in history) == [1, 2], history
 
 
 # --- credentials against a real authentication-enabled MLflow server ------------------------------------------
@@ -368,82 +505,6 @@ def test_the_cli_moves_uri_credentials_into_the_environment(monkeypatch: pytest.
     assert config.mlflow_tracking_uri == "http://127.0.0.1:5000/x"
     assert (os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"]) == ("ann", "pw-in-uri-1")
     assert "pw-in-uri-1" not in json.dumps(config.public_params())
-
-
-# --- checkpoints are trusted as far as the run's MLflow record vouches for them ----------------------------------
-
-
-@pytest.mark.slow
-@pytest.mark.usefixtures("ray_cluster", "prefect_api")
-def test_storage_cannot_vouch_for_itself_a_replaced_record_or_checkpoint_is_refused(tmp_path: Path) -> None:
-    """fit.json (it carries the scores the promotion gate compares) and the best checkpoint are trusted only while
-    they hash to what the MLflow run recorded when they were written."""
-    from mlflow import MlflowClient
-
-    from flows.training import training_pipeline
-    from raytrain_tasks.integrity import local_folder_digest
-    from raytrain_tasks.tracking.names import pinned_digests
-    from tests.helpers import small_config
-
-    config = small_config(tmp_path, epochs=2, register=False)
-    first = training_pipeline(**parameters_of(config))
-    client = MlflowClient(config.mlflow_tracking_uri)
-    run_dir = Path(first.fit.run_uri)
-    pinned = pinned_digests(client.get_run(first.fit.mlflow_run_id).data.tags)
-    on_disk = {p.name: local_folder_digest(p) for p in run_dir.glob("epoch-*")}
-    assert on_disk and pinned == on_disk  # every kept checkpoint is vouched for, by the digest it has
-
-    resumed = config.model_copy(update={"resume": first.run_key, "register": True})
-    record = run_dir / "fit.json"
-    original = record.read_text()
-    record.write_text(original.replace('"test_accuracy": 0.', '"test_accuracy": 1.0, "x": 0.', 1))
-    state = training_pipeline(**parameters_of(resumed), return_state=True)
-    error = state.result(raise_on_failure=False)
-    assert state.is_failed() and isinstance(error, UnsafeCheckpointError) and "fit.json" in str(error), error
-
-    record.write_text(original)
-    best = Path(first.fit.best_checkpoint_uri)
-    other = torch.load(best / STATE_FILE, weights_only=True)
-    other["model"] = {key: value + 1.0 for key, value in other["model"].items()}  # other weights, the real format
-    torch.save(other, best / STATE_FILE)
-    state = training_pipeline(**parameters_of(resumed), return_state=True)
-    error = state.result(raise_on_failure=False)
-    assert state.is_failed() and isinstance(error, UnsafeCheckpointError), error
-    assert f"is not the one run {first.run_key} committed" in str(error) and best.name in str(error)
-    assert client.search_registered_models() == []
-
-
-@pytest.mark.slow
-@pytest.mark.usefixtures("ray_cluster", "prefect_api")
-def test_a_folder_the_snapshot_points_at_is_checked_whatever_its_name(tmp_path: Path) -> None:
-    """Whoever can write storage copies an older checkpoint to a folder not named `epoch-*` and points Ray Train's
-    checkpoint snapshot at it. A resume must check it against the digests MLflow recorded like any folder that
-    existed before the fit (it has none: passed over), not trust it as one this fit's own workers committed."""
-    import shutil
-
-    from mlflow import MlflowClient
-
-    from flows.training import training_pipeline
-    from tests.helpers import small_config
-
-    config = small_config(tmp_path, epochs=2, register=False)
-    first = training_pipeline(**parameters_of(config))
-    run_dir = Path(first.fit.run_uri)
-    shutil.copytree(run_dir / "epoch-0001", run_dir / "planted-0002")  # a real checkpoint, of the first epoch
-    snapshot = run_dir / "checkpoint_manager_snapshot.json"
-    assert "epoch-0002" in snapshot.read_text()
-    snapshot.write_text(snapshot.read_text().replace("epoch-0002", "planted-0002"))
-    (run_dir / "fit.json").unlink()  # as a driver killed between the last epoch and its record leaves the run
-
-    state = training_pipeline(**parameters_of(config.model_copy(update={"resume": first.run_key})), return_state=True)
-    error = state.result(raise_on_failure=False)
-    assert state.is_failed() and isinstance(error, UnsafeCheckpointError), error
-    assert "planted-0002" in str(error) and "never writes" in str(error)
-    # The workers passed it over (no digest recorded) and resumed from epoch-0002, the last: nothing was trained.
-    # From the planted copy of epoch 1, epoch 2 would have been trained again, into epoch-0002-r1.
-    assert not (run_dir / "epoch-0002-r1").exists()
-    history = MlflowClient(config.mlflow_tracking_uri).get_metric_history(first.fit.mlflow_run_id, "val_accuracy")
-    assert sorted(m.step for m in history) == [1, 2], history
 
 
 # --- the champion is loaded only in the exact layout this project writes, with pickles switched off ----------------
