@@ -13,6 +13,7 @@ from typing import Any
 
 from raytrain_driver.process_groups import ray_groups_stopped, ray_processes_in_their_own_group
 from raytrain_tasks.config import TrainingConfig
+from raytrain_tasks.environment import PROCESS_DEFAULTS
 from raytrain_tasks.errors import ClusterError
 
 # Far faster than Ray's 2 s default. The controller takes one report per worker each time it polls, and a worker
@@ -44,6 +45,10 @@ def worker_env(local: bool = True) -> dict[str, str]:
             "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", WORKER_GROUP_START_TIMEOUT_S
         ),
         "PYTHONUNBUFFERED": "1",
+        # A cluster's processes do not inherit this process's defaults (raytrain_tasks.environment).
+        "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS": os.environ.get(
+            "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS", PROCESS_DEFAULTS["RAY_DATA_PARQUET_FOOTER_NUM_ACTORS"]
+        ),
     }
     if local:
         # Ray Train's PreemptionWatcher actor follows nodes that a cloud autoscaler drains (spot instances).

@@ -17,6 +17,11 @@ PROCESS_DEFAULTS: dict[str, str] = {
     # Offline machines otherwise log failed telemetry calls.
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "RAY_USAGE_STATS_ENABLED": "0",
+    # Ray Data 2.60 starts this many actors to read Parquet footers for every `ray.data.read_parquet` (default
+    # 32): on a small Ray they outnumber the CPUs and can stall the read (ray#65406); Ray's own tests pin 1
+    # (ray#65169). Measured here on 2 CPUs, a first read of 4 files: 3.1 s and 5.9 CPU-s with 32, 2.1 s and
+    # 3.5 CPU-s with 1. Raise it on a cluster that reads thousands of files.
+    "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS": "1",
 }
 
 # The driver's MLflow client: a dead server costs seconds, not MLflow's default minutes of retries per request.
