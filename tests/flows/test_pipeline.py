@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -187,11 +188,40 @@ def test_the_logged_model_stores_no_real_row_by_default(first_run: PipelineResul
         assert not (np.abs(stored - row).max(axis=1) < 1e-6).any(), "a real row of the dataset was logged"
 
 
-def test_champion_moves_only_for_a_better_model(first_run: PipelineResult, client: MlflowClient, workdir: Path) -> None:
+@pytest.fixture(scope="module")
+def challenger(first_run: PipelineResult, client: MlflowClient, workdir: Path) -> tuple[PipelineResult, dict[str, str]]:
+    """A worse model (one epoch at a tiny step size) registered into the first run's model, and the tags of the
+    champion it was judged against. That champion (the first run's version) is tagged as the built-in classifier
+    of releases up to 0.2 tagged its versions: no train_code, its gate in other tags. The table classifier, which
+    trains the same model on the same table, registers into the same model and is compared with it; it was
+    incomparable, and every one of its models stayed `challenger`. The tags are put back after."""
+    from raytrain_driver.user_register import GATE_DIRECTION_TAG, GATE_METRIC_TAG, TRAIN_CODE_TAG
+
+    assert first_run.model is not None
+    name, version = first_run.model.name, first_run.model.version
+    tags = client.get_model_version(name, version).tags
+    removed = {tag: tags[tag] for tag in (TRAIN_CODE_TAG, GATE_METRIC_TAG, GATE_DIRECTION_TAG)}
+    for tag in removed:  # what the built-in's versions lack
+        client.delete_model_version_tag(name, version, tag)
+    try:
+        as_built_in = client.get_model_version(name, version).tags
+        worse = training_pipeline(**parameters_of(small_config(workdir, epochs=1, learning_rate=1e-4)))
+    finally:
+        for tag, value in removed.items():
+            client.set_model_version_tag(name, version, tag, value)
+    return worse, as_built_in
+
+
+def test_champion_moves_only_for_a_better_model(
+    first_run: PipelineResult,
+    client: MlflowClient,
+    workdir: Path,
+    challenger: tuple[PipelineResult, dict[str, str]],
+) -> None:
     assert first_run.model is not None
     name, first_version = first_run.model.name, first_run.model.version
 
-    worse = training_pipeline(**parameters_of(small_config(workdir, epochs=1, learning_rate=1e-4)))
+    worse, _ = challenger
     assert worse.model is not None and worse.model.decision == "keep_champion"
     assert str(client.get_model_version_by_alias(name, "champion").version) == first_version
     assert str(client.get_model_version_by_alias(name, "challenger").version) == worse.model.version
@@ -206,28 +236,22 @@ def test_champion_moves_only_for_a_better_model(first_run: PipelineResult, clien
     assert str(client.get_model_version_by_alias(name, "previous_champion").version) == first_version
 
 
-def test_the_table_classifiers_model_is_judged_against_the_built_in_champion(tmp_path: Path) -> None:
-    """A champion the built-in classifier of releases up to 0.2 registered records no train_code, and its gate in
-    other tags. The table classifier, which trains the same model on the same table, registers into the same model
-    and is compared with it, scored on this run's test split by the spec's own evaluate (it was incomparable, and
-    every one of its models stayed `challenger`). The champion here is a table classifier's model whose version is
-    tagged as the built-in's were: the same pt2 model of the same table."""
+def test_the_table_classifiers_model_is_judged_against_the_built_in_champion(
+    first_run: PipelineResult, client: MlflowClient, challenger: tuple[PipelineResult, dict[str, str]]
+) -> None:
+    """Compared with the built-in's champion (the same pt2 model of the same table), scored on this run's test
+    split by the spec's own evaluate, not kept as incomparable."""
     from raytrain_driver.user_register import GATE_DIRECTION_TAG, GATE_METRIC_TAG, TRAIN_CODE_TAG
 
-    first = training_pipeline(**parameters_of(small_config(tmp_path, epochs=1)))
-    assert first.model is not None and first.model.decision == "promote", first.model
-    client = MlflowClient(first.config.mlflow_tracking_uri)
-    name = first.config.model_name
-    champion = client.get_model_version_by_alias(name, "champion")
-    for tag in (TRAIN_CODE_TAG, GATE_METRIC_TAG, GATE_DIRECTION_TAG):  # what the built-in's versions lack
-        client.delete_model_version_tag(name, champion.version, tag)
-    assert {"schema.digest", "promotion.metric", "test_accuracy"} <= set(champion.tags)  # what they have
-    result = training_pipeline(**parameters_of(small_config(tmp_path, epochs=1)))
+    result, champion_tags = challenger
+    assert first_run.model is not None
+    assert not {TRAIN_CODE_TAG, GATE_METRIC_TAG, GATE_DIRECTION_TAG} & set(champion_tags)
+    assert {"schema.digest", "promotion.metric", "test_accuracy"} <= set(champion_tags)  # what they have
     assert result.config.train_code == TABLE_CLASSIFIER
-    assert result.model is not None and result.model.name == name, result.model
-    tags = client.get_model_version(name, result.model.version).tags
+    assert result.model is not None and result.model.name == first_run.model.name, result.model
+    tags = client.get_model_version(first_run.model.name, result.model.version).tags
     assert tags["promotion.decision"] in ("promote", "keep_champion"), tags
-    assert tags["promotion.champion_version"] == str(champion.version), tags
+    assert tags["promotion.champion_version"] == str(first_run.model.version), tags
     assert float(tags["promotion.champion_score"]) > 0.8, tags  # the built-in champion's test_accuracy, scored
 
 
@@ -336,13 +360,24 @@ def test_a_resume_with_changed_settings_is_refused_before_anything_is_written(
     assert after.data.tags == before.data.tags and after.data.params == before.data.params
 
 
-def test_the_best_checkpoint_by_val_loss_is_the_lowest_loss_not_the_highest_accuracy(workdir: Path) -> None:
-    """`promotion_metric=val_loss`: the best checkpoint, the checkpoints Ray Train keeps (the default two best plus
-    the latest) and the registered version all follow val_loss, lower wins. This config (a large step size)
-    overfits so that val_loss and val_accuracy disagree on the best epoch, or on the two best. The trajectory
-    depends on the installed torch and numpy builds (a fresh install changed it once); the assertion says so when
-    the metrics agree."""
-    # One torch thread, as this trajectory was found with (more threads sum in another order: another trajectory).
+@pytest.fixture(scope="module")
+def by_loss(workdir: Path, ray_cluster: object, prefect_api: None) -> Iterator[tuple[PipelineResult, Path]]:
+    """A run with `promotion_metric=val_loss` (a large step size, one worker), and what a worker SIGKILLed while it
+    wrote or uploaded a checkpoint of the same run key left on this node before it: its local staging folder, half
+    a model and a stale file in it. Returns the run and that folder."""
+    import tempfile
+
+    from raytrain_tasks.checkpoint import STAGING_PREFIX
+    from raytrain_tasks.config import new_run_key
+
+    key = new_run_key()
+    root = Path(tempfile.gettempdir()) / f"{STAGING_PREFIX}{os.getuid()}"
+    root.mkdir(mode=0o700, exist_ok=True)
+    left = root / key
+    left.mkdir()
+    (left / "model.pt").write_bytes(os.urandom(1 << 20))  # a model half-written when the worker was killed
+    (left / "stale.bin").write_bytes(b"from the killed attempt")
+    # One torch thread, as the val_loss trajectory was found with (more threads sum in another order: another one).
     config = small_config(
         workdir / "by-loss",
         epochs=6,
@@ -351,56 +386,57 @@ def test_the_best_checkpoint_by_val_loss_is_the_lowest_loss_not_the_highest_accu
         learning_rate=0.05,
         promotion_metric="val_loss",
     )
-    result = training_pipeline(**parameters_of(config))
-    history = result.fit.history
-    by_loss = min(range(len(history)), key=lambda epoch: history[epoch]["val_loss"])
-    by_accuracy = max(range(len(history)), key=lambda epoch: history[epoch]["val_accuracy"])
-    two_best = sorted(range(len(history)), key=lambda epoch: history[epoch]["val_loss"])[:2]
-    two_best_by_accuracy = sorted(range(len(history)), key=lambda epoch: -history[epoch]["val_accuracy"])[:2]
-    # Where the two metrics pick the same best epoch, the checkpoints kept (the two best) still tell them apart.
-    assert by_loss != by_accuracy or set(two_best) != set(two_best_by_accuracy), (
-        f"the metrics agree on the best two epochs {two_best}: the test needs a config where they do not"
-    )
-    assert result.fit.best_epoch == by_loss + 1  # epochs are numbered from 1 where people read them
-    assert result.fit.best_metrics["val_loss"] == pytest.approx(history[by_loss]["val_loss"])
-    run_dir = workdir / "by-loss" / "storage" / "runs" / result.run_key
-    expected = sorted({f"epoch-{epoch + 1:04d}" for epoch in [*two_best, len(history) - 1]})
-    assert sorted(p.name for p in run_dir.glob("epoch-*")) == expected
-    assert Path(result.fit.best_checkpoint_uri) == run_dir / f"epoch-{by_loss + 1:04d}"
-    assert result.model is not None and result.model.metric == "test_loss"
-    version = MlflowClient(config.mlflow_tracking_uri).get_model_version(config.model_name, result.model.version)
-    assert version.tags["best_epoch"] == str(by_loss + 1)
-
-
-def test_what_a_killed_checkpoint_write_left_on_the_node_is_gone_after_the_runs_next_checkpoint(
-    workdir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A worker SIGKILLed while it wrote or uploaded an epoch's checkpoint leaves its local folder behind. The
-    run's next checkpoint on that node (here: the run's next attempt) removes it, and none of it reaches storage.
-    A TrainSpec's loop wrote each checkpoint in a fresh temporary folder, which a killed worker left for ever."""
-    import tempfile
-
-    from raytrain_tasks.checkpoint import STAGING_PREFIX
-    from raytrain_tasks.config import new_run_key
-
-    key = new_run_key()
-    monkeypatch.setattr("flows.training.new_run_key", lambda: key)
-    root = Path(tempfile.gettempdir()) / f"{STAGING_PREFIX}{os.getuid()}"
-    root.mkdir(mode=0o700, exist_ok=True)
-    left = root / key
-    left.mkdir()
-    (left / "model.pt").write_bytes(os.urandom(1 << 20))  # a model half-written when the worker was killed
-    (left / "stale.bin").write_bytes(b"from the killed attempt")
     try:
-        config = small_config(workdir, epochs=1, register=False)
-        result = training_pipeline(**parameters_of(config))
-        assert result.run_key == key and result.fit.epochs_completed == 1
-        assert not left.exists()
-        stored = workdir / "storage" / "runs" / key
-        assert sorted(p.name for p in stored.rglob("stale.bin")) == []
-        assert [p.name for p in Path(result.fit.best_checkpoint_uri).iterdir()] == ["spec_state.pt"]
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("flows.training.new_run_key", lambda: key)
+            result = training_pipeline(**parameters_of(config))
+        yield result, left
     finally:
         if left.exists():
             import shutil
 
             shutil.rmtree(left)
+
+
+def test_the_best_checkpoint_by_val_loss_is_the_lowest_loss_not_the_highest_accuracy(
+    by_loss: tuple[PipelineResult, Path],
+) -> None:
+    """`promotion_metric=val_loss`: the best checkpoint, the checkpoints Ray Train keeps (the default two best plus
+    the latest) and the registered version all follow val_loss, lower wins. This config (a large step size)
+    overfits so that val_loss and val_accuracy disagree on the best epoch, or on the two best. The trajectory
+    depends on the installed torch and numpy builds (a fresh install changed it once); the assertion says so when
+    the metrics agree."""
+    result, _ = by_loss
+    config = result.config
+    history = result.fit.history
+    by_loss_epoch = min(range(len(history)), key=lambda epoch: history[epoch]["val_loss"])
+    by_accuracy = max(range(len(history)), key=lambda epoch: history[epoch]["val_accuracy"])
+    two_best = sorted(range(len(history)), key=lambda epoch: history[epoch]["val_loss"])[:2]
+    two_best_by_accuracy = sorted(range(len(history)), key=lambda epoch: -history[epoch]["val_accuracy"])[:2]
+    # Where the two metrics pick the same best epoch, the checkpoints kept (the two best) still tell them apart.
+    assert by_loss_epoch != by_accuracy or set(two_best) != set(two_best_by_accuracy), (
+        f"the metrics agree on the best two epochs {two_best}: the test needs a config where they do not"
+    )
+    assert result.fit.best_epoch == by_loss_epoch + 1  # epochs are numbered from 1 where people read them
+    assert result.fit.best_metrics["val_loss"] == pytest.approx(history[by_loss_epoch]["val_loss"])
+    run_dir = Path(config.storage_path) / "runs" / result.run_key
+    expected = sorted({f"epoch-{epoch + 1:04d}" for epoch in [*two_best, len(history) - 1]})
+    assert sorted(p.name for p in run_dir.glob("epoch-*")) == expected
+    assert Path(result.fit.best_checkpoint_uri) == run_dir / f"epoch-{by_loss_epoch + 1:04d}"
+    assert result.model is not None and result.model.metric == "test_loss"
+    version = MlflowClient(config.mlflow_tracking_uri).get_model_version(config.model_name, result.model.version)
+    assert version.tags["best_epoch"] == str(by_loss_epoch + 1)
+
+
+def test_what_a_killed_checkpoint_write_left_on_the_node_is_gone_after_the_runs_next_checkpoint(
+    by_loss: tuple[PipelineResult, Path],
+) -> None:
+    """A worker SIGKILLed while it wrote or uploaded an epoch's checkpoint leaves its local folder behind. The
+    run's next checkpoint on that node (here: the run's next attempt) removes it, and none of it reaches storage.
+    A TrainSpec's loop wrote each checkpoint in a fresh temporary folder, which a killed worker left for ever."""
+    result, left = by_loss
+    assert result.run_key == left.name and result.fit.epochs_completed == result.config.epochs
+    assert not left.exists()
+    stored = Path(result.config.storage_path) / "runs" / result.run_key
+    assert sorted(p.name for p in stored.rglob("stale.bin")) == []
+    assert [p.name for p in Path(result.fit.best_checkpoint_uri).iterdir()] == ["spec_state.pt"]
