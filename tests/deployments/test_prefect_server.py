@@ -327,6 +327,7 @@ def _assert_continued_to_the_end(
     )
 
 
+@pytest.mark.chaos
 def test_a_crashed_deployment_run_continues_by_itself(prefect_server: PrefectServer, ad_hoc: Any) -> None:
     """The flow-run process SIGKILLed after epoch 2 of 4 (as an OOM kill does): the worker marks the run Crashed,
     the deployment's crash trigger starts a continuation, and it resumes the same run key in the same MLflow run:
@@ -342,6 +343,7 @@ def test_a_crashed_deployment_run_continues_by_itself(prefect_server: PrefectSer
     _assert_continued_to_the_end(prefect_server, crashed, finished, mlflow_run_id, "crash-test", killed_at)
 
 
+@pytest.mark.chaos
 def test_a_run_that_lost_its_worker_too_is_found_and_continued(prefect_server: PrefectServer, ad_hoc: Any) -> None:
     """The worker and the flow-run process SIGKILLed together (a lost machine): nobody is left to set the run
     Crashed, so it would stay Running forever. Its heartbeats stop; after the watch's window of silence the zombie
@@ -367,6 +369,7 @@ def test_a_run_that_lost_its_worker_too_is_found_and_continued(prefect_server: P
     _assert_continued_to_the_end(prefect_server, crashed, finished, mlflow_run_id, "zombie-test", killed_at)
 
 
+@pytest.mark.chaos
 def test_cancelling_a_run_stops_training_and_keeps_it_resumable(prefect_server: PrefectServer, ad_hoc: Any) -> None:
     """`prefect flow-run cancel` mid-fit: the run is Cancelled within seconds, the driver and every Ray process
     it started are gone, the MLflow run is KILLED (not FAILED) with the reason, the checkpoints stay, nothing
@@ -493,38 +496,96 @@ def served(prefect_server: PrefectServer) -> Iterator[Served]:
         stop_process_group(serve, signal.SIGTERM, timeout=60)
 
 
-def test_served_runs_share_one_warm_ray(prefect_server: PrefectServer, served: Served) -> None:
+# Issue 32's three: a seed-shaped train_func, a lower-is-better regression, an image classifier (a TrainSpec). What
+# serving adds does not depend on the example; seed_ray_data and fsdp_sharded train through the flow in
+# test_own_code and test_sharded.
+EXAMPLES = ("seed_ddp", "diabetes_regression", "image_classifier")
+IMAGE_CODE = "examples.image_classifier.train:training"
+# A key of one's own for code with plain defaults; the image example declares its settings (a typed class), so it
+# takes only those.
+TRAIN_CONFIGS = {"seed_ddp": {"seed_note": "served"}, "diabetes_regression": {"seed_note": "served"}} | {
+    "image_classifier": {"channels": 8}
+}
+# What Ray keeps once per cluster after the first run that reads data with Ray Data (its autoscaling coordinator).
+ONCE_PER_CLUSTER = {"_AutoscalingCoordinatorActor"}
+
+
+@dataclass(frozen=True)
+class ServedRuns:
+    """Runs served one after another on serve's warm Ray: the ad-hoc deployment's own model (it reads its data
+    with Ray Data), then each example through `train_code` or a deployment of its own."""
+
+    default: Any  # the finished flow run of the ad-hoc deployment's model
+    examples: dict[str, Any]  # example -> its finished flow run
+    ray_processes: list[Any]  # serve's Ray (gcs_server, raylet) as it was before the first run
+    left: list[tuple[list[str], int]]  # what was left on serve's Ray after the first run and after the last
+
+
+@pytest.fixture(scope="module")
+def served_runs(prefect_server: PrefectServer, served: Served) -> ServedRuns:
     serve_log, address = served.log, served.ray_address
     ray_processes = served.ray_processes()
-    assert len(ray_processes) == 2, [p.name() for p in ray_processes]
-    deployment = _api(prefect_server, lambda client: client.read_deployment_by_name("training-pipeline/ad-hoc"))
-    config = {"epochs": 1, "num_workers": 2, "experiment_name": "warm", "model_name": "warm"}
-    finished, left = [], []
-    for _ in range(2):
+    ad_hoc = _api(prefect_server, lambda client: client.read_deployment_by_name("training-pipeline/ad-hoc"))
+    images = _api(prefect_server, lambda client: client.read_deployment_by_name("training-pipeline/images"))
+
+    def run(deployment: Any, parameters: dict[str, Any]) -> Any:
         created = _api(
-            prefect_server,
-            lambda c: c.create_flow_run_from_deployment(deployment.id, parameters=config),
+            prefect_server, lambda c: c.create_flow_run_from_deployment(deployment.id, parameters=parameters)
         )
         flow_run = _wait_for_final_state(prefect_server, created.id)
-        assert flow_run.state_type.value == "COMPLETED", serve_log.read_text()[-5000:]
-        finished.append(flow_run)
-        left.append(_ray_leftovers(address))
-    # Both trained on serve's Ray, which is still up. Nothing of a run stays on it: no Ray Train actor, no
-    # placement group; what Ray keeps once per cluster (Ray Data's autoscaling coordinator) does not grow.
+        assert flow_run.state_type.value == "COMPLETED", (parameters, serve_log.read_text()[-5000:])
+        return flow_run
+
+    config = {"epochs": 1, "num_workers": 2, "experiment_name": "warm", "model_name": "warm", "register": False}
+    default = run(ad_hoc, config)
+    left = [_ray_leftovers(address)]
+    examples = {}
+    for example in EXAMPLES:
+        parameters = {
+            "train_code": f"examples.{example}.train:training",
+            "train_config": TRAIN_CONFIGS[example],  # a JSON object, as `-p` and the UI's form send it
+            "epochs": 1,  # the serving is the question here; their training: test_own_code, test_sharded, the guide
+            "experiment_name": "own-code",
+            "model_name": f"served-{example}",
+        }
+        target = ad_hoc
+        if example == "image_classifier":
+            target = images
+            del parameters["train_code"]  # the deployment's
+        examples[example] = run(target, parameters)
+    left.append(_ray_leftovers(address))
+    return ServedRuns(default, examples, ray_processes, left)
+
+
+def test_served_runs_share_one_warm_ray(prefect_server: PrefectServer, served: Served, served_runs: ServedRuns) -> None:
+    serve_log, address = served.log, served.ray_address
+    ray_processes = served_runs.ray_processes
+    assert len(ray_processes) == 2, [p.name() for p in ray_processes]
+    finished = [served_runs.default, *served_runs.examples.values()]
+    # All trained on serve's Ray, which is still up. Nothing of a run stays on it: no Ray Train actor, no
+    # placement group; what Ray keeps once per cluster does not grow over the next three runs.
     tracking = _tracking(prefect_server)
-    runs = tracking.search_runs([tracking.get_experiment_by_name("warm").experiment_id])
+    runs = [
+        run
+        for experiment in ("warm", "own-code")
+        for run in tracking.search_runs([tracking.get_experiment_by_name(experiment).experiment_id])
+    ]
     assert sorted(run.data.tags["prefect.flow_run_id"] for run in runs) == sorted(str(run.id) for run in finished)
-    assert [run.data.tags["prefect_raytrain.ray_cluster"] for run in runs] == [address, address]
+    assert [run.data.tags["prefect_raytrain.ray_cluster"] for run in runs] == [address] * len(finished)
     assert all(p.is_running() for p in ray_processes)
-    assert left[0] == left[1], left
+    first, last = served_runs.left
+    assert first == last, served_runs.left
+    assert set(first[0]) <= ONCE_PER_CLUSTER, first  # the Ray Data run left nothing of its own
     assert "SIGTERM handler is not set" not in serve_log.read_text()  # Ray's warning about our connect thread
-    actors, groups = left[1]
-    assert groups == 0 and not [name for name in actors if "Train" in name], left
+    actors, groups = last
+    assert groups == 0 and not [name for name in actors if "Train" in name], served_runs.left
     waits = [(run.start_time - run.created).total_seconds() for run in finished]
-    print(f"\nserved runs on the warm Ray at {address}: created -> started {waits} s")
+    print(f"\nserved runs on the warm Ray at {address}: created -> started {waits} s; left on it: {last}")
 
     # A custom run that points MLflow elsewhere (where the worker's credentials would go) is refused before it
     # connects anywhere: the listener standing in for someone else's server is never contacted.
+    deployment = _api(prefect_server, lambda client: client.read_deployment_by_name("training-pipeline/ad-hoc"))
+    config = {"epochs": 1, "num_workers": 2, "experiment_name": "warm", "model_name": "warm"}
     with socket.socket() as collector:
         collector.bind(("127.0.0.1", 0))
         collector.listen()
@@ -538,25 +599,11 @@ def test_served_runs_share_one_warm_ray(prefect_server: PrefectServer, served: S
             collector.accept()
 
 
-# Issue 32's three: a seed-shaped train_func, a lower-is-better regression, an image classifier (a TrainSpec). What
-# serving adds does not depend on the example; seed_ray_data and fsdp_sharded train through the flow in
-# test_own_code and test_sharded.
-EXAMPLES = ("seed_ddp", "diabetes_regression", "image_classifier")
-IMAGE_CODE = "examples.image_classifier.train:training"
-# A key of one's own for code with plain defaults; the image example declares its settings (a typed class), so it
-# takes only those.
-TRAIN_CONFIGS = {"seed_ddp": {"seed_note": "served"}, "diabetes_regression": {"seed_note": "served"}} | {
-    "image_classifier": {"channels": 8}
-}
-
-
 def test_the_examples_train_and_register_through_a_served_deployment(
-    prefect_server: PrefectServer, served: Served
+    prefect_server: PrefectServer, served_runs: ServedRuns
 ) -> None:
     """The user's own code as a deployment parameter: `train_code` (and `train_config`) set on a run of the ad-hoc
     deployment, as `-p train_code=...` or the UI's form would; the code is found in the folder serve runs in."""
-    serve_log = served.log
-    deployment = _api(prefect_server, lambda client: client.read_deployment_by_name("training-pipeline/ad-hoc"))
     # The image example is served as a deployment of its own (from serve's --prefect-file): its form types
     # train_config by the code's settings class, and the server refuses a run whose train_config does not fit.
     images = _api(prefect_server, lambda client: client.read_deployment_by_name("training-pipeline/images"))
@@ -565,26 +612,8 @@ def test_the_examples_train_and_register_through_a_served_deployment(
             prefect_server,
             lambda c: c.create_flow_run_from_deployment(images.id, parameters={"train_config": {"chanels": 8}}),
         )
-    for example in EXAMPLES:
-        parameters = {
-            "train_code": f"examples.{example}.train:training",
-            "train_config": TRAIN_CONFIGS[example],  # a JSON object, as `-p` and the UI's form send it
-            "epochs": 1,  # the serving is the question here; their training: test_own_code, test_sharded, the guide
-            "experiment_name": "own-code",
-            "model_name": f"served-{example}",
-        }
-        target = deployment
-        if example == "image_classifier":
-            target = images
-            del parameters["train_code"]  # the deployment's
-        created = _api(
-            prefect_server,
-            lambda c, parameters=parameters, target=target: c.create_flow_run_from_deployment(
-                target.id, parameters=parameters
-            ),
-        )
-        flow_run = _wait_for_final_state(prefect_server, created.id)
-        assert flow_run.state_type.value == "COMPLETED", (example, serve_log.read_text()[-5000:])
+    assert all(run.state_type.value == "COMPLETED" for run in served_runs.examples.values())
+    assert served_runs.examples["image_classifier"].deployment_id == images.id
     tracking = _tracking(prefect_server)
     runs = tracking.search_runs([tracking.get_experiment_by_name("own-code").experiment_id])
     assert sorted(run.data.params["train_code"] for run in runs) == sorted(
@@ -614,7 +643,6 @@ def chromium() -> str:
     return path
 
 
-@pytest.mark.browser
 def _custom_run_created(page: Any, server: PrefectServer, before: set[Any]) -> Any:
     """The run the custom-run form's Submit created. A submit that goes through leaves the form for the deployment's
     page (and the form is disabled meanwhile); one that did not (seen once in CI: no run in 60 s, no error shown)
@@ -635,6 +663,7 @@ def _custom_run_created(page: Any, server: PrefectServer, before: set[Any]) -> A
     return created
 
 
+@pytest.mark.browser
 def test_serve_and_a_custom_run_from_the_ui(prefect_server: PrefectServer, served: Served, chromium: str) -> None:
     from playwright.sync_api import sync_playwright
 

@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +36,12 @@ from tests.helpers import (
 
 
 @pytest.fixture(scope="module")
-def external_cluster() -> Iterator[ExternalCluster]:
-    with head_node() as cluster:
+def external_cluster(s3_server: Any) -> Iterator[ExternalCluster]:
+    """The module's cluster. Its node has credentials of its own for the test run's S3 server, read-only ones (a
+    node has its own; the runs here keep their storage in folders, except the one about the node's access)."""
+    from devtools.s3_server import READER
+
+    with head_node(env={"AWS_ACCESS_KEY_ID": READER[0], "AWS_SECRET_ACCESS_KEY": READER[1]}) as cluster:
         yield cluster
 
 
@@ -70,51 +75,83 @@ def dashboard_answers(cluster: ExternalCluster, paths: list[str]) -> dict[str, s
         [sys.executable, "-c", code], env={**os.environ, **CLIENT_ENV}, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    import json
-
     return dict(json.loads(done.stdout.split("ANSWERS", 1)[1]))
+
+
+def train_workers(cluster: ExternalCluster) -> dict[str, str]:
+    """actor id -> state of every Ray Train worker the cluster has had."""
+    probe = textwrap.dedent(
+        f"""
+        import json
+        from ray.util.state import list_actors
+        workers = list_actors(
+            address="{cluster.address}", filters=[("class_name", "=", "RayTrainWorker")], limit=10_000
+        )
+        print("WORKERS" + json.dumps({{w.actor_id: w.state for w in workers}}))
+        """
+    )
+    seen = run_python(probe)
+    assert seen.returncode == 0, seen.stderr[-3000:]
+    return dict(json.loads(seen.stdout.split("WORKERS", 1)[1]))
+
+
+@dataclass(frozen=True)
+class OwnCodeRun:
+    done: subprocess.CompletedProcess[str]
+    tracking_uri: str
+
+
+def train_own_code(
+    cluster: ExternalCluster, folder: Path, launch_mode: str, env: dict[str, str] | None = None
+) -> OwnCodeRun:
+    """`prefect-raytrain train` with the user's package in a project folder of its own (a copy of
+    examples/seed_ddp), outside the checkout as a Prefect worker's folder would be, with `ray_address` set."""
+    from prefect.settings import PREFECT_API_URL
+
+    project = folder / "project"
+    shutil.copytree(
+        REPO_ROOT / "examples" / "seed_ddp", project / "my_model", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    tracking_uri = f"sqlite:///{seed_mlflow_store(folder / 'mlflow.db')}"
+    command = [str(Path(sys.executable).with_name("prefect-raytrain")), "train", "--ray-address", cluster.address]
+    command += ["--train-code", "my_model.train:training", "--train-config", '{"hidden": 24}']
+    command += ["--storage-path", str(folder / "storage"), "--mlflow-tracking-uri", tracking_uri]
+    # The digits reach 0.89 in 2 epochs at this step size (0.76 at the default).
+    command += ["--epochs", "2", "--num-workers", "2", "--learning-rate", "0.01"]
+    command += ["--experiment-name", "cluster-own-code", "--model-name", "cluster-own-code"]
+    if launch_mode == "ray_job":
+        command += ["--launch-mode", "ray_job", "--ray-dashboard-url", cluster.dashboard_url]
+    env = {**os.environ, **CLIENT_ENV, "PREFECT_API_URL": str(PREFECT_API_URL.value()), **(env or {})}
+    done = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=480)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return OwnCodeRun(done, tracking_uri)
+
+
+@pytest.fixture(scope="module")
+def driver_run(
+    external_cluster: ExternalCluster, tmp_path_factory: pytest.TempPathFactory, prefect_api: None
+) -> OwnCodeRun:
+    """One run on the cluster by address in launch_mode=driver, for the module's tests of what it leaves behind
+    and of the user's code shipped to the workers; the driver holds secrets the cluster must never see."""
+    # AWS_REGION is forwarded: where things are is not a secret.
+    env = {**DRIVER_SECRETS, "AWS_REGION": NOT_SECRET}
+    return train_own_code(external_cluster, tmp_path_factory.mktemp("driver-run"), "driver", env)
 
 
 @pytest.mark.slow
 def test_the_pipeline_trains_on_a_cluster_by_address_and_leaves_it_running(
-    external_cluster: ExternalCluster, tmp_path: Path, prefect_api: None
+    external_cluster: ExternalCluster, driver_run: OwnCodeRun
 ) -> None:
-    from prefect.settings import PREFECT_API_URL
-
-    tracking_uri = f"sqlite:///{seed_mlflow_store(tmp_path / 'mlflow.db')}"
-    # Run from a directory outside the checkout, as a Prefect worker would: the cluster's workers get the
-    # project's code only through runtime_env py_modules.
-    command = [sys.executable, "-m", "flows.training", "--ray-address", external_cluster.address]
-    command += ["--storage-path", str(tmp_path / "storage"), "--mlflow-tracking-uri", tracking_uri]
-    command += ["--epochs", "2", "--num-workers", "2", "--experiment-name", "cluster", "--no-register"]
-    env = {**os.environ, **CLIENT_ENV, "PREFECT_API_URL": str(PREFECT_API_URL.value()), **DRIVER_SECRETS}
-    env["AWS_REGION"] = NOT_SECRET  # forwarded: where things are is not a secret
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=480)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-
-    client = MlflowClient(tracking_uri)
-    (run,) = client.search_runs([client.get_experiment_by_name("cluster").experiment_id])
+    client = MlflowClient(driver_run.tracking_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("cluster-own-code").experiment_id])
     assert run.info.status == "FINISHED"
     assert run.data.tags["prefect_raytrain.ray_cluster"] == external_cluster.address
     assert run.data.metrics["val_accuracy"] > 0.8
 
-    # On that cluster: the run's training workers ran there, and the cluster is still up for the next run.
-    probe = textwrap.dedent(
-        f"""
-        import ray
-        from ray.util.state import list_actors
-        ray.init(address="{external_cluster.address}", logging_level="ERROR")
-        workers = list_actors(
-            address="{external_cluster.address}", filters=[("class_name", "=", "RayTrainWorker")], limit=100
-        )
-        print("WORKERS", len(workers), sorted({{w.state for w in workers}}))
-        """
-    )
-    seen = subprocess.run(
-        [sys.executable, "-c", probe], env={**os.environ, **CLIENT_ENV}, capture_output=True, text=True, timeout=120
-    )
-    assert seen.returncode == 0, seen.stderr[-3000:]
-    assert "WORKERS 2 ['DEAD']" in seen.stdout, seen.stdout
+    # On that cluster: the run's training workers ran there (the module's first fit on it, in file order), and
+    # the cluster is still up for the next run.
+    workers = train_workers(external_cluster)
+    assert sorted(workers.values()) == ["DEAD", "DEAD"], workers
 
     # What anyone who reaches the dashboard reads: the job list (with each job's runtime_env) and the runtime
     # envs the agents created. The driver's AWS keys and MLflow token are in none of them.
@@ -136,36 +173,21 @@ def test_the_pipeline_trains_on_a_cluster_by_address_and_leaves_it_running(
 @pytest.mark.slow
 @pytest.mark.parametrize("launch_mode", ["driver", "ray_job"])
 def test_user_code_outside_the_project_reaches_the_clusters_workers_through_runtime_env(
-    external_cluster: ExternalCluster, tmp_path: Path, prefect_api: None, launch_mode: str
+    external_cluster: ExternalCluster, tmp_path: Path, request: pytest.FixtureRequest, launch_mode: str
 ) -> None:
     """The user's package lives in a project folder of its own (a copy of examples/seed_ddp); the command runs there
     with `ray_address` set. Nothing is copied to the cluster by hand: the driver (or, as a Ray Job, the job's
     runtime_env) ships the package with runtime_env py_modules (the workers are not given the driver's folder),
     and the cluster unpacks it for the job's driver and its workers."""
-    from prefect.settings import PREFECT_API_URL
-
-    project = tmp_path / "project"
-    shutil.copytree(
-        REPO_ROOT / "examples" / "seed_ddp", project / "my_model", ignore=shutil.ignore_patterns("__pycache__")
-    )
-    tracking_uri = f"sqlite:///{seed_mlflow_store(tmp_path / 'mlflow.db')}"
-    command = [
-        str(Path(sys.executable).with_name("prefect-raytrain")),
-        "train",
-        "--ray-address",
-        external_cluster.address,
-    ]
-    command += ["--train-code", "my_model.train:training", "--train-config", '{"hidden": 24}']
-    command += ["--storage-path", str(tmp_path / "storage"), "--mlflow-tracking-uri", tracking_uri]
-    command += ["--epochs", "2", "--experiment-name", "cluster-own-code", "--model-name", "cluster-own-code"]
-    if launch_mode == "ray_job":
-        command += ["--launch-mode", "ray_job", "--ray-dashboard-url", external_cluster.dashboard_url]
-    env = {**os.environ, **CLIENT_ENV, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
-    done = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=480)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    client = MlflowClient(tracking_uri)
+    if launch_mode == "driver":
+        own = request.getfixturevalue("driver_run")
+    else:
+        request.getfixturevalue("prefect_api")
+        own = train_own_code(external_cluster, tmp_path, launch_mode)
+    client = MlflowClient(own.tracking_uri)
     (run,) = client.search_runs([client.get_experiment_by_name("cluster-own-code").experiment_id])
     assert run.info.status == "FINISHED" and run.data.params["train_code"] == "my_model.train:training"
+    assert run.data.params["train_config.hidden"] == "24"
     assert run.data.tags["prefect_raytrain.ray_cluster"] == external_cluster.address
     assert ("prefect_raytrain.ray_job" in run.data.tags) == (launch_mode == "ray_job"), run.data.tags
     assert client.get_model_version("cluster-own-code", "1").run_id == run.info.run_id  # registered from it
@@ -268,6 +290,7 @@ def test_an_unreachable_address_fails_naming_the_setting() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.chaos
 def test_a_warm_ray_gone_with_its_serve_process_leaves_the_run_a_local_ray_of_its_own_and_its_sigterm_handler() -> None:
     # What a run started by `deployments.serve` meets when serve (and its Ray) died after starting it.
     dead = f"127.0.0.1:{free_port()}"
@@ -350,7 +373,7 @@ def test_credentials_reach_a_cluster_only_when_asked(monkeypatch: pytest.MonkeyP
 
 @pytest.mark.slow
 def test_a_node_that_cannot_write_the_bucket_is_named_before_any_worker_starts(
-    tmp_path: Path, s3_server: Any, prefect_api: None
+    external_cluster: ExternalCluster, tmp_path: Path, s3_server: Any, prefect_api: None
 ) -> None:
     """The driver's credentials write the bucket; the node's own (read-only) ones do not. The run stops in the
     pre-flight, naming the node and the setting, with no MLflow run and no checkpoint folder created."""
@@ -358,16 +381,14 @@ def test_a_node_that_cannot_write_the_bucket_is_named_before_any_worker_starts(
 
     from devtools.s3_server import READER
 
-    reader_env = {"AWS_ACCESS_KEY_ID": READER[0], "AWS_SECRET_ACCESS_KEY": READER[1]}
     tracking_uri = f"sqlite:///{seed_mlflow_store(tmp_path / 'mlflow.db')}"
-    with head_node(env=reader_env) as cluster:
-        command = [sys.executable, "-m", "flows.training", "--ray-address", cluster.address, "--epochs", "1"]
-        command += ["--storage-path", "s3://prt-nodes/run", "--s3-endpoint-url", s3_server.endpoint_url]
-        command += ["--create-bucket", "--mlflow-tracking-uri", tracking_uri, "--experiment-name", "nodes"]
-        env = {**os.environ, **CLIENT_ENV, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
-        started = time.monotonic()
-        done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-        took = time.monotonic() - started
+    command = [sys.executable, "-m", "flows.training", "--ray-address", external_cluster.address, "--epochs", "1"]
+    command += ["--storage-path", "s3://prt-nodes/run", "--s3-endpoint-url", s3_server.endpoint_url]
+    command += ["--create-bucket", "--mlflow-tracking-uri", tracking_uri, "--experiment-name", "nodes"]
+    env = {**os.environ, **CLIENT_ENV, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
+    started = time.monotonic()
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    took = time.monotonic() - started
     output = done.stdout + done.stderr
     assert done.returncode == 1, output[-4000:]
     assert "not usable from every Ray node" in output and "127.0.0.1 (node " in output, output[-4000:]
@@ -437,6 +458,7 @@ def ray_jobs(cluster: ExternalCluster) -> dict[str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.chaos
 def test_a_ray_job_fit_outlives_its_orchestrator_and_the_next_run_reattaches(
     external_cluster: ExternalCluster, tmp_path: Path, prefect_api: None
 ) -> None:
