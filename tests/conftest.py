@@ -104,8 +104,9 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalS3]:
 @pytest.fixture(autouse=True)
 def _the_zombie_watch_loads_at_once(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """A run or `serve` that creates or changes the zombie watch waits WATCH_LOAD_SECONDS (8 s) for the server to
-    load it before it re-arms the watched runs: only the slow tests depend on that wait; the others skip it."""
-    if request.node.get_closest_marker("slow") is None:
+    load it before it re-arms the watched runs: only the end-to-end and chaos tests depend on that wait; the others
+    skip it."""
+    if request.node.get_closest_marker("slow") is None and request.node.get_closest_marker("chaos") is None:
         from flows import continuation
 
         monkeypatch.setattr(continuation, "WATCH_LOAD_SECONDS", 0)

@@ -143,7 +143,7 @@ def lost_run() -> None:
     """Only its flow record is used: a run of it is created Running, and then nothing of it beats any more."""
 
 
-@pytest.mark.slow  # about 35 s of waiting on the server's watch
+@pytest.mark.chaos  # a real window: about 35 s of waiting on the server's watch
 def test_a_run_lost_just_after_the_watch_window_changed_is_still_found(monkeypatch: pytest.MonkeyPatch) -> None:
     """Changing the watch's window (a run or `serve` started with another PREFECT_RAYTRAIN_ZOMBIE_SILENCE_SECONDS)
     must not forget the runs it already watches: a run whose last heartbeat came before the change (its machine
