@@ -33,3 +33,20 @@ def test_every_relative_link_resolves() -> None:
             if not target.startswith(("http://", "https://", "mailto:")) and not (page.parent / target).exists():
                 broken.append(f"{page.relative_to(REPO_ROOT)} -> {target}")
     assert broken == []
+
+
+def test_every_test_the_docs_name_exists() -> None:
+    """The docs name the test that shows each promise (`test_x.py::test_y`); a renamed or merged test is renamed
+    there too."""
+    tests = {
+        (path.name, name)
+        for path in (REPO_ROOT / "tests").rglob("test_*.py")
+        for name in re.findall(r"^(?:async )?def (test_\w+)", path.read_text(), re.MULTILINE)
+    }
+    missing = [
+        f"{page.relative_to(REPO_ROOT)}: {file}::{name}"
+        for page in [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+        for file, name in re.findall(r"(test_\w+\.py)::(test_\w+)", page.read_text())
+        if (file, name) not in tests
+    ]
+    assert missing == []
