@@ -63,8 +63,8 @@ test-chaos: install
 # Every tier with devtools/pytest_profile.py: each test's wall and CPU seconds, in bench/results/suite_cpu.tsv.
 test-profile: install
 	@rm -f bench/results/suite_cpu.tsv
-	-$(MAKE) --no-print-directory test PROFILE="-p devtools.pytest_profile --profile-tsv bench/results/suite_cpu.tsv"
-	-$(MAKE) --no-print-directory test-chaos PROFILE="-p devtools.pytest_profile --profile-tsv bench/results/suite_cpu.tsv"
+	-$(MAKE) --no-print-directory test PROFILE="-p devtools.pytest_profile --profile-tsv=bench/results/suite_cpu.tsv"
+	-$(MAKE) --no-print-directory test-chaos PROFILE="-p devtools.pytest_profile --profile-tsv=bench/results/suite_cpu.tsv"
 
 lint: install
 	$(VENV)/bin/ruff check .

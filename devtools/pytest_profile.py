@@ -1,6 +1,9 @@
 """A pytest plugin: each test's wall seconds and the machine's CPU seconds while it ran, as rows of a TSV.
 
-    pytest -p devtools.pytest_profile --profile-tsv bench/results/suite_cpu.tsv ...
+    pytest -p devtools.pytest_profile --profile-tsv=bench/results/suite_cpu.tsv ...
+
+Write the option with `=`: pytest picks its rootdir and configuration from the paths among its arguments
+before it knows this option, and an existing file given as a separate argument would be taken for one.
 
 `make test-profile` runs every tier with it. A test's time counts its setup, call and teardown, so the first
 test to use a session fixture (a local Ray, a Prefect API) carries that fixture's start. The CPU seconds are the

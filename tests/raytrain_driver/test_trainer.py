@@ -1,4 +1,8 @@
-"""The trainer on the session's real local Ray, without the pipeline around it: what a fit leaves on a shared Ray."""
+"""The trainer on the session's real local Ray, without the pipeline around it: what a fit leaves on a shared Ray.
+
+Chaos tier: it kills a controller. Ray Train's resource request for a killed controller stays with Ray Data's
+AutoscalingCoordinator until it expires (180 s), and an elastic fit on the same Ray waits for it meanwhile
+(seen: 130 s instead of 11 s for test_ingest's elastic fit run after it)."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import pytest
 from raytrain_driver.trainer import RunTrainer
 from tests.helpers import this_ray_address, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
+pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.usefixtures("ray_cluster")]
 
 
 def _train_until_killed(config: dict[str, str]) -> None:

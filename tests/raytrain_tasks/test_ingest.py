@@ -3,7 +3,6 @@ CPUs each needs, and what Ray Train starts for them (which rows each worker sees
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -13,21 +12,26 @@ import pytest
 from flows.training import training_pipeline
 from raytrain_tasks.config import parameters_of
 from raytrain_tasks.data import DatasetRef
-from tasks.data import prepare_data
 from tests.helpers import small_config, this_ray_address
 
 pytestmark = pytest.mark.slow
 
 
-def test_torch_and_ray_data_loaders_reach_the_same_accuracy(
+def test_torch_and_ray_data_loaders_reach_the_same_accuracy_and_only_ray_data_starts_a_dataset_manager(
     tmp_path: Path, ray_cluster: object, prefect_api: None
 ) -> None:
-    results = {}
+    """Ray Train would start (and make the workers wait for) a Ray Data actor at every worker-group start: a run
+    without Ray Datasets (the torch DataLoader) starts none."""
+    results, managers = {}, {"before": dataset_managers()}
     for loader in ("torch", "ray_data"):
         # The default cpus_per_worker (sized to the cluster): 2 workers and Ray Data on this 2-CPU Ray.
         config = small_config(tmp_path / loader, data_loader=loader, register=False, epochs=4)
         results[loader] = training_pipeline(**parameters_of(config)).fit
+        managers[loader] = dataset_managers()
+    assert managers["torch"] == managers["before"], managers
+    assert managers["ray_data"] > managers["torch"], managers  # the count sees one where Ray Datasets are given
     torch_run, ray_data_run = results["torch"], results["ray_data"]
+    assert torch_run.best_checkpoint_uri  # it trained and checkpointed
     assert torch_run.final_metrics["val_accuracy"] >= 0.9
     assert ray_data_run.final_metrics["val_accuracy"] >= 0.9
     # Same data, model and seed; only which rows share a batch differs.
@@ -44,6 +48,20 @@ def test_torch_and_ray_data_loaders_reach_the_same_accuracy(
             f"\n{loader}: val_accuracy {fit.final_metrics['val_accuracy']:.4f}, "
             f"{fit.final_metrics['samples_per_second']:.0f} samples/s in the last epoch"
         )
+
+
+def dataset_managers() -> int:
+    """Ray Train's DatasetManager actors this Ray has started, alive or dead."""
+    from ray.util.state import list_actors
+
+    return len(
+        list_actors(
+            address=this_ray_address(),
+            filters=[("class_name", "=", "DatasetManager")],
+            limit=10_000,
+            raise_on_missing_output=False,
+        )
+    )
 
 
 def test_ray_data_that_streams_needs_cpus_beside_the_workers(tmp_path: Path, ray_cluster: dict[str, float]) -> None:
@@ -83,74 +101,39 @@ DATASET_FIELDS: dict[str, Any] = {
 }
 
 
-def test_a_run_without_ray_datasets_starts_no_dataset_manager(
-    tmp_path: Path, ray_cluster: object, prefect_api: None
-) -> None:
-    """Ray Train would start (and make the workers wait for) a Ray Data actor at every worker-group start."""
-    from ray.util.state import list_actors
-
-    from raytrain_driver.preflight import resolve_code
-    from raytrain_driver.sizing import FitPlan
-    from raytrain_driver.trainer import build_trainer
-    from raytrain_tasks.storage.locations import locate
-
-    def dataset_managers() -> int:
-        return len(
-            list_actors(
-                address=this_ray_address(),
-                filters=[("class_name", "=", "DatasetManager")],
-                limit=10_000,
-                raise_on_missing_output=False,
-            )
-        )
-
-    config = small_config(tmp_path, epochs=1, cpus_per_worker=0.5).resolved(tmp_path, {})
-    dataset = prepare_data(config)
-    before = dataset_managers()
-    previous_handler = signal.getsignal(signal.SIGINT)
-    runs = locate(config.storage_path).child("runs")
-    spec = resolve_code(config)
-    result = build_trainer(config, FitPlan.of(config), dataset, "no-datasets", runs, spec=spec).fit()
-    signal.signal(signal.SIGINT, previous_handler)
-
-    assert result.checkpoint is not None  # it trained and checkpointed
-    assert dataset_managers() == before
-
-
 def test_a_retried_elastic_fit_keeps_the_cpus_per_worker_it_trained_with(
-    tmp_path: Path, ray_cluster: object, prefect_api: None
+    tmp_path: Path, ray_cluster: dict[str, float], caplog: pytest.LogCaptureFixture
 ) -> None:
     """A fit retried after its cluster shrank keeps the share its earlier attempt trained with, and Ray Train
     starts the workers that fit at it. Seen in CI with two 1-CPU nodes, 1-2 workers sized at 1 CPU: the second
     node was lost, Prefect retried the fit, and the retry sized the share anew to fit both workers on the
     survivor's one CPU (two DDP processes at half a CPU each, slower than one). Here the earlier attempt trained
-    at 2 CPUs per worker (a bigger cluster) and the retry runs on this 2-CPU Ray: one worker, at 2 CPUs."""
-    from prefect import flow
+    at 2 CPUs per worker (a bigger cluster), and the retry's pre-flight on this 2-CPU Ray reads it from the failed
+    MLflow run: one worker, at 2 CPUs. The plan is what the trainer starts and what the run's tag records (the
+    loaders' test above reads that tag after a fit)."""
+    import logging
 
-    from raytrain_driver.preflight import code_params, resolve_code
+    from raytrain_driver.preflight import check_cluster, code_params, resolve_code
     from raytrain_tasks.config import new_run_key
+    from raytrain_tasks.storage.locations import locate
     from raytrain_tasks.tracking import runs as tracking
-    from tasks.fit import distributed_fit
 
     config = small_config(tmp_path, num_workers=1, max_workers=2, epochs=1, register=False).resolved(tmp_path, {})
-    dataset = prepare_data(config)
     run_key = new_run_key()
     client = mlflow.MlflowClient(config.mlflow_tracking_uri)
     experiment_id = tracking.ensure_experiment(
         client, config.experiment_name, config.mlflow_tracking_uri, config.storage_path
     )
+    runs = locate(config.storage_path).child("runs")
+    assert check_cluster(config, runs, client, run_key).cpus_per_worker == 1.0  # a new run: sized to this Ray
     earlier_tags = {tracking.CPUS_PER_WORKER_TAG: "2"}
     params = config.public_params(code_params(config, resolve_code(config)))
     run_id, _ = tracking.start_or_reopen_run(client, experiment_id, run_key, run_key, earlier_tags, params)
     tracking.fail_run(client, run_id, RuntimeError("the worker group could not start: a node was lost"))
 
-    @flow(name="fit-retry")
-    def fit_retry() -> Any:
-        return distributed_fit.with_options(retries=0)(config, dataset, run_key)
-
-    fit = fit_retry()
-    assert fit.mlflow_run_id == run_id  # the same run, continued
-    run = client.get_run(run_id)
-    assert run.info.status == "FINISHED"
-    assert run.data.tags[tracking.CPUS_PER_WORKER_TAG] == "2"
-    assert [m.value for m in client.get_metric_history(run_id, "workers")] == [1.0]
+    with caplog.at_level(logging.INFO, logger="prefect_raytrain.fit"):
+        plan = check_cluster(config, runs, client, run_key)
+    assert (plan.cpus_per_worker, plan.min_workers, plan.max_workers) == (2.0, 1, 2), plan
+    assert int(ray_cluster["CPU"] // plan.cpus_per_worker) == 1, "one worker fits at the earlier share"
+    said = [record.getMessage() for record in caplog.records]
+    assert any("1-2 workers x 2 CPUs each, as the run's earlier attempt trained" in line for line in said), said
