@@ -35,7 +35,7 @@ run: install
 #   e2e:   `slow` and not `chaos`: every promise that needs the whole pipeline, shown once; serial (each trains
 #          on both cores)
 #   chaos: `chaos`: real time windows and real deaths across processes and machines; serial
-# make test runs the import rules, the fast tier, then the end-to-end tier (15 minutes here); CI runs
+# make test runs the import rules, the fast tier, then the end-to-end tier; CI runs
 # make test-chaos after it. A PYTEST_ARGS with its own -m runs one serial pass with it instead.
 FAST := not slow and not chaos
 E2E := slow and not chaos
