@@ -93,9 +93,21 @@ def this_ray_address() -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports on 127.0.0.1. All are held open until all are chosen: ports taken one at a
+    time may repeat (the OS can hand out a port again once its socket is closed), and `ray start` refuses a port
+    given to two of its components."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def wait_for_http(url: str, process: subprocess.Popen[Any], log: Path, timeout: float = 120) -> None:
@@ -505,7 +517,7 @@ def head_node(env: dict[str, str] | None = None, num_cpus: int = 2) -> Iterator[
     # a first `ray.init()` does: without this, a fresh machine's first cluster test depends on a local-Ray test
     # having run before it (seen with `-m "not slow"`: AuthenticationError, no token found).
     subprocess.run([RAY, "get-auth-token", "--generate"], check=True, capture_output=True, timeout=60)
-    ports = [free_port() for _ in range(9)]
+    ports = free_ports(9)
     # Short: Ray's socket paths live under the temp dir and must stay under the OS's 107-byte limit.
     temp_dir = Path(tempfile.mkdtemp(prefix="ray-prt-"))
     command = [RAY, "start", "--head", "--block", "--disable-usage-stats", "--num-cpus", str(num_cpus)]

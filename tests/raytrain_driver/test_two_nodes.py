@@ -28,7 +28,7 @@ from tests.helpers import (
     CLIENT_ENV,
     RAY,
     ExternalCluster,
-    free_port,
+    free_ports,
     head_node,
     run_python,
     seed_mlflow_store,
@@ -74,15 +74,16 @@ def second_node(head: ExternalCluster) -> Iterator[tuple[subprocess.Popen[bytes]
     port = head.address.rsplit(":", 1)[1]
     command = [RAY, "start", "--address", f"127.1:{port}", "--block", "--disable-usage-stats", "--num-cpus", "1"]
     command += ["--node-ip-address", NODE_IP, "--temp-dir", str(temp_dir)]
-    for flag in (
+    flags = (
         "--node-manager-port",
         "--object-manager-port",
         "--metrics-export-port",
         "--runtime-env-agent-port",
         "--dashboard-agent-listen-port",
         "--dashboard-agent-grpc-port",
-    ):
-        command += [flag, str(free_port())]
+    )
+    for flag, free in zip(flags, free_ports(len(flags)), strict=True):
+        command += [flag, str(free)]
     # The head stays on loopback with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (tests.helpers.LOOPBACK_ENV); a node that
     # joins it must say it is part of a multi-node cluster, and stays on loopback through --node-ip-address.
     with (temp_dir / "ray-start.log").open("w") as log:
