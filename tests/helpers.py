@@ -92,6 +92,15 @@ def this_ray_address() -> str:
     return str(ray.get_runtime_context().gcs_address)
 
 
+def joins_this_ray() -> dict[str, str]:
+    """Environment for a command in a subprocess to train on this session's local Ray, as the runs that
+    `deployments.serve` starts join its warm Ray, instead of starting and stopping one of its own (about 10 s and
+    as many CPU-seconds each). A local Ray's own start is shown by test_cli's run on embedded defaults."""
+    from raytrain_driver.cluster import WARM_RAY_ENV
+
+    return {WARM_RAY_ENV: this_ray_address(), "RAY_AUTH_MODE": "token"}
+
+
 def free_port() -> int:
     return free_ports(1)[0]
 

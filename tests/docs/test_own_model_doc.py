@@ -1,8 +1,9 @@
 """docs/own-model.md is followed as a newcomer follows it: every command of its "Start from an example" section
 runs, as written, in a fresh folder beside the checkout (named `prefect-raytrain`, as the guide assumes), with
-the embedded defaults (local Ray, MLflow and storage under ./.pipeline). The commands talk to the session's Prefect
-API (`PREFECT_API_URL`, as a user with a Prefect server set up has it) rather than each starting a temporary one:
-test_cli runs that default, and four server starts here cost about a minute."""
+the embedded defaults (MLflow and storage under ./.pipeline). The commands talk to the session's Prefect
+API (`PREFECT_API_URL`, as a user with a Prefect server set up has it) rather than each starting a temporary one,
+and train on the session's local Ray rather than each starting one: test_cli runs those defaults, and here they
+would cost about a minute and a half."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, joins_this_ray, this_ray_address
 
 pytestmark = [pytest.mark.slow]
 
@@ -39,7 +40,8 @@ def test_the_guide_has_commands_to_follow() -> None:
     assert sum(command.startswith("prefect-raytrain train") for command in commands) >= 3, commands
 
 
-def test_every_command_of_the_guide_runs_from_a_fresh_folder(tmp_path: Path, prefect_api: None) -> None:
+@pytest.mark.usefixtures("prefect_api", "ray_cluster")
+def test_every_command_of_the_guide_runs_from_a_fresh_folder(tmp_path: Path) -> None:
     """The section's commands run as one shell script, as a user types them in one terminal: the checkout's
     environment is what the guide's own `source .../activate` gives, not this test's (its `bin` is off PATH)."""
     from prefect.settings import PREFECT_API_URL
@@ -50,6 +52,7 @@ def test_every_command_of_the_guide_runs_from_a_fresh_folder(tmp_path: Path, pre
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p and p != venv_bin)
     env["PREFECT_API_URL"] = str(PREFECT_API_URL.value())
     env["PREFECT_HOME"] = str(tmp_path / ".prefect")
+    env.update(joins_this_ray())
     commands = guide_commands()
     script = "set -ex\n" + "".join(f"{command}\n" for command in commands)  # -x: each command, as it runs
     done = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800)
@@ -68,6 +71,7 @@ def test_every_command_of_the_guide_runs_from_a_fresh_folder(tmp_path: Path, pre
         "my_images.train:training",
     }
     assert all(run.info.status == "FINISHED" for run in runs)
+    assert {run.data.tags["prefect_raytrain.ray_cluster"] for run in runs} == {this_ray_address()}
     (my_model,) = [run for run in runs if run.data.params["train_code"] == "my_model.train:training"]
     assert my_model.data.params["train_config.hidden"] == "64"  # --train-config reached the run's params
     (my_images,) = [run for run in runs if run.data.params["train_code"] == "my_images.train:training"]

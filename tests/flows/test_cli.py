@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, joins_this_ray
 
 
 def _cli_env(tmp_path: Path) -> dict[str, str]:
@@ -22,11 +22,14 @@ def _cli_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def _run_cli(tmp_path: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+def _run_cli(
+    tmp_path: Path, *args: str, timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``env``: added to the command's environment (e.g. the session's Ray and Prefect API, to skip their starts)."""
     return subprocess.run(
         [sys.executable, "-m", "flows.training", *args],
         cwd=tmp_path,
-        env=_cli_env(tmp_path),
+        env={**_cli_env(tmp_path), **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -34,6 +37,7 @@ def _run_cli(tmp_path: Path, *args: str, timeout: float) -> subprocess.Completed
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster")
 def test_cli_runs_the_pipeline_on_embedded_defaults(tmp_path: Path) -> None:
     proc = _run_cli(tmp_path, "--num-workers", "2", "--epochs", "2", timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -55,8 +59,9 @@ def test_cli_runs_the_pipeline_on_embedded_defaults(tmp_path: Path) -> None:
     assert "digits-classifier version 1 (test_accuracy" in console  # the registry decision, said once
     for noise in NOISE:
         assert noise not in console, noise
-    # --verbose shows everything (here: the Ray processes' own output).
-    verbose = _run_cli(tmp_path, "--epochs", "1", "--no-register", "--verbose", timeout=600)
+    # --verbose shows everything (here: the Ray processes' own output). On the session's Ray: the first run showed
+    # a local Ray's start and stop.
+    verbose = _run_cli(tmp_path, "--epochs", "1", "--no-register", "--verbose", timeout=600, env=joins_this_ray())
     assert verbose.returncode == 0, verbose.stderr[-4000:]
     assert "(TrainController pid=" in verbose.stdout + verbose.stderr
 
@@ -111,6 +116,7 @@ def test_train_code_that_cannot_run_is_named_before_prefect_or_ray_start(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster", "prefect_api")
 def test_a_failed_run_ends_with_one_message_and_the_command_that_continues_it(tmp_path: Path) -> None:
     """A bug in the user's train_func: the console gives the error once, at its end, with the user's own frame
     and the command that continues the run; Prefect's engine frames and the error's two other full copies (the
@@ -123,7 +129,11 @@ def test_a_failed_run_ends_with_one_message_and_the_command_that_continues_it(tm
         "training = TrainFunc(train_func, metric=Metric('val_loss', higher_is_better=False))\n"
     )
     args = ("--train-code", "buggy:training", "--epochs", "1", "--no-register", "--num-workers", "1")
-    failed = _run_cli(tmp_path, *args, timeout=300)
+    from prefect.settings import PREFECT_API_URL
+
+    # On the session's Ray and Prefect API: the console is the subject, not their starts.
+    session = {**joins_this_ray(), "PREFECT_API_URL": str(PREFECT_API_URL.value())}
+    failed = _run_cli(tmp_path, *args, timeout=300, env=session)
     assert failed.returncode == 1, failed.stderr[-3000:]
     err = failed.stderr
     assert err.count("return config['hidden']") == 1, err  # the user's frame, once

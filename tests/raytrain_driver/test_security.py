@@ -303,9 +303,10 @@ def run_cli(tmp_path: Path, args: list[str], env: dict[str, str]) -> tuple[int, 
 
     from prefect.settings import PREFECT_API_URL
 
-    from tests.helpers import REPO_ROOT
+    from tests.helpers import REPO_ROOT, joins_this_ray
 
     base = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_TRACKING_")}
+    base.update(joins_this_ray())  # the session's Ray: a local Ray's start is not the subject
     command = [sys.executable, "-m", "flows.training", "--storage-path", str(tmp_path / "storage"), *args]
     command += ["--epochs", "1", "--num-workers", "1", "--experiment-name", "auth", "--model-name", "auth-model"]
     done = subprocess.run(
