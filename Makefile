@@ -32,9 +32,10 @@ run: install
 
 # The tests in three tiers, by marker (declared in pyproject.toml, described in docs/development.md):
 #   fast:  neither `slow` nor `chaos`: no training run; two processes (each module in one, in file order)
-#   e2e:   `slow` and not `chaos`: every promise that needs the whole pipeline, shown once; serial (each trains
-#          on both cores)
-#   chaos: `chaos`: real time windows and real deaths across processes and machines; serial
+#   e2e:   `slow` and not `chaos`: every promise that needs the whole pipeline, shown once; two processes too,
+#          each with a local Ray of its own (a third of a serial pass's time waits on servers and starts)
+#   chaos: `chaos`: real time windows and real deaths across processes and machines; serial (a window must
+#          not depend on what runs beside it)
 # make test runs the import rules, the fast tier, then the end-to-end tier; CI runs
 # make test-chaos after it. A PYTEST_ARGS with its own -m runs one serial pass with it instead.
 FAST := not slow and not chaos
@@ -47,7 +48,7 @@ ifneq (,$(findstring -m ,$(PYTEST_ARGS) ))
 else
 	@fast=0; e2e=0; \
 	$(PY) -m pytest -m "$(FAST)" -n 2 --dist loadscope $(PROFILE) $(PYTEST_ARGS) || fast=$$?; \
-	$(PY) -m pytest -m "$(E2E)" $(PROFILE) $(PYTEST_ARGS) || e2e=$$?; \
+	$(PY) -m pytest -m "$(E2E)" -n 2 --dist loadscope $(PROFILE) $(PYTEST_ARGS) || e2e=$$?; \
 	echo "make test: fast tier exit $$fast, end-to-end tier exit $$e2e (5: no test selected)"; \
 	for rc in $$fast $$e2e; do [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || exit $$rc; done; \
 	[ $$fast -ne 5 ] || [ $$e2e -ne 5 ] || exit 5

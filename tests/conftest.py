@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -37,7 +39,39 @@ os.environ.pop("PREFECT_API_URL", None)
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-from tests.helpers import _MLFLOW_TEMPLATE, MlflowServer, free_port, start_mlflow_server, stop_process_group  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    _MLFLOW_TEMPLATE,
+    RAY,
+    MlflowServer,
+    free_port,
+    start_mlflow_server,
+    stop_process_group,
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The machine's Ray token (~/.ray/auth_token), made once before the xdist workers start: each worker's first
+    local Ray writes one when there is none, and on a fresh machine two at once would leave the file holding
+    one worker's token while the other's Ray checks another (every client of that Ray then fails)."""
+    if hasattr(config, "workerinput") or (Path.home() / ".ray" / "auth_token").is_file():
+        return
+    subprocess.run([RAY, "get-auth-token", "--generate"], check=True, capture_output=True, timeout=120)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In the xdist processes of a tier: the modules that took longest (bench/results/suite_cpu.tsv, summed per
+    module) first, each module's tests in file order. `--dist loadscope` hands out whole modules in this order,
+    so the long ones start at once and the two processes end together instead of one running the last long
+    module alone. A serial run keeps file order."""
+    if not hasattr(config, "workerinput"):
+        return
+    recorded: dict[str, float] = {}
+    profile = Path(__file__).parent.parent / "bench" / "results" / "suite_cpu.tsv"
+    for line in profile.read_text().splitlines()[1:] if profile.is_file() else []:
+        test, _, wall, *_ = line.split("\t")
+        module = test.split("::", 1)[0]
+        recorded[module] = recorded.get(module, 0.0) + float(wall)
+    items.sort(key=lambda item: -recorded.get(item.nodeid.split("::", 1)[0], 0.0))
 
 
 def _left_running() -> list[psutil.Process]:
