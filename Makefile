@@ -47,8 +47,8 @@ ifneq (,$(findstring -m ,$(PYTEST_ARGS) ))
 	$(PY) -m pytest $(PROFILE) $(PYTEST_ARGS)
 else
 	@fast=0; e2e=0; \
-	$(PY) -m pytest -m "$(FAST)" -n 2 --dist loadscope $(PROFILE) $(PYTEST_ARGS) || fast=$$?; \
-	$(PY) -m pytest -m "$(E2E)" -n 2 --dist loadscope $(PROFILE) $(PYTEST_ARGS) || e2e=$$?; \
+	$(PY) -m pytest -m "$(FAST)" -n 2 --dist loadscope --no-loadscope-reorder $(PROFILE) $(PYTEST_ARGS) || fast=$$?; \
+	$(PY) -m pytest -m "$(E2E)" -n 2 --dist loadscope --no-loadscope-reorder $(PROFILE) $(PYTEST_ARGS) || e2e=$$?; \
 	echo "make test: fast tier exit $$fast, end-to-end tier exit $$e2e (5: no test selected)"; \
 	for rc in $$fast $$e2e; do [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || exit $$rc; done; \
 	[ $$fast -ne 5 ] || [ $$e2e -ne 5 ] || exit 5
@@ -56,7 +56,7 @@ endif
 
 test-fast: install
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -m "$(FAST)" -n 2 --dist loadscope $(PROFILE) $(PYTEST_ARGS)
+	$(PY) -m pytest -m "$(FAST)" -n 2 --dist loadscope --no-loadscope-reorder $(PROFILE) $(PYTEST_ARGS)
 
 test-chaos: install
 	$(PY) -m pytest -m chaos $(PROFILE) $(PYTEST_ARGS)

@@ -58,20 +58,23 @@ def pytest_configure(config: pytest.Config) -> None:
     subprocess.run([RAY, "get-auth-token", "--generate"], check=True, capture_output=True, timeout=120)
 
 
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected what this tier does not run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """In the xdist processes of a tier: the modules that took longest (bench/results/suite_cpu.tsv, summed per
-    module) first, each module's tests in file order. `--dist loadscope` hands out whole modules in this order,
-    so the long ones start at once and the two processes end together instead of one running the last long
-    module alone. A serial run keeps file order."""
+    """In the xdist processes of a tier: the modules whose selected tests took longest (their rows in
+    bench/results/suite_cpu.tsv) first, each module's tests in file order. `--dist loadscope
+    --no-loadscope-reorder` (the Makefile) hands out whole modules in this order, so the long ones start at once
+    and the two processes end together, instead of one running the last long module alone. A serial run keeps
+    file order."""
     if not hasattr(config, "workerinput"):
         return
-    recorded: dict[str, float] = {}
     profile = Path(__file__).parent.parent / "bench" / "results" / "suite_cpu.tsv"
-    for line in profile.read_text().splitlines()[1:] if profile.is_file() else []:
-        test, _, wall, *_ = line.split("\t")
-        module = test.split("::", 1)[0]
-        recorded[module] = recorded.get(module, 0.0) + float(wall)
-    items.sort(key=lambda item: -recorded.get(item.nodeid.split("::", 1)[0], 0.0))
+    rows = profile.read_text().splitlines()[1:] if profile.is_file() else []
+    wall = {test: float(seconds) for test, _, seconds, *_ in (row.split("\t") for row in rows)}
+    cost: dict[str, float] = {}
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        cost[module] = cost.get(module, 0.0) + wall.get(item.nodeid, 0.0)
+    items.sort(key=lambda item: -cost[item.nodeid.split("::", 1)[0]])
 
 
 def _left_running() -> list[psutil.Process]:
