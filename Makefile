@@ -31,7 +31,8 @@ run: install
 	$(PY) -m flows.training $(ARGS)
 
 # The tests in three tiers, by marker (declared in pyproject.toml, described in docs/development.md):
-#   fast:  neither `slow` nor `chaos`: no training run; two processes (each module in one, in file order)
+#   fast:  neither `slow` nor `chaos`: no training run; two processes (XDIST: each module in one, the
+#          longest first, by bench/results/suite_cpu.tsv; tests/conftest.py orders them)
 #   e2e:   `slow` and not `chaos`: every promise that needs the whole pipeline, shown once; two processes too,
 #          each with a local Ray of its own (a third of a serial pass's time waits on servers and starts)
 #   chaos: `chaos`: real time windows and real deaths across processes and machines; serial (a window must
@@ -40,6 +41,8 @@ run: install
 # make test-chaos after it. A PYTEST_ARGS with its own -m runs one serial pass with it instead.
 FAST := not slow and not chaos
 E2E := slow and not chaos
+# --no-loadscope-reorder: xdist would otherwise hand out modules by their number of tests.
+XDIST := -n 2 --dist loadscope --no-loadscope-reorder
 PROFILE ?=
 test: install
 	$(VENV)/bin/lint-imports
@@ -47,8 +50,8 @@ ifneq (,$(findstring -m ,$(PYTEST_ARGS) ))
 	$(PY) -m pytest $(PROFILE) $(PYTEST_ARGS)
 else
 	@fast=0; e2e=0; \
-	$(PY) -m pytest -m "$(FAST)" -n 2 --dist loadscope --no-loadscope-reorder $(PROFILE) $(PYTEST_ARGS) || fast=$$?; \
-	$(PY) -m pytest -m "$(E2E)" -n 2 --dist loadscope --no-loadscope-reorder $(PROFILE) $(PYTEST_ARGS) || e2e=$$?; \
+	$(PY) -m pytest -m "$(FAST)" $(XDIST) $(PROFILE) $(PYTEST_ARGS) || fast=$$?; \
+	$(PY) -m pytest -m "$(E2E)" $(XDIST) $(PROFILE) $(PYTEST_ARGS) || e2e=$$?; \
 	echo "make test: fast tier exit $$fast, end-to-end tier exit $$e2e (5: no test selected)"; \
 	for rc in $$fast $$e2e; do [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || exit $$rc; done; \
 	[ $$fast -ne 5 ] || [ $$e2e -ne 5 ] || exit 5
@@ -56,7 +59,7 @@ endif
 
 test-fast: install
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -m "$(FAST)" -n 2 --dist loadscope --no-loadscope-reorder $(PROFILE) $(PYTEST_ARGS)
+	$(PY) -m pytest -m "$(FAST)" $(XDIST) $(PROFILE) $(PYTEST_ARGS)
 
 test-chaos: install
 	$(PY) -m pytest -m chaos $(PROFILE) $(PYTEST_ARGS)
