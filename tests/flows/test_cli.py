@@ -59,11 +59,8 @@ def test_cli_runs_the_pipeline_on_embedded_defaults(tmp_path: Path) -> None:
     assert "digits-classifier version 1 (test_accuracy" in console  # the registry decision, said once
     for noise in NOISE:
         assert noise not in console, noise
-    # --verbose shows everything (here: the Ray processes' own output). On the session's Ray: the first run showed
-    # a local Ray's start and stop.
-    verbose = _run_cli(tmp_path, "--epochs", "1", "--no-register", "--verbose", timeout=600, env=joins_this_ray())
-    assert verbose.returncode == 0, verbose.stderr[-4000:]
-    assert "(TrainController pid=" in verbose.stdout + verbose.stderr
+    # What --verbose shows (the Ray processes' own output too): test_security's credentials test, whose first run
+    # is verbose, so that no password hides in that output either.
 
 
 # What a default run printed before the console was quieted (issue 19), none of it for the user to act on.

@@ -205,7 +205,7 @@ def challenger(first_run: PipelineResult, client: MlflowClient, workdir: Path) -
         client.delete_model_version_tag(name, version, tag)
     try:
         as_built_in = client.get_model_version(name, version).tags
-        worse = training_pipeline(**parameters_of(small_config(workdir, epochs=1, learning_rate=1e-4)))
+        worse = training_pipeline(**parameters_of(small_config(workdir, epochs=1, learning_rate=1e-4, num_workers=1)))
     finally:
         for tag, value in removed.items():
             client.set_model_version_tag(name, version, tag, value)

@@ -136,7 +136,7 @@ def _trained_once(
     from tests.helpers import small_config
 
     workdir = tmp_path_factory.mktemp("finished-run")
-    config = small_config(workdir, epochs=2, register=False)
+    config = small_config(workdir, epochs=2, register=False, num_workers=1)  # one worker: DDP is not the subject
     first = training_pipeline(**parameters_of(config))
     run = FinishedRun(
         workdir=workdir,
@@ -362,9 +362,12 @@ def test_mlflow_credentials_appear_nowhere_the_product_writes(tmp_path: Path, au
     from raytrain_tasks.errors import TrackingError
     from tests.helpers import small_config
 
-    # 1. Credentials in the URI, from the CLI: the run works, and the password is in no output or record.
-    code, output = run_cli(tmp_path, ["--mlflow-tracking-uri", f"http://admin:{ADMIN_PASSWORD}@{auth_server}"], {})
+    # 1. Credentials in the URI, from the CLI: the run works, and the password is in no output or record. With
+    # --verbose, which shows everything: the Ray processes' own output too.
+    uri = f"http://admin:{ADMIN_PASSWORD}@{auth_server}"
+    code, output = run_cli(tmp_path, ["--mlflow-tracking-uri", uri, "--verbose"], {})
     assert code == 0, output[-4000:]
+    assert "(TrainController pid=" in output
     assert "http://admin:***@" in output or f"http://{auth_server}" in output
     # 2. Credentials in the environment, wrong password: a clear error naming the settings, and no password.
     code, refused = run_cli(
