@@ -2,9 +2,10 @@
 
 Each recovered run must end exactly where an uninterrupted run with the same seed ends (to 1e-6), in one
 MLflow run whose history has every epoch exactly once. Failures are injected from outside the product
-code: worker PIDs come from Ray's State API, the CLI is killed by its PID. A real death or outage window is
-`chaos`; a failure that the retry policy handles is end-to-end. Which checkpoint a restarted worker group is
-given, and a resume's choice among damaged ones, are also tested without a fit (test_tracking, test_user_fit).
+code: worker PIDs come from Ray's State API, the CLI is killed by its PID. Every test here is a real death or
+outage window, so all of them are `chaos` (make test-chaos). What the retry policy decides, which checkpoint a
+restarted worker group is given, and a resume's choice among damaged ones are tested without a fit
+(test_failures' policy tables, test_tracking, test_user_fit).
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> PipelineResult:
     return training_pipeline(**parameters_of(chaos_config(tmp_path_factory.mktemp("reference"))))
 
 
+@pytest.mark.chaos
 def test_a_failed_fit_task_is_retried_by_prefect_from_the_newest_checkpoint_that_verifies(
     tmp_path: Path, reference: PipelineResult
 ) -> None:
@@ -139,6 +141,7 @@ def test_a_failed_fit_task_is_retried_by_prefect_from_the_newest_checkpoint_that
     assert fit_run.run_count == 2 and fit_run.state is not None and fit_run.state.is_completed()
 
 
+@pytest.mark.chaos
 def test_exhausted_retries_fail_the_flow_and_register_nothing(tmp_path: Path) -> None:
     config = chaos_config(tmp_path, max_failures=0, fit_retries=0, register=True)
     state, _ = run_killing_a_worker(tmp_path, config, after_epoch=0)
