@@ -205,8 +205,8 @@ class Outage:
     same port. A real server's restart takes seconds that vary with the machine's load; a test that times a
     window around the outage needs the outage to end when it says so.
 
-    ``lose_replies(True)``: requests still reach the server, its replies never reach the client (the connection is
-    cut when one comes), as when a network fails after the server acted.
+    ``lose_next_reply()``: the next request still reaches the server, its reply never reaches the client (the
+    connection is cut when it comes), as when a network fails after the server acted; later replies go through.
     """
 
     def __init__(self, target_port: int) -> None:
@@ -215,17 +215,21 @@ class Outage:
         self._listener: socket.socket | None = None
         self._open: list[socket.socket] = []
         self._lock = threading.Lock()
-        self._replies_lost = False
+        self._replies_to_lose, self.replies_lost = 0, 0
 
-    def lose_replies(self, lost: bool) -> None:
-        """From now on, lose (or again forward) the server's replies; connections already open are cut."""
+    def lose_next_reply(self) -> None:
+        """Cut the connection that carries the server's next reply. One reply only: a test that switched losing
+        off when it saw the write land raced the client's retries, and lost on a slow machine."""
         with self._lock:
-            self._replies_lost, cut, self._open = lost, self._open, []
-        for sock in cut:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            self._replies_to_lose += 1
+
+    def _reply_lost(self) -> bool:
+        with self._lock:
+            if self._replies_to_lose == 0:
+                return False
+            self._replies_to_lose -= 1
+            self.replies_lost += 1
+            return True
 
     def __enter__(self) -> Outage:
         self.open()
@@ -267,17 +271,15 @@ class Outage:
                     upstream.close()
                     return
                 self._open += [client, upstream]
-                replies_lost = self._replies_lost
             for source, sink in ((client, upstream), (upstream, client)):
-                lose = replies_lost and source is upstream
-                threading.Thread(target=self._pump, args=(source, sink, lose), daemon=True).start()
+                threading.Thread(target=self._pump, args=(source, sink, source is upstream), daemon=True).start()
 
-    def _pump(self, source: socket.socket, sink: socket.socket, lose: bool = False) -> None:
-        """Forward one direction until either side ends (``lose``: until a reply other than an interim ``100
-        Continue``, which is dropped); then end both, and close the side read from."""
+    def _pump(self, source: socket.socket, sink: socket.socket, replies: bool = False) -> None:
+        """Forward one direction until either side ends (``replies``: the server's side, whose next reply other
+        than an interim ``100 Continue`` may be the one to lose); then end both, and close the side read from."""
         try:
             while data := source.recv(65536):
-                if lose and not data.startswith(b"HTTP/1.1 100 "):  # an interim 100 Continue still goes through
+                if replies and not data.startswith(b"HTTP/1.1 100 ") and self._reply_lost():
                     break
                 sink.sendall(data)
         except OSError:
