@@ -218,8 +218,8 @@ class Outage:
         self._replies_to_lose, self.replies_lost = 0, 0
 
     def lose_next_reply(self) -> None:
-        """Cut the connection that carries the server's next reply. One reply only: a test that switched losing
-        off when it saw the write land raced the client's retries, and lost on a slow machine."""
+        """Cut the connection that carries the server's next reply, and only that one: which reply is lost then
+        does not depend on how soon the test looks, nor on how often the client retries meanwhile."""
         with self._lock:
             self._replies_to_lose += 1
 
