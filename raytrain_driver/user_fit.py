@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -179,8 +180,9 @@ def history_of(result: ray.train.Result, logged: list[dict[str, float]]) -> list
 def best_checkpoint(
     result: ray.train.Result, spec: TrainFunc, run_key: str, rejected: frozenset[str] = frozenset()
 ) -> tuple[Any, dict[str, Any]]:
-    """(the best kept checkpoint by the spec's metric, its reported metrics; never a rejected one); TrainingError
-    when the user's code reported no checkpoint or never the gate's metric (nothing can be registered from it)."""
+    """(the best kept checkpoint by the spec's metric, its reported metrics; never a rejected one). Only a report
+    holding both the metric and the gate's metric as finite numbers can win; of equal scores, the first reported
+    wins. UserCodeError when no kept checkpoint has such a report: nothing can be registered from the fit."""
     kept = [(c, m) for c, m in result.best_checkpoints or [] if checkpoint_name(c.path) not in rejected]
     if not kept:  # the code's own doing, the same on every attempt: not retried
         raise UserCodeError(
@@ -189,21 +191,27 @@ def best_checkpoint(
             f"run with `resume={run_key}` (from epoch 1, in the same MLflow run)"
         )
     name = spec.selection.name
-    needed = {name, spec.gate.name}
-    scored = [(checkpoint, metrics) for checkpoint, metrics in kept if isinstance(metrics.get(name), int | float)]
-    missing = needed - set(numeric_metrics(kept[-1][1]))
-    if not scored or missing:
+    needed = sorted({name, spec.gate.name})
+    # Ray's own order ranks a NaN lowest and a missing metric as -inf, whatever the direction: read the reports.
+    scored = [(c, m) for c, m in kept if all(math.isfinite(numeric_metrics(m).get(key, math.nan)) for key in needed)]
+    if not scored:
         reported = sorted(numeric_metrics(kept[-1][1]))
+        never = [key for key in needed if not any(key in numeric_metrics(m) for _, m in kept)]
+        problem = (
+            f"never reported {never} with a checkpoint (it reported {reported})"
+            if never
+            else f"reported {needed} with a checkpoint only as NaN or infinite values, or never both in one report"
+        )
         raise UserCodeError(
-            f"training run {run_key}: train_func never reported {sorted(missing or needed)} with a checkpoint "
-            f"(it reported {reported}); nothing is registered. Either name metrics it reports in the code's "
-            f"TrainFunc(metric=..., gate_metric=...) and continue with `resume={run_key}` (the kept checkpoints' "
-            "reports are read again; a resume keeps train_config as it was), or make train_func report them "
-            "(beside what `evaluate` returns: the reported figure is the version's recorded score) and start a new "
-            "run: the epochs trained hold no such figure"
+            f"training run {run_key}: train_func {problem}; nothing is registered. Either name metrics it reports "
+            f"in the code's TrainFunc(metric=..., gate_metric=...) and continue with `resume={run_key}` (the kept "
+            "checkpoints' reports are read again; a resume keeps train_config as it was), or make train_func "
+            "report them (beside what `evaluate` returns: the reported figure is the version's recorded score) and "
+            "start a new run: the epochs trained hold no such figure"
         )
     sign = 1.0 if spec.selection.higher_is_better else -1.0
-    return max(scored, key=lambda pair: sign * float(pair[1][name]))
+    in_report_order = sorted(scored, key=lambda pair: checkpoint_order(checkpoint_name(pair[0].path)))
+    return max(in_report_order, key=lambda pair: sign * numeric_metrics(pair[1])[name])  # max: first of equals
 
 
 def step_of(metrics: dict[str, Any], history: list[dict[str, float]]) -> int:

@@ -125,3 +125,64 @@ def test_a_fit_that_kept_no_checkpoint_with_the_gate_metric_gives_no_model_and_s
     ]
     result = ray.train.Result(metrics=None, checkpoint=None, error=None, path=str(tmp_path), best_checkpoints=scored)
     assert best_checkpoint(result, spec, "20260101-000000-abcdef") == scored[1]  # higher is better
+
+
+def _result(tmp_path: Path, reports: list[dict[str, Any]], ray_order: list[int] | None = None) -> ray.train.Result:
+    """A Result whose kept checkpoints are ``reports`` (named in report order), listed in ``ray_order``."""
+    kept = [(_checkpoint(tmp_path / f"checkpoint_{i}"), metrics) for i, metrics in enumerate(reports)]
+    listed = [kept[i] for i in ray_order] if ray_order is not None else kept
+    return ray.train.Result(metrics=None, checkpoint=None, error=None, path=str(tmp_path), best_checkpoints=listed)
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    ("higher_is_better", "reports", "ray_order", "chosen"),
+    [
+        # Ray lists a NaN score first (lowest); max() kept it, and the diverged model would have been registered.
+        (True, [{"score": NAN, "gate": 0.5}, {"score": 0.7, "gate": 0.5}], [0, 1], 1),
+        (False, [{"score": 0.3, "gate": 0.5}, {"score": NAN, "gate": 0.5}], [1, 0], 0),
+        (False, [{"score": -INF, "gate": 0.5}, {"score": 0.3, "gate": 0.5}], None, 1),
+        (True, [{"score": INF, "gate": 0.5}, {"score": 0.3, "gate": 0.5}], None, 1),
+        # Equal scores: the first reported wins, in whatever order Ray lists them.
+        (True, [{"score": 0.9, "gate": 0.1}, {"score": 0.9, "gate": 0.2}], [1, 0], 0),
+        (False, [{"score": 0.2, "gate": 0.1}, {"score": 0.2, "gate": 0.2}, {"score": 0.5, "gate": 0.3}], [2, 1, 0], 0),
+        # The gate's metric is read on the chosen checkpoint: one without it never wins (it raised KeyError).
+        (True, [{"score": 0.9}, {"score": 0.8, "gate": 0.4}], None, 1),
+        (True, [{"score": 0.9, "gate": NAN}, {"score": 0.8, "gate": 0.4}], None, 1),
+    ],
+)
+def test_the_best_checkpoint_has_finite_scores_for_both_metrics_and_ties_go_to_the_first(
+    tmp_path: Path, higher_is_better: bool, reports: list[dict[str, Any]], ray_order: list[int] | None, chosen: int
+) -> None:
+    spec = _spec(Metric("score", higher_is_better=higher_is_better), gate_metric="gate")
+    checkpoint, metrics = best_checkpoint(_result(tmp_path, reports, ray_order), spec, "20260101-000000-abcdef")
+    assert checkpoint.path.endswith(f"checkpoint_{chosen}") and metrics == reports[chosen]
+
+
+@pytest.mark.parametrize(
+    ("reports", "says"),
+    [
+        ([{"score": NAN, "gate": 0.5}, {"score": INF, "gate": 0.5}], r"\['gate', 'score'\] .*only as NaN or infinite"),
+        ([{"score": 0.9}, {"gate": 0.4}], r"never both in one report"),
+        ([{"score": 0.9}], r"never reported \['gate'\] with a checkpoint \(it reported \['score'\]\)"),
+    ],
+)
+def test_a_fit_whose_reports_never_hold_both_metrics_finite_gives_no_model(
+    tmp_path: Path, reports: list[dict[str, Any]], says: str
+) -> None:
+    spec = _spec(Metric("score", higher_is_better=True), gate_metric="gate")
+    with pytest.raises(UserCodeError, match=says) as raised:
+        best_checkpoint(_result(tmp_path, reports), spec, "20260101-000000-abcdef")
+    assert "resume=20260101-000000-abcdef" in str(raised.value)
+
+
+def _spec(metric: Metric, **options: Any) -> TrainFunc:
+    return TrainFunc(
+        lambda config: None,
+        metric=metric,
+        load_model=lambda path, config: torch.nn.Linear(1, 1),
+        input_example=lambda config: torch.zeros(1, 1),
+        **options,
+    )
