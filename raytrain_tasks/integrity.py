@@ -9,6 +9,7 @@ that is missing, added or changed gives another digest.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -45,5 +46,12 @@ def local_folder_digest(directory: Path) -> str:
 
 
 def _combine(entries: list[tuple[str, int, str]]) -> str:
-    listing = "\n".join(f"{name}\t{size}\t{sha}" for name, size, sha in sorted(entries))
+    # One line per file, "name<TAB>size<TAB>sha". A name holding a tab, a newline or a leading quote is written
+    # as a JSON string instead, so no two different folders give the same listing; every other name is written
+    # as it is, so the digests recorded for existing runs stay valid.
+    listing = "\n".join(f"{_listed(name)}\t{size}\t{sha}" for name, size, sha in sorted(entries))
     return hashlib.sha256(listing.encode()).hexdigest()
+
+
+def _listed(name: str) -> str:
+    return json.dumps(name) if "\t" in name or "\n" in name or name.startswith('"') else name
