@@ -88,9 +88,12 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
         json_schema_extra=MAY_CHANGE_ON_RESUME,
         default=0.0,
         ge=0.0,
-        le=1.0,
+        allow_inf_nan=False,
         title="Minimum improvement",
-        description="How much a candidate must beat the champion by on the gate's metric to take 'champion'.",
+        description=(
+            "How much a candidate must beat the champion by on the gate's metric to take 'champion', in that "
+            "metric's units (0.01 of accuracy, 5.0 of RMSE)."
+        ),
     )
     replace_incomparable_champion: bool = Field(
         default=False,

@@ -42,6 +42,9 @@ def test_decision(
         (0.3, 0.2, 0.0, Promotion.KEEP_CHAMPION),
         (0.1, 0.3, 0.2, Promotion.PROMOTE),  # 0.3 - 0.1 with floating-point error
         (0.25, 0.3, 0.1, Promotion.KEEP_CHAMPION),
+        # An RMSE in its own units: a margin above 1.0 is a setting, not an error.
+        (120.0, 150.0, 25.0, Promotion.PROMOTE),
+        (130.0, 150.0, 25.0, Promotion.KEEP_CHAMPION),
     ],
 )
 def test_lower_is_better_metrics(

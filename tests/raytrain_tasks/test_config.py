@@ -32,6 +32,9 @@ from raytrain_tasks.errors import ClusterError
         ("s3_endpoint_url", "127.0.0.1:8333"),
         ("model", "transformer"),
         ("checkpoints_to_keep", 0),
+        ("min_improvement", -0.01),
+        ("min_improvement", float("nan")),
+        ("min_improvement", float("inf")),
     ],
 )
 def test_invalid_value_is_rejected_naming_the_field(field: str, value: object) -> None:
@@ -40,6 +43,12 @@ def test_invalid_value_is_rejected_naming_the_field(field: str, value: object) -
     message = describe_validation_error(info.value)
     assert field in message
     assert f"--{field.replace('_', '-')}" in message
+
+
+def test_min_improvement_is_in_the_gate_metrics_units_not_capped_at_one() -> None:
+    """A margin of 5 on an RMSE, or of 0.5 on a loss in the thousands, is a setting (it was refused above 1.0)."""
+    assert TrainingConfig(min_improvement=5.0).min_improvement == 5.0
+    assert TrainingConfig(min_improvement=2500).min_improvement == 2500.0
 
 
 def test_unknown_field_is_rejected() -> None:
