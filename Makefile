@@ -35,8 +35,8 @@ run: install
 #          longest first, by bench/results/suite_cpu.tsv; tests/conftest.py orders them)
 #   e2e:   `slow` and not `chaos`: every promise that needs the whole pipeline, shown once; two processes too,
 #          each with a local Ray of its own (a third of a serial pass's time waits on servers and starts)
-#   chaos: `chaos`: real time windows and real deaths across processes and machines; serial (a window must
-#          not depend on what runs beside it)
+#   chaos: `chaos`: real time windows and real deaths across processes and machines; two processes, then
+#          the tests also marked `window` (a bound of seconds that load beside it could break) alone
 # make test runs the import rules, the fast tier, then the end-to-end tier; CI runs
 # make test-chaos after it. A PYTEST_ARGS with its own -m runs one serial pass with it instead.
 FAST := not slow and not chaos
@@ -62,7 +62,16 @@ test-fast: install
 	$(PY) -m pytest -m "$(FAST)" $(XDIST) $(PROFILE) $(PYTEST_ARGS)
 
 test-chaos: install
-	$(PY) -m pytest -m chaos $(PROFILE) $(PYTEST_ARGS)
+ifneq (,$(findstring -m ,$(PYTEST_ARGS) ))
+	$(PY) -m pytest $(PROFILE) $(PYTEST_ARGS)
+else
+	@beside=0; alone=0; \
+	$(PY) -m pytest -m "chaos and not window" $(XDIST) $(PROFILE) $(PYTEST_ARGS) || beside=$$?; \
+	$(PY) -m pytest -m "chaos and window" $(PROFILE) $(PYTEST_ARGS) || alone=$$?; \
+	echo "make test-chaos: two at a time exit $$beside, windows alone exit $$alone (5: no test selected)"; \
+	for rc in $$beside $$alone; do [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || exit $$rc; done; \
+	[ $$beside -ne 5 ] || [ $$alone -ne 5 ] || exit 5
+endif
 
 # Every tier with devtools/pytest_profile.py: each test's wall and CPU seconds, in bench/results/suite_cpu.tsv.
 test-profile: install

@@ -6,6 +6,7 @@ copy of the project (as from a user's checkout), so every run writes its `.pipel
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -329,46 +330,87 @@ def _assert_continued_to_the_end(
     )
 
 
+@dataclass(frozen=True)
+class LostRun:
+    crashed: Any  # the flow run, once set Crashed
+    finished: Any  # its continuation, once final
+    mlflow_run_id: str
+    name: str
+    killed_at: float
+    unnoticed: Any = None  # the flow run 10 s after the kill, for a run nobody is left to mark
+
+
+# The zombie watch's window, at its shortest: two heartbeats. The runs' start brings the server's watch to it, as
+# a deployment's job variable would. Both workers set it: a run started with another window would move the watch.
+SILENCE = {"PREFECT_RAYTRAIN_ZOMBIE_SILENCE_SECONDS": "60"}
+
+
+@pytest.fixture(scope="module")
+def lost_runs(prefect_server: PrefectServer, ad_hoc: Any) -> dict[str, LostRun]:
+    """Two runs lost after epoch 2 of 4, their stories overlapped: the zombie's minute of silence is spent on the
+    crashed run's whole story. "zombie-test": its worker and its flow-run process SIGKILLed together (a lost
+    machine). "crash-test": its flow-run process alone SIGKILLed (an OOM kill). One worker then runs both
+    continuations, whichever the server creates first."""
+    with _worker(prefect_server, **SILENCE) as (worker, worker_log):
+        zombie, zombie_mlflow_run = _start_until_epoch_2(prefect_server, ad_hoc, "zombie-test", worker_log)
+        os.kill(worker.pid, signal.SIGKILL)
+        os.kill(int(str(zombie.infrastructure_pid).rsplit(":", 1)[-1]), signal.SIGKILL)
+        zombie_killed_at = time.time()
+        worker.wait()
+    time.sleep(10)
+    unnoticed = _api(prefect_server, lambda c: c.read_flow_run(zombie.id))
+    with _worker(prefect_server, **SILENCE) as (_, worker_log):
+        crash, crash_mlflow_run = _start_until_epoch_2(prefect_server, ad_hoc, "crash-test", worker_log)
+        os.kill(int(str(crash.infrastructure_pid).rsplit(":", 1)[-1]), signal.SIGKILL)
+        crash_killed_at = time.time()
+        lost = {}
+        for name, flow_run, mlflow_run_id, killed_at in (
+            ("crash-test", crash, crash_mlflow_run, crash_killed_at),
+            ("zombie-test", zombie, zombie_mlflow_run, zombie_killed_at),
+        ):
+            crashed = _wait_for_final_state(prefect_server, flow_run.id, timeout=300)
+            finished = crashed
+            if crashed.state_type.value == "CRASHED":
+                finished = _wait_for_final_state(prefect_server, _continuation_of(prefect_server, crashed).id)
+            lost[name] = LostRun(crashed, finished, mlflow_run_id, name, killed_at)
+        if any(run.finished.state_type.value != "COMPLETED" for run in lost.values()):
+            print(worker_log.read_text()[-8000:])
+    lost["zombie-test"] = dataclasses.replace(lost["zombie-test"], unnoticed=unnoticed)
+    return lost
+
+
 @pytest.mark.chaos
-def test_a_crashed_deployment_run_continues_by_itself(prefect_server: PrefectServer, ad_hoc: Any) -> None:
+def test_a_crashed_deployment_run_continues_by_itself(
+    prefect_server: PrefectServer, lost_runs: dict[str, LostRun]
+) -> None:
     """The flow-run process SIGKILLed after epoch 2 of 4 (as an OOM kill does): the worker marks the run Crashed,
     the deployment's crash trigger starts a continuation, and it resumes the same run key in the same MLflow run:
     every epoch logged once, one registered version. Nobody runs `--resume`."""
-    with _worker(prefect_server) as (_, worker_log):
-        flow_run, mlflow_run_id = _start_until_epoch_2(prefect_server, ad_hoc, "crash-test", worker_log)
-        os.kill(int(str(flow_run.infrastructure_pid).rsplit(":", 1)[-1]), signal.SIGKILL)
-        killed_at = time.time()
-        crashed = _wait_for_final_state(prefect_server, flow_run.id, timeout=120)
-        assert crashed.state_type.value == "CRASHED", crashed.state
-        finished = _wait_for_final_state(prefect_server, _continuation_of(prefect_server, crashed).id)
-        assert finished.state_type.value == "COMPLETED", worker_log.read_text()[-8000:]
-    _assert_continued_to_the_end(prefect_server, crashed, finished, mlflow_run_id, "crash-test", killed_at)
+    lost = lost_runs["crash-test"]
+    assert lost.crashed.state_type.value == "CRASHED", lost.crashed.state
+    assert lost.finished.state_type.value == "COMPLETED", lost.finished.state
+    _assert_continued_to_the_end(
+        prefect_server, lost.crashed, lost.finished, lost.mlflow_run_id, lost.name, lost.killed_at
+    )
 
 
 @pytest.mark.chaos
-def test_a_run_that_lost_its_worker_too_is_found_and_continued(prefect_server: PrefectServer, ad_hoc: Any) -> None:
+def test_a_run_that_lost_its_worker_too_is_found_and_continued(
+    prefect_server: PrefectServer, lost_runs: dict[str, LostRun]
+) -> None:
     """The worker and the flow-run process SIGKILLed together (a lost machine): nobody is left to set the run
-    Crashed, so it would stay Running forever. Its heartbeats stop; after the watch's window of silence the zombie
-    watch sets it Crashed, the crash trigger starts a continuation, and the next worker to start runs it to the end.
-    The run sets the window to its shortest, two heartbeats (60 s; 120 s by default): the run's start brings the
-    server's watch to it, as a deployment's job variable would."""
-    with _worker(prefect_server, PREFECT_RAYTRAIN_ZOMBIE_SILENCE_SECONDS="60") as (worker, worker_log):
-        flow_run, mlflow_run_id = _start_until_epoch_2(prefect_server, ad_hoc, "zombie-test", worker_log)
-        os.kill(worker.pid, signal.SIGKILL)
-        os.kill(int(str(flow_run.infrastructure_pid).rsplit(":", 1)[-1]), signal.SIGKILL)
-        killed_at = time.time()
-        worker.wait()
-    time.sleep(10)
-    still = _api(prefect_server, lambda c: c.read_flow_run(flow_run.id))
-    assert still.state_type.value == "RUNNING"  # nobody noticed: a zombie
-    crashed = _wait_for_final_state(prefect_server, flow_run.id, timeout=300)
+    Crashed, so it would stay Running forever. Its heartbeats stop; after the watch's window of silence (60 s
+    here, 120 s by default) the zombie watch sets it Crashed, the crash trigger starts a continuation, and a
+    worker of the pool runs it to the end."""
+    lost = lost_runs["zombie-test"]
+    assert lost.unnoticed.state_type.value == "RUNNING"  # 10 s after the kill, nobody noticed: a zombie
     server_log = (prefect_server.checkout.parent / "server.log").read_text(errors="replace")
-    assert crashed.state_type.value == "CRASHED", (crashed.state, server_log[-6000:])
-    assert "no heartbeat for 60 s" in str(crashed.state.message), crashed.state
-    with _worker(prefect_server) as (_, worker_log):
-        finished = _wait_for_final_state(prefect_server, _continuation_of(prefect_server, crashed).id)
-        assert finished.state_type.value == "COMPLETED", worker_log.read_text()[-8000:]
-    _assert_continued_to_the_end(prefect_server, crashed, finished, mlflow_run_id, "zombie-test", killed_at)
+    assert lost.crashed.state_type.value == "CRASHED", (lost.crashed.state, server_log[-6000:])
+    assert "no heartbeat for 60 s" in str(lost.crashed.state.message), lost.crashed.state
+    assert lost.finished.state_type.value == "COMPLETED", lost.finished.state
+    _assert_continued_to_the_end(
+        prefect_server, lost.crashed, lost.finished, lost.mlflow_run_id, lost.name, lost.killed_at
+    )
 
 
 @pytest.mark.chaos

@@ -261,6 +261,7 @@ with ray_session(TrainingConfig()):
 """
 
 
+@pytest.mark.window  # a deadline of 1 s, and 3 s for Ray's processes to end
 def test_a_stop_that_overruns_its_deadline_still_ends_every_ray_process_it_started(tmp_path: Path) -> None:
     """Issue 29, seen in CI: a SIGTERM that landed between the fit and register-model was still being handled
     10 s later, so the CLI exited at its deadline without ``ray.shutdown()``; the raylet's dashboard and

@@ -72,6 +72,7 @@ def test_a_stop_while_the_model_is_logged_ends_register_model_at_once(
 
 @pytest.mark.slow
 @pytest.mark.chaos
+@pytest.mark.window  # holders of seconds, and a lock that expires after them
 def test_lock_serialises_pipelines_and_outlives_a_killed_holder(mlflow_server: str, tmp_path: Path) -> None:
     client = MlflowClient(mlflow_server)
     client.create_registered_model("locked")

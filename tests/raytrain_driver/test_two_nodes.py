@@ -35,7 +35,8 @@ from tests.helpers import (
     stop_process_group,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.chaos]
+# A worker group must start within START_TIMEOUT: load beside it would count as a lost node.
+pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.window]
 
 BUCKET = "prt-two-nodes"
 NODE_IP = "127.0.0.2"
