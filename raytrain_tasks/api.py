@@ -35,6 +35,8 @@ torch nor Ray, so it is cheap to import anywhere.
 
 from __future__ import annotations
 
+import posixpath
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +48,15 @@ __all__ = ["DATA_DIR_KEY", "Metric", "MetricChoice", "Splits", "TrainFunc", "Tra
 
 # What ``settings=`` may be: a pydantic model class, or a dataclass; its fields are your code's settings.
 SETTINGS_KINDS = "a pydantic BaseModel subclass or a dataclass"
+
+
+def train_config_param_problem(key: str) -> str:
+    """ "" when ``train_config.<key>`` can be an MLflow param name (the run logs every setting as one before it
+    trains); else why not."""
+    param = f"train_config.{key}"
+    if re.fullmatch(r"[\w\-. /]{1,200}", key) and posixpath.normpath(param) == param:
+        return ""
+    return f"{key!r} cannot be the MLflow param {param!r}: use up to 200 letters, digits, _ - . / or spaces"
 
 
 def pipeline_keys_refused(keys: Any, where: str) -> str:
@@ -123,6 +134,9 @@ def check_code_config(kind: str, defaults: Mapping[str, Any], settings: Any, pre
         names, where = list(defaults), f"{kind}(defaults=...)"
     if refused := pipeline_keys_refused(names, where):
         raise TypeError(refused)
+    for name in names:  # the run logs each setting as an MLflow param before it trains
+        if problem := train_config_param_problem(str(name)):
+            raise TypeError(f"{where}: the setting {problem}")
     if prepare is not None and (refused := data_dir_refused(names, where)):
         raise TypeError(refused)
 

@@ -7,7 +7,6 @@ as ``train_loop_config`` where each worker validates it again before doing anyth
 from __future__ import annotations
 
 import json
-import posixpath
 import re
 import secrets
 import warnings
@@ -18,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from raytrain_tasks.api import pipeline_keys_refused
+from raytrain_tasks.api import pipeline_keys_refused, train_config_param_problem
 from raytrain_tasks.datasets import check_held_out_share, checked_dataset
 from raytrain_tasks.errors import SettingsError
 from raytrain_tasks.settings import (
@@ -135,12 +134,8 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
                 f"is {len(text)} characters as JSON, more than the {TRAIN_CONFIG_MAX_CHARS} of an MLflow param"
             )
         for key in value:
-            param = f"train_config.{key}"
-            if not re.fullmatch(r"[\w\-. /]{1,200}", key) or posixpath.normpath(param) != param:
-                raise ValueError(
-                    f"key {key!r} cannot be the MLflow param {param!r}: use up to 200 letters, digits, _ - . / or "
-                    "spaces"
-                )
+            if problem := train_config_param_problem(key):
+                raise ValueError(f"key {problem}")
         if refused := pipeline_keys_refused(value, "train_config"):
             raise ValueError(refused)
         parsed: dict[str, Any] = json.loads(text)

@@ -159,6 +159,11 @@ class Epochs(BaseModel):
         ({"settings": Settings, "defaults": {"hidden": 1}}, r"defaults=... or settings=..., not both"),
         ({"settings": Epochs}, r"settings=Epochs\) may not set epochs"),
         ({"settings": Unvalidatable}, r"settings=Unvalidatable\): pydantic cannot describe its fields"),
+        # Refused here, not once the run's MLflow run exists (where each retry failed on it again).
+        (
+            {"defaults": {"lr_schedule(warmup)": 1}},
+            r"TrainFunc\(defaults=\.\.\.\): the setting 'lr_schedule\(warmup\)' cannot be the MLflow param",
+        ),
     ],
 )
 def test_a_settings_class_is_checked_when_the_spec_is_made(kwargs: dict[str, object], says: str) -> None:
