@@ -195,23 +195,37 @@ def best_checkpoint(
     # Ray's own order ranks a NaN lowest and a missing metric as -inf, whatever the direction: read the reports.
     scored = [(c, m) for c, m in kept if all(math.isfinite(numeric_metrics(m).get(key, math.nan)) for key in needed)]
     if not scored:
-        reported = sorted(numeric_metrics(kept[-1][1]))
-        never = [key for key in needed if not any(key in numeric_metrics(m) for _, m in kept)]
-        problem = (
-            f"never reported {never} with a checkpoint (it reported {reported})"
-            if never
-            else f"reported {needed} with a checkpoint only as NaN or infinite values, or never both in one report"
-        )
-        raise UserCodeError(
-            f"training run {run_key}: train_func {problem}; nothing is registered. Either name metrics it reports "
-            f"in the code's TrainFunc(metric=..., gate_metric=...) and continue with `resume={run_key}` (the kept "
-            "checkpoints' reports are read again; a resume keeps train_config as it was), or make train_func "
-            "report them (beside what `evaluate` returns: the reported figure is the version's recorded score) and "
-            "start a new run: the epochs trained hold no such figure"
-        )
+        raise UserCodeError(_no_finite_report(kept, needed, run_key))
     sign = 1.0 if spec.selection.higher_is_better else -1.0
     in_report_order = sorted(scored, key=lambda pair: checkpoint_order(checkpoint_name(pair[0].path)))
     return max(in_report_order, key=lambda pair: sign * numeric_metrics(pair[1])[name])  # max: first of equals
+
+
+def _no_finite_report(kept: list[tuple[Any, dict[str, Any]]], needed: list[str], run_key: str) -> str:
+    """Why no kept report can be the best checkpoint, and what to do about it."""
+    reports = [numeric_metrics(metrics) for _, metrics in kept]
+    never = [key for key in needed if not any(key in report for report in reports)]
+    if never:
+        return (
+            f"training run {run_key}: train_func never reported {never} with a checkpoint (it reported "
+            f"{sorted(reports[-1])}); nothing is registered. Either name metrics it reports in the code's "
+            f"TrainFunc(metric=..., gate_metric=...) and continue with `resume={run_key}` (the kept checkpoints' "
+            "reports are read again; a resume keeps train_config as it was), or make train_func report them "
+            "(beside what `evaluate` returns: the reported figure is the version's recorded score) and start a new "
+            "run: the epochs trained hold no such figure"
+        )
+    diverged = [key for key in needed if not any(math.isfinite(report.get(key, math.nan)) for report in reports)]
+    if diverged:
+        return (
+            f"training run {run_key}: train_func reported {diverged} with its checkpoints only as NaN or infinite "
+            "values: the training diverged, and nothing is registered. Lower the learning rate or clip gradients, "
+            "then start a new run"
+        )
+    return (
+        f"training run {run_key}: no checkpoint's report holds {needed} together as finite numbers, so none can be "
+        "both chosen and gated; nothing is registered. Make train_func report them in the same "
+        "ray.train.report(..., checkpoint=...) call, then start a new run"
+    )
 
 
 def step_of(metrics: dict[str, Any], history: list[dict[str, float]]) -> int:
