@@ -46,7 +46,8 @@ def test_invalid_value_is_rejected_naming_the_field(field: str, value: object) -
 
 
 def test_min_improvement_is_in_the_gate_metrics_units_not_capped_at_one() -> None:
-    """A margin of 5 on an RMSE, or of 0.5 on a loss in the thousands, is a setting (it was refused above 1.0)."""
+    """The gate compares in the metric's own units: a margin of 5 on an RMSE, or of 2500 on a loss in the
+    millions, is a setting like 0.01 on an accuracy."""
     assert TrainingConfig(min_improvement=5.0).min_improvement == 5.0
     assert TrainingConfig(min_improvement=2500).min_improvement == 2500.0
 

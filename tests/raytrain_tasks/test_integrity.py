@@ -24,12 +24,18 @@ def _folder(root: Path, files: dict[str, bytes]) -> Path:
 
 
 def test_a_file_name_cannot_forge_the_listing_of_other_files(tmp_path: Path) -> None:
-    """Two files, "a" and "b", against one file whose name spells out "a"'s line and then "b": with names joined
-    raw by tabs and newlines, both folders gave the same digest."""
+    """Two files, "a" and "b", against one file whose name spells out "a"'s line of the listing, then "b"."""
     a, b = b"x", b"model weights"
     two = _folder(tmp_path / "two", {"a": a, "b": b})
     one = _folder(tmp_path / "one", {f"a\t{len(a)}\t{_sha(a)}\nb": b})
     assert local_folder_digest(one) != local_folder_digest(two)
+
+
+def test_a_name_in_quotes_is_not_taken_for_a_name_with_a_tab(tmp_path: Path) -> None:
+    """A name holding a tab is listed as a JSON string; a name that already looks like one must not list alike."""
+    tab = _folder(tmp_path / "tab", {"a\tb": b"same bytes"})
+    quoted = _folder(tmp_path / "quoted", {'"a\\tb"': b"same bytes"})  # the six characters "a\tb"
+    assert local_folder_digest(tab) != local_folder_digest(quoted)
 
 
 @pytest.mark.parametrize(
