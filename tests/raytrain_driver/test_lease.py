@@ -23,9 +23,6 @@ from raytrain_tasks.storage.locations import StorageLocation, locate, s3_client
 from raytrain_tasks.tracking.run_owner import driver_alive, this_driver
 from tests.helpers import Outage, seed_mlflow_store
 
-# Leases of seconds: a renewal that load on the machine delays looks like a lost holder.
-pytestmark = pytest.mark.window
-
 KEY = "20261123-070000-abcdef"
 
 
@@ -110,6 +107,7 @@ def _race(run_dir: StorageLocation, holders: tuple[str, str]) -> list[str]:
 
 @pytest.mark.parametrize("storage", ["local", pytest.param("s3", marks=pytest.mark.slow)])  # s3 starts a server
 @pytest.mark.chaos
+@pytest.mark.window  # leases of seconds: a renewal load delays looks like a lost holder
 def test_of_two_drivers_starting_together_exactly_one_proceeds(storage: str, tmp_path: Path, request: Any) -> None:
     """Twelve rounds, holders of different lengths: the old write-wait-read-back lease refused both drivers in
     about a third of such rounds (their simultaneous writes tore the file) and could let both through."""
@@ -206,6 +204,7 @@ def _outage_bucket(s3_server: Any, name: str) -> tuple[Outage, StorageOptions]:
 
 @pytest.mark.slow
 @pytest.mark.chaos
+@pytest.mark.window  # leases of seconds: a renewal load delays looks like a lost holder
 def test_a_holder_that_cannot_renew_in_time_must_stop(s3_server: Any) -> None:
     """S3 down for longer than the lease: the holder counts its lease lost before anyone could take it over
     (LOST_AFTER of its length, on its own clock), instead of training on while a continuation takes the run.
@@ -262,6 +261,7 @@ def test_an_unrenewed_lease_counts_as_lost_before_it_could_expire(
 
 @pytest.mark.slow
 @pytest.mark.chaos
+@pytest.mark.window  # leases of seconds: a renewal load delays looks like a lost holder
 def test_the_holder_keeps_renewing_through_a_storage_outage(s3_server: Any, caplog: pytest.LogCaptureFixture) -> None:
     """S3 stops answering for longer than a renewal period, then comes back: the driver renews again (a renewer
     that died on the first connection error would leave the lease to expire under a live run), and a storage
@@ -301,6 +301,7 @@ def test_the_holder_keeps_renewing_through_a_storage_outage(s3_server: Any, capl
 
 @pytest.mark.slow
 @pytest.mark.chaos
+@pytest.mark.window  # leases of seconds: a renewal load delays looks like a lost holder
 def test_a_renewal_whose_reply_was_lost_is_still_the_holders(s3_server: Any) -> None:
     """The renewal reaches S3 and is applied, its reply is lost (a cut connection): the retry, conditional on the
     old version, is refused (412). The holder used to read that as its lease taken by another driver (itself)
@@ -333,6 +334,7 @@ def test_a_run_that_never_started_leaves_no_folder(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.chaos
+@pytest.mark.window  # leases of seconds: a renewal load delays looks like a lost holder
 @pytest.mark.usefixtures("prefect_api", "ray_cluster")
 def test_a_second_driver_on_a_running_key_is_refused(tmp_path: Path) -> None:
     """Two processes: the original trains; a manual `--resume` of its key is refused in seconds, trains nothing,
@@ -396,6 +398,7 @@ def test_a_second_driver_on_a_running_key_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.chaos
+@pytest.mark.window  # leases of seconds: a renewal load delays looks like a lost holder
 @pytest.mark.usefixtures("ray_cluster")
 def test_a_fit_whose_lease_is_taken_stops_at_once_and_leaves_the_mlflow_run_alone(tmp_path: Path) -> None:
     """A real fit on the session's Ray (a Ray the driver does not own, like a cluster): another driver takes the
