@@ -79,6 +79,10 @@ def load_raw_frame(config: TableSettings) -> pd.DataFrame:
         raise DatasetError(
             f"split key column {config.split_key_column!r} is not in dataset {config.dataset!r}; set `split_key_column`"
         )
+    # Counted first: a file with a header and no rows gives columns of no type, which would read as non-numeric.
+    if len(frame) < 10:
+        rows = "no rows, only a header" if len(frame) == 0 else f"{len(frame)} rows"
+        raise DatasetError(f"dataset {config.dataset!r} has {rows}; it needs at least 10 rows")
     features = _feature_frame(frame, config)
     from pandas.api.types import is_numeric_dtype
 
@@ -87,8 +91,8 @@ def load_raw_frame(config: TableSettings) -> pd.DataFrame:
         raise DatasetError(
             f"dataset {config.dataset!r} has non-numeric feature columns {non_numeric}; encode them first"
         )
-    if features.shape[1] == 0 or len(frame) < 10:
-        raise DatasetError(f"dataset {config.dataset!r} needs at least one feature column and 10 rows")
+    if features.shape[1] == 0:
+        raise DatasetError(f"dataset {config.dataset!r} has no feature column beside the label")
     check_values(frame, config)
     return frame
 

@@ -135,6 +135,18 @@ def test_non_numeric_features_are_refused(tmp_path: Path) -> None:
         prepare_table(tmp_path, dataset=str(path))
 
 
+@pytest.mark.parametrize(
+    ("rows", "says"), [(0, "has no rows, only a header; it needs at least 10 rows"), (3, "has 3 rows; it needs")]
+)
+def test_a_table_with_too_few_rows_says_so_not_that_its_columns_are_non_numeric(
+    tmp_path: Path, rows: int, says: str
+) -> None:
+    path = tmp_path / "data.csv"
+    pd.DataFrame({"a": range(rows), "b": range(rows), "label": [0, 1, 0][:rows]}).to_csv(path, index=False)
+    with pytest.raises(DatasetError, match=says):
+        prepare_table(tmp_path, dataset=str(path))
+
+
 def _csv(tmp_path: Path, frame: pd.DataFrame) -> str:
     path = tmp_path / "bad.csv"
     frame.to_csv(path, index=False)
