@@ -286,11 +286,12 @@ def _continuations(server: PrefectServer, crashed: Any) -> list[Any]:
     return sorted(runs, key=lambda run: (run.created, str(run.id)))
 
 
-def _assert_continued_to_the_end(
-    server: PrefectServer, crashed: Any, finished: Any, mlflow_run_id: str, name: str, killed_at: float
-) -> None:
-    """The continuation finished the crashed run: same run key, same MLflow run, every epoch logged once, one
+def _assert_continued_to_the_end(server: PrefectServer, lost: LostRun) -> None:
+    """A continuation of the crashed run completed it: same run key, same MLflow run, every epoch logged once, one
     registered version. Prints the recovery times."""
+    assert lost.finished is not None, f"no continuation was created\n{lost.worker_log}"
+    assert lost.finished.state_type.value == "COMPLETED", (lost.finished.state, lost.worker_log)
+    crashed, finished, name, killed_at = lost.crashed, lost.finished, lost.name, lost.killed_at
     tracking = _tracking(server)
     (run_key,) = [tag.removeprefix("run-key:") for tag in crashed.tags if tag.startswith("run-key:")]
     assert f"run-key:{run_key}" in finished.tags
@@ -305,7 +306,7 @@ def _assert_continued_to_the_end(
     print(f"\n{crashed.name}: {1 + len(others)} continuation(s) created by the crash trigger")
     experiment = tracking.get_experiment_by_name(name)
     (run,) = tracking.search_runs([experiment.experiment_id])  # one MLflow run for both flow runs
-    assert run.info.run_id == mlflow_run_id and run.info.status == "FINISHED"
+    assert run.info.run_id == lost.mlflow_run_id and run.info.status == "FINISHED"
     assert run.data.tags["prefect_raytrain.run_key"] == run_key
     history = tracking.get_metric_history(run.info.run_id, "val_accuracy")
     assert sorted(m.step for m in history) == list(range(1, EPOCHS + 1))  # each epoch exactly once
@@ -396,11 +397,7 @@ def test_a_crashed_deployment_run_continues_by_itself(
     # Set by its worker, which saw the process die, not by the zombie watch a minute later.
     assert "no heartbeat" not in str(lost.crashed.state.message), lost.crashed.state
     assert _seconds_to_crashed(lost) < 60, (_seconds_to_crashed(lost), lost.worker_log)
-    assert lost.finished is not None, f"no continuation was created\n{lost.worker_log}"
-    assert lost.finished.state_type.value == "COMPLETED", (lost.finished.state, lost.worker_log)
-    _assert_continued_to_the_end(
-        prefect_server, lost.crashed, lost.finished, lost.mlflow_run_id, lost.name, lost.killed_at
-    )
+    _assert_continued_to_the_end(prefect_server, lost)
 
 
 @pytest.mark.chaos
@@ -419,11 +416,7 @@ def test_a_run_that_lost_its_worker_too_is_found_and_continued(
     # Its last heartbeat came at most 30 s before the kill, and the watch waits out its 60 s window after it; the
     # rest of the bound is for a loaded machine.
     assert _seconds_to_crashed(lost) < 180, _seconds_to_crashed(lost)
-    assert lost.finished is not None, f"no continuation was created\n{lost.worker_log}"
-    assert lost.finished.state_type.value == "COMPLETED", (lost.finished.state, lost.worker_log)
-    _assert_continued_to_the_end(
-        prefect_server, lost.crashed, lost.finished, lost.mlflow_run_id, lost.name, lost.killed_at
-    )
+    _assert_continued_to_the_end(prefect_server, lost)
 
 
 @pytest.mark.chaos

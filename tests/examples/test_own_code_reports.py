@@ -108,18 +108,12 @@ def test_a_fit_that_kept_no_checkpoint_with_the_gate_metric_gives_no_model_and_s
     the code's metric: a UserCodeError (which Prefect does not retry) naming what the code should report, with
     the resume that fix allows. A fit that reported its metric gives its best checkpoint."""
     spec = _spec(Metric("val_score", higher_is_better=True))
-    kept = [(_checkpoint(tmp_path / f"checkpoint_{i}"), metrics) for i, metrics in enumerate(reports)]
-    result = ray.train.Result(metrics=None, checkpoint=None, error=None, path=str(tmp_path), best_checkpoints=kept)
     with pytest.raises(UserCodeError, match=says) as raised:
-        best_checkpoint(result, spec, "20260101-000000-abcdef")
+        best_checkpoint(_result(tmp_path, reports), spec, "20260101-000000-abcdef")
     assert "resume=20260101-000000-abcdef" in str(raised.value)
 
-    scored = [
-        (_checkpoint(tmp_path / f"scored_{i}"), {"epoch": i, "val_score": score})
-        for i, score in enumerate((0.2, 0.9, 0.5))
-    ]
-    result = ray.train.Result(metrics=None, checkpoint=None, error=None, path=str(tmp_path), best_checkpoints=scored)
-    assert best_checkpoint(result, spec, "20260101-000000-abcdef") == scored[1]  # higher is better
+    scored = _result(tmp_path / "scored", [{"epoch": i, "val_score": score} for i, score in enumerate((0.2, 0.9, 0.5))])
+    assert best_checkpoint(scored, spec, "20260101-000000-abcdef") == scored.best_checkpoints[1]  # higher is better
 
 
 def _result(tmp_path: Path, reports: list[dict[str, Any]], ray_order: list[int] | None = None) -> ray.train.Result:
