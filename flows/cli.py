@@ -21,7 +21,13 @@ from prefect.exceptions import TerminationSignal
 from pydantic import ValidationError
 
 from flows.console import quiet_console
-from flows.stop_signals import note_run_key, noted_run_key, send_again_a_stop_that_a_finalizer_swallowed
+from flows.stop_signals import (
+    MARK_KILLED_WITHIN_S,
+    mark_run_killed,
+    note_run_key,
+    noted_run_key,
+    send_again_a_stop_that_a_finalizer_swallowed,
+)
 from raytrain_driver.process_groups import end_ray_groups
 from raytrain_tasks.config import TrainingConfig, describe_validation_error, parameters_of
 from raytrain_tasks.errors import ClusterError, RunLeaseLostError
@@ -151,9 +157,9 @@ STOP_DEADLINE_S = 10.0
 def _exit_at_the_latest_after_a_signal(config: TrainingConfig) -> None:
     """A deadline on stopping: after a SIGTERM, SIGINT or SIGHUP, the run normally stops in a few seconds (Prefect
     turns the signal into a cancellation, the fit marks its MLflow run KILLED). If it is still running
-    ``STOP_DEADLINE_S`` later (seen once when the signal landed between the fit and register-model), the process
+    ``STOP_DEADLINE_S`` later (seen in CI when the signal landed between the fit and register-model), the process
     exits with 128 + the signal; the services it started end with it (raytrain_driver.process_groups,
-    flows.temporary_api).
+    flows.temporary_api), and the MLflow run it drives is marked KILLED (``flows.stop_signals.mark_run_killed``).
 
     Python writes every signal's number to the wakeup fd, whichever handler (ours, Prefect's) then runs it.
     """
@@ -170,14 +176,20 @@ def _exit_at_the_latest_after_a_signal(config: TrainingConfig) -> None:
             if received and received[0] in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 break
         time.sleep(STOP_DEADLINE_S)
+        name = signal.Signals(received[0]).name
+        marking = threading.Thread(
+            target=mark_run_killed, args=(config, name, STOP_DEADLINE_S), name="stop-mark", daemon=True
+        )
         try:
+            marking.start()
             print(
-                f"\npipeline stopped by {signal.Signals(received[0]).name}: still stopping after "
-                f"{STOP_DEADLINE_S:g} s, exiting{_how_to_continue(config)}",
+                f"\npipeline stopped by {name}: still stopping after {STOP_DEADLINE_S:g} s, "
+                f"exiting{_how_to_continue(config)}",
                 file=sys.stderr,
                 flush=True,
             )
             end_ray_groups()
+            marking.join(timeout=MARK_KILLED_WITHIN_S)
         finally:  # a terminal gone after SIGHUP fails the print (EIO): the process still exits
             os._exit(128 + received[0])
 

@@ -7,9 +7,12 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect.exceptions import TerminationSignal
+
+if TYPE_CHECKING:
+    from raytrain_tasks.config import TrainingConfig
 
 
 def send_again_a_stop_that_a_finalizer_swallowed() -> Callable[[Any], object]:
@@ -66,3 +69,28 @@ def note_run_key(run_key: str | None) -> None:
 def noted_run_key() -> str | None:
     """The run key of the run this process trains; None before it has one."""
     return _RUN_KEY[0] if _RUN_KEY else None
+
+
+# How long the stop deadline waits for MLflow to take the run's KILLED mark: an unreachable server would
+# otherwise hold the exit for MLflow's minutes of retries (the next run of the experiment then marks it).
+MARK_KILLED_WITHIN_S = 3.0
+
+
+def mark_run_killed(config: TrainingConfig, signal_name: str, deadline_s: float) -> None:
+    """At the stop deadline: the run this process drives is marked KILLED, not left RUNNING in the MLflow UI
+    until its next run. Whatever goes wrong is only printed: the process exits next, either way."""
+    from raytrain_tasks.redact import redact
+    from raytrain_tasks.tracking.runs import connect, stop_own_run
+
+    run_key = config.resume or noted_run_key()
+    if not run_key:
+        return
+    reason = (
+        f"stopped by {signal_name}: still stopping after {deadline_s:g} s, the command exited; its "
+        f"checkpoints are kept: continue it with resume={run_key}"
+    )
+    try:
+        client = connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
+        stop_own_run(client, config.experiment_name, run_key, reason)
+    except Exception as exc:  # noqa: BLE001 - any failure here must not stop the exit (tests/flows/test_cli.py)
+        print(f"could not mark MLflow run of {run_key} KILLED: {redact(str(exc))}", file=sys.stderr, flush=True)

@@ -238,6 +238,19 @@ def stop_run(client: MlflowClient, run_id: str, reason: str, stop: BaseException
         logger.warning("could not mark MLflow run %s KILLED (%s); the next run of the experiment marks it", run_id, exc)
 
 
+def stop_own_run(client: MlflowClient, experiment_name: str, run_key: str, reason: str) -> bool:
+    """Mark ``run_key``'s MLflow run KILLED with ``reason`` when it is RUNNING and this process drives it (its
+    DRIVER_TAG); True when it did. A run another process drives (a Ray Job's driver, a resume elsewhere) is
+    left to that process. Errors are raised: the caller bounds and reports them."""
+    experiment = client.get_experiment_by_name(experiment_name)
+    run = find_run(client, experiment.experiment_id, run_key) if experiment is not None else None
+    if run is None or run.info.status != "RUNNING" or run.data.tags.get(DRIVER_TAG) != this_driver():
+        return False
+    client.set_tag(run.info.run_id, KILLED_TAG, redact(reason)[:4000])
+    client.set_terminated(run.info.run_id, status="KILLED")
+    return True
+
+
 @contextmanager
 def using_tracking_uri(uri: str) -> Iterator[None]:
     """MLflow's fluent API pointed at `uri` for the block; the previous URI and environment come back after."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from tests.helpers import REPO_ROOT, joins_this_ray
+from tests.helpers import REPO_ROOT, joins_this_ray, seed_mlflow_store
 
 
 def _cli_env(tmp_path: Path) -> dict[str, str]:
@@ -235,3 +235,66 @@ def test_a_stop_dropped_in_another_thread_is_not_sent_to_the_process() -> None:
         [sys.executable, "-c", STOP_IN_ANOTHER_THREAD], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
     )
     assert finished.stdout.strip() == "went on", finished.stdout + finished.stderr
+
+
+def _running_run(db: Path, run_key: str, driver: str) -> tuple[MlflowClient, str]:
+    from raytrain_tasks.tracking.run_owner import DRIVER_TAG
+    from raytrain_tasks.tracking.runs import RUN_KEY_TAG
+
+    client = MlflowClient(f"sqlite:///{seed_mlflow_store(db)}")
+    experiment_id = client.create_experiment("stopped")
+    run = client.create_run(experiment_id, tags={RUN_KEY_TAG: run_key, DRIVER_TAG: driver})
+    return client, run.info.run_id
+
+
+def test_at_the_stop_deadline_the_run_this_command_drives_is_marked_killed(tmp_path: Path) -> None:
+    """Seen in CI: a SIGTERM between the fit and register-model overran the 10 s deadline and the command exited
+    with its MLflow run left RUNNING. The deadline now marks it KILLED, saying how to continue it."""
+    from flows.stop_signals import mark_run_killed
+    from raytrain_tasks.config import TrainingConfig
+    from raytrain_tasks.tracking.run_owner import KILLED_TAG, this_driver
+
+    client, run_id = _running_run(tmp_path / "mlflow.db", "20261206-085859-7fbfbe", this_driver())
+    config = TrainingConfig(
+        resume="20261206-085859-7fbfbe",
+        experiment_name="stopped",
+        mlflow_tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+    )
+    mark_run_killed(config, "SIGTERM", 10.0)
+    run = client.get_run(run_id)
+    assert run.info.status == "KILLED"
+    assert "stopped by SIGTERM" in run.data.tags[KILLED_TAG]
+    assert "resume=20261206-085859-7fbfbe" in run.data.tags[KILLED_TAG]
+
+
+def test_the_stop_deadline_leaves_a_run_another_process_drives(tmp_path: Path) -> None:
+    """A Ray Job's driver, or a resume elsewhere, still trains the run: it is theirs to end."""
+    from flows.stop_signals import mark_run_killed
+    from raytrain_tasks.config import TrainingConfig
+
+    client, run_id = _running_run(tmp_path / "mlflow.db", "20261206-085859-7fbfbe", "elsewhere@abc:123:456")
+    config = TrainingConfig(
+        resume="20261206-085859-7fbfbe",
+        experiment_name="stopped",
+        mlflow_tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+    )
+    mark_run_killed(config, "SIGTERM", 10.0)
+    assert client.get_run(run_id).info.status == "RUNNING"
+
+
+def test_the_stop_deadline_exits_even_when_mlflow_cannot_take_the_mark(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The broad except in mark_run_killed: a store that cannot be read (SQLAlchemy's DatabaseError, not an
+    MlflowException) is reported, and the exit goes on."""
+    from flows.stop_signals import mark_run_killed
+    from raytrain_tasks.config import TrainingConfig
+
+    (tmp_path / "not-a-database").write_text("not an SQLite file, whatever its name says")
+    config = TrainingConfig(
+        resume="20261206-085859-7fbfbe",
+        experiment_name="stopped",
+        mlflow_tracking_uri=f"sqlite:///{tmp_path / 'not-a-database'}",
+    )
+    mark_run_killed(config, "SIGTERM", 10.0)
+    assert "could not mark MLflow run of 20261206-085859-7fbfbe KILLED" in capsys.readouterr().err

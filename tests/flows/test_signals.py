@@ -251,9 +251,16 @@ import flows.cli as cli
 from raytrain_driver.cluster import ray_session
 from raytrain_tasks.config import TrainingConfig
 
+from mlflow import MlflowClient
+from raytrain_tasks.tracking.run_owner import DRIVER_TAG, this_driver
+from raytrain_tasks.tracking.runs import RUN_KEY_TAG
+
 cli.STOP_DEADLINE_S = 1.0
 signal.signal(signal.SIGTERM, lambda *_: None)  # a stop that never ends (seen between the fit and register-model)
-cli._exit_at_the_latest_after_a_signal(TrainingConfig(resume="20261205-084600-c0ffee"))
+config = TrainingConfig(resume="20261205-084600-c0ffee", experiment_name="signals", mlflow_tracking_uri=sys.argv[1])
+client = MlflowClient(sys.argv[1])  # the run this process drives, as the fit opens it
+client.create_run(client.create_experiment("signals"), tags={RUN_KEY_TAG: config.resume, DRIVER_TAG: this_driver()})
+cli._exit_at_the_latest_after_a_signal(config)
 with ray_session(TrainingConfig()):
     ray.get([ray.remote(lambda: 1).remote() for _ in range(2)])  # workers of the raylet, as a fit has
     print("ready", flush=True)
@@ -266,11 +273,12 @@ def test_a_stop_that_overruns_its_deadline_still_ends_every_ray_process_it_start
     """Issue 29, seen in CI: a SIGTERM that landed between the fit and register-model was still being handled
     10 s later, so the CLI exited at its deadline without ``ray.shutdown()``; the raylet's dashboard and
     runtime-env agents outlived it by more than 10 s. At the deadline the CLI now ends the process groups of
-    the Ray it started (raytrain_driver.process_groups)."""
+    the Ray it started (raytrain_driver.process_groups), and marks the MLflow run it drives KILLED."""
     log = tmp_path / "stuck.log"
+    tracking_uri = f"sqlite:///{seed_mlflow_store(tmp_path / 'mlflow.db')}"
     with log.open("w") as out:
         process = subprocess.Popen(
-            [sys.executable, "-c", STUCK_AFTER_A_SIGNAL],
+            [sys.executable, "-c", STUCK_AFTER_A_SIGNAL, tracking_uri],
             cwd=REPO_ROOT,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -286,6 +294,7 @@ def test_a_stop_that_overruns_its_deadline_still_ends_every_ray_process_it_start
         assert "still stopping after 1 s" in command.output()
         assert "continue it with `prefect-raytrain resume 20261205-084600-c0ffee`" in command.output()
         assert command.left_behind(grace=3.0) == [], command.output()[-3000:]
+        assert _only_run(tmp_path).info.status == "KILLED", command.output()[-3000:]
     finally:  # whatever failed: nothing of it outlives the test (Ray's services are in sessions of their own)
         command.watch()
         if process.poll() is None:
