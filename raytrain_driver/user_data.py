@@ -19,15 +19,18 @@ STAGED = re.compile(r"(.+)\.[0-9a-f]{8}\.tmp")
 
 def prepare_user_data(config: TrainingConfig, spec: TrainFunc) -> PreparedData | None:
     """The stored version of what ``spec.prepare`` writes for this config (written unless that content is stored
-    already); None when the code has no ``prepare``."""
+    already); None when the code has no ``prepare``. The run's storage is checked first, for every code
+    (StorageError naming ``storage_path``)."""
     from raytrain_tasks.integrity import local_folder_digest
     from raytrain_tasks.user_code import user_config, user_frames
 
-    if spec.prepare is None:
-        return None
-    # Storage first: a wrong bucket or bad credentials fail in seconds, before the user's code loads anything.
+    # Storage first, for every code: a wrong bucket, bad credentials or a folder that cannot be written fail here
+    # in seconds, once per run (prepare-data is not retried), before the user's code loads anything and before
+    # the fit takes its lease or starts a worker (there they would surface as OSErrors that Prefect retries).
     root = locate(config.storage_path, config.storage_options)
     check_writable(root, create_bucket=config.create_bucket)
+    if spec.prepare is None:
+        return None
     with tempfile.TemporaryDirectory(prefix="prt-prepare-") as scratch:
         folder = Path(scratch)
         try:

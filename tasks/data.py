@@ -1,5 +1,6 @@
-"""prepare-data: the Prefect task that writes (or reuses) the run's content-addressed dataset version: what your
-code's ``prepare`` writes (raytrain_driver/user_data.py)."""
+"""prepare-data: the Prefect task that checks the run's storage (for every code) and writes (or reuses) the run's
+content-addressed dataset version: what your code's ``prepare`` writes (raytrain_driver/user_data.py). It has no
+retries: what it finds wrong needs a setting changed."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from raytrain_tasks.redact import redacted_errors
 
 @task(name="prepare-data", cache_policy=NONE)
 def prepare_data(config: TrainingConfig) -> RunData | None:
-    """Write (or reuse) the prepared dataset version for this config and return where it is; None for your own
-    code without ``prepare`` (it reads its data where it is)."""
+    """Check the run's storage, then write (or reuse) the prepared dataset version for this config and return
+    where it is; None for your own code without ``prepare`` (it reads its data where it is)."""
     logger = get_run_logger()
     with redacted_errors():
         spec = resolve_code(config)

@@ -13,8 +13,9 @@ import pytest
 from devtools.s3_server import LocalS3
 from raytrain_driver.user_data import prepare_user_data
 from raytrain_tasks.api import DATA_DIR_KEY, Metric, TrainFunc
-from raytrain_tasks.errors import DatasetError, UserCodeError
+from raytrain_tasks.errors import DatasetError, StorageError, UserCodeError
 from raytrain_tasks.prepared import MARKER_NAME, local_data_dir
+from raytrain_tasks.storage.locations import s3_client
 from raytrain_tasks.user_code import user_config
 from tests.helpers import small_config
 
@@ -213,3 +214,32 @@ def test_the_line_prepare_returns_on_what_it_wrote_is_shown_with_the_version_and
     (used,) = client.get_run(run.info.run_id).inputs.dataset_inputs
     assert json.loads(used.dataset.profile) == {"summary": "10 rows, 2 columns"}
     assert told.content_hash.startswith(used.dataset.digest)
+
+
+def test_code_without_prepare_gets_the_same_storage_check_before_the_fit(s3_server: LocalS3, tmp_path: Path) -> None:
+    """prepare-data checks the run's storage for every code, with or without ``prepare``: a folder that cannot be
+    written or a missing bucket fails there, in seconds and once (prepare-data has no retries), naming the setting
+    to change, before the fit takes its lease or starts a worker; ``create_bucket`` creates the bucket there."""
+    from tasks.data import prepare_data
+
+    in_the_way = tmp_path / "a-file"  # a folder the run cannot write, even as root (which ignores permission bits)
+    in_the_way.write_text("")
+    unwritable = small_config(tmp_path, train_code=CODE, epochs=1, storage_path=str(in_the_way / "storage"))
+    with pytest.raises(StorageError, match=r"a-file/storage is not writable .*set `storage_path`"):
+        prepare_user_data(unwritable, code(None))
+
+    def on_bucket(create_bucket: bool) -> Any:
+        return small_config(
+            tmp_path,
+            train_code=CODE,
+            epochs=1,
+            storage_path="s3://prt-no-prepare/runs",
+            s3_endpoint_url=s3_server.endpoint_url,
+            create_bucket=create_bucket,
+        )
+
+    with pytest.raises(StorageError, match=r"bucket 'prt-no-prepare' does not exist.*`create_bucket`.*`storage_path`"):
+        prepare_user_data(on_bucket(create_bucket=False), code(None))
+    assert prepare_user_data(on_bucket(create_bucket=True), code(None)) is None  # no prepare: nothing stored
+    s3_client(on_bucket(create_bucket=True).storage_options).head_bucket(Bucket="prt-no-prepare")  # created
+    assert prepare_data.retries == 0  # a storage error found there ends the run at once
