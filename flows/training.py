@@ -16,7 +16,7 @@ from flows.parameters import with_settings_as_parameters
 from flows.run_settings import check_deployment_pins
 from flows.stop_signals import note_run_key, send_again_a_stop_that_a_finalizer_swallowed
 from raytrain_driver.fit_record import FitResult
-from raytrain_driver.preflight import code_model_name
+from raytrain_driver.preflight import code_model_name, code_secret_keys
 from raytrain_tasks.builtin_aliases import with_builtin_settings_carried
 from raytrain_tasks.config import (
     TrainingConfig,
@@ -69,7 +69,8 @@ def training_pipeline(continue_flow_run: str | None = None, **settings: Any) -> 
             config = continuation.config
         else:
             config = config_from_parameters(settings)
-            get_run_logger().info("settings: %s", non_default_settings(config) or "the defaults")
+            shown = non_default_settings(config, code_secret_keys(config))
+            get_run_logger().info("settings: %s", shown or "the defaults")
         check_deployment_pins(config, deployment.get_id(), flow_run.get_id())
         return _pipeline(config)
 
@@ -84,7 +85,8 @@ def _pipeline(config: TrainingConfig) -> PipelineResult:
     carried = with_builtin_settings_carried(config)  # the table classifier takes the built-in's settings
     if carried is not config:  # the settings line leaves them out for train_code: say where they went
         get_run_logger().info(
-            "the table classifier's train_config, the built-in's settings in: %s", carried.train_config_shown()
+            "the table classifier's train_config, the built-in's settings in: %s",
+            carried.train_config_shown(code_secret_keys(carried)),
         )
     config = carried
     if ignored := ignored_with_train_code(config):

@@ -24,9 +24,9 @@ from raytrain_driver.preflight import (
     check_cluster,
     check_spec_data,
     check_started_without_checkpoint,
-    code_params,
     data_tasks_during_fit,
     resolve_code,
+    shown_params,
 )
 from raytrain_driver.sizing import FitPlan
 from raytrain_tasks.config import TrainingConfig, check_run_key
@@ -125,7 +125,7 @@ def _confirm_finished(
 ) -> FitResult:
     """Everything was trained and recorded earlier: check the settings match, train nothing."""
     dataset_hash = dataset.content_hash if dataset is not None else None
-    params = config.public_params(code_params(config, spec))
+    params = shown_params(config, spec)
     tracking.check_resumable(client, experiment_id, run_key, params, dataset_hash)
     tracking.finish_run(client, finished.mlflow_run_id)
     run_logger().info("run key %s finished all %d epochs earlier; nothing to train", run_key, config.epochs)
@@ -154,7 +154,7 @@ def _start_run(
         | {tracking.CPUS_PER_WORKER_TAG: f"{plan.cpus_per_worker:g}"}
         | {k: v for k, v in origin.items() if k != "run_name"}
         | {tracking.NOTE_TAG: run_description(config, run_key, run_dir, origin, data_loader)},
-        params=config.public_params(code_params(config, spec)),
+        params=shown_params(config, spec),
     )
     if not reopened and dataset is not None:
         evaluation.log_dataset_input(client, run_id, dataset)

@@ -3,6 +3,7 @@ the Prefect flow run are taken by the task, tasks/fit.py, and handed in as ``ori
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from raytrain_tasks.config import TrainingConfig
@@ -86,18 +87,22 @@ DESCRIPTION_LIMIT = 5000
 _TRAIN_CONFIG_SHOWN = 1000
 
 
-def version_description(config: TrainingConfig, dataset: RunData | None, fit: FitResult, selected_by: str) -> str:
+def version_description(
+    config: TrainingConfig, dataset: RunData | None, fit: FitResult, selected_by: str, secret_keys: Collection[str]
+) -> str:
     """The registered version's description: what trained it, on which data, the metric that picked its
-    checkpoint (``selected_by``: the validation one, not the gate's), and its scores; at most DESCRIPTION_LIMIT
-    characters."""
-    text = _description(config, dataset, fit, selected_by)
+    checkpoint (``selected_by``: the validation one, not the gate's), and its scores (the code's ``secret_keys``
+    masked); at most DESCRIPTION_LIMIT characters."""
+    text = _description(config, dataset, fit, selected_by, secret_keys)
     return text if len(text) <= DESCRIPTION_LIMIT else f"{text[: DESCRIPTION_LIMIT - 40]}... (scores in the tags)"
 
 
-def _description(config: TrainingConfig, dataset: RunData | None, fit: FitResult, selected_by: str) -> str:
+def _description(
+    config: TrainingConfig, dataset: RunData | None, fit: FitResult, selected_by: str, secret_keys: Collection[str]
+) -> str:
     scores = ", ".join(f"{key} {value:.4f}" for key, value in sorted(fit.scores.items()))
     data = f" on prepared data {dataset.content_hash}" if dataset is not None else ""
-    train_config = config.train_config_shown()
+    train_config = config.train_config_shown(secret_keys)
     if len(train_config) > _TRAIN_CONFIG_SHOWN:
         train_config = f"{train_config[:_TRAIN_CONFIG_SHOWN]}... (whole in the run's params)"
     return (

@@ -106,11 +106,24 @@ def data_tasks_during_fit(spec: TrainFunc) -> bool:
     return spec.datasets is not None
 
 
-def code_params(config: TrainingConfig, spec: TrainFunc) -> dict[str, Any]:
-    """What the user's code gets of its own settings (logged as ``train_config.<key>``)."""
-    from raytrain_tasks.code_settings import code_values
+def shown_params(config: TrainingConfig, spec: TrainFunc) -> dict[str, Any]:
+    """The run's MLflow params: its settings, and what the user's code gets of its own (``train_config.<key>``),
+    the code's secrets masked."""
+    from raytrain_tasks.code_settings import secret_keys, shown_values
 
-    return code_values(spec, config.train_config, config.train_code)
+    values = shown_values(spec, config.train_config, config.train_code)
+    return config.public_params(values, secret_keys=secret_keys(spec.settings))
+
+
+def code_secret_keys(config: TrainingConfig) -> frozenset[str]:
+    """The ``train_config`` keys the run's code declares secret; every key when the code cannot be loaded (which
+    are secrets cannot be told then)."""
+    from raytrain_tasks.code_settings import secret_keys
+
+    try:
+        return secret_keys(resolve(config.train_code).settings)
+    except (UserCodeError, TypeError):
+        return frozenset(config.train_config)
 
 
 def check_started_without_checkpoint(config: TrainingConfig, run_key: str, run_dir: StorageLocation) -> None:

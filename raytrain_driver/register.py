@@ -42,6 +42,7 @@ from raytrain_driver.user_register import (
     user_schema,
 )
 from raytrain_tasks.api import TrainFunc
+from raytrain_tasks.code_settings import secret_keys
 from raytrain_tasks.config import TrainingConfig, check_run_key
 from raytrain_tasks.errors import PromotionError, TrackingError
 from raytrain_tasks.prepared import RunData, data_dir_of
@@ -123,7 +124,7 @@ def _register_model(
                     model_uri,
                     fit,
                     tags=version_tags(config, dataset, fit, spec, schema) | origin_tags,
-                    description=version_description(config, dataset, fit, selection.name),
+                    description=version_description(config, dataset, fit, selection.name, secret_keys(spec.settings)),
                 )
             else:
                 logger.info("run %s already registered %s version %s", fit.run_key, config.model_name, version)

@@ -30,6 +30,7 @@ from raytrain_driver.champion import (
 from raytrain_driver.promotion import Champion
 from raytrain_tasks.api import PIPELINE_METADATA, TrainFunc
 from raytrain_tasks.builtin_aliases import TABLE_CLASSIFIER
+from raytrain_tasks.code_settings import secret_keys
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import UnsafeCheckpointError, UserCodeError
 from raytrain_tasks.storage.locations import download_dir, locate
@@ -118,7 +119,7 @@ def version_tags(config: TrainingConfig, spec: TrainFunc | None, score: float, s
         TRAIN_CODE_TAG: config.train_code,
         GATE_METRIC_TAG: spec.gate.name,
         GATE_DIRECTION_TAG: str(spec.gate.higher_is_better).lower(),
-        "train_config": config.train_config_shown()[:5000],
+        "train_config": config.train_config_shown(secret_keys(spec.settings))[:5000],
         **({SCHEMA_TAG: schema} if schema else {}),
     }
 

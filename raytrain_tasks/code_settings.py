@@ -59,8 +59,102 @@ def code_values(spec: Any, train_config: Mapping[str, Any], train_code: str) -> 
             f"train_code {train_code!r}: train_config does not fit its settings class {settings.__name__}: "
             f"{problems}. Its settings: {describe(settings)}"
         ) from None  # pydantic's own text repeats the values, which may be secrets
-    dumped: dict[str, Any] = adapter.dump_python(value, mode="json")
+    dumped: dict[str, Any] = adapter.dump_python(value, mode="json")  # pydantic masks secrets here
+    if secrets := secret_keys(settings):  # the code gets them as they were given
+        plain = adapter.dump_python(value, mode="python")
+        dumped.update({key: _revealed(plain[key]) for key in secrets if key in plain})
     return dumped
+
+
+def shown_values(spec: Any, train_config: Mapping[str, Any], train_code: str) -> dict[str, Any]:
+    """``code_values`` as the run shows them (its params, logs, the version): its secrets masked."""
+    secrets = secret_keys(spec.settings)
+    return {
+        key: SECRET_MASK if key in secrets else value
+        for key, value in code_values(spec, train_config, train_code).items()
+    }
+
+
+# pydantic's own mask for a SecretStr: what the run shows in place of a secret setting.
+SECRET_MASK = "**********"
+
+
+def secret_keys(settings: type | None) -> frozenset[str]:
+    """The settings whose values are secrets (typed SecretStr, SecretBytes or pydantic's Secret): masked wherever
+    the run shows its settings. A setting that holds one anywhere inside (a nested model) is masked whole."""
+    if settings is None:
+        return frozenset()
+    schema = _schema(settings, settings.__name__)
+    definitions = schema.get("$defs", {})
+    marked = {name for name, field in schema.get("properties", {}).items() if _holds_secret(field, definitions)}
+    # Secret[int] and the like leave no mark in the schema: their types tell.
+    return frozenset(marked | {name for name, hint in _field_types(settings).items() if _secret_type(hint)})
+
+
+def _holds_secret(node: Any, definitions: dict[str, Any], seen: frozenset[str] = frozenset()) -> bool:
+    """Whether a JSON schema node describes a secret anywhere: pydantic marks them writeOnly, format password."""
+    if isinstance(node, list):
+        return any(_holds_secret(item, definitions, seen) for item in node)
+    if not isinstance(node, dict):
+        return False
+    if node.get("writeOnly") is True or node.get("format") == "password":
+        return True
+    reference = node.get("$ref")
+    if isinstance(reference, str) and reference not in seen:
+        target = definitions.get(reference.rsplit("/", 1)[-1])
+        if _holds_secret(target, definitions, seen | {reference}):
+            return True
+    return any(_holds_secret(item, definitions, seen) for key, item in node.items() if key not in ("$ref", "default"))
+
+
+def _field_types(settings: type) -> dict[str, Any]:
+    """A settings class's fields and their types (a pydantic model's or a dataclass's); {} where unknown."""
+    import dataclasses
+    import typing
+
+    from pydantic import BaseModel
+
+    if isinstance(settings, type) and issubclass(settings, BaseModel):
+        return {name: field.annotation for name, field in settings.model_fields.items()}
+    if dataclasses.is_dataclass(settings):
+        try:
+            hints = typing.get_type_hints(settings, include_extras=True)
+        except (NameError, TypeError):  # an annotation that does not resolve: the schema's marks alone
+            return {}
+        return {field.name: hints.get(field.name) for field in dataclasses.fields(settings)}
+    return {}
+
+
+def _secret_type(hint: Any, seen: frozenset[type] = frozenset()) -> bool:
+    """Whether a type is, or holds anywhere inside, one of pydantic's secret types."""
+    import typing
+
+    from pydantic.types import _SecretBase
+
+    origin = typing.get_origin(hint) or hint
+    if isinstance(origin, type) and issubclass(origin, _SecretBase):
+        return True
+    if isinstance(hint, type) and hint not in seen and _field_types(hint):
+        return any(_secret_type(inner, seen | {hint}) for inner in _field_types(hint).values())
+    return any(_secret_type(arg, seen) for arg in typing.get_args(hint) if not isinstance(arg, str | int | float))
+
+
+def _revealed(value: Any) -> Any:
+    """A setting's value as JSON, its secrets in clear."""
+    from pydantic import TypeAdapter
+    from pydantic.types import _SecretBase
+
+    def reveal(item: Any) -> Any:
+        if isinstance(item, _SecretBase):
+            secret = item.get_secret_value()
+            return secret.decode() if isinstance(secret, bytes) else secret
+        if isinstance(item, dict):
+            return {key: reveal(inner) for key, inner in item.items()}
+        if isinstance(item, list | tuple | set | frozenset):
+            return [reveal(inner) for inner in item]
+        return item
+
+    return TypeAdapter(Any).dump_python(reveal(value), mode="json")
 
 
 def describe(settings: type) -> str:

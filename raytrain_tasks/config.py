@@ -10,7 +10,7 @@ import json
 import re
 import secrets
 import warnings
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -145,11 +145,18 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
         """``train_config`` as one canonical JSON text (keys sorted, no spaces): what the code is given."""
         return json.dumps(self.train_config, sort_keys=True, separators=(",", ":"))
 
-    def train_config_shown(self) -> str:
-        """``train_config_text`` with credentials masked: its MLflow param, version tag and description."""
+    def train_config_shown(self, secret_keys: Collection[str]) -> str:
+        """``train_config_text`` with credentials and the code's ``secret_keys`` masked
+        (``raytrain_tasks.code_settings.secret_keys``): its MLflow param, version tag and description."""
         from raytrain_tasks.redact import masked_strings
 
-        return json.dumps(masked_strings(self.train_config), sort_keys=True, separators=(",", ":"))
+        return json.dumps(masked_strings(self.train_config_masked(secret_keys)), sort_keys=True, separators=(",", ":"))
+
+    def train_config_masked(self, secret_keys: Collection[str]) -> dict[str, Any]:
+        """``train_config`` with the values of ``secret_keys`` replaced by a mask."""
+        from raytrain_tasks.code_settings import SECRET_MASK
+
+        return {key: SECRET_MASK if key in secret_keys else value for key, value in self.train_config.items()}
 
     @field_validator("dataset")
     @classmethod
@@ -270,10 +277,14 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
             }
         )
 
-    def public_params(self, code_values: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """The config as flat MLflow params: lists joined, credentials in URIs masked. For ``train_code``: no
-        built-in classifier setting, and ``train_config.<key>`` for each of ``code_values``, the code's own settings
-        as it gets them (``raytrain_tasks.code_settings.code_values``: ``train_config`` over its defaults)."""
+    def public_params(
+        self, code_values: Mapping[str, Any] | None = None, *, secret_keys: Collection[str]
+    ) -> dict[str, Any]:
+        """The config as flat MLflow params: lists joined, credentials in URIs and ``secret_keys`` masked. For
+        ``train_code``: no built-in classifier setting, and ``train_config.<key>`` for each of ``code_values``, the
+        code's own settings as it gets them (``raytrain_tasks.code_settings.shown_values``: ``train_config`` over
+        its defaults)."""
+        from raytrain_tasks.code_settings import SECRET_MASK
         from raytrain_tasks.redact import masked_param
 
         params: dict[str, Any] = {}
@@ -281,10 +292,13 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
             if isinstance(value, list):
                 value = ",".join(map(str, value))
             if key == "train_config":
-                value = self.train_config_shown()
+                value = self.train_config_shown(secret_keys)
             params[key] = masked_param(value) if isinstance(value, str) else value
-        for key, value in (self.train_config if code_values is None else code_values).items():
-            params[f"train_config.{key}"] = masked_param(value, TRAIN_CONFIG_MAX_CHARS)
+        shown = self.train_config if code_values is None else code_values
+        for key, value in shown.items():
+            params[f"train_config.{key}"] = masked_param(
+                SECRET_MASK if key in secret_keys else value, TRAIN_CONFIG_MAX_CHARS
+            )
         return params
 
 
@@ -315,10 +329,12 @@ def config_from_parameters(parameters: Mapping[str, Any]) -> TrainingConfig:
         raise SettingsError(describe_validation_error(exc)) from exc
 
 
-def non_default_settings(config: TrainingConfig) -> str:
-    """``name=value, ...`` for the settings of ``config`` that differ from the defaults, credentials masked."""
+def non_default_settings(config: TrainingConfig, secret_keys: Collection[str]) -> str:
+    """``name=value, ...`` for the settings of ``config`` that differ from the defaults, credentials and the
+    code's ``secret_keys`` masked."""
     changed = config.model_dump(exclude_defaults=True)
-    return ", ".join(f"{name}={value}" for name, value in config.public_params().items() if name in changed)
+    shown = config.public_params(secret_keys=secret_keys).items()
+    return ", ".join(f"{name}={value}" for name, value in shown if name in changed)
 
 
 def new_run_key(now: datetime | None = None) -> str:

@@ -110,12 +110,12 @@ def test_bad_training_code_settings_are_refused_naming_the_setting(settings: dic
 
 def test_train_config_is_logged_as_params_one_per_key() -> None:
     config = TrainingConfig(train_code=SEED_DDP, train_config='{"hidden": 64, "layers": [2, 3]}')
-    params = config.public_params()
+    params = config.public_params(secret_keys=())
     assert params["train_config.hidden"] == 64 and params["train_config.layers"] == "[2, 3]"
     # One canonical text whatever the order, spacing or form (text or object): a resume compares it.
     assert params["train_config"] == '{"hidden":64,"layers":[2,3]}'
     for same in ('{"layers":[2,3],"hidden":64}', {"layers": [2, 3], "hidden": 64}):
-        assert TrainingConfig(train_config=same).public_params()["train_config"] == params["train_config"]
+        assert TrainingConfig(train_config=same).public_params(secret_keys=())["train_config"] == params["train_config"]
 
 
 def test_an_own_code_runs_params_are_what_trained_it() -> None:
@@ -130,17 +130,21 @@ def test_an_own_code_runs_params_are_what_trained_it() -> None:
         return code_values(spec, config.train_config, DIABETES)
 
     config = TrainingConfig(train_code=DIABETES, train_config='{"hidden": 64}')
-    params = config.public_params(with_defaults(hidden=32, dropout=0.1))
+    params = config.public_params(with_defaults(hidden=32, dropout=0.1), secret_keys=())
     assert params["train_config.hidden"] == 64 and params["train_config.dropout"] == 0.1
     assert not {"dataset", "model", "hidden_sizes", "promotion_metric", "data_loader"} & set(params), params
     # Whatever a default holds: a Path is its text, a URL's password is masked, a long value is cut to MLflow's limit.
-    odd = config.public_params({"root": Path("/data/x"), "src": "https://u:pw-in-default@h/x", "names": ["a"] * 5000})
+    odd = config.public_params(
+        {"root": Path("/data/x"), "src": "https://u:pw-in-default@h/x", "names": ["a"] * 5000}, secret_keys=()
+    )
     assert odd["train_config.root"] == '"/data/x"' and "pw-in-default" not in odd["train_config.src"]
     assert len(odd["train_config.names"]) <= 6000 and odd["train_config.names"].endswith("...(cut)")
     logged = {key: str(value) for key, value in params.items()}
     with pytest.raises(TrackingError, match=r"train_config.dropout: '0.1' -> '0.2'"):
         _check_params_unchanged(
-            logged, config.public_params(with_defaults(hidden=32, dropout=0.2)), "20260101-000000-abcdef"
+            logged,
+            config.public_params(with_defaults(hidden=32, dropout=0.2), secret_keys=()),
+            "20260101-000000-abcdef",
         )
 
 

@@ -49,7 +49,7 @@ def test_the_settings_a_run_logged_rebuild_the_same_config() -> None:
         )
     )
     assert config.train_config["data_loader"] == "ray_data"
-    params = {key: str(value) for key, value in config.public_params().items()}
+    params = {key: str(value) for key, value in config.public_params(secret_keys=()).items()}
     assert parse_config(flags_from_params(params, [])) == config
 
 
@@ -58,7 +58,7 @@ def test_a_run_of_the_built_in_classifier_of_earlier_releases_is_refused_saying_
 ) -> None:
     """A run of releases up to 0.2 (train_code '') cannot be resumed: its code is gone. The refusal names the
     setting and what trains the same model now, before anything starts."""
-    params = {key: str(value) for key, value in TrainingConfig().public_params().items()}
+    params = {key: str(value) for key, value in TrainingConfig().public_params(secret_keys=()).items()}
     params["train_code"] = ""
     with pytest.raises(SystemExit) as refused:
         parse_config(flags_from_params(params, []))
@@ -68,7 +68,7 @@ def test_a_run_of_the_built_in_classifier_of_earlier_releases_is_refused_saying_
 
 
 def test_a_masked_setting_must_be_given_again() -> None:
-    params = {key: str(value) for key, value in TrainingConfig().public_params().items()}
+    params = {key: str(value) for key, value in TrainingConfig().public_params(secret_keys=()).items()}
     params["mlflow_tracking_uri"] = "http://user:***@mlflow.example:5000"
     try:
         flags_from_params(params, [])

@@ -78,7 +78,7 @@ def test_train_config_is_a_json_object_as_prefects_p_and_the_form_send_it() -> N
     deployment = _deployment({**NIGHTLY, "train_code": "examples.seed_ddp.train:training"})
     config = _trained_with(_trigger(deployment, {"train_config": {"hidden": 64, "layers": [2, 3]}}))
     assert config.train_config == {"hidden": 64, "layers": [2, 3]}
-    assert config.public_params()["train_config.hidden"] == 64
+    assert config.public_params(secret_keys=())["train_config.hidden"] == 64
     # A run stored with the text form (before train_config was an object) passes Prefect's own check of its
     # parameters and trains with the object; a cleared form field is an empty one.
     stored = training_pipeline.validate_parameters({"train_config": '{"hidden": 64}'})
@@ -113,9 +113,9 @@ def test_the_old_single_config_parameter_is_refused_not_dropped() -> None:
 
 def test_the_log_line_names_what_differs_from_the_defaults_without_credentials() -> None:
     config = TrainingConfig(epochs=5, mlflow_tracking_uri="http://admin:s3cret@127.0.0.1:5000")
-    line = non_default_settings(config)
+    line = non_default_settings(config, ())
     assert "epochs=5" in line and "s3cret" not in line and "127.0.0.1:5000" in line
-    assert non_default_settings(TrainingConfig()) == ""
+    assert non_default_settings(TrainingConfig(), ()) == ""
 
 
 def test_a_crashed_run_with_an_override_is_continued_with_the_deployments_other_settings() -> None:

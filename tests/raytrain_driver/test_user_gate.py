@@ -334,7 +334,7 @@ def test_a_version_description_fits_mlflows_column_however_large_the_train_confi
     config = small_config(tmp_path, train_code=TRAIN_CODE, train_config={"dropout": 0.1, "vocabulary": vocabulary})
     scores = {f"val_class_{index}_recall": index / 400 for index in range(400)}
     fit = finished_fit(tmp_path, tmp_path, scores)
-    description = version_description(config, None, fit, "val_mse")
+    description = version_description(config, None, fit, "val_mse", ())
     assert len(config.train_config_text()) > DESCRIPTION_LIMIT
     assert len(description) <= DESCRIPTION_LIMIT
     assert description.startswith(f"{TRAIN_CODE} trained by run") and '"dropout":0.1' in description
@@ -354,11 +354,11 @@ def test_a_versions_tags_and_description_hold_no_credential_of_the_train_config(
     }
     config = small_config(tmp_path, train_code=TRAIN_CODE, train_config=sources)
     fit = finished_fit(tmp_path, tmp_path, {"val_mse": 0.5})
-    shown = version_description(config, None, fit, "val_mse") + repr(version_tags(config, spec(), 0.5))
+    shown = version_description(config, None, fit, "val_mse", ()) + repr(version_tags(config, spec(), 0.5))
     for secret in ("hunter2secret", "tok12345", "ter 2", "sec@"):
         assert secret not in shown, (secret, shown)
     assert "postgresql://reader:***@db:5432/rows" in shown, shown  # where it points is kept
-    assert config.public_params()["train_config"] in shown  # the same masking as the run's params
+    assert config.public_params(secret_keys=())["train_config"] in shown  # the same masking as the run's params
 
 
 def test_a_champion_of_another_input_schema_is_kept_as_incomparable_not_scored(

@@ -93,7 +93,7 @@ def test_the_table_classifier_is_what_a_run_trains_unless_it_names_other_code() 
     config = with_builtin_settings_carried(TrainingConfig(dataset="synthetic", hidden_sizes=[8]))
     assert config.train_code == TABLE_CLASSIFIER
     assert config.train_config == {"dataset": "synthetic", "hidden_sizes": [8]}
-    params = config.public_params()
+    params = config.public_params(secret_keys=())
     assert params["train_code"] == TABLE_CLASSIFIER and "dataset" not in params and "hidden_sizes" not in params
 
 
@@ -106,9 +106,9 @@ def test_a_continuation_of_a_run_of_the_built_in_classifier_is_refused_saying_it
     from raytrain_tasks.tracking.runs import _check_params_unchanged
 
     continued = with_builtin_settings_carried(TrainingConfig(dataset="synthetic"))
-    logged = {key: str(value) for key, value in continued.public_params().items()} | {"train_code": ""}
+    logged = {key: str(value) for key, value in continued.public_params(secret_keys=()).items()} | {"train_code": ""}
     with pytest.raises(TrackingError, match=r"releases up to 0\.2 \(train_code ''\), which is gone") as refused:
-        _check_params_unchanged(logged, continued.public_params(), "20260101-000000-abcdef")
+        _check_params_unchanged(logged, continued.public_params(secret_keys=()), "20260101-000000-abcdef")
     assert "cannot be resumed" in str(refused.value) and "without `resume`" in str(refused.value)
     assert "--train-code ''" not in str(refused.value)
 

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, Secret, SecretStr
 
 from raytrain_driver.preflight import resolve_code
 from raytrain_tasks.api import Metric, TrainFunc, TrainSpec
-from raytrain_tasks.code_settings import code_values
+from raytrain_tasks.code_settings import code_values, secret_keys
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import UserCodeError
 from raytrain_tasks.user_code import user_config
@@ -47,7 +47,9 @@ def test_a_settings_class_types_the_config_the_code_receives() -> None:
         "sizes": [2],
     }
     assert Settings(**received).hidden == 64  # read back typed
-    params = config.public_params(code_values(_func(settings=Settings), config.train_config, config.train_code))
+    params = config.public_params(
+        code_values(_func(settings=Settings), config.train_config, config.train_code), secret_keys=()
+    )
     assert params["train_config.hidden"] == 64 and params["train_config.activation"] == "relu"
 
 
@@ -311,3 +313,68 @@ def test_a_model_name_function_that_gives_no_usable_name_is_refused_naming_it(
         _named_by(monkeypatch, model_name)
     with pytest.raises(TypeError, match=r"TrainFunc\(model_name=...\) must be a function"):
         TrainFunc(lambda config: None, metric=Metric("val_loss", False), model_name="fixed")  # type: ignore[arg-type]
+
+
+class Login(BaseModel):
+    user: str = "reader"
+    password: SecretStr
+
+
+class Secrets(BaseModel):
+    token: SecretStr
+    pin: Secret[int]
+    login: Login | None = None
+    hidden: int = 32
+
+
+def test_the_settings_that_hold_a_secret_are_found_by_their_types() -> None:
+    assert secret_keys(Secrets) == {"token", "pin", "login"}
+    assert secret_keys(Settings) == set() and secret_keys(None) == set()
+
+
+def test_a_secret_setting_reaches_the_code_and_is_masked_wherever_the_run_shows_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """(#63 item 13) A SecretStr setting was shown in clear in the flow's settings line (Prefect keeps its logs)
+    and the run's ``train_config`` param, while the code got pydantic's mask."""
+    import json
+    import sys
+    import types
+
+    from raytrain_driver.preflight import code_secret_keys, shown_params
+    from raytrain_driver.user_register import version_tags
+    from raytrain_tasks.config import non_default_settings
+
+    module = types.ModuleType("secret_code")
+    module.training = TrainFunc(lambda config: None, metric=Metric("val_loss", False), settings=Secrets)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "secret_code", module)
+    given = {"token": "tok-in-clear-1", "pin": 9876, "login": {"password": "pw-in-clear-2"}, "hidden": 64}
+    config = TrainingConfig(train_code="secret_code:training", train_config=given, register=False)
+    spec = resolve_code(config)
+    received = user_config(config, spec)
+    assert (received["token"], received["pin"], received["login"]["password"]) == (
+        "tok-in-clear-1",
+        9876,
+        "pw-in-clear-2",
+    )
+    params = shown_params(config, spec)
+    assert params["train_config.token"] == "**********" and params["train_config.hidden"] == 64
+    shown = [
+        non_default_settings(config, code_secret_keys(config)),
+        json.dumps(params),
+        repr(version_tags(config, spec, 0.5)),
+    ]
+    for text in shown:
+        for secret in ("tok-in-clear-1", "9876", "pw-in-clear-2"):
+            assert secret not in text, (secret, text)
+    assert '"hidden":64' in shown[0] and '"hidden":64' in shown[2]  # the rest is shown as given
+
+
+def test_when_the_code_cannot_be_loaded_its_whole_train_config_is_masked() -> None:
+    """Which settings are secrets cannot be told then: the settings line shows none of the values."""
+    from raytrain_driver.preflight import code_secret_keys
+    from raytrain_tasks.config import non_default_settings
+
+    config = TrainingConfig(train_code="no_such_module:training", train_config={"token": "tok-in-clear-3"})
+    assert code_secret_keys(config) == {"token"}
+    assert "tok-in-clear-3" not in non_default_settings(config, code_secret_keys(config))

@@ -96,7 +96,7 @@ def test_new_run_keys_are_unique_and_accepted_by_resume() -> None:
 def test_public_params_are_flat_strings_or_scalars() -> None:
     from raytrain_tasks.config import BUILTIN_CLASSIFIER_ONLY
 
-    params = TrainingConfig(train_config={"hidden_sizes": [32, 16]}).public_params()
+    params = TrainingConfig(train_config={"hidden_sizes": [32, 16]}).public_params(secret_keys=())
     # The table classifier's settings are its train_config's (raytrain_tasks.builtin_aliases), logged once, there.
     assert set(params) == set(TrainingConfig.model_fields) - set(BUILTIN_CLASSIFIER_ONLY) | {
         "train_config.hidden_sizes"
@@ -281,9 +281,9 @@ def test_a_resume_may_change_what_steers_the_run_and_nothing_it_trains_with() ->
     from raytrain_tasks.tracking.runs import _check_params_unchanged
 
     started = TrainingConfig()
-    logged = {key: str(value) for key, value in started.public_params().items()}
+    logged = {key: str(value) for key, value in started.public_params(secret_keys=()).items()}
     steering = {"min_improvement": 0.05, "fit_retries": 0, "run_lease_seconds": 60.0, "register": False}
-    _check_params_unchanged(logged, TrainingConfig(**steering).public_params(), "20260101-000000-abcdef")
+    _check_params_unchanged(logged, TrainingConfig(**steering).public_params(secret_keys=()), "20260101-000000-abcdef")
     changed = TrainingConfig(**steering, learning_rate=0.5, epochs=9)
     with pytest.raises(TrackingError, match=r"other settings \(epochs: '3' -> '9', learning_rate: '\S+' -> '0\.5'\)"):
-        _check_params_unchanged(logged, changed.public_params(), "20260101-000000-abcdef")
+        _check_params_unchanged(logged, changed.public_params(secret_keys=()), "20260101-000000-abcdef")

@@ -113,7 +113,7 @@ def test_a_retried_elastic_fit_keeps_the_cpus_per_worker_it_trained_with(
     loaders' test above reads that tag after a fit)."""
     import logging
 
-    from raytrain_driver.preflight import check_cluster, code_params, resolve_code
+    from raytrain_driver.preflight import check_cluster, resolve_code, shown_params
     from raytrain_tasks.config import new_run_key
     from raytrain_tasks.storage.locations import locate
     from raytrain_tasks.tracking import runs as tracking
@@ -127,7 +127,7 @@ def test_a_retried_elastic_fit_keeps_the_cpus_per_worker_it_trained_with(
     runs = locate(config.storage_path).child("runs")
     assert check_cluster(config, runs, client, run_key).cpus_per_worker == 1.0  # a new run: sized to this Ray
     earlier_tags = {tracking.CPUS_PER_WORKER_TAG: "2"}
-    params = config.public_params(code_params(config, resolve_code(config)))
+    params = shown_params(config, resolve_code(config))
     run_id, _ = tracking.start_or_reopen_run(client, experiment_id, run_key, run_key, earlier_tags, params)
     tracking.fail_run(client, run_id, RuntimeError("the worker group could not start: a node was lost"))
 
