@@ -22,8 +22,8 @@ from raytrain_driver.lease import HeldLease, run_lease
 from raytrain_driver.origin import data_loader_of, run_description, run_tags
 from raytrain_driver.preflight import (
     check_cluster,
+    check_resume,
     check_spec_data,
-    check_started_without_checkpoint,
     data_tasks_during_fit,
     resolve_code,
     shown_params,
@@ -57,8 +57,8 @@ def fit_in_this_process(
     and the tags that lead back to the Prefect flow run (tasks/fit.py), taken in the Prefect run."""
     with redacted_errors():
         check_run_key(run_key)  # it names a folder in storage and goes into MLflow filters
-        if config.resume and not run_dir.child("checkpoint_manager_snapshot.json").exists():
-            check_started_without_checkpoint(config, run_key, run_dir)
+        if config.resume:  # before the lease: a resume that cannot go on leaves nothing in storage either
+            check_resume(config, run_key, run_dir)
         # One driver per run key, whatever host it runs on (raytrain_driver/lease.py).
         with run_lease(
             run_dir, run_key, run_owner.this_driver(), config.run_lease_seconds, holder_alive=run_owner.driver_alive

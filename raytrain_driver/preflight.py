@@ -20,8 +20,9 @@ from raytrain_driver.sizing import (
 from raytrain_tasks.api import TrainFunc, data_dir_refused
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.data import USER_DATASET_CPUS
-from raytrain_tasks.errors import CheckpointError, DatasetError, UserCodeError, user_frames
+from raytrain_tasks.errors import CheckpointError, DatasetError, TrackingError, UserCodeError, user_frames
 from raytrain_tasks.prepared import RunData
+from raytrain_tasks.redact import redact_uri
 from raytrain_tasks.settings import MODEL_NAME_MAX, MODEL_NAME_PATTERN
 from raytrain_tasks.storage.locations import StorageLocation
 from raytrain_tasks.tracking import runs as tracking
@@ -126,24 +127,58 @@ def code_secret_keys(config: TrainingConfig) -> frozenset[str]:
         return frozenset(config.train_config)
 
 
-def check_started_without_checkpoint(config: TrainingConfig, run_key: str, run_dir: StorageLocation) -> None:
-    """A resume of a run that has no checkpoint yet trains from its first epoch, in its MLflow run: it stopped
-    before its first epoch was committed (the likeliest moment to run out of memory: loading data, the first
-    epoch). A run key that never started a fit (no MLflow run, nothing in storage) is a CheckpointError."""
-    client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
-    experiment = client.get_experiment_by_name(config.experiment_name)
-    run = tracking.find_run(client, experiment.experiment_id, run_key) if experiment is not None else None
+def check_resume(config: TrainingConfig, run_key: str, run_dir: StorageLocation) -> None:
+    """A resume continues ``run_key``'s MLflow run in the store and experiment this run logs to. Checked before
+    anything is created: an MLflow run, an experiment, a local store, the lease.
+
+    Storage holds what the run's fit wrote but that experiment has no run of it: TrackingError naming where it
+    looked. No MLflow run and no folder in storage: CheckpointError. A run with no committed checkpoint yet trains
+    from its first epoch, in its MLflow run: it stopped before its first epoch was committed (the likeliest moment
+    to run out of memory: loading data, the first epoch)."""
+    from raytrain_driver.user_fit import RAY_CHECKPOINT_RECORD
+
+    client = tracking.existing_store(config.mlflow_tracking_uri, config.s3_endpoint_url)
+    experiment = client.get_experiment_by_name(config.experiment_name) if client is not None else None
+    run = (
+        tracking.find_run(client, experiment.experiment_id, run_key)
+        if client is not None and experiment is not None
+        else None
+    )
+    where = f"experiment {config.experiment_name!r} of MLflow at {redact_uri(config.mlflow_tracking_uri)}"
+    written = _written_by_fit(run_dir)
+    if run is None and written:
+        # A fit writes these only after it opened its MLflow run: the run is in another store or experiment (or
+        # deleted). Opening one here would resume no checkpoint (MLflow vouches for none) and leave a stray run.
+        others = tracking.experiments_with_run(client, run_key) if client is not None else []
+        shown = ", ".join(written[:3]) + (", ..." if len(written) > 3 else "")
+        raise TrackingError(
+            f"cannot resume run {run_key}: {run_dir.uri} holds what its fit wrote ({shown}), but {where} has no "
+            f"MLflow run tagged {tracking.RUN_KEY_TAG}={run_key}"
+            + (f" (this store has one in experiment {', '.join(map(repr, others))})" if others else "")
+            + ". Nothing was created. Set `mlflow_tracking_uri` and `experiment_name` to the store and experiment "
+            "the run started in; a deleted MLflow run must be restored first"
+        )
     if run is None and not run_dir.exists():
         raise CheckpointError(
-            f"cannot resume run {run_key}: no MLflow run in experiment {config.experiment_name!r} and no checkpoints "
-            f"under {run_dir.uri}; check `resume`, `experiment_name` and `storage_path` (they must match the "
+            f"cannot resume run {run_key}: no MLflow run of it in {where} and nothing under {run_dir.uri}; check "
+            "`resume`, `mlflow_tracking_uri`, `experiment_name` and `storage_path` (they must match the "
             "interrupted run)"
         )
-    run_logger().warning(
-        "run %s has no committed checkpoint yet (it stopped before its first epoch ended): training from epoch 1%s",
-        run_key,
-        f" in MLflow run {run.info.run_id}" if run is not None else "",
-    )
+    if RAY_CHECKPOINT_RECORD not in written:
+        run_logger().warning(
+            "run %s has no committed checkpoint yet (it stopped before its first epoch ended): training from epoch 1%s",
+            run_key,
+            f" in MLflow run {run.info.run_id}" if run is not None else "",
+        )
+
+
+def _written_by_fit(run_dir: StorageLocation) -> list[str]:
+    """What of the run's folder only a fit writes, once its MLflow run is open: Ray Train's record of the
+    checkpoints, checkpoint folders, the fit record (not the lease, taken before)."""
+    from raytrain_driver.fit_record import FIT_RECORD
+    from raytrain_driver.user_fit import RAY_CHECKPOINT_RECORD, is_checkpoint_folder
+
+    return [n for n in run_dir.list_names() if n in (RAY_CHECKPOINT_RECORD, FIT_RECORD) or is_checkpoint_folder(n)]
 
 
 def workers_code_dir(config: TrainingConfig) -> str:

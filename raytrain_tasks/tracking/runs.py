@@ -94,6 +94,25 @@ def find_run(client: MlflowClient, experiment_id: str, run_key: str) -> Any | No
     return runs[0] if runs else None
 
 
+def existing_store(tracking_uri: str, s3_endpoint_url: str = "") -> MlflowClient | None:
+    """``connect`` for a look that writes nothing: None for a local store that does not exist yet, which
+    connecting would create."""
+    local_db = _sqlite_path(tracking_uri)
+    if local_db is not None and not local_db.exists():
+        return None
+    return connect(tracking_uri, s3_endpoint_url)
+
+
+def experiments_with_run(client: MlflowClient, run_key: str) -> list[str]:
+    """The names of the store's experiments that hold a run of ``run_key``."""
+    check_run_key(run_key)  # it goes into a filter string
+    names = {experiment.experiment_id: experiment.name for experiment in client.search_experiments()}
+    if not names:
+        return []
+    runs = client.search_runs(list(names), filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'", max_results=10)
+    return sorted({names[run.info.experiment_id] for run in runs})
+
+
 def earlier_share(client: MlflowClient, experiment_name: str, run_key: str) -> float | None:
     """The CPUs per worker an earlier attempt of ``run_key`` trained with; None for a new run, or a tag that is
     not a number (the share is then sized anew). Reads only: nothing is created for a run that has not started."""

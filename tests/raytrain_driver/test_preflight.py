@@ -1,0 +1,95 @@
+"""The fit's pre-flight for a resume: where the run key's MLflow run must be, checked before anything is created."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from raytrain_tasks.config import new_run_key
+from raytrain_tasks.errors import CheckpointError, TrackingError
+from raytrain_tasks.storage.locations import RUNS_DIR, locate
+from raytrain_tasks.tracking import runs as tracking
+from tests.helpers import prepared_for, seed_mlflow_store, small_config
+
+
+def _started_run(db: Path, experiment: str, run_key: str) -> None:
+    """An MLflow run of ``run_key`` in ``experiment`` of the store at ``db``, as a fit opens it."""
+    client = tracking.connect(f"sqlite:///{seed_mlflow_store(db)}")
+    experiment_id = tracking.ensure_experiment(client, experiment, f"sqlite:///{db}", str(db.parent / "storage"))
+    client.create_run(experiment_id, tags={tracking.RUN_KEY_TAG: run_key})
+
+
+def _store_contents(db: Path) -> tuple[list[str], int]:
+    """The experiments of the store at ``db`` and how many runs they hold."""
+    client = tracking.connect(f"sqlite:///{db}")
+    experiments = client.search_experiments()
+    runs = client.search_runs([e.experiment_id for e in experiments]) if experiments else []
+    return sorted(e.name for e in experiments), len(runs)
+
+
+@pytest.mark.parametrize("elsewhere", ["another store", "another experiment"])
+def test_a_resume_whose_mlflow_run_is_elsewhere_creates_nothing_and_names_where_it_looked(
+    tmp_path: Path, elsewhere: str
+) -> None:
+    """Run ``KEY`` has checkpoints in storage and its MLflow run in store A, experiment 'tests'; the resume looks in
+    store B (or in experiment 'other' of store A). It fails before any MLflow run, experiment, lease or worker,
+    with a TrackingError (not retried) naming the run key, the store and experiment it looked in and the settings."""
+    from raytrain_driver.fit import fit_in_this_process
+    from tasks.fit import NOT_RETRYABLE
+
+    key = new_run_key()
+    original = tmp_path / "a" / "mlflow.db"
+    _started_run(original, "tests", key)
+    if elsewhere == "another store":
+        looked_in = tmp_path / "b" / "mlflow.db"
+        overrides = {"mlflow_tracking_uri": f"sqlite:///{seed_mlflow_store(looked_in)}"}
+    else:
+        looked_in = original
+        overrides = {"mlflow_tracking_uri": f"sqlite:///{original}", "experiment_name": "other"}
+    config = small_config(tmp_path, dataset="synthetic", synthetic_samples=400, num_workers=1, resume=key, **overrides)
+    config, dataset = prepared_for(config)
+    runs = locate(config.storage_path).child(RUNS_DIR)
+    run_dir = runs.child(key)
+    # What the interrupted fit left in storage: one committed checkpoint and Ray Train's record of it.
+    (Path(run_dir.path) / "epoch-0001").mkdir(parents=True)
+    (Path(run_dir.path) / "epoch-0001" / "model.pt").write_bytes(b"weights")
+    (Path(run_dir.path) / "checkpoint_manager_snapshot.json").write_text("{}")
+    before = _store_contents(looked_in)
+
+    with pytest.raises(TrackingError) as raised:
+        fit_in_this_process(config, dataset, key, runs, run_dir, origin={"run_name": key})
+
+    message = str(raised.value)
+    assert key in message
+    assert f"experiment {config.experiment_name!r}" in message
+    assert f"sqlite:///{looked_in}" in message
+    assert "`mlflow_tracking_uri`" in message and "`experiment_name`" in message
+    assert "who can write" not in message  # not storage's fault: no accusation of tampering
+    if elsewhere == "another experiment":
+        assert "'tests'" in message  # where this store does have it
+    assert isinstance(raised.value, NOT_RETRYABLE)
+    assert _store_contents(looked_in) == before  # no stray run, no experiment created
+    assert sorted(p.name for p in Path(run_dir.path).iterdir()) == ["checkpoint_manager_snapshot.json", "epoch-0001"]
+
+
+def test_a_resume_of_a_run_key_with_no_mlflow_run_and_no_storage_names_both_and_creates_no_store(
+    tmp_path: Path,
+) -> None:
+    """Nothing of run ``KEY`` anywhere: a CheckpointError (not retried) naming the store, the experiment and the
+    storage it looked in; a local MLflow store that is not there is not created by looking."""
+    from raytrain_driver.fit import fit_in_this_process
+
+    key = new_run_key()
+    db = tmp_path / "empty" / "mlflow.db"
+    config = small_config(tmp_path, mlflow_tracking_uri=f"sqlite:///{db}", resume=key)
+    runs = locate(config.storage_path).child(RUNS_DIR)
+
+    with pytest.raises(CheckpointError) as raised:
+        fit_in_this_process(config, None, key, runs, runs.child(key), origin={"run_name": key})
+
+    message = str(raised.value)
+    assert key in message and f"sqlite:///{db}" in message and "experiment 'tests'" in message
+    assert runs.child(key).uri in message
+    assert not db.exists()
+    assert not Path(runs.child(key).path).exists()
