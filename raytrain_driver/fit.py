@@ -224,7 +224,8 @@ def _train(
     from raytrain_tasks.user_code import code_error_stopper
 
     epochs = MlflowEpochLogger(uri, run_id, step_key=spec.selection.name, keys=None, journal=opened.journal)
-    callbacks += [epochs, RestartGuard(epochs), code_error_stopper(config.train_code)]
+    # The stopper first: a checkpoint it refuses is never logged or pinned, so no resume starts from it.
+    callbacks += [code_error_stopper(config.train_code, spec.selection.name), epochs, RestartGuard(epochs)]
     trainer = build_trainer(
         config,
         plan,

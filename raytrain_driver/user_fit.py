@@ -30,14 +30,11 @@ if TYPE_CHECKING:
     from raytrain_tasks.prepared import PreparedData
     from raytrain_tasks.storage.locations import StorageLocation
 
-# The folders of a run's checkpoints: Ray Train names one checkpoint_<timestamp> when the code passes no
-# checkpoint_dir_name (a train_func's); a TrainSpec's are named for their epoch, epoch-0003 (epoch-0003-r1 for
-# its retraining). Ray Train keeps checkpoint_manager_snapshot.json beside them, which is not one.
+# The folders of a run's checkpoints: Ray Train names a train_func's checkpoint_<timestamp> (its reports may not
+# pass checkpoint_dir_name: raytrain_tasks.checked_reports); a TrainSpec's are named for their epoch, epoch-0003
+# (epoch-0003-r1 for its retraining). Ray Train keeps checkpoint_manager_snapshot.json beside them, not one.
 CHECKPOINT_FOLDER = re.compile(rf"checkpoint_\d{{4}}-\d{{2}}-\d{{2}}_[\d.-]+|{EPOCH_FOLDER.pattern}")
-CHECKPOINT_NAMES = (
-    "checkpoint_<timestamp> (Ray Train's, with no checkpoint_dir_name) or epoch-NNNN; a folder of another name "
-    "is resumed from only in the fit that wrote it"
-)
+CHECKPOINT_NAMES = "checkpoint_<timestamp> (Ray Train's) or epoch-NNNN (a TrainSpec's)"
 
 
 def is_checkpoint_folder(name: str) -> bool:
@@ -101,6 +98,8 @@ def trainer_function(
             "config": loop_config,
             # Of the run's folders as the fit starts, only the verified `start` reaches the code's get_checkpoint().
             "start": resume.start,
+            # What a checkpointed report must hold: Ray Train keeps a run's checkpoints by it (checked_reports).
+            "metric": spec.selection.name,
             "present": sorted(resume.present),
             "data": prepared.model_dump(mode="json") if prepared is not None else None,
             "storage": config.storage_options.model_dump(mode="json"),
@@ -298,12 +297,7 @@ def record_user_fit(
     """What the user's reports said: the best checkpoint by their metric, and the run's history as MLflow holds
     it. Their metric is the score the gate compares (no held-out split of the pipeline's own here)."""
     run_id = opened.run_id
-    present = opened.resume_point.present if opened.resume_point is not None else frozenset()
-
-    def ours(name: str) -> bool:  # named as ours, or written by this fit (a train_func's checkpoint_dir_name)
-        return is_checkpoint_folder(name) or name not in present
-
-    refuse_foreign_checkpoints(result, run_key, run_dir, ours, CHECKPOINT_NAMES)
+    refuse_foreign_checkpoints(result, run_key, run_dir, is_checkpoint_folder, CHECKPOINT_NAMES)
     rejected = opened.resume_point.rejected if opened.resume_point is not None else frozenset()
     checkpoint, metrics = best_checkpoint(result, spec, run_key, rejected)
     history = history_of(result, logged_history(client, run_id, spec))

@@ -134,6 +134,9 @@ def user_config(config: Any, spec: TrainFunc, data_dir: Path | None = None) -> d
 
 def run_train_func(loop_config: dict[str, Any]) -> None:
     """What each Ray Train worker runs for user code: the user's ``train_func`` with its config."""
+    from raytrain_tasks.checked_reports import checked_reports
+    from raytrain_tasks.spec_loop import SpecTrainFunc
+
     _on_import_path(loop_config.get("code_dir", ""))
     spec = resolve(loop_config["train_code"], where="on a Ray Train worker")
     _only_the_verified_checkpoint(loop_config.get("start"), frozenset(loop_config.get("present", ())))
@@ -145,8 +148,6 @@ def run_train_func(loop_config: dict[str, Any]) -> None:
         data = PreparedData.model_validate(loop_config["data"])
         config[DATA_DIR_KEY] = str(local_data_dir(data, StorageOptions.model_validate(loop_config["storage"])))
     if loop_config.get("ray_splits") is not None:  # a TrainSpec's Ray Dataset splits, as the driver found them
-        from raytrain_tasks.spec_loop import SpecTrainFunc
-
         if not isinstance(spec.train_func, SpecTrainFunc):
             raise UserCodeError(
                 f"train_code {loop_config['train_code']!r} is a TrainSpec of Ray Datasets where the flow runs, "
@@ -154,7 +155,8 @@ def run_train_func(loop_config: dict[str, Any]) -> None:
             )
         spec.train_func.ray_splits = loop_config["ray_splits"]
     try:
-        spec.train_func(config)
+        with checked_reports(loop_config.get("metric"), isinstance(spec.train_func, SpecTrainFunc)):
+            spec.train_func(config)
     except (TypeError, ImportError) as exc:
         # Ray Train hands the controller the exception alone (its traceback stays in the worker's log): the
         # user's own frames go into the message, and code_error_stopper ends the fit on it.
@@ -172,6 +174,8 @@ def _only_the_verified_checkpoint(start: str | None, present: frozenset[str]) ->
     ``TrainContext.checkpoint`` (ray/train/v2/_internal/execution/context.py) is what ``get_checkpoint()``
     returns, and the one private attribute this sets. tests/examples/test_own_code.py fails if its shape changes.
     """
+    if not present:  # a new run: every checkpoint is this fit's (and local mode has no TrainContext to read)
+        return
     import ray.train
     from ray.train.v2._internal.execution.context import get_train_context
 
@@ -244,15 +248,24 @@ def _not_found(missing: str, where: str) -> str:
     )
 
 
-def code_error_stopper(train_code: str) -> Any:
+def code_error_stopper(train_code: str, metric: str) -> Any:
     """A Ray Train callback (it runs on the controller) that fails the fit at once when the user's code raised a
     TypeError or ImportError (or could not be resolved on a worker), or a worker refused the data
-    (DataRefusedError: changed since the run's last checkpoint, an empty split): such an error repeats on every
-    attempt, so the worker-group restarts (``max_failures``) and Prefect's retries would only repeat it. Other
-    exceptions (a failed read included) are retried from the last checkpoint as before."""
+    (DataRefusedError: changed since the run's last checkpoint, an empty split), or a checkpoint came with a report
+    without ``metric``: such an error repeats on every attempt, so the worker-group restarts (``max_failures``) and
+    Prefect's retries would only repeat it. Other exceptions (a failed read included) are retried from the last
+    checkpoint as before."""
     from ray.train import UserCallback
 
+    from raytrain_tasks.checked_reports import missing_metric
+
     class StopOnCodeErrors(UserCallback):  # type: ignore[misc]
+        def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
+            # Ray Train attaches rank 0's metrics to a checkpoint any rank passed: the workers check only where
+            # rank 0 passed it. Ray Train has taken it; this stops the fit before it is logged or pinned.
+            if checkpoint is not None and metrics and (problem := missing_metric(metrics[0], metric)):
+                raise UserCodeError(f"train_code {train_code!r}: {problem}\nNot retried: every attempt reports alike")
+
         def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
             for rank, error in sorted(worker_exceptions.items()):
                 base = getattr(error, "_base_exc", error)  # Ray Train's UserExceptionWithTraceback

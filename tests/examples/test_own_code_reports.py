@@ -1,12 +1,15 @@
 """What your code reports decides whether a run can give a model, checked without a cluster: a TrainSpec's loop
 runs under Ray Train's local mode (`ScalingConfig(num_workers=0)`, in this process), the controller's epoch
-logger is called with real checkpoint folders and a real MLflow store, and the driver's choice of the best
-checkpoint reads real `ray.train.Result`s. That such a UserCodeError fails the run once, with no retry, is shown
+logger and code stopper are called with real checkpoint folders and a real MLflow store, the driver's choice of
+the best checkpoint reads real `ray.train.Result`s, and a train_func's reports are checked as its worker makes them
+(local mode again). That such a UserCodeError fails the run once, with no retry, is shown
 end to end in test_own_code.py (a worker's TypeError; the driver's never-reported gate metric)."""
 
 from __future__ import annotations
 
 import re
+import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,12 +21,13 @@ import torch
 from mlflow import MlflowClient
 from torch.utils.data import TensorDataset
 
-from raytrain_driver.user_fit import best_checkpoint
+from raytrain_driver.user_fit import best_checkpoint, trainer_function
 from raytrain_tasks.api import Metric, Splits, TrainFunc, TrainSpec
 from raytrain_tasks.errors import UserCodeError
 from raytrain_tasks.spec_loop import SpecTrainFunc
 from raytrain_tasks.tracking.controller import MlflowEpochLogger
-from tests.helpers import seed_mlflow_store
+from raytrain_tasks.user_code import bind, code_error_stopper, resolve
+from tests.helpers import seed_mlflow_store, small_config
 
 PIPELINE_CONFIG = {"epochs": 2, "batch_size": 16, "lr": 0.1, "seed": 0, "num_workers": 1, "use_gpu": False}
 
@@ -179,3 +183,80 @@ def _spec(metric: Metric, **options: Any) -> TrainFunc:
         input_example=lambda config: torch.zeros(1, 1),
         **options,
     )
+
+
+# A train_func of user code that reports a checkpoint each epoch with REPORT, and counts the reports Ray Train took.
+OWN_CODE = """
+import tempfile, ray.train, torch
+from raytrain_tasks.api import Metric, TrainFunc
+
+TAKEN = []
+
+def train_func(config):
+    for epoch in range(config["epochs"]):
+        with tempfile.TemporaryDirectory() as folder:
+            open(f"{folder}/state.pt", "wb").write(b"the weights of an epoch")
+            saved = ray.train.Checkpoint.from_directory(folder)
+            ray.train.report(REPORT)
+            TAKEN.append(epoch)
+
+training = TrainFunc(
+    train_func,
+    metric=Metric("val_loss", higher_is_better=False),
+    load_model=lambda path, config: torch.nn.Linear(1, 1),
+    input_example=lambda config: torch.zeros(1, 1),
+)
+"""
+
+
+@pytest.mark.usefixtures("local_mode")
+@pytest.mark.parametrize(
+    ("report", "says"),
+    [
+        (
+            '{"epoch": epoch, "loss": 0.5}, checkpoint=saved',
+            r"reported a checkpoint without 'val_loss' as a number \(its report holds \['epoch', 'loss'\]\)",
+        ),
+        (
+            '{"epoch": epoch, "val_loss": 0.5}, checkpoint=saved, checkpoint_dir_name=f"epoch_{epoch}"',
+            r"passed checkpoint_dir_name='epoch_0' to ray.train.report",
+        ),
+        ('{"epoch": epoch, "val_loss": 0.5}, checkpoint=saved', None),
+    ],
+    ids=["without the metric", "a folder name of its own", "as it should"],
+)
+def test_a_report_ray_train_would_keep_wrongly_is_refused_on_the_worker_before_ray_takes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, report: str, says: str | None
+) -> None:
+    """Ray Train scores a checkpoint whose report lacks the metric as -inf times the direction: for a lower-is-better
+    metric, best, so it keeps those and deletes the ones that have it. A checkpoint named by the code
+    (`checkpoint_dir_name`) is one the pipeline cannot verify or resume from by its name. Either is refused at the
+    first report, on the worker, before Ray Train takes it: a UserCodeError (not retried) naming what to change."""
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    name = "own_" + re.sub(r"\W", "_", tmp_path.name)  # a module of its own per case: imports are cached
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(OWN_CODE).replace("REPORT", report))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = small_config(tmp_path, train_code=f"{name}:training", epochs=2, num_workers=1)
+    worker, loop_config, _ = trainer_function(config, bind(resolve(config.train_code), config), "")
+    trainer = TorchTrainer(lambda: worker(loop_config), scaling_config=ScalingConfig(num_workers=0))
+    if says is None:
+        trainer.fit()
+        assert sys.modules[name].TAKEN == [0, 1]
+        return
+    with pytest.raises(UserCodeError, match=says):
+        trainer.fit()
+    assert sys.modules[name].TAKEN == []  # the first report was refused: Ray Train took nothing
+
+
+def test_a_checkpoint_ray_train_attaches_a_report_without_the_metric_to_stops_the_fit_at_once(tmp_path: Path) -> None:
+    """Ray Train attaches rank 0's metrics to a checkpoint any rank reports: where rank 0 passed none, only the
+    controller sees that the checkpoint's report lacks the metric. It stops the fit there (a UserCodeError, not
+    retried); a report without a checkpoint, or with the metric, goes on."""
+    stopper = code_error_stopper("my_code:training", "val_loss")
+    saved = _checkpoint(tmp_path / "checkpoint_2026-01-01_00-00-00.000000")
+    stopper.after_report(None, [{"epoch": 0, "loss": 0.5}, {"epoch": 0, "val_loss": 0.4}], None)
+    stopper.after_report(None, [{"epoch": 0, "val_loss": 0.4}, {"epoch": 0}], saved)
+    with pytest.raises(UserCodeError, match=r"without 'val_loss' as a number \(its report holds \['epoch', 'loss'\]\)"):
+        stopper.after_report(None, [{"epoch": 1, "loss": 0.5}, {"epoch": 1, "val_loss": 0.4}], saved)
