@@ -200,6 +200,7 @@ def apply_decision(
             client.set_model_version_tag(name, version, key, value)
         lock.check()  # never move an alias on a lock that was taken over
         if decision.action.moves_champion:
+            _check_champion_unmoved(client, name, champion_version)
             client.set_registered_model_alias(name, CHAMPION, version)
             if champion_version is not None:
                 client.set_registered_model_alias(name, PREVIOUS_CHAMPION, champion_version)
@@ -212,6 +213,19 @@ def apply_decision(
         return aliases
     except MlflowException as exc:
         raise TrackingError(f"could not record the decision on {name} version {version}: {exc}") from exc
+
+
+def _check_champion_unmoved(client: MlflowClient, name: str, decided_against: str | None) -> None:
+    """TrackingError unless `champion` still names the version the decision was made against. The registry has
+    no compare-and-set for aliases: a holder frozen past its lease (a paused VM) may have been overtaken by one
+    that moved `champion` since; reading it right before the move leaves that race milliseconds, not the minutes
+    a champion's assessment can take."""
+    now = client.get_registered_model(name).aliases.get(CHAMPION)
+    if str(now or "") != str(decided_against or ""):
+        raise TrackingError(
+            f"{name}'s champion is version {now} now, not {decided_against or 'none'} as when this run's decision "
+            "was made: another pipeline moved it. No alias moved; retry the run to decide against the new champion"
+        )
 
 
 def _decided(

@@ -370,6 +370,38 @@ def test_a_holder_whose_lock_was_taken_over_does_not_finish_an_interrupted_promo
     assert APPLIED_TAG not in client.get_model_version("repair", second.version).tags
 
 
+def test_a_champion_moved_while_the_holder_assessed_it_is_not_overwritten(
+    registry: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(#63 item 19) A holder frozen past its lease while it assesses the champion is overtaken by a pipeline
+    that moves `champion`; woken, it must not move `champion` over that one on a decision made against the old."""
+    import raytrain_driver.register as register
+
+    config, first = _with_champion(registry, "overtaken", "20261206-090000-aaaaaa")
+    dataset, client, workdir = registry["dataset"], registry["client"], registry["workdir"]
+    other = register_for_test(
+        config.model_copy(update={"promote": False}),
+        dataset,
+        fit_for_registry(client, workdir, config, dataset, "20261206-090100-bbbbbb", 0.6),
+    )
+    assessed = register._current_champion
+
+    def overtaken_while_assessing(*args: Any) -> Any:
+        found = assessed(*args)
+        client.set_registered_model_alias("overtaken", "champion", other.version)  # the other pipeline's move
+        return found
+
+    monkeypatch.setattr(register, "_current_champion", overtaken_while_assessing)
+    fit = fit_for_registry(client, workdir, config, dataset, "20261206-090200-cccccc", 0.9)
+    error = register_for_test(config, dataset, fit)
+    assert isinstance(error, Exception) and f"champion is version {other.version} now, not {first}" in str(error)
+    assert _champion(client, "overtaken") == other.version  # not overwritten
+    monkeypatch.setattr(register, "_current_champion", assessed)
+    retried = register_for_test(config, dataset, fit)  # decides again, against the champion it finds
+    assert (retried.decision, _champion(client, "overtaken")) == ("promote", retried.version), retried
+    assert client.get_registered_model("overtaken").aliases["previous_champion"] == other.version
+
+
 @pytest.mark.slow
 @pytest.mark.chaos
 def test_a_registry_outage_in_the_middle_of_the_decision_moves_nothing_and_a_retry_decides(
