@@ -123,13 +123,24 @@ def _confirm_finished(
     finished: FitResult,
     spec: TrainFunc,
 ) -> FitResult:
-    """Everything was trained and recorded earlier: check the settings match, train nothing."""
-    dataset_hash = dataset.content_hash if dataset is not None else None
+    """Everything was trained and recorded earlier: check the settings and the data match, train nothing."""
+    dataset_hash = dataset.content_hash if dataset is not None else _spec_data_digest(config, spec)
     params = shown_params(config, spec)
     tracking.check_resumable(client, experiment_id, run_key, params, dataset_hash)
     tracking.finish_run(client, finished.mlflow_run_id)
     run_logger().info("run key %s finished all %d epochs earlier; nothing to train", run_key, config.epochs)
     return finished
+
+
+def _spec_data_digest(config: TrainingConfig, spec: TrainFunc) -> str | None:
+    """A TrainSpec's own data (no ``prepare``), hashed here as its workers hash it: a finished run's resume trains
+    nothing, so no worker would see that it changed. None for other code."""
+    from raytrain_tasks.spec_loop import SpecTrainFunc
+    from raytrain_tasks.user_code import user_config
+
+    if not isinstance(spec.train_func, SpecTrainFunc):
+        return None
+    return spec.train_func.data_digest(user_config(config, spec))
 
 
 def _start_run(

@@ -356,9 +356,9 @@ def _check_dataset_unchanged(tags: dict[str, str], dataset_hash: str | None, run
     recorded = tags.get(DATASET_HASH_TAG)
     if recorded is not None and dataset_hash is not None and recorded != dataset_hash:
         raise TrackingError(
-            f"run {run_key} was trained on dataset {recorded}, but prepare-data now gives dataset {dataset_hash} (the "
-            "content of `dataset`, or what train_code's prepare writes, changed); resume with the data it started "
-            "with, or start a new run without `resume`"
+            f"run {run_key} was trained on dataset {recorded}, but its data is dataset {dataset_hash} now (the "
+            "content of `dataset`, what train_code's prepare writes, or what its data() gives, changed); resume "
+            "with the data it started with, or start a new run without `resume`"
         )
 
 

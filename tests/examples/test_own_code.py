@@ -536,7 +536,7 @@ def test_prepared_data_is_versioned_read_by_every_worker_and_pinned_to_its_run(s
     refused = spec_registry.grown_resume  # the source grew, then the run was resumed
     assert refused.is_failed(), refused
     error = str(refused.result(raise_on_failure=False))
-    assert re.search(r"was trained on dataset .*prepare-data now gives dataset", error), error
+    assert re.search(r"was trained on dataset .*but its data is dataset", error), error
     assert first.dataset.content_hash in error
     assert spec_registry.first_status_after_resume == "FINISHED"  # the run it refused is untouched
 

@@ -1,0 +1,62 @@
+"""A resume of a run that finished all its epochs trains nothing, so no worker sees its data: the driver checks
+that the data is still what the run trained on. A real SQLite MLflow store, no Ray."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow import MlflowClient
+from torch.utils.data import TensorDataset
+
+from raytrain_tasks.api import Metric, Splits, TrainSpec
+from raytrain_tasks.errors import TrackingError
+from tests.helpers import small_config
+from tests.raytrain_driver.test_user_gate import finished_fit
+
+
+def _data(config: dict) -> Splits:  # type: ignore[type-arg]
+    rows = torch.load(config["source"])
+    whole = TensorDataset(rows, 2 * rows)
+    return Splits(whole, whole, whole)
+
+
+def test_a_finished_train_spec_run_refuses_a_resume_on_changed_data(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(#63 item 7) A TrainSpec without ``prepare`` reads its own data; its finished run resumed on changed data
+    would register its old scores as if they were the new data's."""
+    from raytrain_driver.fit import _confirm_finished, _spec_data_digest
+    from raytrain_driver.preflight import resolve_code, shown_params
+    from raytrain_tasks.tracking import runs as tracking
+
+    module = types.ModuleType("finished_spec")
+    module.training = TrainSpec(  # type: ignore[attr-defined]
+        data=_data,
+        model=lambda config, example: torch.nn.Linear(1, 1),
+        loss=torch.nn.functional.mse_loss,
+        metric=Metric("loss", higher_is_better=False),
+        defaults={"source": ""},
+    )
+    monkeypatch.setitem(sys.modules, "finished_spec", module)
+    source = tmp_path / "rows.pt"
+    torch.save(torch.linspace(-1, 1, 8).unsqueeze(1), source)
+    fit = finished_fit(tmp_path, tmp_path)
+    config = small_config(tmp_path, train_code="finished_spec:training", train_config={"source": str(source)})
+    config = config.model_copy(update={"resume": fit.run_key})
+    spec = resolve_code(config)
+    client = MlflowClient(config.mlflow_tracking_uri)
+    experiment_id = tracking.ensure_experiment(client, "tests", config.mlflow_tracking_uri, config.storage_path)
+    trained_on = _spec_data_digest(config, spec)  # what its workers recorded
+    assert trained_on is not None and len(trained_on) == 64
+    tags = {tracking.DATASET_HASH_TAG: trained_on}
+    run_id, _ = tracking.start_or_reopen_run(client, experiment_id, fit.run_key, "r", tags, shown_params(config, spec))
+    finished = fit.model_copy(update={"mlflow_run_id": run_id})
+
+    assert _confirm_finished(config, None, fit.run_key, client, experiment_id, finished, spec) == finished
+    torch.save(torch.linspace(-1, 1, 9).unsqueeze(1), source)  # a row more, in the same file
+    with pytest.raises(TrackingError, match=f"trained on dataset {trained_on}, but its data is dataset [0-9a-f]{{64}}"):
+        _confirm_finished(config, None, fit.run_key, client, experiment_id, finished, spec)
