@@ -155,18 +155,28 @@ def _start_run(
     experiment_id: str,
     data_loader: str,
 ) -> tuple[str, bool]:
-    """A new MLflow run for the run key, or its earlier one reopened (a resume, a retry): (run id, reopened)."""
+    """A new MLflow run for the run key, or its earlier one reopened (a resume, a retry): (run id, reopened). A
+    resume that runs other code than the run started with says so, in the log and in CODE_CHANGED_TAG."""
+    from raytrain_driver.code_identity import CODE_CHANGED_TAG, code_change
+
+    tags = (
+        run_tags(config, dataset, run_key, run_dir, plan.backend, data_loader)
+        | {tracking.CPUS_PER_WORKER_TAG: f"{plan.cpus_per_worker:g}"}
+        | {k: v for k, v in origin.items() if k != "run_name"}
+        | {tracking.NOTE_TAG: run_description(config, run_key, run_dir, origin, data_loader)}
+    )
+    earlier = tracking.find_run(client, experiment_id, run_key)  # its tags, before the reopened run's replace them
     run_id, reopened = tracking.start_or_reopen_run(
         client,
         experiment_id,
         run_key,
         run_name=origin.get("run_name", run_key),
-        tags=run_tags(config, dataset, run_key, run_dir, plan.backend, data_loader)
-        | {tracking.CPUS_PER_WORKER_TAG: f"{plan.cpus_per_worker:g}"}
-        | {k: v for k, v in origin.items() if k != "run_name"}
-        | {tracking.NOTE_TAG: run_description(config, run_key, run_dir, origin, data_loader)},
+        tags=tags,
         params=shown_params(config, spec),
     )
+    if earlier is not None and (change := code_change(earlier.data.tags, tags, run_key)):
+        run_logger().warning("%s", change)
+        client.set_tag(run_id, CODE_CHANGED_TAG, change)
     if not reopened and dataset is not None:
         evaluation.log_dataset_input(client, run_id, dataset)
     run_logger().info(

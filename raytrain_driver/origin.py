@@ -61,7 +61,9 @@ def run_tags(
     backend: str,
     data_loader: str,
 ) -> dict[str, str]:
-    lineage = {"prefect_raytrain.train_code": config.train_code}
+    from raytrain_driver.code_identity import code_identity
+
+    lineage = {"prefect_raytrain.train_code": config.train_code, **code_identity(config.train_code)}
     if dataset is not None:  # what the code's prepare wrote
         lineage |= {"prefect_raytrain.dataset_hash": dataset.content_hash, "prefect_raytrain.dataset_uri": dataset.uri}
     import ray

@@ -334,6 +334,8 @@ def _check_params_unchanged(logged: dict[str, str], params: dict[str, Any], run_
         for key, value in params.items()
         if key in logged and key not in RESUME_MAY_CHANGE and logged[key] != str(value)
     }
+    # A setting of the code's that it no longer has (a default removed from the code) trains differently too.
+    changed |= {key: (logged[key], "(none)") for key in logged if key.startswith("train_config.") and key not in params}
     if changed:
         details = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in sorted(changed.items()))
         if changed.get("train_code", ("-",))[0] == "":

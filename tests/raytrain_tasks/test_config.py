@@ -287,3 +287,19 @@ def test_a_resume_may_change_what_steers_the_run_and_nothing_it_trains_with() ->
     changed = TrainingConfig(**steering, learning_rate=0.5, epochs=9)
     with pytest.raises(TrackingError, match=r"other settings \(epochs: '3' -> '9', learning_rate: '\S+' -> '0\.5'\)"):
         _check_params_unchanged(logged, changed.public_params(secret_keys=()), "20260101-000000-abcdef")
+
+
+def test_a_resume_whose_code_lost_a_default_is_refused() -> None:
+    """(#63 item 8) A default removed from the code left its ``train_config.<key>`` param out of the resume's
+    params, and only the keys present were compared: the run went on training without it."""
+    from raytrain_tasks.errors import TrackingError
+    from raytrain_tasks.tracking.runs import _check_params_unchanged
+
+    config = TrainingConfig(train_code="my.code:training")
+    started = config.public_params({"hidden": 32, "dropout": 0.1}, secret_keys=())
+    logged = {key: str(value) for key, value in started.items()}
+    _check_params_unchanged(
+        logged, config.public_params({"hidden": 32, "dropout": 0.1}, secret_keys=()), "20260101-000000-abcdef"
+    )
+    with pytest.raises(TrackingError, match=r"other settings \(train_config\.dropout: '0\.1' -> '\(none\)'\)"):
+        _check_params_unchanged(logged, config.public_params({"hidden": 32}, secret_keys=()), "20260101-000000-abcdef")
