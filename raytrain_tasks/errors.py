@@ -4,7 +4,9 @@ Each message names what failed, where, the likely cause and the setting to chang
 message, so they pickle across Ray workers unchanged.
 """
 
+import os
 import traceback
+from pathlib import Path
 
 # Names Ray Train's guides and most training scripts give the pipeline's own keys. Code that reads
 # config["num_epochs"] trains its own count whatever --epochs says (and the run's progress, params and resume say
@@ -92,12 +94,19 @@ class SettingsError(PipelineError):
     """A flow run's parameters do not make a valid training config."""
 
 
+# This project's packages, whose frames are never the user's: under a data error of the table classifier they
+# read as if the user's code had failed.
+_PIPELINE_DIRS = tuple(
+    f"{Path(__file__).resolve().parent.parent / name}{os.sep}" for name in ("raytrain_tasks", "raytrain_driver")
+)
+
+
 def user_frames(exc: BaseException) -> str:
-    """The exception with the user's own frames (not this module's or importlib's)."""
+    """The exception with the user's own frames (not this project's or importlib's)."""
     frames = [
         frame
         for frame in traceback.extract_tb(exc.__traceback__)
-        if "importlib" not in frame.filename and not frame.filename.endswith(("user_code.py", "spec_loop.py"))
+        if "importlib" not in frame.filename and not os.path.realpath(frame.filename).startswith(_PIPELINE_DIRS)
     ]
     where = "".join(traceback.format_list(frames)).rstrip()
     return f"{type(exc).__name__}: {exc}{key_hint(exc)}" + (f"\n{where}" if where else "")

@@ -95,6 +95,19 @@ def test_a_prepare_that_fails_or_writes_nothing_is_named_before_anything_is_stor
     assert prepare_user_data(config, code(None)) is None  # no prepare: the code reads its own data
 
 
+def test_a_data_error_of_the_table_classifier_shows_no_frame_of_this_project(tmp_path: Path) -> None:
+    """(#63 item 15) Its message says what is wrong with the table; frames of raytrain_driver/user_data.py and
+    raytrain_tasks/tables.py under it read as if the user's code had failed."""
+    from raytrain_driver.preflight import resolve_code
+
+    table = tmp_path / "data.csv"
+    table.write_text("colour,label\n" + "red,0\nblue,1\n" * 10)
+    config = small_config(tmp_path, train_config={"dataset": str(table)}, epochs=1)
+    with pytest.raises(UserCodeError, match=r"non-numeric feature columns \['colour'\]") as failed:
+        prepare_user_data(config, resolve_code(config))
+    assert "File " not in str(failed.value), str(failed.value)
+
+
 def on_s3(workdir: Path, server: LocalS3, prefix: str) -> Any:
     """A config whose storage is the session's S3 server (the bucket made when missing)."""
     storage = f"s3://prt-tests/{prefix}"
