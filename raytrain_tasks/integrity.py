@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +34,10 @@ def folder_digest(filesystem: Any, path: str) -> str:
     return _combine(entries)
 
 
-def local_folder_digest(directory: Path) -> str:
-    """``folder_digest`` of a local folder (a downloaded copy)."""
+def local_folder_digest(directory: Path, ignore: Callable[[Path], bool] | None = None) -> str:
+    """``folder_digest`` of a local folder (a downloaded copy), without the files ``ignore`` names."""
     entries = []
-    for file in sorted(p for p in directory.rglob("*") if p.is_file()):
+    for file in sorted(p for p in directory.rglob("*") if p.is_file() and not (ignore and ignore(p))):
         digest = hashlib.sha256()
         with file.open("rb") as stream:
             while chunk := stream.read(CHUNK):

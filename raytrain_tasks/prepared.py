@@ -64,7 +64,7 @@ def local_data_dir(data: PreparedData, options: StorageOptions) -> Path:
     if not is_s3(data.uri):
         _, path = open_filesystem(data.files_uri, options)
         folder = Path(path)
-        _check(folder, local_folder_digest(folder), data, "its stored folder")
+        _check(folder, local_folder_digest(folder, ignore=_being_replaced), data, "its stored folder")
         return folder
     folder = Path(tempfile.gettempdir()) / CACHE_DIR / data.content_hash
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -87,6 +87,18 @@ def local_data_dir(data: PreparedData, options: StorageOptions) -> Path:
         finally:
             shutil.rmtree(partial, ignore_errors=True)
     return folder
+
+
+def _being_replaced(file: Path) -> bool:
+    """Whether ``file`` is another writer's new copy of a file beside it, before its rename (a second run preparing
+    the same content at the same moment: raytrain_tasks.storage.locations writes each file so); not the version's."""
+    name, dot, suffix = file.name.rpartition(".")
+    original, _, token = name.rpartition(".")
+    return bool(dot) and suffix == "tmp" and len(token) == 8 and _is_hex(token) and file.with_name(original).is_file()
+
+
+def _is_hex(text: str) -> bool:
+    return all(char in "0123456789abcdef" for char in text)
 
 
 def _download(data: PreparedData, options: StorageOptions, destination: Path) -> None:

@@ -78,6 +78,21 @@ def test_a_stored_version_changed_afterwards_is_refused_where_it_is_read(tmp_pat
     assert str(stored) in str(refused.value)
 
 
+def test_a_second_run_writing_the_same_version_does_not_make_the_first_refuse_it(tmp_path: Path) -> None:
+    """(#63 item 18) Two runs preparing the same new data at once: the second replaces each file whole, under a
+    temporary name beside it first. A fit of the first reading the version then hashed those names too, refused
+    its data and told the user to delete the folder the other run was writing."""
+    config = small_config(tmp_path, train_code=CODE, epochs=1)
+    version = prepare_user_data(config, code(write_rows(10)))
+    assert version is not None
+    files = local_data_dir(version, config.storage_options)
+    (files / "tables" / "rows.csv.0123abcd.tmp").write_bytes((files / "tables" / "rows.csv").read_bytes())
+    assert local_data_dir(version, config.storage_options) == files  # the other writer's file is not the version's
+    (files / "tables" / "other.csv").write_text("1,2\n")  # a file that is not the version's is still refused
+    with pytest.raises(DatasetError, match="hash to"):
+        local_data_dir(version, config.storage_options)
+
+
 def test_a_prepare_that_fails_or_writes_nothing_is_named_before_anything_is_stored(tmp_path: Path) -> None:
     config = small_config(tmp_path, train_code=CODE, epochs=1)
 
