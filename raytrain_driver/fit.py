@@ -134,13 +134,16 @@ def _confirm_finished(
 
 def _spec_data_digest(config: TrainingConfig, spec: TrainFunc) -> str | None:
     """A TrainSpec's own data (no ``prepare``), hashed here as its workers hash it: a finished run's resume trains
-    nothing, so no worker would see that it changed. None for other code."""
+    nothing, so no worker would see that it changed. None for other code, for data pinned by ``prepare``'s stored
+    version, and for Ray Datasets (hashing them would read them whole)."""
+    from raytrain_tasks.spec_data import data_digest
     from raytrain_tasks.spec_loop import SpecTrainFunc
     from raytrain_tasks.user_code import user_config
 
-    if not isinstance(spec.train_func, SpecTrainFunc):
+    func = spec.train_func
+    if not isinstance(func, SpecTrainFunc) or func.spec.prepare is not None or func.ray_data:
         return None
-    return spec.train_func.data_digest(user_config(config, spec))
+    return data_digest(func.spec.data(user_config(config, spec)))  # check_data has checked what it gives
 
 
 def _start_run(

@@ -112,13 +112,6 @@ class SpecTrainFunc:
             self.kept = all(is_materialized(getattr(splits, name)) for name in ("train", "val", "test"))
         return self.ray_data
 
-    def data_digest(self, config: dict[str, Any]) -> str | None:
-        """The content hash of ``data(config)``'s splits, as the workers record it; None where the data is pinned
-        otherwise (by ``prepare``'s stored version) or not hashed (Ray Datasets, which it would read whole)."""
-        if self.spec.prepare is not None or self.ray_data:
-            return None
-        return data_digest(_splits(self.spec, config))
-
     def trainer_data(self, config: dict[str, Any], world_size: int = 0) -> dict[str, Any]:
         """``TorchTrainer``'s ``datasets=``/``dataset_config=`` for Ray Dataset splits, built here; none for torch
         Datasets, which every worker builds (known from ``check_data``, called first on this object).
