@@ -28,6 +28,7 @@ from raytrain_driver.preflight import (
     resolve_code,
     shown_params,
 )
+from raytrain_driver.ray_record import refuse_unsafe_record
 from raytrain_driver.sizing import FitPlan
 from raytrain_tasks.config import TrainingConfig, check_run_key
 from raytrain_tasks.errors import (
@@ -63,6 +64,8 @@ def fit_in_this_process(
         with run_lease(
             run_dir, run_key, run_owner.this_driver(), config.run_lease_seconds, holder_alive=run_owner.driver_alive
         ) as lease:
+            # Under the lease (no driver of ours writes the record now), before Ray Train reads it.
+            refuse_unsafe_record(run_key, run_dir)
             return _distributed_fit(config, dataset, run_key, runs, run_dir, origin, lease)
 
 
@@ -265,6 +268,8 @@ def _train(
     page = progress_page()
     progress = page(client, run_id, config.epochs, run_logger(), view) if page else None
     with (
+    # Again as late as the driver can: Ray Train's controller reads the record once, as it starts.
+    refuse_unsafe_record(run_key, runs.child(run_key))
         tracking.system_metrics(config.system_metrics, uri, run_id, opened.reopened),
         progress or contextlib.nullcontext(),
     ):

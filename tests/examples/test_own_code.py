@@ -800,9 +800,9 @@ def test_a_train_specs_checkpoints_are_named_by_epoch_and_a_retrained_epoch_gets
 @pytest.mark.slow
 def test_a_folder_the_snapshot_points_at_is_never_resumed_from_by_user_code(resumed_spec: SimpleNamespace) -> None:
     """Whoever can write storage copies an older checkpoint of a TrainSpec's run to a folder of another name and
-    points Ray Train's checkpoint snapshot at it. The user's code must not be handed it by get_checkpoint() (it has
-    no digest MLflow recorded): the workers resume from the newest verified checkpoint, and the run's record
-    names the foreign folder and registers nothing, as the built-in classifier's does (test_security)."""
+    points Ray Train's checkpoint snapshot at it. The user's code must not be handed it by get_checkpoint(): the
+    fit refuses the record before any worker starts (raytrain_driver.ray_record), naming the foreign folder, and
+    registers nothing, as the built-in classifier's does (test_security)."""
     from raytrain_tasks.errors import UnsafeCheckpointError
 
     state = resumed_spec.planted

@@ -239,8 +239,8 @@ def test_storage_cannot_vouch_for_itself_a_replaced_record_or_checkpoint_is_refu
 @pytest.mark.slow
 def test_a_folder_the_snapshot_points_at_is_checked_whatever_its_name(finished_run: FinishedRun) -> None:
     """Whoever can write storage copies an older checkpoint to a folder not named `epoch-*` and points Ray Train's
-    checkpoint snapshot at it. A resume must check it against the digests MLflow recorded like any folder that
-    existed before the fit (it has none: passed over), not trust it as one this fit's own workers committed."""
+    checkpoint snapshot at it. The resume refuses the snapshot before any worker starts (test_ray_record checks
+    every entry), rather than trusting the folder as one this fit's own workers committed."""
     from mlflow import MlflowClient
 
     from flows.training import training_pipeline
@@ -257,8 +257,8 @@ def test_a_folder_the_snapshot_points_at_is_checked_whatever_its_name(finished_r
     error = state.result(raise_on_failure=False)
     assert state.is_failed() and isinstance(error, UnsafeCheckpointError), error
     assert "planted-0002" in str(error) and "never writes" in str(error)
-    # The workers passed it over (no digest recorded) and resumed from epoch-0002, the last: nothing was trained.
-    # From the planted copy of epoch 1, epoch 2 would have been trained again, into epoch-0002-r1.
+    # Nothing was trained: from the planted copy of epoch 1, epoch 2 would have been trained again, into
+    # epoch-0002-r1.
     assert not (run_dir / "epoch-0002-r1").exists()
     history = MlflowClient(config.mlflow_tracking_uri).get_metric_history(finished_run.mlflow_run_id, "val_accuracy")
     assert sorted(m.step for m in history) == [1, 2], history
