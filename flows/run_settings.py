@@ -6,31 +6,58 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from pydantic import ValidationError
 
 from raytrain_tasks.config import PINNED, TrainingConfig, describe_validation_error
 from raytrain_tasks.errors import SettingsError
 from raytrain_tasks.redact import redact
 
-# What the pinned settings fall back to when empty (TrainingConfig.resolved, Ray's own address lookup, serve's warm
-# Ray): a run's job variables may not set them either.
-PINNED_ENVIRONMENT = frozenset(
+# What a run's job variables may set in its environment (the process worker merges them over its deployment's):
+# thread counts, and what PyTorch, CUDA and NCCL log or how they allocate. They reach the driver and a local Ray it
+# starts; a cluster's nodes keep their own. Not on it, so the deployment's alone (docs/security.md): anything that
+# says where MLflow (its registry too), S3, Ray or Prefect are, a proxy, CA bundles and TLS switches, credentials
+# and profiles, what code or library loads (PYTHONPATH, LD_PRELOAD, NCCL_NET_PLUGIN), files written
+# (NCCL_DEBUG_FILE), and which GPUs a local Ray sees (CUDA_VISIBLE_DEVICES: Ray assigns devices to workers).
+RUN_ENVIRONMENT = frozenset(
     {
-        "MLFLOW_TRACKING_URI",
-        "MLFLOW_S3_ENDPOINT_URL",
-        "AWS_ENDPOINT_URL",
-        "AWS_ENDPOINT_URL_S3",
-        "RAY_ADDRESS",
-        "PREFECT_RAYTRAIN_WARM_RAY",
+        "OMP_NUM_THREADS",
+        "MKL_NUM_THREADS",
+        "OPENBLAS_NUM_THREADS",
+        "NUMEXPR_NUM_THREADS",
+        "TOKENIZERS_PARALLELISM",
+        "PYTORCH_CUDA_ALLOC_CONF",
+        "CUBLAS_WORKSPACE_CONFIG",
+        "CUDA_LAUNCH_BLOCKING",
+        "TORCH_DISTRIBUTED_DEBUG",
+        "TORCH_CPP_LOG_LEVEL",
+        "TORCH_SHOW_CPP_STACKTRACES",
+        "NCCL_DEBUG",
+        "NCCL_DEBUG_SUBSYS",
+        "PYTHONHASHSEED",
+        "PYTHONFAULTHANDLER",
+        "PYTHONUNBUFFERED",
     }
 )
 
 
+def refused_environment(run_env: Mapping[str, object], deployment_env: Mapping[str, object]) -> list[str]:
+    """The variables a run's job variables set that it may not, sorted: those not in ``RUN_ENVIRONMENT``, unless
+    the run gives one its deployment's own value (a form that starts from the deployment's job variables)."""
+    return sorted(
+        name
+        for name, value in run_env.items()
+        if name not in RUN_ENVIRONMENT and not (name in deployment_env and str(deployment_env[name]) == str(value))
+    )
+
+
 def check_deployment_pins(config: TrainingConfig, deployment_id: str | None, flow_run_id: str | None = None) -> None:
     """In a run of a deployment, the settings in ``PINNED`` must have the deployment's own values (the default
-    where the deployment gives none), and the run's job variables may not set the environment variables they fall
-    back to: whoever may only trigger runs (the UI's custom run, ``-p``, ``--job-variable``, an automation) must
-    not point MLflow, S3 or Ray, and with them the worker's credentials, at a server of their choosing.
+    where the deployment gives none), and the run's job variables may set no environment variable but those of
+    ``RUN_ENVIRONMENT``: whoever may only trigger runs (the UI's custom run, ``-p``, ``--job-variable``, an
+    automation) must not point MLflow, S3 or Ray, and with them the worker's credentials, at a server of their
+    choosing.
     SettingsError naming what differs otherwise, and when the deployment cannot be read (fail closed). A run of no
     deployment (the CLI, ``python -m flows.training``) sets what it likes."""
     if not deployment_id:
@@ -78,11 +105,25 @@ def check_deployment_pins(config: TrainingConfig, deployment_id: str | None, flo
             "so they are the deployment's own (docs/security.md). Nothing was started. Change them in the deployment "
             "itself (deployments/prefect.yaml, then `prefect deploy`), or make a deployment for the other servers"
         )
-    environment = ((flow_run.job_variables or {}).get("env") or {}) if flow_run is not None else {}
-    redirected = sorted(PINNED_ENVIRONMENT & set(environment))
-    if redirected:
+    if flow_run is not None:
+        check_run_environment(deployment.name, deployment.job_variables, flow_run.job_variables)
+
+
+def check_run_environment(name: str, deployment_variables: dict | None, run_variables: dict | None) -> None:
+    """SettingsError naming the environment variables a run's job variables set that ``refused_environment``
+    refuses; the deployment's job variables (the operator's) are its baseline."""
+    environment = (run_variables or {}).get("env") or {}
+    own_environment = (deployment_variables or {}).get("env") or {}
+    if not isinstance(environment, Mapping) or not isinstance(own_environment, Mapping):
         raise SettingsError(
-            f"this run of deployment {deployment.name!r} sets {', '.join(redirected)} in its job variables: they "
-            f"stand in for the settings a deployment pins ({pinned}), so a run may not set them. Nothing was started. "
-            "Set them in the deployment's own job variables (deployments/prefect.yaml) instead"
+            f"this run of deployment {name!r} has job variables whose env is not an object of variable names, so "
+            "what it sets cannot be checked. Nothing was started"
+        )
+    if refused := refused_environment(environment, own_environment):
+        raise SettingsError(
+            f"this run of deployment {name!r} sets {', '.join(refused)} in its job variables (env), which a run of "
+            "a deployment may not: such a variable can send the worker's credentials elsewhere (an MLflow registry, "
+            "a proxy), weaken TLS or change what code runs. Nothing was started. A run may set only "
+            f"{', '.join(sorted(RUN_ENVIRONMENT))}; set the others in the deployment's own job variables "
+            "(deployments/prefect.yaml), as docs/security.md says"
         )

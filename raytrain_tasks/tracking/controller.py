@@ -104,7 +104,7 @@ class OpenMlflowEarly(ControllerCallback):
             from mlflow import MlflowClient
 
             # The first query opens the store; MLflow caches it per URI, so the epoch logger's client reuses it.
-            MlflowClient(self.tracking_uri).get_run(self.run_id)
+            MlflowClient(self.tracking_uri, registry_uri=self.tracking_uri).get_run(self.run_id)
         except Exception as exc:  # noqa: BLE001 - only a head start; MlflowEpochLogger connects (and reports) itself
             logger.debug("could not open MLflow early: %s", redact(f"{type(exc).__name__}: {exc}"))
 
@@ -186,7 +186,7 @@ class MlflowEpochLogger(UserCallback):
                 from mlflow import MlflowClient
 
                 bound_mlflow_requests()
-                self._client = MlflowClient(self.tracking_uri)
+                self._client = MlflowClient(self.tracking_uri, registry_uri=self.tracking_uri)
             if self._logged is None:
                 self._logged = logged_steps(self._client, self.run_id, self.step_key)
             step = report_step(epoch_metrics, self._logged)

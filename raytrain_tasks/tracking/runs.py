@@ -41,7 +41,9 @@ def connect(tracking_uri: str, s3_endpoint_url: str = "") -> MlflowClient:
     local_db = _sqlite_path(tracking_uri)
     if local_db is not None:
         local_db.parent.mkdir(parents=True, exist_ok=True)
-    client = MlflowClient(tracking_uri)
+    # The registry explicitly: left out, MLflow takes MLFLOW_REGISTRY_URI from the environment and sends every
+    # registry call there, with this process's MLflow credentials, wherever the tracking URI is pinned.
+    client = MlflowClient(tracking_uri, registry_uri=tracking_uri)
     try:
         client.search_experiments(max_results=1)
     except (MlflowException, OSError) as exc:
@@ -272,19 +274,27 @@ def stop_own_run(client: MlflowClient, experiment_name: str, run_key: str, reaso
 
 @contextmanager
 def using_tracking_uri(uri: str) -> Iterator[None]:
-    """MLflow's fluent API pointed at `uri` for the block; the previous URI and environment come back after."""
+    """MLflow's fluent API pointed at `uri` for the block, its registry too (``models:/`` loads, the champion's
+    download), whatever MLFLOW_REGISTRY_URI says; the previous URIs and environment come back after."""
+    # MLflow 3.17 keeps each URI in a module global and exports it to the environment; the public getters resolve
+    # the environment too, so the globals are read to restore them exactly.
+    from mlflow.tracking._model_registry import utils as registry_utils
     from mlflow.tracking._tracking_service import utils as tracking_utils
 
-    previous, previous_env = tracking_utils._tracking_uri, os.environ.get("MLFLOW_TRACKING_URI")
+    previous = tracking_utils._tracking_uri, registry_utils._registry_uri
+    previous_env = {name: os.environ.get(name) for name in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
     tracking_utils.set_tracking_uri(uri)
+    registry_utils.set_registry_uri(uri)
     try:
         yield
     finally:
-        tracking_utils.set_tracking_uri(previous)  # type: ignore[arg-type]  # None unsets it, as at start
-        if previous_env is None:
-            os.environ.pop("MLFLOW_TRACKING_URI", None)
-        else:
-            os.environ["MLFLOW_TRACKING_URI"] = previous_env
+        tracking_utils.set_tracking_uri(previous[0])  # type: ignore[arg-type]  # None unsets it, as at start
+        registry_utils.set_registry_uri(previous[1])  # type: ignore[arg-type]
+        for name, value in previous_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @contextmanager

@@ -18,7 +18,7 @@ from prefect.exceptions import PrefectHTTPStatusError, SignatureMismatchError
 from prefect.states import Crashed
 
 from flows.continuation import continuation_of
-from flows.run_settings import check_deployment_pins
+from flows.run_settings import RUN_ENVIRONMENT, check_deployment_pins, refused_environment
 from flows.training import training_pipeline
 from raytrain_tasks.config import TrainingConfig, config_from_parameters, non_default_settings, parameters_of
 from raytrain_tasks.errors import SettingsError
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("prefect_api")
 NIGHTLY = {"dataset": "digits", "num_workers": 2, "epochs": 10, "model_name": "nightly-model", "min_improvement": 0.002}
 
 
-def _deployment(parameters: dict[str, Any]) -> UUID:
+def _deployment(parameters: dict[str, Any], job_variables: dict[str, Any] | None = None) -> UUID:
     """The training flow deployed as `prefect deploy` does it: its parameter schema enforced by the server."""
     with get_client(sync_client=True) as client:
         flow_id = client.create_flow(training_pipeline)
@@ -38,6 +38,7 @@ def _deployment(parameters: dict[str, Any]) -> UUID:
             parameters=parameters,
             parameter_openapi_schema=training_pipeline.parameters.model_dump(),
             enforce_parameter_schema=True,
+            job_variables=job_variables,
         )
 
 
@@ -172,3 +173,85 @@ def test_a_deployment_that_cannot_be_read_refuses_the_run() -> None:
         client.delete_deployment(deployment)
     with pytest.raises(SettingsError, match="no longer exists, so the settings it pins .* nothing was started"):
         check_deployment_pins(config, str(deployment))
+
+
+@pytest.mark.parametrize(
+    ("run_env", "deployment_env", "refused"),
+    [
+        ({}, {}, []),
+        ({"OMP_NUM_THREADS": "2", "NCCL_DEBUG": "INFO", "TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, {}, []),
+        ({"MLFLOW_REGISTRY_URI": "http://collector.example"}, {}, ["MLFLOW_REGISTRY_URI"]),
+        # Proxies (both spellings, which requests and botocore read), CA bundles, TLS switches: every one refused.
+        (
+            {name: "x" for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "ALL_PROXY", "NO_PROXY")},
+            {},
+            ["ALL_PROXY", "HTTPS_PROXY", "HTTP_PROXY", "NO_PROXY", "https_proxy"],
+        ),
+        (
+            {
+                "REQUESTS_CA_BUNDLE": "/tmp/ca.pem",
+                "SSL_CERT_FILE": "/tmp/ca.pem",
+                "MLFLOW_TRACKING_INSECURE_TLS": "true",
+            },
+            {},
+            ["MLFLOW_TRACKING_INSECURE_TLS", "REQUESTS_CA_BUNDLE", "SSL_CERT_FILE"],
+        ),
+        # What the pinned settings fall back to, where S3, Ray and Prefect are, and what code loads.
+        (
+            {"AWS_ENDPOINT_URL": "x", "AWS_PROFILE": "x", "RAY_ADDRESS": "x", "PREFECT_API_URL": "x"},
+            {},
+            ["AWS_ENDPOINT_URL", "AWS_PROFILE", "PREFECT_API_URL", "RAY_ADDRESS"],
+        ),
+        (
+            {"PYTHONPATH": "/tmp", "LD_PRELOAD": "x.so", "NCCL_NET_PLUGIN": "x"},
+            {},
+            ["LD_PRELOAD", "NCCL_NET_PLUGIN", "PYTHONPATH"],
+        ),
+        # The deployment's own value sent back (a form that starts from the deployment's job variables) changes
+        # nothing; another value, or unsetting it, is refused.
+        ({"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}, {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}, []),
+        ({"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": 30}, {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}, []),
+        (
+            {"MLFLOW_TRACKING_URI": "http://collector"},
+            {"MLFLOW_TRACKING_URI": "http://mlflow"},
+            ["MLFLOW_TRACKING_URI"],
+        ),
+        ({"REQUESTS_CA_BUNDLE": None}, {"REQUESTS_CA_BUNDLE": "/etc/ca.pem"}, ["REQUESTS_CA_BUNDLE"]),
+        ({"OMP_NUM_THREADS": "8"}, {"OMP_NUM_THREADS": "2"}, []),
+    ],
+)
+def test_a_runs_job_variables_may_set_only_the_environment_the_allow_list_names(
+    run_env: dict[str, Any], deployment_env: dict[str, Any], refused: list[str]
+) -> None:
+    assert refused_environment(run_env, deployment_env) == refused
+
+
+def test_no_variable_that_points_traffic_elsewhere_is_on_the_allow_list() -> None:
+    prefixes = ("MLFLOW_", "AWS_", "RAY_", "PREFECT_", "HTTP", "SSL_", "REQUESTS_", "CURL_", "LD_", "GRPC_")
+    assert not [name for name in RUN_ENVIRONMENT if name.upper().startswith(prefixes) or "PROXY" in name.upper()]
+    assert not {"PYTHONPATH", "PYTHONSTARTUP", "PYTHONHOME", "CUDA_VISIBLE_DEVICES"} & RUN_ENVIRONMENT
+
+
+def test_a_run_may_not_redirect_mlflows_registry_or_weaken_tls_through_its_job_variables() -> None:
+    """`--job-variable env=...` or the custom run's job variables: MLflow would send every registry call, with the
+    worker's MLflow credentials, to MLFLOW_REGISTRY_URI though the deployment pins mlflow_tracking_uri."""
+    deployment = _deployment(NIGHTLY, job_variables={"env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}})
+    with get_client(sync_client=True) as client:
+        name = client.read_deployment(deployment).name
+
+    def check(env: dict[str, Any]) -> None:
+        flow_run = _trigger(deployment, {}, job_variables={"env": env})
+        check_deployment_pins(_trained_with(flow_run), str(deployment), str(flow_run.id))
+
+    check({"OMP_NUM_THREADS": "2", "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"})
+    for env in (
+        {"MLFLOW_REGISTRY_URI": "http://collector.example:5000"},
+        {"HTTPS_PROXY": "http://collector.example:3128", "OMP_NUM_THREADS": "2"},
+        {"MLFLOW_TRACKING_INSECURE_TLS": "true"},
+        {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "600"},
+    ):
+        with pytest.raises(SettingsError) as refused:
+            check(env)
+        names = sorted(set(env) - RUN_ENVIRONMENT)
+        assert f"run of deployment {name!r} sets {', '.join(names)} in its job variables" in str(refused.value)
+        assert "Nothing was started" in str(refused.value) and "collector.example" not in str(refused.value)

@@ -278,3 +278,32 @@ def test_a_restarted_worker_group_gets_only_a_checkpoint_that_verifies_and_an_un
         as_the_task_raises = training_error(ray.train.ControllerError(error), "run-key", config)
         assert isinstance(as_the_task_raises, UnverifiedCheckpointError), as_the_task_raises
         assert not isinstance(as_the_task_raises, NOT_RETRYABLE)  # Prefect's retry resumes from what verifies
+
+
+def test_registry_calls_go_to_the_tracking_store_whatever_mlflow_registry_uri_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run's environment may not point the registry, and the worker's MLflow credentials, elsewhere: the client
+    the pipeline opens and the fluent API it registers and loads through both use the tracking store's registry."""
+    import mlflow
+
+    uri = f"sqlite:///{seed_mlflow_store(tmp_path / 'tracking.db')}"
+    elsewhere = f"sqlite:///{seed_mlflow_store(tmp_path / 'elsewhere.db')}"
+    monkeypatch.setenv("MLFLOW_REGISTRY_URI", elsewhere)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "weights.bin").write_bytes(b"w")
+
+    client = tracking.connect(uri)
+    client.create_registered_model("pinned")
+    version = client.create_model_version("pinned", source=str(model)).version
+    client.set_registered_model_alias("pinned", "champion", version)
+    assert [m.name for m in MlflowClient(uri, registry_uri=uri).search_registered_models()] == ["pinned"]
+    assert MlflowClient(elsewhere, registry_uri=elsewhere).search_registered_models() == []
+
+    with tracking.using_tracking_uri(uri):  # as registration reads the champion back (champion.download_model)
+        assert mlflow.get_registry_uri() == uri
+        copy = mlflow.artifacts.download_artifacts("models:/pinned@champion", dst_path=str(tmp_path / "copy"))
+    assert (Path(copy) / "weights.bin").read_bytes() == b"w"
+    # The block leaves the process as it found it.
+    assert os.environ["MLFLOW_REGISTRY_URI"] == elsewhere and mlflow.get_registry_uri() == elsewhere
