@@ -117,6 +117,8 @@ def describe_run(client: Any, run: Any) -> dict[str, str]:
             resumable = "after a code fix"  # its error says so; a train_config at fault needs a new run instead
     else:
         resumable = "-"
+    if not state.startswith("running"):
+        state, resumable = registration_left(client, run) or (state, resumable)
     params = run.data.params
     return {
         "run key": run.data.tags[tracking.RUN_KEY_TAG],
@@ -127,6 +129,33 @@ def describe_run(client: Any, run: Any) -> dict[str, str]:
         "MLflow run": run.info.run_id,
         "started": datetime.fromtimestamp(run.info.start_time / 1000, UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
+
+
+WAITING_FOR_REGISTRATION = "waiting for registration"
+
+
+def registration_left(client: Any, run: Any) -> tuple[str, str] | None:
+    """(state, resumable) of a run whose fit finished and whose registration was not applied (register-model
+    failed or was killed); None for any other run. Its resume trains nothing and finishes the registration."""
+    from raytrain_driver.origin import registered_version_tags
+    from raytrain_driver.promotion import NOT_COMPARABLE, Promotion
+    from raytrain_driver.register import APPLIED_TAG
+    from raytrain_tasks.tracking import runs as tracking
+
+    params, tags = run.data.params, run.data.tags
+    # The fit record's digest reaches MLflow once the fit has finished (raytrain_driver/fit_record.py).
+    if tracking.FIT_RECORD_TAG not in tags or not params.get("model_name"):
+        return None
+    version = registered_version_tags(client, params["model_name"], tags[tracking.RUN_KEY_TAG])
+    if version is None:  # a run started with register off registers only when a resume turns it on
+        return (WAITING_FOR_REGISTRATION, "yes") if params.get("register") == "True" else None
+    if version.get(APPLIED_TAG) == "true":
+        return None
+    if version.get("promotion.decision") == Promotion.UNDECIDED.value and NOT_COMPARABLE in version.get(
+        "promotion.reason", ""
+    ):
+        return "not registered", "no (score not comparable)"  # a resume reads the same score
+    return WAITING_FOR_REGISTRATION, "yes"
 
 
 def runs(argv: Sequence[str]) -> int:

@@ -6,13 +6,15 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
-from raytrain_tasks.config import TrainingConfig
+from raytrain_tasks.config import TrainingConfig, check_run_key
 from raytrain_tasks.prepared import RunData
 from raytrain_tasks.storage.locations import StorageLocation
 from raytrain_tasks.tracking import run_owner
 from raytrain_tasks.tracking import runs as tracking
 
 if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
     from raytrain_driver.fit_record import FitResult
     from raytrain_tasks.api import TrainFunc
 
@@ -129,3 +131,19 @@ def version_tags(
         **lineage,
         "best_epoch": str(fit.best_epoch),
     }
+
+
+def registered_version_tags(client: MlflowClient, name: str, run_key: str) -> dict[str, str] | None:
+    """The tags of the version ``run_key`` registered in ``name`` (its first, the one register-model goes on with);
+    None when it registered none."""
+    from mlflow.exceptions import MlflowException
+
+    check_run_key(run_key)  # it goes into a filter string
+    try:
+        found = client.search_model_versions(f"name = '{name}' and tags.{VERSION_RUN_KEY_TAG} = '{run_key}'")
+    except MlflowException as exc:
+        if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return None
+        raise
+    first = min(found, key=lambda version: int(version.version), default=None)
+    return None if first is None else dict(first.tags)

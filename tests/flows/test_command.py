@@ -204,3 +204,112 @@ def test_runs_calls_a_stopped_run_with_no_checkpoint_resumable_from_its_first_ep
     client.set_tag(run.info.run_id, tracking.ERROR_TAG, "UserCodeError: train_code 'my.code:training' failed")
     shown = describe_run(client, client.get_run(run.info.run_id))
     assert (shown["state"], shown["resumable"]) == ("failed", "after a code fix")
+
+
+def _trained_run(client: MlflowClient, experiment: str, key: str, status: str, register: str) -> str:
+    """An MLflow run as a fit of one epoch leaves it: its settings, its epoch, its fit record's digest."""
+    from raytrain_tasks.tracking import runs as tracking
+
+    run_id = client.create_run(experiment, tags={tracking.RUN_KEY_TAG: key}).info.run_id
+    for name, value in {"epochs": "1", "register": register, "model_name": "listed"}.items():
+        client.log_param(run_id, name, value)
+    client.log_metric(run_id, "val_accuracy", 0.9, step=1)
+    client.set_tag(run_id, tracking.FIT_RECORD_TAG, "0" * 64)
+    client.set_terminated(run_id, status)
+    return run_id
+
+
+# What register-model leaves on the run key's version (raytrain_driver/register.py).
+UNDECIDED = {"promotion.decision": "undecided", "promotion.reason": "champion version 1 failed to load"}
+APPLIED = {"promotion.decision": "promote", "promotion.reason": "no champion yet", "promotion.applied": "true"}
+NOT_A_NUMBER = {
+    "promotion.decision": "undecided",
+    "promotion.reason": "this run's score is nan, not a number the gate can compare: no alias moves",
+}
+
+
+@pytest.mark.parametrize(
+    ("status", "register", "version", "listed"),
+    [
+        # register-model failed before it registered a version (the registry unreachable), or was SIGKILLed: the
+        # fit had marked the run FINISHED.
+        ("FINISHED", "True", None, ("waiting for registration", "1/1", "yes")),
+        # A version registered, its decision not applied (the champion could not be assessed; killed before the
+        # aliases moved).
+        ("FINISHED", "True", UNDECIDED, ("waiting for registration", "1/1", "yes")),
+        # Stopped during register-model (SIGTERM, Ctrl-C): it marks the run KILLED.
+        ("KILLED", "True", None, ("waiting for registration", "1/1", "yes")),
+        # Its model being logged (MLflow's start_run sets the run RUNNING) when the process died.
+        ("RUNNING", "True", None, ("waiting for registration", "1/1", "yes")),
+        ("FINISHED", "True", APPLIED, ("finished", "1/1", "-")),
+        # register=False: nothing to wait for, unless a resume turned it on and registered a version.
+        ("FINISHED", "False", None, ("finished", "1/1", "-")),
+        ("FINISHED", "False", UNDECIDED, ("waiting for registration", "1/1", "yes")),
+        # A score the gate cannot compare: a resume reads the same score, so it cannot finish the registration.
+        ("FINISHED", "True", NOT_A_NUMBER, ("not registered", "1/1", "no (score not comparable)")),
+    ],
+)
+def test_runs_shows_a_trained_run_whose_registration_was_not_applied_as_waiting_for_it(
+    tmp_path: Path, status: str, register: str, version: dict[str, str] | None, listed: tuple[str, str, str]
+) -> None:
+    """A run whose register-model failed or was killed after its fit finished: `resume` trains nothing and
+    registers it (raytrain_driver/fit.py's finished fit), so `runs` must not call it finished."""
+    from flows.command import describe_run
+    from raytrain_tasks.tracking import run_owner
+    from tests.helpers import seed_mlflow_store
+
+    seed_mlflow_store(tmp_path / "mlflow.db")
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.create_experiment("runs", artifact_location=str(tmp_path / "artifacts"))
+    key = "20261127-050000-dddddd"
+    run_id = _trained_run(client, experiment, key, status, register)
+    if status == "RUNNING":  # its driver, this process under another start time: gone
+        client.set_tag(run_id, run_owner.DRIVER_TAG, run_owner.this_driver().rsplit(":", 1)[0] + ":0")
+    if version is not None:
+        client.create_registered_model("listed")
+        client.create_model_version("listed", source=str(tmp_path), run_id=run_id, tags={"run_key": key, **version})
+    shown = describe_run(client, client.get_run(run_id))
+    assert (shown["state"], shown["epochs"], shown["resumable"]) == listed, shown
+
+
+def test_a_run_killed_in_register_model_waits_for_registration_and_its_resume_finishes_it(tmp_path: Path) -> None:
+    """Stopped as register-model starts (a SIGTERM, Ctrl-C): listed as waiting for registration, not finished. The
+    resume finds the fit finished (its record in storage, the record's digest in MLflow), trains nothing and
+    registers one version, applied; the run is then listed finished. A real SQLite store and registry, no Ray."""
+    from prefect.exceptions import TerminationSignal
+
+    from flows.command import describe_run
+    from raytrain_driver.fit import _confirm_finished
+    from raytrain_driver.fit_record import finished_fit, write_fit_record
+    from raytrain_driver.preflight import resolve_code, shown_params
+    from raytrain_driver.register import APPLIED_TAG, register
+    from raytrain_tasks.storage.locations import RUNS_DIR, locate
+    from tests.helpers import REGISTRY_CODE, a_stop_in_the_next_mlflow_query, fit_for_registry, small_config
+
+    key = "20261127-060000-eeeeee"
+    config = small_config(tmp_path, train_code=REGISTRY_CODE, model_name="waiting", experiment_name="waiting", epochs=1)
+    client = MlflowClient(config.mlflow_tracking_uri)
+    fit = fit_for_registry(client, tmp_path, config, None, key, 0.9)  # its MLflow run FINISHED, as the fit ends it
+    spec = resolve_code(config)
+    for name, value in shown_params(config, spec).items():
+        client.log_param(fit.mlflow_run_id, name, str(value))
+    client.log_metric(fit.mlflow_run_id, "val_accuracy", 0.9, step=1)
+    run_dir = locate(config.storage_path, config.storage_options).child(RUNS_DIR).child(key)
+    write_fit_record(run_dir, client, fit.mlflow_run_id, fit, None)
+
+    with a_stop_in_the_next_mlflow_query(), pytest.raises(TerminationSignal):
+        register(config, None, fit)
+    run = client.get_run(fit.mlflow_run_id)
+    assert run.info.status == "KILLED"
+    shown = describe_run(client, run)
+    assert (shown["state"], shown["epochs"], shown["resumable"]) == ("waiting for registration", "1/1", "yes")
+
+    # What `resume` does with it: distributed-fit finds the finished fit and trains nothing, then register-model.
+    finished = finished_fit(run_dir, client, fit.mlflow_experiment_id, key)
+    assert finished == fit
+    resumed = _confirm_finished(config, None, key, client, fit.mlflow_experiment_id, finished, spec)
+    ref = register(config, None, resumed)
+    assert (ref.version, ref.decision, ref.aliases) == ("1", "promote", ("champion",)), ref
+    assert client.get_model_version("waiting", "1").tags[APPLIED_TAG] == "true"
+    shown = describe_run(client, client.get_run(fit.mlflow_run_id))
+    assert (shown["state"], shown["epochs"], shown["resumable"]) == ("finished", "1/1", "-")
