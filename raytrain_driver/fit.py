@@ -262,14 +262,15 @@ def _train(
         *callbacks,
         spec=spec,
         resume_point=opened.resume_point,
+        lease=(lease.location.uri, lease.holder) if lease is not None else None,
     )
     # Off a Prefect run (a Ray Job) there is no run page to update: the job's submitter shows the progress.
     view = EpochView(expects=tuple(dict.fromkeys((spec.selection.name, spec.gate.name))), left_off=left_off(spec))
     page = progress_page()
     progress = page(client, run_id, config.epochs, run_logger(), view) if page else None
-    with (
     # Again as late as the driver can: Ray Train's controller reads the record once, as it starts.
     refuse_unsafe_record(run_key, runs.child(run_key))
+    with (
         tracking.system_metrics(config.system_metrics, uri, run_id, opened.reopened),
         progress or contextlib.nullcontext(),
     ):

@@ -185,8 +185,10 @@ def build_trainer(
     *callbacks: RayTrainCallback,  # UserCallbacks and ControllerCallbacks; they run on the controller
     spec: TrainFunc,
     resume_point: ResumePoint | None = None,
+    lease: tuple[str, str] | None = None,
 ) -> TorchTrainer:
-    """The run's TorchTrainer for the user's code (``spec``, resolved by ``preflight.resolve_code``)."""
+    """The run's TorchTrainer for the user's code (``spec``, resolved by ``preflight.resolve_code``); ``lease``:
+    the run's lease (its URI, this driver's holder name), which the workers check before each checkpoint."""
     # torch loads here, not when the flow module is imported: a Prefect worker needs no CUDA to plan runs.
     from ray.train.torch import TorchConfig
 
@@ -194,7 +196,7 @@ def build_trainer(
     from raytrain_tasks.failures import StopOnRepeatedFailure
 
     code, fixed = workers_code_dir(config), plan.fixed_workers
-    train_func, loop_config, data = trainer_function(config, spec, code, resume_point, dataset, fixed)
+    train_func, loop_config, data = trainer_function(config, spec, code, resume_point, dataset, fixed, lease)
     score_attribute, score_order = spec.selection.name, spec.selection.order
     return RunTrainer(
         train_func,

@@ -71,10 +71,13 @@ def trainer_function(
     resume: ResumePoint | None = None,
     prepared: PreparedData | None = None,
     fixed_workers: int = 0,
+    lease: tuple[str, str] | None = None,
 ) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     """(the function each worker runs, its ``train_loop_config``, ``TorchTrainer`` data kwargs). With ``prepared``
     data, each worker finds its node's local copy (``config["data_dir"]``); the driver its own, for ``datasets``.
-    ``fixed_workers``: the worker group's size when it is fixed (0: elastic), which kept splits are divided for."""
+    ``fixed_workers``: the worker group's size when it is fixed (0: elastic), which kept splits are divided for.
+    ``lease``: (the run's lease object's URI, this driver's holder name), which every checkpoint is checked against
+    (raytrain_tasks.checked_reports)."""
     from raytrain_tasks.prepared import data_dir_of
     from raytrain_tasks.spec_loop import SpecTrainFunc
     from raytrain_tasks.user_code import run_train_func, user_config
@@ -103,6 +106,7 @@ def trainer_function(
             "present": sorted(resume.present),
             "data": prepared.model_dump(mode="json") if prepared is not None else None,
             "storage": config.storage_options.model_dump(mode="json"),
+            "lease": {"uri": lease[0], "holder": lease[1]} if lease else None,
             # A TrainSpec's Ray Dataset splits: columns and example, so no worker calls data() (trainer_data).
             "ray_splits": spec_func.ray_splits if spec_func is not None and ray_spec else None,
         },

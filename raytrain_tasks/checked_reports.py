@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from raytrain_tasks.errors import UserCodeError
+from raytrain_tasks.errors import RunLeaseLostError, UserCodeError
 
 
 def missing_metric(metrics: Any, metric: str) -> str | None:
@@ -34,12 +34,47 @@ def named_folder(checkpoint_dir_name: Any) -> str:
     )
 
 
+def lease_taken(lease: dict[str, str] | None, storage: dict[str, Any] | None) -> str | None:
+    """Why this fit's driver no longer holds the run's lease (``lease``: its object's URI and the driver's holder
+    name; None for a fit without one); None while it does, or when storage cannot be read now (the checkpoint's
+    own upload then fails, or the driver's renewals notice)."""
+    import json
+
+    from raytrain_tasks.storage.filesystem import StorageOptions
+    from raytrain_tasks.storage.locations import locate
+
+    if not lease:
+        return None
+    try:
+        found = locate(lease["uri"], StorageOptions.model_validate(storage or {})).read_aged(2)
+    except OSError:
+        return None
+    try:
+        holder = str(json.loads(found.text)["holder"]) if found is not None else None
+    except (ValueError, KeyError, TypeError):
+        holder = "someone (the lease object is not one this project wrote)"
+    if holder == lease["holder"]:
+        return None
+    return (
+        f"the run's lease ({lease['uri']}) is {'gone' if holder is None else f'held by {holder}'}, not by this fit's "
+        f"driver {lease['holder']} (frozen past its lease: a paused VM, Ctrl-Z, a hung storage call). Its workers "
+        "stop before committing a checkpoint, which would race with those of the run's new driver"
+    )
+
+
 @contextlib.contextmanager
-def checked_reports(metric: str | None, names_checkpoints: bool) -> Iterator[None]:
+def checked_reports(
+    metric: str | None,
+    names_checkpoints: bool,
+    lease: dict[str, str] | None = None,
+    storage: dict[str, Any] | None = None,
+) -> Iterator[None]:
     """Within it, each ``ray.train.report`` of this worker raises UserCodeError, before Ray Train takes the report,
     when it passes ``checkpoint_dir_name`` (unless ``names_checkpoints``: a TrainSpec's loop, which names them for
     their epoch), or on rank 0 a checkpoint without ``metric`` (Ray Train attaches rank 0's metrics to it; the
-    controller's code_error_stopper checks the others).
+    controller's code_error_stopper checks the others). On every rank, a checkpoint is refused with
+    RunLeaseLostError once ``lease`` is no longer this fit's driver's (``lease_taken``): only the driver renews and
+    watches the lease, and a frozen one cannot stop its Ray Train controller and workers.
 
     ``ray.train.report`` calls the worker's ``TrainFnUtils.report`` (ray/train/v2/_internal/execution/
     train_fn_utils.py), in local mode too, however the code imported it: this shadows it on that object.
@@ -56,6 +91,8 @@ def checked_reports(metric: str | None, names_checkpoints: bool) -> Iterator[Non
             raise UserCodeError(named_folder(checkpoint_dir_name))
         if checkpoint is not None and rank == 0 and metric is not None and (problem := missing_metric(metrics, metric)):
             raise UserCodeError(problem)
+        if checkpoint is not None and (taken := lease_taken(lease, storage)):
+            raise RunLeaseLostError(taken)
         return report(metrics, checkpoint, checkpoint_dir_name, *args, **kw)
 
     setattr(utils, "report", checked)  # noqa: B010 - mypy refuses assigning to a method

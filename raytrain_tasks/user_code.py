@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_tasks.api import DATA_DIR_KEY, TRAIN_CONFIG_KEYS, Metric, TrainFunc, TrainSpec
-from raytrain_tasks.errors import DataRefusedError, UserCodeError, user_frames
+from raytrain_tasks.errors import DataRefusedError, RunLeaseLostError, UserCodeError, user_frames
 
 
 def resolve(train_code: str, where: str = "on this driver") -> TrainFunc:
@@ -155,7 +155,8 @@ def run_train_func(loop_config: dict[str, Any]) -> None:
             )
         spec.train_func.ray_splits = loop_config["ray_splits"]
     try:
-        with checked_reports(loop_config.get("metric"), isinstance(spec.train_func, SpecTrainFunc)):
+        names_checkpoints, lease = isinstance(spec.train_func, SpecTrainFunc), loop_config.get("lease")
+        with checked_reports(loop_config.get("metric"), names_checkpoints, lease, loop_config.get("storage")):
             spec.train_func(config)
     except (TypeError, ImportError) as exc:
         # Ray Train hands the controller the exception alone (its traceback stays in the worker's log): the
@@ -269,6 +270,8 @@ def code_error_stopper(train_code: str, metric: str) -> Any:
         def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
             for rank, error in sorted(worker_exceptions.items()):
                 base = getattr(error, "_base_exc", error)  # Ray Train's UserExceptionWithTraceback
+                if isinstance(base, RunLeaseLostError):  # another driver holds the run now: never retried here
+                    raise RunLeaseLostError(f"worker rank {rank}: {base}")
                 if isinstance(base, DataRefusedError):  # data changed since the checkpoint, an empty split
                     raise DataRefusedError(
                         f"train_code {train_code!r} on worker rank {rank}: {str(base)[-4000:]}\nNot retried: the "

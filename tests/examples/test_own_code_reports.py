@@ -7,6 +7,7 @@ end to end in test_own_code.py (a worker's TypeError; the driver's never-reporte
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import textwrap
@@ -248,6 +249,49 @@ def test_a_report_ray_train_would_keep_wrongly_is_refused_on_the_worker_before_r
     with pytest.raises(UserCodeError, match=says):
         trainer.fit()
     assert sys.modules[name].TAKEN == []  # the first report was refused: Ray Train took nothing
+
+
+@pytest.mark.usefixtures("local_mode")
+@pytest.mark.parametrize("holder", ["this-driver", "another-driver", None], ids=["held", "taken over", "gone"])
+def test_a_fit_whose_driver_lost_the_lease_commits_no_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, holder: str | None
+) -> None:
+    """(#63 item 16) Only the driver renews and watches the run's lease. A driver frozen past it (a paused VM,
+    Ctrl-Z) cannot stop its Ray Train controller and workers, which went on committing checkpoints beside the new
+    driver's. Every rank now checks the lease before each checkpoint and stops with RunLeaseLostError."""
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from raytrain_tasks.errors import RunLeaseLostError
+
+    name = "own_" + re.sub(r"\W", "_", tmp_path.name)
+    report = '{"epoch": epoch, "val_loss": 0.5}, checkpoint=saved'
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(OWN_CODE).replace("REPORT", report))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    lease = tmp_path / "runs" / "20261206-100000-abcdef" / "raytrain_driver.lease"
+    lease.parent.mkdir(parents=True)
+    if holder is not None:
+        lease.write_text(json.dumps({"holder": holder, "duration_s": 60.0, "renewals": 3}))
+    config = small_config(tmp_path, train_code=f"{name}:training", epochs=2, num_workers=1)
+    spec = bind(resolve(config.train_code), config)
+    worker, loop_config, _ = trainer_function(config, spec, "", lease=(str(lease), "this-driver"))
+    trainer = TorchTrainer(lambda: worker(loop_config), scaling_config=ScalingConfig(num_workers=0))
+    if holder == "this-driver":
+        trainer.fit()
+        assert sys.modules[name].TAKEN == [0, 1]
+        return
+    with pytest.raises(RunLeaseLostError, match="held by another-driver" if holder else "is gone"):
+        trainer.fit()
+    assert sys.modules[name].TAKEN == []
+
+
+def test_a_lease_lost_on_a_worker_stops_the_fit_without_a_restart() -> None:
+    """The controller ends the fit on it: a restarted worker group would find the lease taken again."""
+    from raytrain_tasks.errors import RunLeaseLostError
+
+    lost = RunLeaseLostError("the run's lease is held by another-driver")
+    with pytest.raises(RunLeaseLostError, match="worker rank 1: the run's lease is held by another-driver"):
+        code_error_stopper("my_code:training", "val_loss").after_exception(None, {1: lost})
 
 
 def test_a_checkpoint_ray_train_attaches_a_report_without_the_metric_to_stops_the_fit_at_once(tmp_path: Path) -> None:
