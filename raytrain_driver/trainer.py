@@ -229,7 +229,10 @@ def training_error(exc: BaseException, run_key: str, config: TrainingConfig) -> 
         return exc
     stopped = getattr(exc, "controller_failure", None)
     if isinstance(stopped, UserCodeError | DataRefusedError):  # raytrain_tasks.user_code.code_error_stopper
-        return type(stopped)(f"training run {run_key}: {stopped}")
+        # The workers and the controller do not know the run key: its `resume` gets it here, which the CLI then
+        # shows as the command that continues the run.
+        said = str(stopped).replace("`resume`", f"`resume={run_key}`")
+        return type(stopped)(f"training run {run_key}: {said}")
     for failure in [*getattr(exc, "worker_failures", {}).values(), stopped]:  # the controller's: a restart check
         cause: BaseException | None = failure
         while cause is not None:

@@ -584,10 +584,10 @@ def test_user_code_outside_the_project_that_never_reports_the_gate_metric_fails_
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The code lives in a folder of its own (the command's working directory), reaches the workers from there,
-    trains and checkpoints, but reports `loss` while its TrainFunc gates on `val_score`: the log says so at the
-    first committed epoch (with the epoch's own metrics shown), and the run fails at its end, once: the driver's
-    UserCodeError is not retried by Prefect (what a train_func that never checkpoints also raises there,
-    tests/examples/test_own_code_reports.py)."""
+    trains and checkpoints, but reports `loss` while its TrainFunc gates on `val_score`. Ray Train would keep its
+    checkpoints by a metric they lack, so the first checkpointed report is refused on the worker (#63 item 5): the
+    run fails there, once (a UserCodeError, not retried by the controller or by Prefect), saying how to continue
+    with `resume=<run key>`, and nothing is committed or registered."""
     starts = tmp_path / "starts.txt"
     source = f"""
         import tempfile, torch, ray.train
@@ -620,10 +620,9 @@ def test_user_code_outside_the_project_that_never_reports_the_gate_metric_fails_
     assert run is not None and run.info.status == "FAILED"
     assert client_versions(tmp_path) == []
     assert starts.read_text().count("start") == 2, starts.read_text()  # once per worker: no Prefect retry
+    assert f"`resume={run.data.tags['prefect_raytrain.run_key']}`" in str(error), error
     said = [record.getMessage() for record in caplog.records]
-    first = next(i for i, line in enumerate(said) if line.startswith("epoch 1/2 committed: ") and "loss=1.0000" in line)
-    warning = next(i for i, line in enumerate(said) if "but not ['val_score']" in line)
-    assert "reported ['loss']" in said[warning] and first < warning  # at the first epoch, not after the last
+    assert not [line for line in said if line.startswith("epoch 1/2 committed")], said  # refused before Ray took it
 
 
 def client_versions(workdir: Path) -> list[Any]:
