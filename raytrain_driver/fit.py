@@ -324,6 +324,11 @@ def _end_unfinished_run(
     from raytrain_driver.trainer import training_error
 
     error = training_error(exc, run_key, config)
+    if isinstance(error, RunLeaseLostError):  # its workers saw the lease taken before this driver did
+        run_logger().error(
+            "run %s: its lease is another driver's; MLflow run %s is left to its holder", run_key, run_id
+        )
+        raise error from exc
     tracking.fail_run(client, run_id, error)
     if error is exc:
         raise exc

@@ -28,6 +28,7 @@ from raytrain_tasks.errors import (
     CheckpointError,
     DataRefusedError,
     RepeatedFailureError,
+    RunLeaseLostError,
     TrainingError,
     UnverifiedCheckpointError,
     UserCodeError,
@@ -228,6 +229,8 @@ def training_error(exc: BaseException, run_key: str, config: TrainingConfig) -> 
     if not isinstance(exc, ray.train.TrainingFailedError):
         return exc
     stopped = getattr(exc, "controller_failure", None)
+    if isinstance(stopped, RunLeaseLostError):  # a worker found the run's lease another driver's
+        return RunLeaseLostError(f"training run {run_key}: {stopped}")
     if isinstance(stopped, UserCodeError | DataRefusedError):  # raytrain_tasks.user_code.code_error_stopper
         # The workers and the controller do not know the run key: its `resume` gets it here, which the CLI then
         # shows as the command that continues the run.

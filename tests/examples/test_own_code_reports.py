@@ -285,13 +285,26 @@ def test_a_fit_whose_driver_lost_the_lease_commits_no_checkpoint(
     assert sys.modules[name].TAKEN == []
 
 
-def test_a_lease_lost_on_a_worker_stops_the_fit_without_a_restart() -> None:
-    """The controller ends the fit on it: a restarted worker group would find the lease taken again."""
+def test_a_lease_lost_on_a_worker_stops_the_fit_and_leaves_the_mlflow_run_to_its_holder(tmp_path: Path) -> None:
+    """The controller ends the fit on it (a restarted worker group would find the lease taken again), and the
+    driver, which may not have seen the lease taken yet, leaves the MLflow run alone: it is the new holder's."""
+    import ray.train
+    from mlflow import MlflowClient
+
+    from raytrain_driver.fit import _end_unfinished_run
     from raytrain_tasks.errors import RunLeaseLostError
 
     lost = RunLeaseLostError("the run's lease is held by another-driver")
-    with pytest.raises(RunLeaseLostError, match="worker rank 1: the run's lease is held by another-driver"):
+    with pytest.raises(RunLeaseLostError, match="worker rank 1: the run's lease is held by another-driver") as ended:
         code_error_stopper("my_code:training", "val_loss").after_exception(None, {1: lost})
+    config = small_config(tmp_path)
+    client = MlflowClient(config.mlflow_tracking_uri)
+    run_id = client.create_run(client.create_experiment("lease")).info.run_id
+    with pytest.raises(RunLeaseLostError, match="training run 20261206-100000-abcdef: worker rank 1"):
+        _end_unfinished_run(
+            ray.train.ControllerError(ended.value), config, "20261206-100000-abcdef", client, run_id, None
+        )
+    assert client.get_run(run_id).info.status == "RUNNING"  # not FAILED: the new holder trains it
 
 
 def test_a_checkpoint_ray_train_attaches_a_report_without_the_metric_to_stops_the_fit_at_once(tmp_path: Path) -> None:
