@@ -6,8 +6,10 @@
                                                      resumable or not, MLflow run id
     prefect-raytrain resume RUN_KEY [--flag ...]     continue a run with the settings it started with
     prefect-raytrain ui [--port 5000]                the MLflow UI over the local store
+    prefect-raytrain gc [--older-than 24] [--apply]  what no run needs any more, on this node and in storage:
+                                                     listed (a dry run), or removed with --apply
 
-`runs`, `resume` and `ui` find the runs with the same `--mlflow-tracking-uri`, `--experiment-name` and
+`runs`, `resume`, `ui` and `gc` find the runs with the same `--mlflow-tracking-uri`, `--experiment-name` and
 `--storage-path` flags as `train` (and the same defaults).
 """
 
@@ -35,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(__doc__)
         return 0 if args else 2
     command, rest = args[0], args[1:]
-    if command in ("train", "resume"):
+    if command in ("train", "resume", "gc"):  # gc finds the pin journals where train and resume keep them
         embedded_prefect_home(DEFAULT_STATE_DIR)
     if command == "train":
         from flows.cli import main as train
@@ -48,7 +50,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return resume(rest)
     if command == "ui":
         return ui(rest)
-    print(f"{PROG}: unknown command {command!r}; one of: train, runs, resume, ui", file=sys.stderr)
+    if command == "gc":
+        from flows.gc_command import gc
+
+        return gc(rest)
+    print(f"{PROG}: unknown command {command!r}; one of: train, runs, resume, ui, gc", file=sys.stderr)
     return 2
 
 
@@ -137,7 +143,7 @@ WAITING_FOR_REGISTRATION = "waiting for registration"
 def registration_left(client: Any, run: Any) -> tuple[str, str] | None:
     """(state, resumable) of a run whose fit finished and whose registration was not applied (register-model
     failed or was killed); None for any other run. Its resume trains nothing and finishes the registration."""
-    from raytrain_driver.origin import registered_version_tags
+    from raytrain_driver.origin import registered_version
     from raytrain_driver.promotion import NOT_COMPARABLE, Promotion
     from raytrain_driver.register import APPLIED_TAG
     from raytrain_tasks.tracking import runs as tracking
@@ -146,7 +152,8 @@ def registration_left(client: Any, run: Any) -> tuple[str, str] | None:
     # The fit record's digest reaches MLflow once the fit has finished (raytrain_driver/fit_record.py).
     if tracking.FIT_RECORD_TAG not in tags or not params.get("model_name"):
         return None
-    version = registered_version_tags(client, params["model_name"], tags[tracking.RUN_KEY_TAG])
+    found = registered_version(client, params["model_name"], tags[tracking.RUN_KEY_TAG])
+    version = dict(found.tags) if found is not None else None
     if version is None:  # a run started with register off registers only when a resume turns it on
         return (WAITING_FOR_REGISTRATION, "yes") if params.get("register") == "True" else None
     if version.get(APPLIED_TAG) == "true":

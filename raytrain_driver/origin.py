@@ -4,7 +4,7 @@ the Prefect flow run are taken by the task, tasks/fit.py, and handed in as ``ori
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from raytrain_tasks.config import TrainingConfig, check_run_key
 from raytrain_tasks.prepared import RunData
@@ -133,9 +133,9 @@ def version_tags(
     }
 
 
-def registered_version_tags(client: MlflowClient, name: str, run_key: str) -> dict[str, str] | None:
-    """The tags of the version ``run_key`` registered in ``name`` (its first, the one register-model goes on with);
-    None when it registered none."""
+def registered_version(client: MlflowClient, name: str, run_key: str) -> Any | None:
+    """The version ``run_key`` registered in ``name`` (its first, the one register-model goes on with); None when
+    it registered none."""
     from mlflow.exceptions import MlflowException
 
     check_run_key(run_key)  # it goes into a filter string
@@ -145,5 +145,4 @@ def registered_version_tags(client: MlflowClient, name: str, run_key: str) -> di
         if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
             return None
         raise
-    first = min(found, key=lambda version: int(version.version), default=None)
-    return None if first is None else dict(first.tags)
+    return min(found, key=lambda version: int(version.version), default=None)

@@ -21,7 +21,7 @@ from raytrain_driver import user_register
 from raytrain_driver.evaluation import EVALUATION_ARTIFACT_DIR, scores_as_metrics
 from raytrain_driver.fit_record import FitResult
 from raytrain_driver.hooks import run_logger, stopped_by
-from raytrain_driver.origin import VERSION_RUN_KEY_TAG, version_description, version_tags
+from raytrain_driver.origin import registered_version, version_description, version_tags
 from raytrain_driver.promotion import (
     CHALLENGER,
     CHAMPION,
@@ -43,7 +43,7 @@ from raytrain_driver.user_register import (
 )
 from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.code_settings import secret_keys
-from raytrain_tasks.config import TrainingConfig, check_run_key
+from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import PromotionError, TrackingError
 from raytrain_tasks.prepared import RunData, data_dir_of
 from raytrain_tasks.redact import redacted_errors
@@ -284,17 +284,8 @@ def _model_ref(
 
 
 def _version_of_run(client: MlflowClient, name: str, run_key: str) -> str | None:
-    from mlflow.exceptions import MlflowException
-
-    check_run_key(run_key)  # it goes into a filter string
-    try:
-        found = client.search_model_versions(f"name = '{name}' and tags.{VERSION_RUN_KEY_TAG} = '{run_key}'")
-    except MlflowException as exc:
-        if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
-            return None
-        raise
-    versions = sorted(int(v.version) for v in found)
-    return str(versions[0]) if versions else None
+    found = registered_version(client, name, run_key)
+    return None if found is None else str(found.version)
 
 
 def _logged_model_uri(fit: FitResult) -> str | None:
