@@ -8,16 +8,17 @@ its length (a failed renewal is retried every twelfth). A holder that dies stops
 one on this host that is provably gone is taken over at once.
 
 Expiry is judged without any other host's clock: a lease counts as expired when the storage says it was last
-written more than its length ago (S3's ``LastModified`` against the same reply's ``Date``). The holder, on its
+written more than its length ago (S3's ``LastModified`` against the same reply's ``Date``; on a network
+filesystem the file's mtime against a probe's, both from the file server). The holder, on its
 own monotonic clock, counts itself as having lost the lease when it has had no successful renewal for
 ``LOST_AFTER`` of the length, before anyone else can see it expired, or as soon as a renewal finds it taken; the
 block under the lease must then stop at once (``HeldLease.check``; ``raytrain_driver.fit`` kills the Ray Train
 controller).
 
 Taking, renewing and releasing the lease are compare-and-swap operations (``StorageLocation.write_if`` and
-``delete_if``: conditional requests on S3, a folder lock locally): of two drivers that start in the same moment
-exactly one writes the lease and the other is refused, and a driver whose lease was taken over can neither renew
-nor delete it.
+``delete_if``: conditional requests on S3, otherwise a folder lock that every host sees): of two drivers that
+start in the same moment exactly one writes the lease and the other is refused, and a driver whose lease was taken
+over can neither renew nor delete it.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from raytrain_tasks.errors import DatasetError, UserCodeError
 from raytrain_tasks.prepared import FILES_DIR, MARKER_NAME, PreparedData
 from raytrain_tasks.storage.locations import DATASETS_DIR, StorageLocation, check_writable, locate
 
-# A local file being replaced, under its temporary name (raytrain_tasks.storage.locations._replace_file).
+# A local file being replaced, under its temporary name (raytrain_tasks.storage.folder_cas.replace_file).
 STAGED = re.compile(r"(.+)\.[0-9a-f]{8}\.tmp")
 
 

@@ -8,13 +8,8 @@ credentials work, and a small write/read/delete round trip succeeds.
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import os
-import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,20 +17,11 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from raytrain_tasks.errors import StorageError
+from raytrain_tasks.storage import folder_cas
 from raytrain_tasks.storage.filesystem import StorageOptions, is_s3, open_filesystem, split_s3
 
 DATASETS_DIR = "datasets"
 RUNS_DIR = "runs"
-
-
-def _replace_file(path: str, data: bytes) -> None:
-    """Write ``data`` under a temporary name beside ``path``, then rename it over ``path`` (atomic on POSIX)."""
-    staged = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        Path(staged).write_bytes(data)
-        os.replace(staged, path)
-    finally:
-        Path(staged).unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
@@ -70,7 +56,7 @@ class StorageLocation:
                 stream.write(data)
             return
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        _replace_file(self.path, data)
+        folder_cas.replace_file(self.path, data)
 
     def list_names(self) -> list[str]:
         if not self.exists():
@@ -85,8 +71,8 @@ class StorageLocation:
 
     def read_aged(self, max_attempts: int | None = None) -> VersionedText | None:
         """The object's text, version token for ``write_if``, and age: seconds since it was last written, by the
-        storage's own clock (S3: the reply's ``Date`` minus the object's ``LastModified``; a local folder: this
-        host's clock, which wrote it). No other host's clock enters it. None when there is no object."""
+        storage's own clock (S3: the reply's ``Date`` minus the object's ``LastModified``; a folder: its
+        filesystem's, ``folder_cas``). No other host's clock enters it. None when there is no object."""
         if is_s3(self.uri):
             from botocore.exceptions import BotoCoreError, ClientError
 
@@ -104,17 +90,12 @@ class StorageLocation:
 
             served = parsedate_to_datetime(reply["ResponseMetadata"]["HTTPHeaders"]["date"])
             return VersionedText(text, str(reply["ETag"]), (served - reply["LastModified"]).total_seconds())
-        try:
-            with self._folder_lock(fcntl.LOCK_SH):
-                text = Path(self.path).read_text()
-                age = time.time() - os.stat(self.path).st_mtime
-        except FileNotFoundError:  # no such file, or no such folder
-            return None
-        return VersionedText(text, _digest(text), age)
+        found = folder_cas.read_aged(self.path)
+        return VersionedText(found[0], folder_cas.digest(found[0]), found[1]) if found is not None else None
 
     def delete_if(self, version: str, max_attempts: int | None = None) -> bool:
         """Delete the object only if it is still at ``version``; False when it changed (or is gone) meanwhile.
-        S3: ``DeleteObject`` with ``If-Match``; a local folder: under the same exclusive lock as ``write_if``."""
+        S3: ``DeleteObject`` with ``If-Match``; a folder: under the same exclusive lock as ``write_if``."""
         if is_s3(self.uri):
             from botocore.exceptions import BotoCoreError, ClientError
 
@@ -128,21 +109,15 @@ class StorageLocation:
             except BotoCoreError as exc:
                 raise OSError(f"cannot delete {self.uri}: {exc}") from exc
             return True
-        try:
-            with self._folder_lock(fcntl.LOCK_EX):
-                if _digest(Path(self.path).read_text()) != version:
-                    return False
-                os.remove(self.path)
-        except FileNotFoundError:
-            return False
-        return True
+        return folder_cas.delete_if(self.path, version)
 
     def write_if(self, text: str, version: str | None, max_attempts: int | None = None) -> str | None:
         """Compare-and-swap: write ``text`` only if the object is still at ``version`` (None: only if there is
         none). Returns the new version, or None when another writer got there first.
 
-        S3 does it with conditional writes (``If-None-Match: *``, ``If-Match: <ETag>``); a local folder under an
-        exclusive ``flock`` of the folder, with the file replaced by a rename, so a reader never sees half of it.
+        S3 does it with conditional writes (``If-None-Match: *``, ``If-Match: <ETag>``); a folder under an
+        exclusive lock (``folder_cas``: on a network filesystem, one that every host sees), with the file replaced
+        by a rename, so a reader never sees half of it.
         """
         if is_s3(self.uri):
             from botocore.exceptions import BotoCoreError, ClientError
@@ -159,25 +134,7 @@ class StorageLocation:
             except BotoCoreError as exc:
                 raise OSError(f"cannot write {self.uri}: {exc}") from exc
             return str(reply["ETag"])
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        with self._folder_lock(fcntl.LOCK_EX):
-            try:
-                current: str | None = _digest(Path(self.path).read_text())
-            except FileNotFoundError:
-                current = None
-            if current != version:
-                return None
-            _replace_file(self.path, text.encode())
-        return _digest(text)
-
-    @contextmanager
-    def _folder_lock(self, mode: int) -> Iterator[None]:
-        descriptor = os.open(os.path.dirname(self.path) or ".", os.O_RDONLY)
-        try:
-            fcntl.flock(descriptor, mode)
-            yield
-        finally:
-            os.close(descriptor)  # releases the lock
+        return folder_cas.write_if(self.path, text, version)
 
 
 @dataclass(frozen=True)
@@ -185,10 +142,6 @@ class VersionedText:
     text: str
     version: str
     age_s: float  # since the last write, by the storage's clock
-
-
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def make_dirs(location: StorageLocation) -> list[StorageLocation]:
@@ -214,9 +167,8 @@ def remove_empty_dirs(folders: list[StorageLocation]) -> None:
     """
     for folder in folders:
         if not is_s3(folder.uri):
-            path = Path(folder.path)
-            if path.is_dir() and not any(path.iterdir()):
-                path.rmdir()
+            if Path(folder.path).is_dir():
+                folder_cas.remove_empty_folder(folder.path)  # a network folder's lock file goes with it
             continue
         from botocore.exceptions import BotoCoreError, ClientError
 
