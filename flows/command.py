@@ -51,8 +51,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "ui":
         return ui(rest)
     if command == "gc":
-        from flows.gc_command import gc
-
         return gc(rest)
     print(f"{PROG}: unknown command {command!r}; one of: train, runs, resume, ui, gc", file=sys.stderr)
     return 2
@@ -232,6 +230,37 @@ def resume(argv: Sequence[str]) -> int:
 
     flags = flags_from_params(run.data.params, extra)
     return train(training_pipeline, [*flags, *extra, "--resume", args.run_key], prog=f"{PROG} resume")
+
+
+def gc(argv: Sequence[str]) -> int:
+    parser = _location_parser(
+        "gc",
+        "Remove what no run can still need: this node's copies of prepared data and checkpoint staging folders, "
+        "checkpoint folders never committed, files of interrupted writes, and pin journals MLflow has caught up "
+        "with. Prints what it would remove, and removes nothing unless --apply.",
+    )
+    endpoint = TrainingConfig.model_fields["s3_endpoint_url"]
+    parser.add_argument("--s3-endpoint-url", dest="s3_endpoint_url", default="", help=endpoint.description)
+    parser.add_argument(
+        "--older-than",
+        type=float,
+        default=24.0,
+        metavar="HOURS",
+        help="Leave anything changed or used more recently than this (default: 24).",
+    )
+    parser.add_argument("--apply", action="store_true", help="Remove what is listed (without it: a dry run).")
+    args = parser.parse_args(argv)
+    if args.older_than < 0:
+        parser.error("--older-than must be 0 or more hours")
+    config = TrainingConfig(
+        mlflow_tracking_uri=args.mlflow_tracking_uri,
+        experiment_name=args.experiment_name,
+        storage_path=args.storage_path,
+        s3_endpoint_url=args.s3_endpoint_url,
+    ).resolved(Path.cwd(), os.environ)
+    from flows.gc_command import sweep
+
+    return sweep(config, args.older_than * 3600, args.apply)
 
 
 def ui(argv: Sequence[str]) -> int:

@@ -53,6 +53,15 @@ def refuse_unsafe_record(run_key: str, run_dir: StorageLocation) -> None:
         )
 
 
+def recorded_folders(run_dir: StorageLocation) -> frozenset[str]:
+    """The folder names Ray Train's record of the run names (none without a record); OSError, ValueError,
+    TypeError, KeyError or AttributeError when it cannot be read."""
+    record = run_dir.child(RAY_CHECKPOINT_RECORD)
+    if not record.exists():
+        return frozenset()
+    return frozenset(name for name in _named_folders(json.loads(record.read_text())) if isinstance(name, str))
+
+
 def _named_folders(state: dict[str, Any]) -> list[Any]:
     """Every folder name in Ray Train's record ``state``, as written (each field may be absent: older Rays)."""
     entries: list[Any] = []

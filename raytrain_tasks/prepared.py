@@ -8,15 +8,22 @@ written last (a folder without it is incomplete and is written again). The conte
 On local storage the stored folder is read in place; on S3 each node copies it once into its temporary directory
 (``prefect-raytrain-data/<hash>``), shared by the node's processes. Either way the files are hashed before your code
 sees them, and a folder whose files no longer hash to the version's content is refused.
+
+Beside a node copy, ``<hash>.lock`` is held while the copy is made or checked, and ``<hash>.use`` is held shared by
+every process that got the copy, until it exits (its mtime is the copy's last use): `prefect-raytrain gc` removes a
+copy only when it can take both (raytrain_driver.sweep).
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
 import tempfile
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
@@ -57,8 +64,6 @@ def local_data_dir(data: PreparedData, options: StorageOptions) -> Path:
     """A local folder holding exactly the version's files: the stored one itself on local storage, this node's
     copy of it on S3 (made once per node, under a lock its processes share; a copy changed since is made again).
     DatasetError when the stored files do not hash to the version's content."""
-    import fcntl
-
     from raytrain_tasks.integrity import local_folder_digest
 
     if not is_s3(data.uri):
@@ -66,12 +71,12 @@ def local_data_dir(data: PreparedData, options: StorageOptions) -> Path:
         folder = Path(path)
         _check(folder, local_folder_digest(folder, ignore=_being_replaced), data, "its stored folder")
         return folder
-    folder = Path(tempfile.gettempdir()) / CACHE_DIR / data.content_hash
+    folder = node_copies_dir() / data.content_hash
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with (folder.parent / f"{data.content_hash}.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # the node's other workers wait for the one copy, then use it
+    with file_lock(copy_lock(folder), fcntl.LOCK_EX):  # the node's other workers wait for the one copy, then use it
         if folder.is_dir():
             if local_folder_digest(folder) == data.content_hash:
+                _hold_in_use(folder)
                 return folder
             logger.warning(
                 "this node's copy of the prepared data %s changed since it was made: copying it again", folder
@@ -86,12 +91,77 @@ def local_data_dir(data: PreparedData, options: StorageOptions) -> Path:
             partial.rename(folder)
         finally:
             shutil.rmtree(partial, ignore_errors=True)
+        _hold_in_use(folder)  # before the copy's lock is let go: gc, which takes both, finds it in use
     return folder
+
+
+def node_copies_dir() -> Path:
+    """This node's folder of copies of prepared data read from S3."""
+    return Path(tempfile.gettempdir()) / CACHE_DIR
+
+
+def copy_lock(folder: Path) -> Path:
+    """The file locked while the node copy ``folder`` is made or checked."""
+    return folder.with_name(f"{folder.name}.lock")
+
+
+def use_lock(folder: Path) -> Path:
+    """The file every process that uses the node copy ``folder`` holds shared, until it exits."""
+    return folder.with_name(f"{folder.name}.use")
+
+
+@contextmanager
+def file_lock(path: Path, mode: int) -> Iterator[bool]:
+    """Hold ``flock(mode)`` on the file at ``path`` (made if missing) for the block. False, holding nothing, when
+    ``mode`` has ``LOCK_NB`` and another process holds it. The lock is on the file found at ``path`` once it is
+    taken: gc unlinks a lock file it holds, and a lock on that unlinked file would guard nothing."""
+    while True:
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(descriptor, mode)
+            except BlockingIOError:
+                yield False
+                return
+            if _still_at(descriptor, path):
+                yield True
+                return
+        finally:
+            os.close(descriptor)  # releases the lock
+
+
+# The shared locks this process holds on the node copies it uses, by path, open until it exits.
+_IN_USE: dict[Path, int] = {}
+
+
+def _hold_in_use(folder: Path) -> None:
+    """Hold the copy's use lock shared until this process exits, and date its last use. Called under the copy's
+    lock, which gc takes first: this never waits on gc."""
+    path = use_lock(folder)
+    if path not in _IN_USE:
+        while True:
+            descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(descriptor, fcntl.LOCK_SH)
+            if _still_at(descriptor, path):
+                _IN_USE[path] = descriptor
+                break
+            os.close(descriptor)
+    os.utime(_IN_USE[path])
+
+
+def _still_at(descriptor: int, path: Path) -> bool:
+    """Whether the open file ``descriptor`` is still the one at ``path``."""
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(descriptor)
+    return (found.st_dev, found.st_ino) == (opened.st_dev, opened.st_ino)
 
 
 def _being_replaced(file: Path) -> bool:
     """Whether ``file`` is another writer's new copy of a file beside it, before its rename (a second run preparing
-    the same content at the same moment: raytrain_tasks.storage.locations writes each file so); not the version's."""
+    the same content at the same moment: raytrain_tasks.storage.folder_cas writes each file so); not the version's."""
     name, dot, suffix = file.name.rpartition(".")
     original, _, token = name.rpartition(".")
     return bool(dot) and suffix == "tmp" and len(token) == 8 and _is_hex(token) and file.with_name(original).is_file()

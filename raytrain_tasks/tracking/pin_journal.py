@@ -85,6 +85,20 @@ class PinJournal:
             return False
         return True
 
+    def run_ids(self) -> set[str]:
+        """The MLflow runs the journal holds pins of (``entries`` reads each, with its checks); OSError when the
+        journal cannot be read."""
+        text = Path(self.path).read_text(encoding="utf-8", errors="replace")
+        found = set()
+        for line in text.splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("run_id"), str):
+                found.add(record["run_id"])
+        return found
+
     def entries(self, run_id: str) -> list[JournalEntry]:
         """What was recorded for the MLflow run ``run_id``, in order, the first record of a folder winning. A
         line cut short, or one that is not a well-formed record, is skipped. A journal that is not this user's
