@@ -136,7 +136,7 @@ def _spec_loop(spec: TrainSpec) -> Callable[[dict[str, Any], RaySplits | None], 
         import ray.train.torch
 
         configure_worker_logging()
-        _seed(int(config["seed"]))
+        seed_as_workers(int(config["seed"]))
         splits, facts = _worker_splits(spec, config, ray_splits)
         # With prepare, the data is pinned by its stored version's content hash, checked before any worker starts
         # (a resume on other data is refused there): no pass over the data here. Nor for Ray Datasets (pinned by
@@ -389,7 +389,7 @@ def _resume(model: Any, optimizer: Any, digest: str) -> int:
     return int(state["epoch"]) + 1
 
 
-def _seed(seed: int) -> None:
+def seed_as_workers(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)

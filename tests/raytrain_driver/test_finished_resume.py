@@ -20,8 +20,18 @@ from tests.raytrain_driver.test_user_gate import finished_fit
 
 def _data(config: dict) -> Splits:  # type: ignore[type-arg]
     rows = torch.load(config["source"])
-    whole = TensorDataset(rows, 2 * rows)
+    whole = TensorDataset(rows, 2 * rows + 0.01 * torch.randn(len(rows), 1))  # noise drawn with the run's seed
     return Splits(whole, whole, whole)
+
+
+def _as_a_worker_hashes(spec: object, config: object) -> str:
+    """The digest a worker records: it seeds, then calls data() (raytrain_tasks.spec_loop)."""
+    from raytrain_tasks.spec_data import data_digest
+    from raytrain_tasks.spec_loop import _splits, seed_as_workers
+    from raytrain_tasks.user_code import user_config
+
+    seed_as_workers(config.seed)  # type: ignore[attr-defined]
+    return data_digest(_splits(spec.train_func.spec, user_config(config, spec)))  # type: ignore[attr-defined]
 
 
 def test_a_finished_train_spec_run_refuses_a_resume_on_changed_data(
@@ -50,8 +60,9 @@ def test_a_finished_train_spec_run_refuses_a_resume_on_changed_data(
     spec = resolve_code(config)
     client = MlflowClient(config.mlflow_tracking_uri)
     experiment_id = tracking.ensure_experiment(client, "tests", config.mlflow_tracking_uri, config.storage_path)
-    trained_on = _spec_data_digest(config, spec)  # what its workers recorded
-    assert trained_on is not None and len(trained_on) == 64
+    trained_on = _as_a_worker_hashes(spec, config)
+    torch.rand(5)  # the driver's random state has moved on since it started (check_data called data() once)
+    assert _spec_data_digest(config, spec) == trained_on
     tags = {tracking.DATASET_HASH_TAG: trained_on}
     run_id, _ = tracking.start_or_reopen_run(client, experiment_id, fit.run_key, "r", tags, shown_params(config, spec))
     finished = fit.model_copy(update={"mlflow_run_id": run_id})
