@@ -11,8 +11,10 @@ So on a network filesystem (``network_mount``, from /proc/self/mountinfo):
   release them when their holder dies. An exclusive-create lock file would need no lock service, but one whose
   holder died must be broken after a timeout, and then two breakers, or a holder that was only paused, can both
   hold it. A mount whose options keep POSIX locks on this host is refused (``Mount.host_local_locks``).
-- A file's age is the server's time minus the file's mtime. The server's time is the mtime it gives a probe file
-  touched with ``os.utime(fd, None)``: NFS asks the server to set it to its own time.
+- A file's age is the file server's time minus the file's mtime, where the filesystem lets the server stamp
+  times: the server's time is the mtime it gives a probe file touched with ``os.utime(fd, None)`` (NFS asks the
+  server to set it to its own time). Filesystems whose clients stamp times (SMB, CephFS, Lustre, GPFS) compare
+  the two hosts' clocks there: keep their clocks in sync (NTP).
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ PROBE_PREFIX = ".raytrain-clock-probe-"
 LOCK_WAIT_S = 10.0  # the swap holds the lock for milliseconds; longer means a holder hung in a storage call
 MOUNTINFO = "/proc/self/mountinfo"
 NETWORK_FSTYPES = frozenset(
-    {"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "lustre", "gpfs", "beegfs", "gfs2", "ocfs2", "fuse"}
+    {"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "lustre", "gpfs", "beegfs", "gfs2", "ocfs2"}
+    # FUSE filesystems that hosts share. Others (fuse-overlayfs, gocryptfs, mergerfs) are one host's disk.
+    | {f"fuse.{name}" for name in ("glusterfs", "ceph-fuse", "juicefs", "sshfs", "lizardfs", "mfs", "s3fs", "gcsfuse")}
 )
 # Mount options under which POSIX locks hold for this host only (NFS, SMB, Lustre), or fail (Lustre's noflock).
 HOST_LOCAL_LOCK_OPTIONS = ("nolock", "local_lock=posix", "local_lock=all", "nobrl", "localflock", "noflock")
@@ -59,8 +63,8 @@ class Mount:
 
     @property
     def network(self) -> bool:
-        """A filesystem other hosts may share: FUSE ones too (sshfs, GlusterFS, JuiceFS), but not ``fuseblk``."""
-        return self.fstype in NETWORK_FSTYPES or self.fstype.startswith("fuse.")
+        """A filesystem other hosts may share, FUSE ones among them (sshfs, GlusterFS, JuiceFS)."""
+        return self.fstype in NETWORK_FSTYPES
 
     def host_local_locks(self) -> str | None:
         """The option that keeps POSIX locks on this host; None when the mount shows none."""

@@ -70,6 +70,8 @@ NFS4 = "41 27 0:52 / /mnt/shared rw,relatime shared:1 - nfs4 fs1:/export rw,vers
         ("48 27 0:59 / /mnt/gluster rw - fuse.glusterfs fs1:/vol rw,user_id=0,group_id=0", True, None),
         ("49 27 0:60 / /mnt/ssh rw - fuse.sshfs me@fs1:/x rw,user_id=0", True, None),
         ("50 27 8:1 / /mnt/usb rw - fuseblk /dev/sdb1 rw,user_id=0", False, None),
+        ("53 27 0:63 / / rw - fuse.fuse-overlayfs fuse-overlayfs rw,user_id=0", False, None),  # rootless podman
+        ("54 27 0:64 / /home/me rw - fuse.gocryptfs /home/.me rw,user_id=1000", False, None),
         ("27 1 254:0 / / rw,relatime - ext4 /dev/vda rw,discard", False, None),
         ("51 27 0:61 / /data rw - xfs /dev/nvme0n1 rw,attr2", False, None),
         ("25 24 0:23 / /dev/shm rw,relatime - tmpfs tmpfs rw,size=24683792k", False, None),
@@ -197,3 +199,14 @@ def test_a_network_run_folder_holding_only_its_lock_file_is_removed_like_an_empt
     remove_empty_dirs([locate(str(run)), locate(str(kept))])
     assert not run.exists()
     assert sorted(p.name for p in kept.iterdir()) == sorted([LOCK_FILE, "checkpoint_1"])
+
+
+def test_on_a_local_disk_the_swap_leaves_no_lock_or_probe_file(tmp_path: Path) -> None:
+    """A local disk keeps the folder lock and this host's clock: the run's folder holds the lease and nothing else."""
+    assert folder_cas.network_mount(str(tmp_path)) is None  # this test's folder is on a local disk
+    lease = locate(str(tmp_path / "run")).child("lease")
+    version = lease.write_if("one", None)
+    assert version is not None and lease.write_if("two", version) is not None
+    found = lease.read_aged()
+    assert found is not None and found.text == "two" and 0 <= found.age_s < 60
+    assert sorted(os.listdir(tmp_path / "run")) == ["lease"]
