@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -159,12 +160,20 @@ def _still_at(descriptor: int, path: Path) -> bool:
     return (found.st_dev, found.st_ino) == (opened.st_dev, opened.st_ino)
 
 
+# How recently another writer's copy must have been written to be taken for one still being written: a stale one
+# (its writer killed, or planted by whoever can write storage) is refused with the folder, as any foreign file.
+BEING_WRITTEN_S = 300.0
+
+
 def _being_replaced(file: Path) -> bool:
-    """Whether ``file`` is another writer's new copy of a file beside it, before its rename (a second run preparing
-    the same content at the same moment: raytrain_tasks.storage.folder_cas writes each file so); not the version's."""
+    """Whether ``file`` is another writer's new copy of a file beside it, still being written (a second run
+    preparing the same content at the same moment: raytrain_tasks.storage.folder_cas writes each file so under a
+    temporary name, then renames it); not the version's."""
     name, dot, suffix = file.name.rpartition(".")
     original, _, token = name.rpartition(".")
-    return bool(dot) and suffix == "tmp" and len(token) == 8 and _is_hex(token) and file.with_name(original).is_file()
+    if not (dot and suffix == "tmp" and len(token) == 8 and _is_hex(token) and file.with_name(original).is_file()):
+        return False
+    return time.time() - file.stat().st_mtime < BEING_WRITTEN_S
 
 
 def _is_hex(text: str) -> bool:

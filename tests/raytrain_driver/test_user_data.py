@@ -4,7 +4,9 @@ folders and the session's real S3 server; no Ray."""
 
 from __future__ import annotations
 
+import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -86,8 +88,13 @@ def test_a_second_run_writing_the_same_version_does_not_make_the_first_refuse_it
     version = prepare_user_data(config, code(write_rows(10)))
     assert version is not None
     files = local_data_dir(version, config.storage_options)
-    (files / "tables" / "rows.csv.0123abcd.tmp").write_bytes((files / "tables" / "rows.csv").read_bytes())
+    staged = files / "tables" / "rows.csv.0123abcd.tmp"
+    staged.write_bytes((files / "tables" / "rows.csv").read_bytes())
     assert local_data_dir(version, config.storage_options) == files  # the other writer's file is not the version's
+    os.utime(staged, (time.time() - 3600, time.time() - 3600))  # left an hour ago: no writer's any more
+    with pytest.raises(DatasetError, match="hash to"):
+        local_data_dir(version, config.storage_options)
+    staged.unlink()
     (files / "tables" / "other.csv").write_text("1,2\n")  # a file that is not the version's is still refused
     with pytest.raises(DatasetError, match="hash to"):
         local_data_dir(version, config.storage_options)
