@@ -75,7 +75,7 @@ def _why_kept(item: Leftover, runs: Mapping[str, RunState]) -> str:
         return f"cannot tell whether it is in use ({item.note})"
     if item.in_use:
         return "in use by a process of this node"
-    if item.kind in RUN_KINDS:
+    if item.kind in RUN_KINDS or item.run_key:  # an interrupted write in a run's folder is that run's too
         run = runs.get(item.run_key)
         if run is None:
             return "its run is not in this storage_path, so its lease cannot be checked"

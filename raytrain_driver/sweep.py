@@ -223,8 +223,13 @@ def interrupted_writes(storage: StorageLocation) -> list[Leftover]:
         return items
     runs = Path(storage.path, RUNS_DIR)
     for run in sorted(runs.iterdir()) if _plain_dir(runs) else []:
+        if not _plain_dir(run):  # a stray file beside the runs' folders is not a run
+            continue
         files = [path for path in sorted(run.iterdir()) if STAGED.fullmatch(path.name) and path.is_file()]
-        items += [Leftover(Kind.INTERRUPTED_WRITE, str(path), path.stat().st_size, _age(path)) for path in files]
+        items += [
+            Leftover(Kind.INTERRUPTED_WRITE, str(path), path.stat().st_size, _age(path), run_key=run.name)
+            for path in files
+        ]
     datasets = Path(storage.path, DATASETS_DIR)
     for version in sorted(datasets.iterdir()) if _plain_dir(datasets) else []:
         for path in sorted(version.rglob("*")):

@@ -63,6 +63,8 @@ CASES = [
         "it may be part of a dataset version (no marker)",
     ),
     (item(Kind.INTERRUPTED_WRITE, age_s=60), False, "changed within --older-than"),
+    # One in a run's folder (a lease or fit.json being replaced) is that run's: kept while its lease is held.
+    (item(Kind.INTERRUPTED_WRITE, run_key=LIVE, age_s=2 * DAY), False, "its run's lease is held"),
     # A pin journal: goes once MLflow holds every pin in it, and its run is not live.
     (item(Kind.PIN_JOURNAL), True, "no run needs it"),
     (item(Kind.PIN_JOURNAL, unsynced=True), False, "it holds pins that MLflow lacks"),
