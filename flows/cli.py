@@ -157,7 +157,7 @@ STOP_DEADLINE_S = 10.0
 def _exit_at_the_latest_after_a_signal(config: TrainingConfig) -> None:
     """A deadline on stopping: after a SIGTERM, SIGINT or SIGHUP, the run normally stops in a few seconds (Prefect
     turns the signal into a cancellation, the fit marks its MLflow run KILLED). If it is still running
-    ``STOP_DEADLINE_S`` later (seen in CI when the signal landed between the fit and register-model), the process
+    ``STOP_DEADLINE_S`` later (a signal between the fit and register-model can take that long), the process
     exits with 128 + the signal; the services it started end with it (raytrain_driver.process_groups,
     flows.temporary_api), and the MLflow run it drives is marked KILLED (``flows.stop_signals.mark_run_killed``).
 

@@ -69,9 +69,10 @@ def training_pipeline(continue_flow_run: str | None = None, **settings: Any) -> 
             config = continuation.config
         else:
             config = config_from_parameters(settings)
+        check_deployment_pins(config, deployment.get_id(), flow_run.get_id())
+        if not continue_flow_run:  # after the pins: a refused run imports none of its code
             shown = non_default_settings(config, code_secret_keys(config))
             get_run_logger().info("settings: %s", shown or "the defaults")
-        check_deployment_pins(config, deployment.get_id(), flow_run.get_id())
         return _pipeline(config)
 
 

@@ -23,9 +23,12 @@ def code_identity(train_code: str) -> dict[str, str]:
     root = Path(folders[0] if folders else str(top.__file__)).resolve()
     files = sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts) if root.is_dir() else [root]
     digest = hashlib.sha256()
-    for path in files:  # one JSON line per file: no file name can pass for another's content
-        entry = [path.relative_to(root.parent).as_posix(), hashlib.sha256(path.read_bytes()).hexdigest()]
-        digest.update(json.dumps(entry).encode() + b"\n")
+    try:
+        for path in files:  # one JSON line per file: no file name can pass for another's content
+            entry = [path.relative_to(root.parent).as_posix(), hashlib.sha256(path.read_bytes()).hexdigest()]
+            digest.update(json.dumps(entry).encode() + b"\n")
+    except OSError:  # code imported from a zip, or built in: a record only, which must not stop the run
+        return {}
     tags = {CODE_DIGEST_TAG: digest.hexdigest()}
     if commit := _git_commit(root if root.is_dir() else root.parent):
         tags[CODE_COMMIT_TAG] = commit

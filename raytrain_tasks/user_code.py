@@ -263,7 +263,8 @@ def code_error_stopper(train_code: str, metric: str) -> Any:
     class StopOnCodeErrors(UserCallback):  # type: ignore[misc]
         def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
             # Ray Train attaches rank 0's metrics to a checkpoint any rank passed: the workers check only where
-            # rank 0 passed it. Ray Train has taken it; this stops the fit before it is logged or pinned.
+            # rank 0 passed it. Here Ray Train's checkpoint manager has already registered it, and may have
+            # removed an older checkpoint for it; this stops the fit before it is logged or pinned.
             if checkpoint is not None and metrics and (problem := missing_metric(metrics[0], metric)):
                 raise UserCodeError(f"train_code {train_code!r}: {problem}\nNot retried: every attempt reports alike")
 
