@@ -22,9 +22,9 @@ import torch
 from bench.summary import write_figures
 from devtools.s3_server import ADMIN, LocalS3
 from raytrain_tasks.checkpoint import capture_rng_state
-from raytrain_tasks.models import build_mlp
 from raytrain_tasks.storage.filesystem import StorageOptions, open_filesystem
 from raytrain_tasks.storage.locations import s3_client
+from raytrain_tasks.table_classifier.models import build_mlp
 
 BUCKET = "bench"
 

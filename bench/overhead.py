@@ -98,7 +98,7 @@ def _loader(w: Workload, rank: int, world: int) -> tuple[Any, Any]:
 def _model(w: Workload) -> Any:
     import torch
 
-    from raytrain_tasks.models import build_mlp
+    from raytrain_tasks.table_classifier.models import build_mlp
 
     torch.manual_seed(w.seed)
     return build_mlp(w.features, w.classes, w.hidden)
@@ -204,10 +204,8 @@ FLOW_BATCH_SIZE = 64
 # The default code (the table classifier's TrainSpec), whose train_func the bare contender fits under a plain
 # TorchTrainer: the same job on both sides.
 FLOW_JOB = [
-    "--dataset",
-    "synthetic",
-    "--synthetic-samples",
-    "24000",
+    "--train-config",
+    '{"dataset": "synthetic", "synthetic_samples": 24000}',
     "--batch-size",
     str(FLOW_BATCH_SIZE),
 ]
@@ -290,12 +288,11 @@ def bare_fit(workdir: Path, epochs: int, data_dir: Path) -> None:
     from flows.cli import parse_config
     from raytrain_driver.cluster import worker_env
     from raytrain_driver.sizing import alive_node_resources, sized_for_cluster
-    from raytrain_tasks.builtin_aliases import with_builtin_settings_carried
     from raytrain_tasks.user_code import bind, resolve, user_config
 
     # The flow's own reading of the same flags (run_flow's command), so the two train one job.
     flags = [*FLOW_JOB, "--epochs", str(epochs), "--storage-path", str(workdir / "storage")]
-    config = with_builtin_settings_carried(parse_config(flags))
+    config = parse_config(flags)
     spec = bind(resolve(config.train_code), config)
     started = time.perf_counter()
     ray.init(address="local", runtime_env={"env_vars": worker_env()}, logging_level=logging.ERROR)

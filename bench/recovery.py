@@ -64,8 +64,7 @@ def measure(workdir: Path) -> dict[str, float] | None:
 
     tracking = f"sqlite:///{workdir / 'mlflow.db'}"
     config = TrainingConfig(
-        dataset="synthetic",
-        synthetic_samples=96_000,
+        train_config={"dataset": "synthetic", "synthetic_samples": 96_000},
         epochs=4,
         batch_size=64,
         storage_path=str(workdir / "storage"),

@@ -43,8 +43,7 @@ BIN = Path(sys.executable).parent
 EPOCHS = 3  # bench.overhead's flow_epochs: the same job as its whole-flow and bare-fit contenders
 BARE_FITS = 2
 JOB = {
-    "dataset": "synthetic",
-    "synthetic_samples": 24000,
+    "train_config": {"dataset": "synthetic", "synthetic_samples": 24000},
     "batch_size": FLOW_BATCH_SIZE,
     "epochs": EPOCHS,
     "num_workers": 2,

@@ -52,8 +52,7 @@ def _s3_preflight(workdir: Path) -> list[dict[str, Any]]:
     from devtools.s3_server import ADMIN, READER, LocalS3
     from raytrain_driver.preflight import resolve_code
     from raytrain_driver.user_data import prepare_user_data
-    from raytrain_tasks.builtin_aliases import with_builtin_settings_carried
-    from raytrain_tasks.config import TrainingConfig
+    from raytrain_tasks.config import config_from_parameters
     from raytrain_tasks.storage.filesystem import StorageOptions
     from raytrain_tasks.storage.locations import s3_client
 
@@ -78,7 +77,7 @@ def _s3_preflight(workdir: Path) -> list[dict[str, Any]]:
                 "create_bucket": True,
                 "mlflow_tracking_uri": f"sqlite:///{workdir / 'mlflow.db'}",
             }
-            config = with_builtin_settings_carried(TrainingConfig(**(values | overrides)))
+            config = config_from_parameters(values | overrides)
             seconds, error = _seconds(partial(prepare_user_data, config, resolve_code(config)))
             rows.append({"figure": "s3 preflight", "case": case, "seconds": seconds, "error": error})
     finally:

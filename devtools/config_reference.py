@@ -10,15 +10,18 @@ bounds, its default, its title and description. Edit those there; the prose arou
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import typing
 from pathlib import Path
 from typing import Any
 
 import annotated_types
+from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from raytrain_tasks.config import BUILTIN_CLASSIFIER_ONLY, PINNED, PINNED_NOTE, RESUME_MAY_CHANGE, TrainingConfig
+from raytrain_tasks.config import PINNED, PINNED_NOTE, RESUME_MAY_CHANGE, TrainingConfig
+from raytrain_tasks.table_classifier import Settings as TableClassifierSettings
 
 TARGET = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
@@ -39,11 +42,11 @@ invalid training config:
 ```
 
 In a run of a deployment, the settings a run gives are laid over the deployment's own: the others keep the
-deployment's values (see [prefect.md](prefect.md)). Booleans take `--flag` / `--no-flag`; lists take
-`--hidden-sizes 256,128`. A relative `storage_path` is resolved against the working directory; an empty
-`mlflow_tracking_uri` uses `MLFLOW_TRACKING_URI` if set, else the local SQLite store. A resume (`resume`, or
-the continuation of a crashed deployment run) must train with the settings its run started with: it is refused,
-naming each one changed, unless the setting says a resume may change it.
+deployment's values (see [prefect.md](prefect.md)). Booleans take `--flag` / `--no-flag`. A relative
+`storage_path` is resolved against the working directory; an empty `mlflow_tracking_uri` uses
+`MLFLOW_TRACKING_URI` if set, else the local SQLite store. A resume (`resume`, or the continuation of a crashed
+deployment run) must train with the settings its run started with: it is refused, naming each one changed,
+unless the setting says a resume may change it.
 
 """
 
@@ -54,6 +57,8 @@ def _type(field: FieldInfo) -> str:
         return " \\| ".join(f"`{choice}`" for choice in typing.get_args(annotation))
     if typing.get_origin(annotation) is list:
         (item,) = typing.get_args(annotation)
+        if typing.get_origin(item) is typing.Annotated:
+            item = typing.get_args(item)[0]
         return f"list of {item.__name__}"
     if typing.get_origin(annotation) is dict:
         return "JSON object"
@@ -102,14 +107,35 @@ def render() -> str:
             meaning += f" {PINNED_NOTE} ([security](security.md))."
         if name in RESUME_MAY_CHANGE:
             meaning += " A resume may give it another value (it steers the run, not what it trains)."
-        if name in BUILTIN_CLASSIFIER_ONLY:
-            meaning += (
-                " The table classifier's (the default `train_code`), whose train_config takes it; with your own"
-                " `train_code` it does nothing (a run warns)."
-            )
         kind += f" ({bounds})" if bounds else ""
         rows.append(f"| `{name}` (`{flag}`) | {kind} | {_default(field.default)} | {meaning} |")
-    return HEAD + "\n".join(rows) + "\n"
+    return HEAD + "\n".join(rows) + "\n" + TABLE_CLASSIFIER_HEAD + "\n".join(_code_rows(TableClassifierSettings)) + "\n"
+
+
+TABLE_CLASSIFIER_HEAD = """
+## The table classifier's settings
+
+The default `train_code` is the table classifier (`raytrain_tasks.table_classifier`). Its settings are its own:
+they go in `train_config`, like your code's. `--dataset` and `--label-column` are shorthand for two of them.
+
+```
+$ prefect-raytrain train --dataset data/churn.csv --label-column churned
+$ prefect-raytrain train --train-config '{"dataset": "synthetic", "synthetic_samples": 20000, "hidden_sizes": [64]}'
+```
+
+"""
+
+
+def _code_rows(settings: type[BaseModel]) -> list[str]:
+    """A table of a code's own settings class: each ``train_config`` key, its type, default and meaning."""
+    rows = ["| `train_config` key | type | default | meaning |", "|---|---|---|---|"]
+    for name, field in settings.model_fields.items():
+        kind, bounds = _type(field), _bounds(field)
+        kind += f" ({bounds})" if bounds else ""
+        default = field.get_default(call_default_factory=True)
+        shown = f"`{json.dumps(default)}`" if isinstance(default, list) else _default(default)
+        rows.append(f"| `{name}` | {kind} | {shown} | {_cell(field.description or '')} |")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

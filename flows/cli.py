@@ -21,6 +21,7 @@ from prefect.exceptions import TerminationSignal
 from pydantic import ValidationError
 
 from flows.console import quiet_console
+from flows.shorthand import SHORTHAND, moved_flag_problem, with_shorthand
 from flows.stop_signals import (
     MARK_KILLED_WITHIN_S,
     mark_run_killed,
@@ -51,9 +52,6 @@ def build_parser(prog: str = "python -m flows.training") -> argparse.ArgumentPar
         origin = typing.get_origin(annotation)
         if annotation is bool:
             options["action"] = argparse.BooleanOptionalAction
-        elif origin is list:
-            options["type"] = _int_list
-            options["metavar"] = "N,N,..."
         elif origin is dict:  # a JSON object, given as its text
             options["type"] = str
             options["metavar"] = "JSON"
@@ -64,14 +62,19 @@ def build_parser(prog: str = "python -m flows.training") -> argparse.ArgumentPar
         elif isinstance(annotation, types.UnionType):  # pragma: no cover - no such field today
             options["type"] = str
         parser.add_argument(flag, **options)
+    shorthand = parser.add_argument_group(
+        "the table classifier's settings (the default train_code), as shorthand for --train-config keys"
+    )
+    for name, help_text in SHORTHAND.items():
+        shorthand.add_argument("--" + name.replace("_", "-"), dest=name, default=argparse.SUPPRESS, help=help_text)
     return parser
 
 
 def _default_text(default: Any) -> str:
     """ " (default: X)" for a flag's help; "" where the default is unset (empty)."""
-    if default is None or default == "" or default == [] or default == {}:
+    if default is None or default == "" or default == {}:
         return ""
-    return f" (default: {','.join(map(str, default)) if isinstance(default, list) else default})"
+    return f" (default: {default})"
 
 
 def parse_args(
@@ -85,8 +88,12 @@ def parse_args(
         help="Show everything on the console: every Ray process's output, Ray's, MLflow's and Prefect's own "
         "messages. Without it, the pipeline's progress, its summary and warnings that need you.",
     )
-    overrides = vars(parser.parse_args(argv))
+    known, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.error(moved_flag_problem(unknown))
+    overrides = vars(known)
     verbose = bool(overrides.pop("verbose"))
+    overrides = with_shorthand(overrides, parser)
     try:
         return TrainingConfig(**overrides), verbose
     except ValidationError as exc:
@@ -200,11 +207,9 @@ def _train_code_problem(config: TrainingConfig) -> str:
     """Why ``train_code`` cannot run (it does not import, names nothing, or cannot register as asked); "" if it can.
     The flow checks it again where it runs (prepare-data, and the fit's pre-flight on the cluster)."""
     from raytrain_driver.preflight import code_model_name, resolve_code
-    from raytrain_tasks.builtin_aliases import with_builtin_settings_carried
     from raytrain_tasks.errors import SettingsError, UserCodeError
 
     try:
-        config = with_builtin_settings_carried(config)
         resolve_code(config)
         code_model_name(config)
     except (SettingsError, UserCodeError) as exc:
@@ -387,10 +392,3 @@ def format_summary(result: Any) -> str:
         aliases = ", ".join(model.aliases) or "no alias"
         lines.append(f"  model          {model.name} version {model.version} -> {aliases} ({model.reason})")
     return "\n".join(lines)
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.replace(" ", ",").split(",") if part]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None

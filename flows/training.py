@@ -17,11 +17,9 @@ from flows.run_settings import check_deployment_pins
 from flows.stop_signals import note_run_key, send_again_a_stop_that_a_finalizer_swallowed
 from raytrain_driver.fit_record import FitResult
 from raytrain_driver.preflight import code_model_name, code_secret_keys
-from raytrain_tasks.builtin_aliases import with_builtin_settings_carried
 from raytrain_tasks.config import (
     TrainingConfig,
     config_from_parameters,
-    ignored_with_train_code,
     new_run_key,
     non_default_settings,
 )
@@ -49,7 +47,7 @@ class PipelineResult(BaseModel):
 def training_pipeline(continue_flow_run: str | None = None, **settings: Any) -> PipelineResult | State:
     """Train a model on Ray and register it in MLflow; `resume` continues an interrupted run.
 
-    Every training setting (`TrainingConfig`'s fields: data, workers, training, storage, MLflow and registry) is
+    Every training setting (`TrainingConfig`'s fields: workers, training, storage, MLflow and registry) is
     a parameter of its own: a deployment run that sets some keeps the deployment's values for the others.
 
     Args:
@@ -82,20 +80,6 @@ def _pipeline(config: TrainingConfig) -> PipelineResult:
             "mlflow_tracking_uri carries a password: it is masked in everything this run writes, but Prefect keeps "
             "flow-run parameters as given. Put credentials in MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD "
             "(or MLFLOW_TRACKING_TOKEN) in the worker's environment instead"
-        )
-    carried = with_builtin_settings_carried(config)  # the table classifier takes the built-in's settings
-    if carried is not config:  # the settings line leaves them out for train_code: say where they went
-        get_run_logger().info(
-            "the table classifier's train_config, the built-in's settings in: %s",
-            carried.train_config_shown(code_secret_keys(carried)),
-        )
-    config = carried
-    if ignored := ignored_with_train_code(config):
-        get_run_logger().warning(
-            "%s set for the built-in classifier, which train_code %r replaces: they do nothing for your code (its "
-            "data, model and metric are its own; its hyperparameters go in train_config)",
-            ", ".join(ignored),
-            config.train_code,
         )
     config = config.resolved(Path.cwd(), os.environ, code_model_name(config))
     run_key = config.resume or new_run_key()

@@ -9,6 +9,7 @@ from typing import Any
 from raytrain_driver.cluster import ray_of_this_machine
 from raytrain_driver.hooks import run_logger
 from raytrain_driver.sizing import (
+    USER_DATASET_CPUS,
     FitPlan,
     alive_node_resources,
     check_resources,
@@ -19,7 +20,6 @@ from raytrain_driver.sizing import (
 )
 from raytrain_tasks.api import TrainFunc, data_dir_refused
 from raytrain_tasks.config import TrainingConfig
-from raytrain_tasks.data import USER_DATASET_CPUS
 from raytrain_tasks.errors import CheckpointError, DatasetError, TrackingError, UserCodeError, user_frames
 from raytrain_tasks.prepared import RunData
 from raytrain_tasks.redact import redact_uri

@@ -10,10 +10,15 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from raytrain_tasks.config import TrainingConfig
-from raytrain_tasks.data import DATA_TASK_CPUS
 from raytrain_tasks.errors import ClusterError, NodeStorageError
 from raytrain_tasks.redact import redact
 from raytrain_tasks.storage.filesystem import StorageOptions, is_s3
+
+# CPU that each Ray Data read/preprocess task reserves beside the training workers, where a dataset streams.
+DATA_TASK_CPUS = 0.5
+# Left free beside the workers for the Ray Datasets of the user's code (TrainFunc datasets=...): their read and
+# transform tasks ask Ray Data's default of 1 CPU each, and none could start on less.
+USER_DATASET_CPUS = 1.0
 
 
 @dataclass(frozen=True)
@@ -211,8 +216,8 @@ def check_resources(
     data_cpus: float = DATA_TASK_CPUS,
 ) -> None:
     """Fail in seconds when the cluster cannot host the worker group ``plan`` (``sized_for_cluster``) for
-    ``config`` (Ray Train would wait forever); ``streams``: a Ray Data pipeline runs tasks beside the workers (the
-    built-in loader's, or ``user_datasets``: the ``datasets`` of the user's TrainFunc)."""
+    ``config`` (Ray Train would wait forever); ``streams``: a Ray Data pipeline runs tasks beside the workers (a
+    TrainSpec's streamed splits, or ``user_datasets``: the ``datasets`` of the user's TrainFunc)."""
     request = requested_resources(plan)
     workers, share = plan.min_workers, plan.cpus_per_worker
     cpus, gpus = available.get("CPU", 0.0), available.get("GPU", 0.0)
@@ -236,9 +241,8 @@ def check_resources(
         )
     if streams and cpus < request.cpus + data_cpus:
         raise ClusterError(
-            f"data_loader='ray_data' streams this dataset (too big to keep in Ray's object store) through read "
-            f"and preprocessing tasks on CPUs beside the workers, but {workers} workers x "
+            f"train_code {config.train_code!r} streams its Ray Datasets (too big to keep in Ray's object store) "
+            f"through read and preprocessing tasks on CPUs beside the workers, but {workers} workers x "
             f"{share:g} CPUs take all {cpus:g} CPUs of the Ray cluster; leave {DATA_TASK_CPUS:g} "
-            "CPU free (set `cpus_per_worker` to 0 to size it automatically, or lower it or `num_workers`), or "
-            "use data_loader='torch'"
+            "CPU free (set `cpus_per_worker` to 0 to size it automatically, or lower it or `num_workers`)"
         )

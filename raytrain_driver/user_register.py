@@ -29,10 +29,10 @@ from raytrain_driver.champion import (
 )
 from raytrain_driver.promotion import Champion
 from raytrain_tasks.api import PIPELINE_METADATA, TrainFunc
-from raytrain_tasks.builtin_aliases import TABLE_CLASSIFIER
 from raytrain_tasks.code_settings import secret_keys
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import UnsafeCheckpointError, UserCodeError
+from raytrain_tasks.settings import TABLE_CLASSIFIER
 from raytrain_tasks.storage.locations import download_dir, locate
 from raytrain_tasks.tracking import runs as tracking
 

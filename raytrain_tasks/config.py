@@ -13,21 +13,19 @@ import warnings
 from collections.abc import Collection, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from raytrain_tasks.api import pipeline_keys_refused, train_config_param_problem
-from raytrain_tasks.datasets import check_held_out_share, checked_dataset
 from raytrain_tasks.errors import SettingsError
+from raytrain_tasks.moved_settings import carried_into_train_config
 from raytrain_tasks.settings import (
-    BUILTIN_ONLY,
     DEFAULT_STATE_DIR,
     MAY_CHANGE_ON_RESUME,
     PINNED_BY_DEPLOYMENT,
     TABLE_CLASSIFIER,
     ComputeSettings,
-    DataSettings,
     FaultToleranceSettings,
     ServiceSettings,
     TrainingSettings,
@@ -41,7 +39,7 @@ TRAIN_CONFIG_MAX_CHARS = 6000
 warnings.filterwarnings("ignore", message='Field name "register"', category=UserWarning)
 
 
-class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, ComputeSettings, DataSettings):
+class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, ComputeSettings):
     """Everything that defines one training pipeline run. No secret belongs here: credentials come from the
     environment (a password put into `mlflow_tracking_uri` anyway is masked wherever this project writes it)."""
 
@@ -49,7 +47,7 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
     # value only through redact().
     model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
 
-    # The sections' fields come first, data first (pydantic collects inherited fields from the last base on): the
+    # The sections' fields come first, compute first (pydantic collects inherited fields from the last base on): the
     # order of the Prefect form, the CLI's --help and docs/configuration.md. The registry's own come last, declared
     # here: a `register` field inherited from a base would resolve to ABCMeta.register.
     # --- registry ---
@@ -64,24 +62,6 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
         default=True,
         title="Promote",
         description="Move 'champion' when the new version is better.",
-    )
-    input_example: Literal["synthetic", "validation_rows"] = Field(
-        json_schema_extra=BUILTIN_ONLY,
-        default="synthetic",
-        title="Model input example",
-        description=(
-            "What the logged model stores as its input example in the artifact store. 'synthetic': rows made from "
-            "the training split's per-feature mean and spread, no real record. 'validation_rows': five real rows."
-        ),
-    )
-    promotion_metric: Literal["val_accuracy", "val_loss"] = Field(
-        json_schema_extra=BUILTIN_ONLY,
-        default="val_accuracy",
-        title="Promotion metric",
-        description=(
-            "Picks the best checkpoint on the validation split (higher accuracy or lower loss wins); the candidate "
-            "and the champion are then compared on the same measure on the held-out test split."
-        ),
     )
     min_improvement: float = Field(
         json_schema_extra=MAY_CHANGE_ON_RESUME,
@@ -158,16 +138,6 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
 
         return {key: SECRET_MASK if key in secret_keys else value for key, value in self.train_config.items()}
 
-    @field_validator("dataset")
-    @classmethod
-    def _known_dataset(cls, value: str) -> str:
-        return checked_dataset(value)
-
-    @model_validator(mode="after")
-    def _held_out_share(self) -> TrainingConfig:
-        check_held_out_share(self.val_fraction, self.test_fraction)
-        return self
-
     @model_validator(mode="after")
     def _elastic_range(self) -> TrainingConfig:
         if self.max_workers and self.max_workers < self.num_workers:
@@ -211,13 +181,6 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
         """(minimum, maximum) workers: equal unless elastic."""
         return self.num_workers, max(self.num_workers, self.max_workers)
 
-    @field_validator("hidden_sizes")
-    @classmethod
-    def _positive_sizes(cls, value: list[int]) -> list[int]:
-        if any(size < 1 for size in value):
-            raise ValueError(f"every hidden layer size must be >= 1, got {value}")
-        return value
-
     @field_validator("storage_path")
     @classmethod
     def _supported_storage(cls, value: str) -> str:
@@ -253,8 +216,7 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
     def resolved(self, base_dir: Path, environ: Mapping[str, str], code_model_name: str = "") -> TrainingConfig:
         """A copy with an absolute storage path, a concrete tracking URI, as every Ray process needs, and the
         registered model's name: ``model_name``, unless it is the default; then ``code_model_name`` (what the code's
-        ``model_name(config)`` gives, raytrain_driver.preflight.code_model_name), the code's module, or the
-        built-in classifier's dataset."""
+        ``model_name(config)`` gives, raytrain_driver.preflight.code_model_name) or the code's module."""
         storage = self.storage_path.removeprefix("file://")
         if not is_s3(storage) and not Path(storage).is_absolute():
             storage = str((base_dir / storage).resolve())
@@ -264,8 +226,8 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
         endpoint, region = s3_endpoint_and_region(self.s3_endpoint_url, self.s3_region, environ)
         model_name = self.model_name
         if model_name == type(self).model_fields["model_name"].default:
-            # The digits classifier's name is no name for a user's model or data: it would land behind that
-            # champion, whose scores are not comparable, and stay `challenger`.
+            # One default name for every code would put each code's versions behind another's champion, whose
+            # scores are not comparable: they would stay `challenger`.
             model_name = code_model_name or self.train_code.partition(":")[0]
         return self.model_copy(
             update={
@@ -280,15 +242,14 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
     def public_params(
         self, code_values: Mapping[str, Any] | None = None, *, secret_keys: Collection[str]
     ) -> dict[str, Any]:
-        """The config as flat MLflow params: lists joined, credentials in URIs and ``secret_keys`` masked. For
-        ``train_code``: no built-in classifier setting, and ``train_config.<key>`` for each of ``code_values``, the
-        code's own settings as it gets them (``raytrain_tasks.code_settings.shown_values``: ``train_config`` over
-        its defaults)."""
+        """The config as flat MLflow params: lists joined, credentials in URIs and ``secret_keys`` masked, and
+        ``train_config.<key>`` for each of ``code_values``, the code's own settings as it gets them
+        (``raytrain_tasks.code_settings.shown_values``: ``train_config`` over its defaults)."""
         from raytrain_tasks.code_settings import SECRET_MASK
         from raytrain_tasks.redact import masked_param
 
         params: dict[str, Any] = {}
-        for key, value in self.model_dump(exclude=set(BUILTIN_CLASSIFIER_ONLY)).items():
+        for key, value in self.model_dump().items():
             if isinstance(value, list):
                 value = ",".join(map(str, value))
             if key == "train_config":
@@ -314,7 +275,8 @@ def parameters_of(config: TrainingConfig) -> dict[str, Any]:
 
 
 def config_from_parameters(parameters: Mapping[str, Any]) -> TrainingConfig:
-    """The config a flow run's settings make; SettingsError naming each invalid field otherwise."""
+    """The config a flow run's settings make; SettingsError naming each invalid field otherwise. A run stored
+    before the table classifier's settings moved into its ``train_config`` has them carried there."""
     if isinstance(parameters.get("config"), Mapping):
         raise SettingsError(
             "this flow run was created with the settings in one `config` parameter, the form of prefect-raytrain "
@@ -322,7 +284,7 @@ def config_from_parameters(parameters: Mapping[str, Any]) -> TrainingConfig:
             "(`-p epochs=3`, `--params '{\"epochs\": 3}'`), and deploy again (prefect deploy, or python -m "
             "deployments.serve) to update a deployment made before"
         )
-    settings = {name: value for name, value in parameters.items() if name in SETTINGS}
+    settings = {name: value for name, value in carried_into_train_config(parameters).items() if name in SETTINGS}
     try:
         return TrainingConfig.model_validate(settings)
     except ValidationError as exc:
@@ -384,17 +346,6 @@ def _marked(marker: dict[str, Any]) -> tuple[str, ...]:
 
 PINNED = _marked(PINNED_BY_DEPLOYMENT)
 RESUME_MAY_CHANGE = frozenset(_marked(MAY_CHANGE_ON_RESUME))
-BUILTIN_CLASSIFIER_ONLY = _marked(BUILTIN_ONLY)
-
-
-def ignored_with_train_code(config: TrainingConfig) -> list[str]:
-    """The built-in classifier's settings that ``config`` sets away from their defaults although it runs the user's
-    own code (``train_code``), which brings its own data, model and gate: they do nothing there."""
-    return [
-        name
-        for name in BUILTIN_CLASSIFIER_ONLY
-        if getattr(config, name) != TrainingConfig.model_fields[name].get_default(call_default_factory=True)
-    ]
 
 
 PINNED_NOTE = "Pinned by a deployment: a run of a deployment that sets another value than the deployment's is refused."

@@ -1,4 +1,4 @@
-"""What a person looks at in the MLflow UI: learning curves, confusion matrix, per-class report, data summary."""
+"""What a person looks at in the MLflow UI for every run: its learning curves."""
 
 from __future__ import annotations
 
@@ -6,9 +6,6 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from raytrain_tasks.data import DatasetRef
 from raytrain_tasks.tracking.names import epoch_number
 
 if TYPE_CHECKING:
@@ -16,47 +13,6 @@ if TYPE_CHECKING:
 
 EVALUATION_ARTIFACT_DIR = "evaluation"  # the MLflow run's folder of plots and reports (tasks/run_page links it)
 LEARNING_CURVES_FILE = "learning_curves.png"
-
-
-def evaluation_report(logits: np.ndarray, labels: np.ndarray, class_labels: tuple[str, ...]) -> dict[str, Any]:
-    """Accuracy, confusion matrix and per-class precision/recall/F1 on the validation split."""
-    from sklearn.metrics import confusion_matrix, precision_recall_fscore_support
-
-    predicted = logits.argmax(axis=1)
-    indices = list(range(len(class_labels)))
-    matrix = confusion_matrix(labels, predicted, labels=indices)
-    precision, recall, f1, support = precision_recall_fscore_support(labels, predicted, labels=indices, zero_division=0)
-    return {
-        "accuracy": float((predicted == labels).mean()),
-        "confusion_matrix": matrix.tolist(),
-        "per_class": {
-            class_labels[i]: {
-                "precision": float(precision[i]),
-                "recall": float(recall[i]),
-                "f1": float(f1[i]),
-                "support": int(support[i]),
-            }
-            for i in indices
-        },
-    }
-
-
-def dataset_summary(dataset: DatasetRef, train_labels: np.ndarray, val_labels: np.ndarray) -> dict[str, Any]:
-    def balance(labels: np.ndarray) -> dict[str, int]:
-        counts = np.bincount(labels, minlength=dataset.num_classes)
-        return {dataset.class_labels[i]: int(c) for i, c in enumerate(counts)}
-
-    return {
-        "source": dataset.source,
-        "uri": dataset.uri,
-        "content_hash": dataset.content_hash,
-        "rows": {"train": dataset.train_rows, "val": dataset.val_rows, "test": dataset.test_rows},
-        "split_rule": dataset.split_rule,
-        "features": len(dataset.feature_names),
-        "feature_names": list(dataset.feature_names),
-        "label_column": dataset.label_column,
-        "class_balance": {"train": balance(train_labels), "val": balance(val_labels)},
-    }
 
 
 NOT_CURVES = frozenset({"epoch", "epoch_seconds", "samples_per_second", "workers"})
@@ -92,7 +48,7 @@ def plot_learning_curves(history: list[dict[str, float]], path: Path) -> None:
     from matplotlib.ticker import MaxNLocator
 
     panels = curve_panels(history) or {"no metric reported": {}}
-    figure, axes = _figure(ncols=len(panels), size=(5 * len(panels), 4))
+    figure, axes = figure_of(ncols=len(panels), size=(5 * len(panels), 4))
     epochs = [epoch_number(entry["epoch"]) for entry in history]
     for axis, (measure, series) in zip(axes, panels.items(), strict=True):
         for key, label in series.items():
@@ -103,26 +59,11 @@ def plot_learning_curves(history: list[dict[str, float]], path: Path) -> None:
             axis.legend()
         axis.grid(alpha=0.3)
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # whole epochs, however many
-    _save(figure, path)
+    save_figure(figure, path)
 
 
-def plot_confusion_matrix(matrix: list[list[int]], class_labels: tuple[str, ...], path: Path) -> None:
-    size = max(4.0, 0.5 * len(class_labels) + 2)
-    figure, (axis,) = _figure(ncols=1, size=(size, size))
-    values = np.asarray(matrix)
-    axis.imshow(values, cmap="Blues")
-    ticks = range(len(class_labels))
-    axis.set(xticks=ticks, yticks=ticks, xlabel="predicted", ylabel="true", title="Validation confusion matrix")
-    axis.set_xticklabels(class_labels, rotation=45, ha="right")
-    axis.set_yticklabels(class_labels)
-    if len(class_labels) <= 30:
-        threshold = values.max() / 2 if values.size else 0
-        for (row, col), count in np.ndenumerate(values):
-            axis.text(col, row, str(count), ha="center", va="center", color="white" if count > threshold else "black")
-    _save(figure, path)
-
-
-def _figure(ncols: int, size: tuple[float, float]) -> tuple[Any, list[Any]]:
+def figure_of(ncols: int, size: tuple[float, float]) -> tuple[Any, list[Any]]:
+    """A headless matplotlib figure of ``ncols`` panels side by side."""
     import matplotlib
 
     matplotlib.use("Agg")  # headless: no display on workers, CI or Prefect agents
@@ -132,7 +73,7 @@ def _figure(ncols: int, size: tuple[float, float]) -> tuple[Any, list[Any]]:
     return figure, list(axes[0])
 
 
-def _save(figure: Any, path: Path) -> None:
+def save_figure(figure: Any, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure.tight_layout()

@@ -6,13 +6,9 @@ and docs/configuration.md follow from these declarations, in this order.
 from __future__ import annotations
 
 import json
-import re
-from pathlib import PurePosixPath
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
-
-from raytrain_tasks.models import MODELS
 
 DEFAULT_STATE_DIR = ".pipeline"
 
@@ -20,12 +16,6 @@ DEFAULT_STATE_DIR = ".pipeline"
 # A registered model's name goes into MLflow search filters: no quotes, no backslashes.
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9 ._-]*$"
 MODEL_NAME_MAX = 200
-
-
-def dataset_stem(dataset: str) -> str:
-    """A registered-model name part from ``dataset``: 'synthetic', or its file's name without the extension."""
-    stem = PurePosixPath(dataset.rstrip("/").split("://", 1)[-1]).name.split(".")[0]
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("-._") or "dataset"
 
 
 def _object_from_text(value: Any) -> Any:
@@ -57,11 +47,7 @@ PINNED_BY_DEPLOYMENT: dict[str, Any] = {"pinned_by_deployment": True}
 # give them other values; any other setting changed on resume is refused (raytrain_tasks.tracking.runs), or the
 # checkpoints and metrics of one MLflow run would not add up.
 MAY_CHANGE_ON_RESUME: dict[str, Any] = {"may_change_on_resume": True}
-# On the settings of the built-in classifier alone (its data, model and gate): the table classifier, the default
-# `train_code`, takes them into its train_config (raytrain_tasks.builtin_aliases); other code brings its own, and a
-# run of it warns that they are ignored when they differ from their defaults.
-BUILTIN_ONLY: dict[str, Any] = {"builtin_classifier_only": True}
-# The default `train_code`: the table classifier, a TrainSpec like any user's (raytrain_tasks/table_classifier.py).
+# The default `train_code`: the table classifier, a TrainSpec like any user's (raytrain_tasks/table_classifier/).
 TABLE_CLASSIFIER = "raytrain_tasks.table_classifier:classifier"
 
 
@@ -69,71 +55,6 @@ class _Section(BaseModel):
     # A refused value is not echoed (it may be a `user:password@host`): messages name the setting, and quote the
     # value only through redact().
     model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
-
-
-class DataSettings(_Section):
-    """What the run trains on, and how it is split."""
-
-    dataset: str = Field(
-        json_schema_extra=BUILTIN_ONLY,
-        default="digits",
-        title="Dataset",
-        description=(
-            "'digits' (scikit-learn's bundled 8x8 handwritten digits), 'synthetic' (a generated "
-            "classification problem), or a path/URI to a .csv or .parquet file with a label column."
-        ),
-    )
-    label_column: str = Field(
-        json_schema_extra=BUILTIN_ONLY,
-        default="label",
-        min_length=1,
-        title="Label column",
-        description="Name of the class-label column in a CSV/Parquet dataset.",
-    )
-    synthetic_samples: int = Field(
-        json_schema_extra=BUILTIN_ONLY,
-        default=4000,
-        ge=100,
-        le=10_000_000,
-        title="Synthetic samples",
-        description="Rows of 'synthetic'.",
-    )
-    synthetic_features: int = Field(
-        json_schema_extra=BUILTIN_ONLY,
-        default=20,
-        ge=2,
-        le=10_000,
-        title="Synthetic features",
-        description="Feature columns of 'synthetic'.",
-    )
-    val_fraction: float = Field(
-        json_schema_extra=BUILTIN_ONLY,
-        default=0.2,
-        gt=0.0,
-        lt=0.9,
-        title="Validation fraction",
-        description="Share of rows held out to pick the best checkpoint.",
-    )
-    test_fraction: float = Field(
-        json_schema_extra=BUILTIN_ONLY,
-        default=0.1,
-        gt=0.0,
-        lt=0.9,
-        title="Test fraction",
-        description=(
-            "Share of rows held out from training and checkpoint selection; the candidate and the champion are "
-            "compared on it."
-        ),
-    )
-    split_key_column: str = Field(
-        json_schema_extra=BUILTIN_ONLY,
-        default="",
-        title="Split key column",
-        description=(
-            "Column whose value identifies a row (not used as a feature); a row's split follows from its hash, so "
-            "rows keep their split as data grows. Empty: the hash of the row's values."
-        ),
-    )
 
 
 class ComputeSettings(_Section):
@@ -171,18 +92,6 @@ class ComputeSettings(_Section):
         ),
     )
 
-    data_loader: Literal["torch", "ray_data"] = Field(
-        json_schema_extra=BUILTIN_ONLY,
-        default="torch",
-        title="Data loader",
-        description=(
-            "'torch': every worker reads the split and a DistributedSampler shards it. 'ray_data': Ray Data "
-            "reads the Parquet split and standardises it on CPU tasks, once per run into Ray's object store when "
-            "it fits (streamed every epoch beside the workers otherwise), and feeds a disjoint shard to each "
-            "worker."
-        ),
-    )
-
 
 class TrainingSettings(_Section):
     """What is trained, and how: `train_code` (the table classifier unless it names your own) and its config."""
@@ -195,8 +104,8 @@ class TrainingSettings(_Section):
             "Your own training code, 'package.module:attribute' naming a raytrain_tasks.api.TrainFunc (Ray Train's "
             "train_func with its metric and model loader) or TrainSpec (model, data, loss, metrics), imported from "
             "the directory the command runs in or from the installed packages (docs/own-model.md). The default is "
-            "the table classifier, a TrainSpec taking `dataset`, `hidden_sizes`, ... into its train_config. (Empty, "
-            "the built-in classifier of releases up to 0.2, is gone: CHANGELOG.md.)"
+            "the table classifier: its own settings (`dataset`, `label_column`, `hidden_sizes`, ...) go in "
+            "train_config."
         ),
     )
     train_config: JsonObject = Field(
@@ -209,26 +118,10 @@ class TrainingSettings(_Section):
             "by a resume."
         ),
     )
-    model: Literal[tuple(MODELS)] = Field(  # type: ignore[valid-type]
-        json_schema_extra=BUILTIN_ONLY,
-        default="mlp",
-        title="Model",
-        description="Model architecture from raytrain_tasks/models.py.",
-    )
-    hidden_sizes: list[int] = Field(
-        json_schema_extra=BUILTIN_ONLY,
-        default=[128, 64],
-        min_length=1,
-        max_length=16,
-        title="Hidden layer sizes",
-        description="Widths of the hidden layers, e.g. [128, 64].",
-    )
     epochs: int = Field(default=3, ge=1, le=10_000, title="Epochs", description="Passes over the training split.")
     batch_size: int = Field(default=32, ge=1, le=65_536, title="Batch size", description="Per worker, per step.")
     learning_rate: float = Field(default=3e-3, gt=0.0, le=10.0, title="Learning rate", description="Adam step size.")
-    seed: int = Field(
-        default=42, ge=0, title="Seed", description="Seeds weight init and shuffling (splits follow row hashes)."
-    )
+    seed: int = Field(default=42, ge=0, title="Seed", description="Seeds weight init and shuffling.")
 
 
 class ServiceSettings(_Section):
@@ -330,11 +223,9 @@ class ServiceSettings(_Section):
         pattern=MODEL_NAME_PATTERN,
         title="Registered model name",
         description=(
-            "MLflow registered model that receives a new version per run (letters, digits, space, . _ -). With "
-            "`train_code` and this default, the name the code gives (its `model_name=`) or else its module (e.g. "
-            "'my_model.train') is the name instead; "
-            "with another `dataset`, its file name (e.g. 'flowers-classifier' for flowers.csv, "
-            "'synthetic-classifier')."
+            "MLflow registered model that receives a new version per run (letters, digits, space, . _ -). At this "
+            "default, the name the code gives (its `model_name=`; the table classifier's: 'flowers-classifier' for "
+            "flowers.csv) or else its module (e.g. 'my_model.train') is the name instead."
         ),
     )
 

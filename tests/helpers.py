@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from mlflow import MlflowClient
 
     from raytrain_driver.fit_record import FitResult
-    from raytrain_tasks.data import DatasetRef
+    from raytrain_tasks.table_classifier.data import DatasetRef
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -163,7 +163,10 @@ def small_config(workdir: Path, **overrides: Any) -> TrainingConfig:
     values.update(overrides)
     if values["mlflow_tracking_uri"] == f"sqlite:///{workdir / 'mlflow.db'}":
         seed_mlflow_store(workdir / "mlflow.db")
-    return TrainingConfig(**values)
+    # The table classifier's settings (dataset=, synthetic_samples=, ...) go into its train_config.
+    from raytrain_tasks.moved_settings import carried_into_train_config
+
+    return TrainingConfig(**carried_into_train_config(values))
 
 
 def start_mlflow_server(
@@ -576,22 +579,19 @@ def head_node(env: dict[str, str] | None = None, num_cpus: int = 2) -> Iterator[
 
 
 def prepared_for(config: TrainingConfig) -> tuple[TrainingConfig, Any]:
-    """``config`` as the flow runs it (the table classifier's settings given as top-level flags carried into its
-    train_config) and what prepare-data stores for it, as the fit task is handed both."""
+    """``config`` and what prepare-data stores for it, as the fit task is handed both."""
     from raytrain_driver.preflight import resolve_code
     from raytrain_driver.user_data import prepare_user_data
-    from raytrain_tasks.builtin_aliases import with_builtin_settings_carried
 
-    config = with_builtin_settings_carried(config)
     return config, prepare_user_data(config, resolve_code(config))
 
 
 def table_dataset(data: Any, options: Any = None) -> DatasetRef:
     """The table a run of the table classifier trained on, as the built-in classifier's runs give it: the
     prepared version's ``dataset.json`` (read from this node's copy of it), or ``data`` itself when it is one."""
-    from raytrain_tasks.data import MANIFEST_NAME, DatasetRef
     from raytrain_tasks.prepared import PreparedData, local_data_dir
     from raytrain_tasks.storage.filesystem import StorageOptions
+    from raytrain_tasks.table_classifier.data import MANIFEST_NAME, DatasetRef
 
     if not isinstance(data, PreparedData):
         return data  # type: ignore[no-any-return]

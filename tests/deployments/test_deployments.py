@@ -50,9 +50,9 @@ def test_parameter_form_is_typed_and_described() -> None:
     assert not schema.get("required")
     assert all(field.get("title") and field.get("description") for field in fields.values())
     assert fields["num_workers"]["title"] == "Workers" and fields["epochs"]["default"] == 3
-    # A one-member Literal renders as a fixed value (const); it becomes a choice once a second model exists.
-    assert fields["model"].get("enum", [fields["model"].get("const")]) == ["mlp"]
-    assert fields["promotion_metric"]["enum"] == ["val_accuracy", "val_loss"]
+    assert fields["launch_mode"]["enum"] == ["driver", "ray_job"]
+    # The form is the run's: the table classifier's settings are its own, in train_config.
+    assert not {"dataset", "label_column", "hidden_sizes", "data_loader", "promotion_metric"} & set(fields)
     assert fields["num_workers"]["minimum"] == 1 and fields["learning_rate"]["exclusiveMinimum"] == 0
 
 

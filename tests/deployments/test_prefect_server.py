@@ -253,8 +253,7 @@ def _start_until_epoch_2(server: PrefectServer, deployment: Any, name: str, work
     """A run of `deployment` with epochs of a few seconds (so that a kill lands inside it), once epoch 2 is in
     MLflow: (the flow run, its MLflow run id)."""
     config = {
-        "dataset": "synthetic",
-        "synthetic_samples": 60000,
+        "train_config": {"dataset": "synthetic", "synthetic_samples": 60000},
         "batch_size": 32,
         "epochs": EPOCHS,
         "num_workers": 2,

@@ -310,7 +310,7 @@ def test_a_train_spec_on_ray_datasets_streams_shards_survives_a_killed_worker_an
     # ones, so a data() that materializes its splits reads them once per fit, not once more per worker.
     assert set(callers.read_text().split()) == {str(os.getpid())}, callers.read_text()
     assert first.fit.scores["test_loss"] < 0.1 and first.fit.best_metrics["val_mae"] < 0.3, first.fit  # y = 3x
-    # The run says how its workers read: Ray Data (it said `torch`, the built-in classifier's data_loader setting)
+    # The run says how its workers read: Ray Data
     tags = only_run(tmp_path).data.tags
     assert (
         tags["prefect_raytrain.data_loader"] == "ray_data" and "data loader `ray_data`" in tags["mlflow.note.content"]
@@ -939,18 +939,3 @@ def test_an_empty_ray_dataset_split_or_a_missing_column_is_refused_on_the_driver
     with pytest.raises(DatasetError, match="no column 'features'"):
         spec_of(Splits(rows, rows, rows, columns=("features", "y"))).check_data({})
     assert spec_of(Splits(rows, rows, rows, columns=("x", "y"))).check_data({}) is True  # Ray Datasets, usable
-
-
-def test_settings_of_the_built_in_classifier_set_beside_train_code_are_named_as_ignored() -> None:
-    """--dataset, --hidden-sizes, --promotion-metric and the like do nothing for the user's own code: a run that
-    sets them away from their defaults says so (the flow warns with this list), and a run that does not is quiet."""
-    from raytrain_tasks.builtin_aliases import with_builtin_settings_carried
-    from raytrain_tasks.config import ignored_with_train_code
-
-    mixed = TrainingConfig(
-        train_code="my_model.train:training", hidden_sizes=[8], promotion_metric="val_loss", epochs=2
-    )
-    assert ignored_with_train_code(mixed) == ["hidden_sizes", "promotion_metric"]  # epochs is the code's too
-    assert ignored_with_train_code(TrainingConfig(train_code="my_model.train:training")) == []
-    # The default code, the table classifier, takes it into its train_config (raytrain_tasks.builtin_aliases).
-    assert ignored_with_train_code(with_builtin_settings_carried(TrainingConfig(hidden_sizes=[8]))) == []

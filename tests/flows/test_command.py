@@ -19,7 +19,6 @@ from mlflow import MlflowClient
 
 from flows.cli import parse_config
 from flows.command import flags_from_params
-from raytrain_tasks.builtin_aliases import with_builtin_settings_carried
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.environment import PREFECT_CONFIGURED_BY, embedded_prefect_home
 from tests.helpers import free_port, stop_process_group
@@ -34,19 +33,14 @@ def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 def test_the_settings_a_run_logged_rebuild_the_same_config() -> None:
     """`resume` rebuilds the run's config from its MLflow params: every kind of field comes back the same. The
-    run logs its config after the built-in classifier's settings were carried into the table classifier's
-    train_config, which is what it rebuilds."""
-    config = with_builtin_settings_carried(
-        TrainingConfig(
-            dataset="synthetic",
-            hidden_sizes=[32, 16],
-            use_gpu=False,
-            register=False,
-            learning_rate=0.0025,
-            data_loader="ray_data",
-            storage_path="/data/prt",
-            mlflow_tracking_uri="sqlite:////data/mlflow.db",
-        )
+    run logs the table classifier's settings in its train_config, which is what it rebuilds."""
+    config = TrainingConfig(
+        train_config={"dataset": "synthetic", "hidden_sizes": [32, 16], "data_loader": "ray_data"},
+        use_gpu=False,
+        register=False,
+        learning_rate=0.0025,
+        storage_path="/data/prt",
+        mlflow_tracking_uri="sqlite:////data/mlflow.db",
     )
     assert config.train_config["data_loader"] == "ray_data"
     params = {key: str(value) for key, value in config.public_params(secret_keys=()).items()}

@@ -13,8 +13,8 @@ from mlflow import MlflowClient
 
 from flows.training import PipelineResult, training_pipeline
 from raytrain_tasks.config import parameters_of
-from raytrain_tasks.data import LABEL_INDEX_COLUMN
 from raytrain_tasks.integrity import local_folder_digest
+from raytrain_tasks.table_classifier.data import LABEL_INDEX_COLUMN
 from raytrain_tasks.tracking.names import EPOCH_METRICS, pin_tag
 from tests.helpers import small_config, table_dataset
 

@@ -29,7 +29,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
 PREFECT_RAYTRAIN = str(Path(sys.executable).with_name("prefect-raytrain"))
 # 4 epochs of about 1.5 s each on 2 cores: long enough to land a signal mid-fit.
-WORKLOAD = ["--epochs", "4", "--dataset", "synthetic", "--synthetic-samples", "50000", "--num-workers", "2"]
+WORKLOAD = [
+    "--epochs",
+    "4",
+    "--train-config",
+    '{"dataset": "synthetic", "synthetic_samples": 50000}',
+    "--num-workers",
+    "2",
+]
 # How long the test waits for a signalled command to exit. The command's own deadline is 10 s (docs/fault-tolerance.md);
 # the seconds it took are printed, not asserted (a loaded CI machine stretches them): this wait only tells a command
 # that stops from one that hangs. One that ignored the signal trains to its end and exits 0, which fails the test.

@@ -437,7 +437,7 @@ def test_an_address_that_accepts_but_is_not_ray_is_refused_naming_the_connect_ti
 
 # Epochs of about 3 s on 2 cores (0.5 s with 24,000 samples): the job outlasts a new CLI's start (about 15 s).
 JOB_EPOCHS = 12
-JOB_RUN = ["--dataset", "synthetic", "--synthetic-samples", "150000", "--synthetic-features", "20"]
+JOB_RUN = ["--train-config", '{"dataset": "synthetic", "synthetic_samples": 150000, "synthetic_features": 20}']
 JOB_RUN += ["--epochs", str(JOB_EPOCHS)]
 JOB_RUN += ["--batch-size", "64", "--checkpoints-to-keep", "10", "--num-workers", "2", "--experiment-name", "job"]
 

@@ -11,9 +11,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from raytrain_tasks.data import DatasetRef, read_split
 from raytrain_tasks.errors import DatasetError
-from raytrain_tasks.table_classifier import Settings, described, prepare
+from raytrain_tasks.table_classifier.data import DatasetRef, read_split
+from raytrain_tasks.table_classifier.spec import Settings, described, prepare
 from tests.helpers import small_config
 
 _folders = itertools.count()

@@ -347,7 +347,7 @@ def test_a_second_driver_on_a_running_key_is_refused(tmp_path: Path) -> None:
 
     tracking_uri = f"sqlite:///{seed_mlflow_store(tmp_path / 'mlflow.db')}"
     common = ["--storage-path", str(tmp_path / "storage"), "--mlflow-tracking-uri", tracking_uri, "--no-register"]
-    common += ["--experiment-name", "lease", "--dataset", "synthetic", "--synthetic-samples", "24000"]
+    common += ["--experiment-name", "lease", "--train-config", '{"dataset": "synthetic", "synthetic_samples": 24000}']
     # Both drivers use the session's Ray: the second reaches the lease without starting a Ray of its own, and the
     # first trains long enough (10 epochs) to still hold it by then.
     common += ["--epochs", "10", "--num-workers", "1", "--batch-size", "64"]

@@ -51,9 +51,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster", "prefect_
 EPOCHS = 4
 # An epoch takes about 0.5 s on 2 cores: a kill is placed by stopping the workers (see run_killing_a_worker).
 CHAOS = {
-    "dataset": "synthetic",
-    "synthetic_samples": 24_000,
-    "synthetic_features": 20,
+    "train_config": {"dataset": "synthetic", "synthetic_samples": 24_000, "synthetic_features": 20},
     "epochs": EPOCHS,
     "batch_size": 64,
     "checkpoints_to_keep": 10,
@@ -179,7 +177,8 @@ def _command(workdir: Path, prefect_api_url: str, *args: str) -> subprocess.Pope
 
 
 def _cli(workdir: Path, prefect_api_url: str, ray_address: str, *extra: str) -> subprocess.Popen[str]:
-    args = [f"--{k.replace('_', '-')}={v}" for k, v in CHAOS.items() if not isinstance(v, bool)]
+    shown = {k: json.dumps(v) if isinstance(v, dict) else v for k, v in CHAOS.items() if not isinstance(v, bool)}
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in shown.items()]
     args += ["--no-register", *_locations(workdir), "--ray-address", ray_address]
     return _command(workdir, prefect_api_url, sys.executable, "-m", "flows.training", *args, *extra)
 
@@ -348,7 +347,13 @@ def test_cli_killed_in_register_model_registers_one_version_on_resume(tmp_path: 
     from prefect.settings import PREFECT_API_URL
 
     api_url, ray_address = str(PREFECT_API_URL.value()), ray.get_runtime_context().gcs_address
-    extra = ["--register", "--epochs=1", "--synthetic-samples=4000", "--model-name", "killed-in-register"]
+    extra = [
+        "--register",
+        "--epochs=1",
+        '--train-config={"dataset": "synthetic", "synthetic_samples": 4000}',
+        "--model-name",
+        "killed-in-register",
+    ]
     first = _cli(tmp_path, api_url, ray_address, *extra)
     client = mlflow_client(tmp_path)
 

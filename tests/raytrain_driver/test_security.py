@@ -34,7 +34,7 @@ def test_a_checkpoint_carrying_a_pickle_is_refused_and_never_runs(tmp_path: Path
     """A TrainSpec's checkpoint is read with torch's restricted unpickler alone, on the workers (a resume) and on
     the driver (registration): an object that would run code when unpickled is refused before it is created."""
     from raytrain_tasks.spec_loop import spec_load_model
-    from raytrain_tasks.table_classifier import classifier
+    from raytrain_tasks.table_classifier.spec import classifier
 
     folder = tmp_path / "epoch-0001"
     folder.mkdir()

@@ -45,7 +45,7 @@ NODE_IP = "127.0.0.2"
 START_TIMEOUT = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10"}
 EPOCHS = 4
 # An epoch of a few seconds with one worker per node, so the second node dies inside the run.
-WORKLOAD = ["--dataset", "synthetic", "--synthetic-samples", "60000", "--batch-size", "16"]
+WORKLOAD = ["--train-config", '{"dataset": "synthetic", "synthetic_samples": 60000}', "--batch-size", "16"]
 WORKLOAD += ["--epochs", str(EPOCHS), "--checkpoints-to-keep", "10", "--no-register", "--experiment-name", "nodes"]
 
 

@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from flows.cli import parse_config
-from raytrain_tasks.config import TrainingConfig, describe_validation_error, new_run_key
+from raytrain_tasks.config import TrainingConfig, config_from_parameters, describe_validation_error, new_run_key
 from raytrain_tasks.errors import ClusterError
 
 
@@ -20,17 +20,10 @@ from raytrain_tasks.errors import ClusterError
         ("learning_rate", 0),
         ("epochs", 0),
         ("batch_size", 0),
-        ("dataset", "imagenet"),
-        ("dataset", "data.txt"),
-        ("hidden_sizes", [64, 0]),
-        ("hidden_sizes", []),
-        ("val_fraction", 1.5),
-        ("label_column", ""),
         ("resume", "last-tuesday"),
         ("storage_path", "gs://bucket/prefix"),
         ("storage_path", "s3://"),
         ("s3_endpoint_url", "127.0.0.1:8333"),
-        ("model", "transformer"),
         ("checkpoints_to_keep", 0),
         ("min_improvement", -0.01),
         ("min_improvement", float("nan")),
@@ -55,11 +48,6 @@ def test_min_improvement_is_in_the_gate_metrics_units_not_capped_at_one() -> Non
 def test_unknown_field_is_rejected() -> None:
     with pytest.raises(ValidationError, match="num_gpus"):
         TrainingConfig(num_gpus=2)  # type: ignore[call-arg]
-
-
-@pytest.mark.parametrize("dataset", ["digits", "synthetic", "data/train.csv", "s3://b/k/data.parquet", "x.PQ"])
-def test_accepted_datasets(dataset: str) -> None:
-    assert TrainingConfig(dataset=dataset).dataset == dataset
 
 
 def test_resolved_makes_paths_absolute_and_defaults_mlflow_under_state_dir(tmp_path: Path) -> None:
@@ -94,21 +82,14 @@ def test_new_run_keys_are_unique_and_accepted_by_resume() -> None:
 
 
 def test_public_params_are_flat_strings_or_scalars() -> None:
-    from raytrain_tasks.config import BUILTIN_CLASSIFIER_ONLY
-
     params = TrainingConfig(train_config={"hidden_sizes": [32, 16]}).public_params(secret_keys=())
-    # The table classifier's settings are its train_config's (raytrain_tasks.builtin_aliases), logged once, there.
-    assert set(params) == set(TrainingConfig.model_fields) - set(BUILTIN_CLASSIFIER_ONLY) | {
-        "train_config.hidden_sizes"
-    }
+    assert set(params) == set(TrainingConfig.model_fields) | {"train_config.hidden_sizes"}
     assert all(isinstance(v, str | int | float | bool) for v in params.values())
 
 
 def test_cli_flags_map_to_fields() -> None:
-    config = parse_config(
-        ["--num-workers", "3", "--epochs", "5", "--hidden-sizes", "64,32", "--no-register", "--learning-rate", "0.01"]
-    )
-    assert (config.num_workers, config.epochs, config.hidden_sizes) == (3, 5, [64, 32])
+    config = parse_config(["--num-workers", "3", "--epochs", "5", "--no-register", "--learning-rate", "0.01"])
+    assert (config.num_workers, config.epochs) == (3, 5)
     assert config.register is False and config.learning_rate == 0.01
     assert parse_config([]) == TrainingConfig()
 
@@ -135,7 +116,6 @@ def test_cli_rejects_bad_value_with_exit_2_and_field_named(capsys: pytest.Captur
         ({}, "ray_address"),  # a local Ray dies with this process: a job there would not outlive it
         ({"ray_address": "ray://head:10001"}, "ray_address"),
         ({"ray_address": "head:6379", "mlflow_tracking_uri": "https://user:pw@mlflow:5000"}, "mlflow_tracking_uri"),
-        ({"ray_address": "head:6379", "dataset": "s3://k:secret@bucket/data.csv"}, "dataset"),
         # Your code's settings are in the entrypoint too, at any depth (they were not checked)
         (
             {"ray_address": "head:6379", "train_config": {"dataset": "s3://k:secret@bucket/data.csv"}},
@@ -238,8 +218,7 @@ def test_ray_datasets_of_the_users_code_get_a_whole_cpu_beside_the_workers() -> 
     """A TrainFunc with `datasets=`: Ray Data's read and transform tasks ask 1 CPU each by default, so sizing
     leaves one free (two workers at 0.75 CPU on 2 CPUs left 0.5: the tasks never started and the fit hung), and
     a share set by hand that leaves less is refused naming train_code and the settings."""
-    from raytrain_driver.sizing import FitPlan, check_resources, sized_for_cluster
-    from raytrain_tasks.data import USER_DATASET_CPUS
+    from raytrain_driver.sizing import USER_DATASET_CPUS, FitPlan, check_resources, sized_for_cluster
 
     config = TrainingConfig(train_code="my_model.train:training")
     plan = sized_for_cluster(config, [{"CPU": 2.0}], True, data_cpus=USER_DATASET_CPUS)
@@ -268,9 +247,8 @@ def test_the_default_model_name_follows_the_users_data_or_code(settings: dict[st
     a version there would stand behind a champion scored on other data and stay `challenger`. The default code,
     the table classifier, names it after its table, through the steps the flow takes."""
     from raytrain_driver.preflight import code_model_name
-    from raytrain_tasks.builtin_aliases import with_builtin_settings_carried
 
-    config = with_builtin_settings_carried(TrainingConfig(**settings))
+    config = config_from_parameters(settings)
     code_name = "" if "train_code" in settings else code_model_name(config)
     assert config.resolved(Path("/work"), {}, code_name).model_name == name
 

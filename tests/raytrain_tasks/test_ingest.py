@@ -11,7 +11,7 @@ import pytest
 
 from flows.training import training_pipeline
 from raytrain_tasks.config import parameters_of
-from raytrain_tasks.data import DatasetRef
+from raytrain_tasks.table_classifier.data import DatasetRef
 from tests.helpers import small_config, this_ray_address
 
 pytestmark = pytest.mark.slow
@@ -66,8 +66,8 @@ def dataset_managers() -> int:
 
 def test_ray_data_that_streams_needs_cpus_beside_the_workers(tmp_path: Path, ray_cluster: dict[str, float]) -> None:
     from raytrain_driver.sizing import FitPlan, check_resources, sized_for_cluster
-    from raytrain_tasks.data import streams
     from raytrain_tasks.errors import ClusterError
+    from raytrain_tasks.table_classifier.data import streams
 
     config = small_config(tmp_path, data_loader="ray_data", num_workers=2, cpus_per_worker=1.0)
     object_store = ray_cluster["object_store_memory"]
@@ -77,7 +77,7 @@ def test_ray_data_that_streams_needs_cpus_beside_the_workers(tmp_path: Path, ray
     assert not streams("torch", big, object_store)
     # Kept in the object store: preprocessed before the workers start, so they may take every CPU.
     check_resources(config, FitPlan.of(config), ray_cluster, streams=False)
-    with pytest.raises(ClusterError, match="data_loader='ray_data' streams.*cpus_per_worker"):
+    with pytest.raises(ClusterError, match="streams its Ray Datasets.*cpus_per_worker"):
         check_resources(config, FitPlan.of(config), ray_cluster, streams=True)
     # Unset, the share leaves the streaming tasks their CPU.
     nodes = [{"CPU": ray_cluster["CPU"]}]

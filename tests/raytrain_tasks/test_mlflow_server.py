@@ -11,7 +11,7 @@ from mlflow import MlflowClient
 
 from flows.training import PipelineResult, training_pipeline
 from raytrain_tasks.config import parameters_of
-from raytrain_tasks.data import read_split
+from raytrain_tasks.table_classifier.data import read_split
 from tests.helpers import small_config, table_dataset
 
 EXPERIMENT = "server-tests"

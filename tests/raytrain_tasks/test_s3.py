@@ -74,7 +74,7 @@ def test_everything_lands_in_the_bucket(s3_run: tuple[PipelineResult, Path], s3_
 def test_champion_loads_from_s3_and_reproduces_accuracy(s3_run: tuple[PipelineResult, Path]) -> None:
     import mlflow
 
-    from raytrain_tasks.data import read_split
+    from raytrain_tasks.table_classifier.data import read_split
 
     result, _ = s3_run
     assert result.model is not None

@@ -16,7 +16,7 @@ from flows.training import training_pipeline
 from raytrain_tasks.config import TrainingConfig, parameters_of
 from raytrain_tasks.errors import UserCodeError
 from raytrain_tasks.integrity import local_folder_digest
-from raytrain_tasks.table_classifier import Settings, data, prepare
+from raytrain_tasks.table_classifier.spec import Settings, data, prepare
 from raytrain_tasks.tracking.runs import using_tracking_uri
 from raytrain_tasks.user_code import resolve
 from tests.helpers import mlflow_client, only_run, small_config
@@ -69,7 +69,7 @@ def test_its_schema_is_the_one_the_built_in_classifiers_versions_record(tmp_path
     table: a champion the built-in registered stays comparable with this code's models, and one of other columns
     or classes does not."""
     from raytrain_driver.champion import digest_of_schema
-    from raytrain_tasks.table_classifier import classifier, described
+    from raytrain_tasks.table_classifier.spec import classifier, described
 
     csv = write_table(tmp_path / "customers.csv")
     (tmp_path / "out").mkdir()
@@ -106,11 +106,13 @@ def test_ray_data_splits_that_fit_are_read_once_and_larger_ones_stream(
     # on 2 CPUs, as the built-in's ray_data loader gets; a whole CPU was set aside, each worker had 0.5)
     from raytrain_driver.preflight import data_tasks_during_fit
     from raytrain_tasks.spec_loop import as_train_func
-    from raytrain_tasks.table_classifier import classifier
+    from raytrain_tasks.table_classifier.spec import classifier
 
     code = as_train_func(classifier)
     assert code.train_func.check_data(config) and not data_tasks_during_fit(code)  # type: ignore[attr-defined]
-    monkeypatch.setattr("raytrain_tasks.data.MATERIALIZE_SHARE", 0.0)  # as if the object store were too small
+    monkeypatch.setattr(
+        "raytrain_tasks.table_classifier.data.MATERIALIZE_SHARE", 0.0
+    )  # as if the object store were too small
     streamed = data(config)
     assert not any(isinstance(split, MaterializedDataset) for split in (streamed.train, streamed.val, streamed.test))
     assert code.train_func.check_data(config) and data_tasks_during_fit(code)  # type: ignore[attr-defined]
@@ -163,7 +165,7 @@ def test_ddp_does_not_broadcast_the_standardisation_constants_every_step(tmp_pat
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from raytrain_tasks.table_classifier import build_model
+    from raytrain_tasks.table_classifier.spec import build_model
 
     csv = write_table(tmp_path / "customers.csv")
     (tmp_path / "data").mkdir()

@@ -17,11 +17,6 @@ LABEL_INDEX_COLUMN = "__label_index__"
 ROW_INDEX_COLUMN = "__row__"  # position within its split: lets a reader tell which rows it saw
 # Part of every dataset's content hash: a change of what the Parquet files hold makes new versions.
 STORAGE_LAYOUT = 3  # 2: raw features, standardised by readers; 3: train/val/test assigned by a stable row hash
-# CPU that each Ray Data read/preprocess task reserves beside the training workers (data_loader="ray_data").
-DATA_TASK_CPUS = 0.5
-# Left free beside the workers for the Ray Datasets of the user's code (TrainFunc datasets=...): their read and
-# transform tasks ask Ray Data's default of 1 CPU each, and none could start on less.
-USER_DATASET_CPUS = 1.0
 # A split is preprocessed once per run and kept in Ray's object store when both splits take at most this share of
 # the cluster's object store memory; larger data streams through read and preprocess tasks every epoch.
 MATERIALIZE_SHARE = 0.25

@@ -1,19 +1,27 @@
 """Named datasets: the one place to plug in your own source.
 
 A loader returns the raw table (feature columns plus the label column). Splitting, standardising and
-versioning happen in ``raytrain_tasks/tables.py``; files (``.csv``/``.parquet``) need no loader here.
+versioning happen in ``tables.py`` beside it; files (``.csv``/``.parquet``) need no loader here.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import pandas as pd
 
 SUPPORTED_FILE_SUFFIXES = (".csv", ".parquet", ".pq")
+
+
+def dataset_stem(dataset: str) -> str:
+    """A registered-model name part from ``dataset``: 'synthetic', or its file's name without the extension."""
+    stem = PurePosixPath(dataset.rstrip("/").split("://", 1)[-1]).name.split(".")[0]
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("-._") or "dataset"
 
 
 @dataclass(frozen=True)

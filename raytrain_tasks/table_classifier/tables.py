@@ -1,7 +1,7 @@
 """A labelled table as the table classifier trains on it: loaded (a bundled dataset, or a CSV/Parquet file),
 checked, split by a stable hash of each row's key, and planned as Parquet split files with a ``dataset.json``
-(raytrain_tasks.data.DatasetRef) that records the train split's statistics; the table classifier's ``prepare``
-writes it into its folder (raytrain_tasks/table_classifier.py).
+(``data.DatasetRef``) that records the train split's statistics. The table classifier's ``prepare`` (``spec.py``)
+writes it into its folder.
 """
 
 from __future__ import annotations
@@ -15,17 +15,17 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raytrain_tasks.data import (
+from raytrain_tasks.errors import DatasetError
+from raytrain_tasks.storage.filesystem import StorageOptions
+from raytrain_tasks.storage.locations import StorageLocation, locate
+from raytrain_tasks.table_classifier.data import (
     LABEL_INDEX_COLUMN,
     MANIFEST_NAME,
     ROW_INDEX_COLUMN,
     STORAGE_LAYOUT,
     DatasetRef,
 )
-from raytrain_tasks.datasets import BUILTIN_DATASETS, DatasetRequest
-from raytrain_tasks.errors import DatasetError
-from raytrain_tasks.storage.filesystem import StorageOptions
-from raytrain_tasks.storage.locations import StorageLocation, locate
+from raytrain_tasks.table_classifier.datasets import BUILTIN_DATASETS, DatasetRequest
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -236,7 +236,7 @@ def write_version(planned: DatasetRef, tables: dict[str, pa.Table], target: Stor
         buffer = io.BytesIO()
         pq.write_table(table, buffer)
         data = buffer.getvalue()
-        digests[split] = hashlib.sha256(data).hexdigest()  # readers check it (raytrain_tasks.data.read_split)
+        digests[split] = hashlib.sha256(data).hexdigest()  # readers check it (data.read_split)
         target.child(f"{split}.parquet").write_bytes(data)
     dataset = planned.model_copy(update={"split_sha256": digests})
     # The manifest goes last: a version folder without it is incomplete and gets rewritten.

@@ -1,23 +1,22 @@
-"""A classifier for a labelled table, written as your own code is: a ``TrainSpec`` of the public API
-(raytrain_tasks.api) and nothing else of the pipeline's. It is the built-in classifier's model and data (the same
-table preparation, split rule and train-split standardisation) as code you can run and read::
+"""The table classifier, written as your own code is: a ``TrainSpec`` of the public API (raytrain_tasks.api)::
 
-    prefect-raytrain train --train-code raytrain_tasks.table_classifier:classifier \\
-        --train-config '{"dataset": "data/customers.csv", "label_column": "churned"}'
+    prefect-raytrain train --train-config '{"dataset": "data/customers.csv", "label_column": "churned"}'
 
 ``dataset`` is ``"digits"`` (scikit-learn's bundled 8x8 digits), ``"synthetic"`` (a generated 4-class problem) or
-a CSV/Parquet file (a local path, or an ``s3://`` URI: the store's endpoint in the ``s3_endpoint_url`` setting
-or the environment, its credentials in the environment) with numeric feature columns and a label column.
-``prepare`` loads it, assigns each row to train, validation or test by a hash of its key (a row keeps its split
-as the table grows), and writes the three splits as Parquet with a ``dataset.json`` describing
-them (feature names, class labels, the train split's mean and deviation); the pipeline stores that folder by its
-content hash. The model is an MLP behind a fixed standardisation layer, so the registered model takes raw feature
-rows; its MLflow metadata names the features and the classes, and the run's ``evaluation/`` artifacts hold the
-validation confusion matrix, a per-class report and a summary of the data.
+a CSV/Parquet file: a local path, or an ``s3://`` URI. Its store's endpoint is ``s3_endpoint_url`` in
+``train_config`` or the environment's; its credentials are the environment's. It needs numeric feature columns
+and a label column.
 
-It is the plan for the built-in classifier (issue 32): one spec, with no special case in the pipeline. Run it by
-this name; it reads its table through the project's own helpers (raytrain_tasks.tables, .data, .reports), which
-are internal, so a copy of it would depend on them: examples/ holds the specs to copy.
+``prepare`` assigns each row to train, validation or test by a hash of its key, so a row keeps its split as the
+table grows. It writes the three splits as Parquet, with a ``dataset.json`` describing them: feature names, class
+labels, the train split's mean and deviation. The pipeline stores that folder by its content hash.
+
+The model is an MLP behind a fixed standardisation layer, so the registered model takes raw feature rows. Its
+MLflow metadata names the features and the classes. The run's ``evaluation/`` artifacts hold the validation
+confusion matrix, a per-class report and a summary of the data.
+
+It reads its table through the helpers of its own package (``tables``, ``data``, ``reports``). To start your own
+code, copy one of examples/ instead: they use the public API alone.
 """
 
 from __future__ import annotations
@@ -37,14 +36,20 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from raytrain_tasks.api import DATA_DIR_KEY, Metric, Splits, TrainSpec
-from raytrain_tasks.data import LABEL_INDEX_COLUMN, MANIFEST_NAME, SPLITS, DatasetRef, read_split, streams
-from raytrain_tasks.datasets import check_held_out_share, checked_dataset
-from raytrain_tasks.models import build_mlp, with_standardisation
-from raytrain_tasks.reports import dataset_summary, evaluation_report, plot_confusion_matrix
-from raytrain_tasks.settings import dataset_stem
 from raytrain_tasks.storage.filesystem import StorageOptions, s3_endpoint_and_region
 from raytrain_tasks.storage.locations import locate
-from raytrain_tasks.tables import dataset_hash, load_raw_frame, plan_version, write_version
+from raytrain_tasks.table_classifier.data import (
+    LABEL_INDEX_COLUMN,
+    MANIFEST_NAME,
+    SPLITS,
+    DatasetRef,
+    read_split,
+    streams,
+)
+from raytrain_tasks.table_classifier.datasets import check_held_out_share, checked_dataset, dataset_stem
+from raytrain_tasks.table_classifier.models import build_mlp, with_standardisation
+from raytrain_tasks.table_classifier.reports import dataset_summary, evaluation_report, plot_confusion_matrix
+from raytrain_tasks.table_classifier.tables import dataset_hash, load_raw_frame, plan_version, write_version
 
 SCORING_ROWS = 4096  # rows per forward pass where a whole split is scored on the driver
 
