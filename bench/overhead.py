@@ -361,7 +361,7 @@ def _run_measured(command: list[str], cwd: Path, env: dict[str, str]) -> Measure
     return Measured(wall, peak_pss / 2**30, peak_rss / 2**30, output)
 
 
-# The built-in loop's line says "(0.52s, ...; checkpoint 0.031s)", a TrainSpec's "(0.52 s, ...; checkpoint 0.031 s)".
+# A TrainSpec's epoch line: "(0.52 s, ...; checkpoint 0.031 s)"; an older release's had no space before "s".
 CHECKPOINT_LINE = re.compile(r"epoch \d+/\d+ .*\(([0-9.]+) ?s, [0-9]+ samples/s; checkpoint ([0-9.]+) ?s\)")
 
 

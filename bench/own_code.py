@@ -3,13 +3,13 @@
     python -m bench.own_code            # about 15 minutes on 2 cores (part 3 alone about 9)
     python -m bench.own_code --smoke    # tiny sizes, one repetition
 
-1. Level b (issue 32): the same Ray Train ``train_func`` (bench/own_code_func.py, the seed's shape) under a bare
+1. The same Ray Train ``train_func`` (bench/own_code_func.py, the seed's shape) under a bare
    ``TorchTrainer.fit()`` and through the flow (``prefect-raytrain train --train-code ...``); time inside the
    loop per epoch (the function reports it), median over epochs and repetitions; goal: flow/bare <= 1.03.
-2. Checkpoints written by every rank (issue 37): FSDP2 on 2 workers, each epoch's checkpoint saved with
+2. Checkpoints written by every rank: FSDP2 on 2 workers, each epoch's checkpoint saved with
    torch.distributed.checkpoint by both ranks, beside the same model gathered into a full state dict and saved
    by rank 0; checkpoint time (save + report) as a share of epoch time.
-3. The table classifier (raytrain_tasks/table_classifier.py, the default train_code) through the CLI on a
+3. The table classifier (raytrain_tasks/table_classifier/, the default train_code) through the CLI on a
    100,000-row synthetic table with each data loader: ``torch`` (every worker reads the split, a
    DistributedSampler shards it) and ``ray_data`` (the splits kept in the object store, divided among the
    workers on the driver): seconds per epoch (training and scoring); goal: ray_data/torch <= 1.11 (>= 0.9x the

@@ -1,4 +1,4 @@
-"""`make lint`: no product module over 400 lines, no function over 60 (issue 33). A module that grows past it is
+"""`make lint`: no product module over 400 lines, no function over 60. A module that grows past it is
 split where its parts have names of their own; a function, into named steps.
 
     python -m devtools.check_sizes

@@ -21,7 +21,7 @@ from raytrain_driver.promotion import CHAMPION, Champion
 
 # A registered version's input schema (what its inputs and outputs mean): a champion of another one is not compared.
 SCHEMA_TAG = "schema.digest"
-TRAIN_CODE_TAG = "train_code"  # the code that trained a version (none: the built-in classifier)
+TRAIN_CODE_TAG = "train_code"  # the code that trained a version (none: a version of releases up to 0.2)
 
 
 def digest_of_schema(schema: Mapping[str, Any]) -> str:

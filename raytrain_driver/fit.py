@@ -8,6 +8,7 @@ in the same MLflow run. The Prefect task (tasks/fit.py) and a fit's Ray Job (ray
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -16,9 +17,10 @@ import ray.train
 
 from raytrain_driver import evaluation
 from raytrain_driver.cluster import ray_session
+from raytrain_driver.fit_context import FitContext
 from raytrain_driver.fit_record import FitResult, OpenRun, finished_fit, write_fit_record
 from raytrain_driver.hooks import EpochView, progress_page, run_logger, state_dir, stopped_by
-from raytrain_driver.lease import HeldLease, run_lease
+from raytrain_driver.lease import run_lease
 from raytrain_driver.origin import data_loader_of, run_description, run_tags
 from raytrain_driver.preflight import (
     check_cluster,
@@ -66,72 +68,51 @@ def fit_in_this_process(
         ) as lease:
             # Under the lease (no driver of ours writes the record now), before Ray Train reads it.
             refuse_unsafe_record(run_key, run_dir)
-            return _distributed_fit(config, dataset, run_key, runs, run_dir, origin, lease)
+            # Resolved before Ray starts: a failure names train_code.
+            spec, client = resolve_code(config), tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
+            return _distributed_fit(FitContext(config, dataset, run_key, runs, origin, spec, client, lease))
 
 
-def _distributed_fit(
-    config: TrainingConfig,
-    dataset: RunData | None,
-    run_key: str,
-    runs: StorageLocation,
-    run_dir: StorageLocation,
-    origin: dict[str, str],
-    lease: HeldLease | None = None,
-) -> FitResult:
+def _distributed_fit(fit: FitContext) -> FitResult:
     """The fit's phases: pre-flight, open the MLflow run, train, record. Pre-flight goes cheapest first (the user's
     code imports, MLflow answers, Ray is reachable and can host the workers, every node can write storage);
     nothing is created (no MLflow run, no checkpoint) until it holds, and the lease taken by the caller is removed
     with the folders it made if it fails."""
-    spec = resolve_code(config)  # fails before Ray, naming train_code
-    client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
+    config, client, run_key = fit.config, fit.client, fit.run_key
     run_id: str | None = None
     with ray_session(config):
         try:
-            ray_datasets = check_spec_data(config, spec, dataset)  # a TrainSpec's data() may build Ray Datasets
-            plan = check_cluster(config, runs, client, run_key, data_tasks_during_fit(spec))
+            ray_datasets = check_spec_data(config, fit.spec, fit.dataset)  # a TrainSpec's data() may build them
+            plan = check_cluster(config, fit.runs, client, run_key, data_tasks_during_fit(fit.spec))
             experiment_id = tracking.ensure_experiment(
                 client, config.experiment_name, config.mlflow_tracking_uri, config.storage_path
             )
             run_owner.mark_dead_runs_killed(client, experiment_id, found_by=run_key)
-            finished = finished_fit(run_dir, client, experiment_id, run_key)
+            finished = finished_fit(fit.run_dir, client, experiment_id, run_key)
             if finished is not None:
-                return _confirm_finished(config, dataset, run_key, client, experiment_id, finished, spec)
-            loader = data_loader_of(config, ray_datasets)
-            run_id, reopened = _start_run(
-                config, dataset, run_key, run_dir, origin, plan, spec, client, experiment_id, loader
-            )
-            opened = _prepare_resume(
-                config, run_key, run_dir, spec, client, run_id, experiment_id, reopened, plan.backend
-            )
-            result = _train(config, dataset, run_key, runs, plan, spec, client, opened, lease)
+                return _confirm_finished(fit, experiment_id, finished)
+            run_id, reopened = _start_run(fit, plan, experiment_id, data_loader_of(config, ray_datasets))
+            opened = _prepare_resume(fit, OpenRun.new(run_id, experiment_id, reopened, plan.backend))
+            result = _train(fit, plan, opened)
             # Pins the controller could not write to MLflow during an outage (kept in the journal meanwhile).
             pins.pins_from_journal(client, run_id, opened.journal)
-            return _record_user_code(config, run_key, run_dir, spec, client, opened, result, lease, ray_datasets)
+            return _record_user_code(fit, opened, result, ray_datasets)
         except BaseException as exc:
             if run_id is None:
                 raise
             # Inside the Ray session, so before a local Ray is shut down on the way out: a cancellation's runner
             # kills this process 30 s after its SIGTERM, and ray.shutdown() with the fit's thread still waiting on
-            # the controller can take that long or end the process (test_prefect_server's cancel test, in CI:
-            # MLflow RUNNING).
-            _end_unfinished_run(exc, config, run_key, client, run_id, lease)
+            # the controller can take that long or end the process.
+            _end_unfinished_run(exc, fit, run_id)
 
 
-def _confirm_finished(
-    config: TrainingConfig,
-    dataset: RunData | None,
-    run_key: str,
-    client: Any,
-    experiment_id: str,
-    finished: FitResult,
-    spec: TrainFunc,
-) -> FitResult:
+def _confirm_finished(fit: FitContext, experiment_id: str, finished: FitResult) -> FitResult:
     """Everything was trained and recorded earlier: check the settings and the data match, train nothing."""
-    dataset_hash = dataset.content_hash if dataset is not None else _spec_data_digest(config, spec)
-    params = shown_params(config, spec)
-    tracking.check_resumable(client, experiment_id, run_key, params, dataset_hash)
-    tracking.finish_run(client, finished.mlflow_run_id)
-    run_logger().info("run key %s finished all %d epochs earlier; nothing to train", run_key, config.epochs)
+    config, spec = fit.config, fit.spec
+    dataset_hash = fit.dataset.content_hash if fit.dataset is not None else _spec_data_digest(config, spec)
+    tracking.check_resumable(fit.client, experiment_id, fit.run_key, shown_params(config, spec), dataset_hash)
+    tracking.finish_run(fit.client, finished.mlflow_run_id)
+    run_logger().info("run key %s finished all %d epochs earlier; nothing to train", fit.run_key, config.epochs)
     return finished
 
 
@@ -156,24 +137,14 @@ def _spec_data_digest(config: TrainingConfig, spec: TrainFunc) -> str | None:
         restore_rng_state(state)
 
 
-def _start_run(
-    config: TrainingConfig,
-    dataset: RunData | None,
-    run_key: str,
-    run_dir: StorageLocation,
-    origin: dict[str, str],
-    plan: FitPlan,
-    spec: TrainFunc,
-    client: Any,
-    experiment_id: str,
-    data_loader: str,
-) -> tuple[str, bool]:
+def _start_run(fit: FitContext, plan: FitPlan, experiment_id: str, data_loader: str) -> tuple[str, bool]:
     """A new MLflow run for the run key, or its earlier one reopened (a resume, a retry): (run id, reopened). A
     resume that runs other code than the run started with says so, in the log and in CODE_CHANGED_TAG."""
     from raytrain_driver.code_identity import CODE_CHANGED_TAG, code_change
 
+    config, run_key, run_dir, origin, client = fit.config, fit.run_key, fit.run_dir, fit.origin, fit.client
     tags = (
-        run_tags(config, dataset, run_key, run_dir, plan.backend, data_loader)
+        run_tags(config, fit.dataset, run_key, run_dir, plan.backend, data_loader)
         | {tracking.CPUS_PER_WORKER_TAG: f"{plan.cpus_per_worker:g}"}
         | {k: v for k, v in origin.items() if k != "run_name"}
         | {tracking.NOTE_TAG: run_description(config, run_key, run_dir, origin, data_loader)}
@@ -185,13 +156,13 @@ def _start_run(
         run_key,
         run_name=origin.get("run_name", run_key),
         tags=tags,
-        params=shown_params(config, spec),
+        params=shown_params(config, fit.spec),
     )
     if earlier is not None and (change := code_change(earlier.data.tags, tags, run_key)):
         run_logger().warning("%s", change)
         client.set_tag(run_id, CODE_CHANGED_TAG, change)
-    if not reopened and dataset is not None:
-        evaluation.log_dataset_input(client, run_id, dataset)
+    if not reopened and fit.dataset is not None:
+        evaluation.log_dataset_input(client, run_id, fit.dataset)
     run_logger().info(
         "run key %s: %s MLflow run %s; checkpoints in %s",
         run_key,
@@ -202,19 +173,11 @@ def _start_run(
     return run_id, reopened
 
 
-def _prepare_resume(
-    config: TrainingConfig,
-    run_key: str,
-    run_dir: StorageLocation,
-    spec: TrainFunc,
-    client: Any,
-    run_id: str,
-    experiment_id: str,
-    reopened: bool,
-    backend: str,
-) -> OpenRun:
-    """What this fit may resume from: the newest checkpoint whose files still hash to the digest MLflow recorded
-    when it was committed (``user_fit.choose_resume_point``); storage alone vouches for nothing."""
+def _prepare_resume(fit: FitContext, opened: OpenRun) -> OpenRun:
+    """``opened`` with what this fit may resume from: the newest checkpoint whose files still hash to the digest
+    MLflow recorded when it was committed (``fit_steps.choose_resume_point``); storage alone vouches for nothing."""
+    config, run_key, run_dir, client = fit.config, fit.run_key, fit.run_dir, fit.client
+    run_id, reopened = opened.run_id, opened.reopened
     logger = run_logger()
     journal = pins.pin_journal(config, run_key, state_dir())
     if reopened and (recovered := pins.pins_from_journal(client, run_id, journal)):
@@ -224,7 +187,7 @@ def _prepare_resume(
             ", ".join(recovered),
         )
     pinned = pinned_digests(client.get_run(run_id).data.tags) if reopened else {}
-    from raytrain_driver.user_fit import choose_resume_point
+    from raytrain_driver.fit_steps import choose_resume_point
 
     resume_point = choose_resume_point(run_dir, pinned)
     if resume_point.rejected:
@@ -235,24 +198,15 @@ def _prepare_resume(
     if resume_point.start:  # after a fallback too: where the run goes on, in the same words as ever
         uri = run_dir.child(resume_point.start).uri
         say_resume(logger, config, uri, resume_point.epoch, "; its files hash to the digest recorded at commit")
-    return OpenRun(run_id, experiment_id, reopened, backend, journal, pinned, resume_point)
+    return dataclasses.replace(opened, journal=journal, pinned=pinned, resume_point=resume_point)
 
 
-def _train(
-    config: TrainingConfig,
-    dataset: RunData | None,
-    run_key: str,
-    runs: StorageLocation,
-    plan: FitPlan,
-    spec: TrainFunc,
-    client: Any,
-    opened: OpenRun,
-    lease: HeldLease | None,
-) -> ray.train.Result:
+def _train(fit: FitContext, plan: FitPlan, opened: OpenRun) -> ray.train.Result:
     """Ray Train's fit, its reports logged to the MLflow run as they come, the run page following it."""
+    from raytrain_driver.fit_steps import left_off
     from raytrain_driver.trainer import build_trainer, fit_interruptibly
-    from raytrain_driver.user_fit import left_off
 
+    config, spec, lease = fit.config, fit.spec, fit.lease
     uri, run_id = config.mlflow_tracking_uri, opened.run_id
     callbacks: list[Any] = [OpenMlflowEarly(uri, run_id)]
     from raytrain_tasks.user_code import code_error_stopper
@@ -260,23 +214,13 @@ def _train(
     epochs = MlflowEpochLogger(uri, run_id, step_key=spec.selection.name, keys=None, journal=opened.journal)
     # The stopper first: a checkpoint it refuses is never logged or pinned, so no resume starts from it.
     callbacks += [code_error_stopper(config.train_code, spec.selection.name), epochs, RestartGuard(epochs)]
-    trainer = build_trainer(
-        config,
-        plan,
-        dataset,
-        run_key,
-        runs,
-        *callbacks,
-        spec=spec,
-        resume_point=opened.resume_point,
-        lease=(lease.location.uri, lease.holder) if lease is not None else None,
-    )
+    trainer = build_trainer(fit, plan, opened.resume_point, callbacks)
     # Off a Prefect run (a Ray Job) there is no run page to update: the job's submitter shows the progress.
     view = EpochView(expects=tuple(dict.fromkeys((spec.selection.name, spec.gate.name))), left_off=left_off(spec))
     page = progress_page()
-    progress = page(client, run_id, config.epochs, run_logger(), view) if page else None
+    progress = page(fit.client, run_id, config.epochs, run_logger(), view) if page else None
     # Again as late as the driver can: Ray Train's controller reads the record once, as it starts.
-    refuse_unsafe_record(run_key, runs.child(run_key))
+    refuse_unsafe_record(fit.run_key, fit.run_dir)
     with (
         tracking.system_metrics(config.system_metrics, uri, run_id, opened.reopened),
         progress or contextlib.nullcontext(),
@@ -284,30 +228,18 @@ def _train(
         return fit_interruptibly(trainer, lease)
 
 
-def _record_user_code(
-    config: TrainingConfig,
-    run_key: str,
-    run_dir: StorageLocation,
-    spec: TrainFunc,
-    client: Any,
-    opened: OpenRun,
-    result: ray.train.Result,
-    lease: HeldLease | None,
-    ray_datasets: bool,
-) -> FitResult:
-    from raytrain_driver.user_fit import record_user_fit
+def _record_user_code(fit: FitContext, opened: OpenRun, result: ray.train.Result, ray_datasets: bool) -> FitResult:
+    from raytrain_driver.fit_steps import record_fit
 
-    fit = record_user_fit(client, result, spec, config, run_key, run_dir, opened)
-    fit = fit.model_copy(update={"ray_datasets": ray_datasets})
-    write_fit_record(run_dir, client, opened.run_id, fit, lease)  # what a Ray Job's submitter reads back
-    tracking.finish_run(client, opened.run_id)
-    return fit
+    done = record_fit(fit, result, opened).model_copy(update={"ray_datasets": ray_datasets})
+    write_fit_record(fit.run_dir, fit.client, opened.run_id, done, fit.lease)  # what a Ray Job's submitter reads
+    tracking.finish_run(fit.client, opened.run_id)
+    return done
 
 
-def _end_unfinished_run(
-    exc: BaseException, config: TrainingConfig, run_key: str, client: Any, run_id: str, lease: HeldLease | None
-) -> NoReturn:
+def _end_unfinished_run(exc: BaseException, fit: FitContext, run_id: str) -> NoReturn:
     """The MLflow run of a fit that raised ``exc``: left to the lease's new holder, KILLED (a signal), or FAILED."""
+    config, run_key, client, lease = fit.config, fit.run_key, fit.client, fit.lease
     if lease is not None and lease.lost() is not None:
         # The run and its MLflow run belong to the lease's new holder now: marking it KILLED or FAILED here
         # would end the run that driver is training.

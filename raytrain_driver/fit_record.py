@@ -133,6 +133,11 @@ class OpenRun:
     reopened: bool
     backend: str
     journal: PinJournal | None
-    # The checkpoint digests MLflow vouches for (user_fit.choose_resume_point).
+    # The checkpoint digests MLflow vouches for (fit_steps.choose_resume_point).
     pinned: dict[str, str]
     resume_point: ResumePoint | None
+
+    @classmethod
+    def new(cls, run_id: str, experiment_id: str, reopened: bool, backend: str) -> OpenRun:
+        """The MLflow run as just opened, before what it resumes from is known."""
+        return cls(run_id, experiment_id, reopened, backend, journal=None, pinned={}, resume_point=None)

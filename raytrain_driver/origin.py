@@ -3,7 +3,7 @@ the Prefect flow run are taken by the task, tasks/fit.py, and handed in as ``ori
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 from raytrain_tasks.config import TrainingConfig, check_run_key
@@ -35,7 +35,7 @@ def data_loader_of(config: TrainingConfig, ray_datasets: bool) -> str:
 
 
 def run_description(
-    config: TrainingConfig, run_key: str, run_dir: StorageLocation, origin: dict[str, str], data_loader: str
+    config: TrainingConfig, run_key: str, run_dir: StorageLocation, origin: Mapping[str, str], data_loader: str
 ) -> str:
     """The MLflow run's description (``mlflow.note.content``, Markdown): what ran, from where, and how to go on."""
     workers = f"{config.num_workers}" + (f"-{config.max_workers}" if config.max_workers else "")
@@ -119,10 +119,10 @@ def version_tags(
     config: TrainingConfig, dataset: RunData | None, fit: FitResult, spec: TrainFunc, schema: str
 ) -> dict[str, str]:
     """A new version's tags: its scores, run key, lineage and what makes it comparable (``schema``: the digest of
-    your code's ``schema(config)``, raytrain_driver.user_register.user_schema)."""
-    from raytrain_driver import user_register
+    your code's ``schema(config)``, raytrain_driver.register_steps.user_schema)."""
+    from raytrain_driver import register_steps
 
-    lineage = user_register.version_tags(config, spec, fit.scores[spec.gate.name], schema) | (
+    lineage = register_steps.version_tags(config, spec, fit.scores[spec.gate.name], schema) | (
         {"dataset_hash": dataset.content_hash} if dataset is not None else {}
     )
     return {  # the scores first: a metric of your code named like one of the pipeline's tags never replaces it

@@ -4,6 +4,7 @@ created, and before any Ray Train worker is requested. Cheapest first; each fail
 from __future__ import annotations
 
 import re
+import sys
 from typing import Any
 
 from raytrain_driver.cluster import ray_of_this_machine
@@ -28,9 +29,41 @@ from raytrain_tasks.storage.locations import StorageLocation
 from raytrain_tasks.tracking import runs as tracking
 from raytrain_tasks.user_code import resolve
 
+# What of a run's config its code sees (user_config) or is checked against: its resolution depends on these alone.
+_CODE_SEES = {
+    "train_code",
+    "train_config",
+    "epochs",
+    "batch_size",
+    "learning_rate",
+    "seed",
+    "num_workers",
+    "use_gpu",
+    "register",
+}
+_RESOLVED: dict[tuple[int | None, str], TrainFunc] = {}
+
+
+def _code_key(config: TrainingConfig) -> tuple[int | None, str]:
+    """Which resolution of the code ``config`` gets: the module object as imported (a test may import it anew) and
+    the settings the code sees."""
+    module = sys.modules.get(config.train_code.partition(":")[0])
+    return (id(module) if module is not None else None, config.model_dump_json(include=_CODE_SEES))
+
 
 def resolve_code(config: TrainingConfig) -> TrainFunc:
-    """The user's code (``train_code``), imported here before anything starts, its settings checked and bound."""
+    """The user's code (``train_code``), imported here before anything starts, its settings checked and bound.
+
+    Once per process for the settings the code sees: the CLI's check, prepare-data, the fit and register-model
+    share one TrainFunc, and the code's ``metric`` function is called once."""
+    if (resolved := _RESOLVED.get(_code_key(config))) is not None:
+        return resolved
+    spec = _resolve_and_check(config)
+    _RESOLVED[_code_key(config)] = spec  # keyed after the import: the module is known now
+    return spec
+
+
+def _resolve_and_check(config: TrainingConfig) -> TrainFunc:
     from raytrain_tasks.code_settings import code_values
     from raytrain_tasks.user_code import bind
 
@@ -98,7 +131,7 @@ def check_spec_data(config: TrainingConfig, spec: TrainFunc, dataset: RunData | 
 def data_tasks_during_fit(spec: TrainFunc) -> bool:
     """Whether the user's Ray Datasets (found by ``check_spec_data``) run read and transform tasks while the
     workers train, which need a CPU the workers leave free: a TrainFunc's ``datasets=`` (built later, as they
-    may stream), a TrainSpec's splits unless all are kept in the object store (materialized, as the built-in
+    may stream), a TrainSpec's splits unless all are kept in the object store (materialized, as the table
     classifier keeps what fits)."""
     from raytrain_tasks.spec_loop import SpecTrainFunc
 
@@ -135,7 +168,7 @@ def check_resume(config: TrainingConfig, run_key: str, run_dir: StorageLocation)
     looked. No MLflow run and no folder in storage: CheckpointError. A run with no committed checkpoint yet trains
     from its first epoch, in its MLflow run: it stopped before its first epoch was committed (the likeliest moment
     to run out of memory: loading data, the first epoch)."""
-    from raytrain_driver.user_fit import RAY_CHECKPOINT_RECORD
+    from raytrain_driver.fit_steps import RAY_CHECKPOINT_RECORD
 
     client = tracking.existing_store(config.mlflow_tracking_uri, config.s3_endpoint_url)
     experiment = client.get_experiment_by_name(config.experiment_name) if client is not None else None
@@ -176,7 +209,7 @@ def _written_by_fit(run_dir: StorageLocation) -> list[str]:
     """What of the run's folder only a fit writes, once its MLflow run is open: Ray Train's record of the
     checkpoints, checkpoint folders, the fit record (not the lease, taken before)."""
     from raytrain_driver.fit_record import FIT_RECORD
-    from raytrain_driver.user_fit import RAY_CHECKPOINT_RECORD, is_checkpoint_folder
+    from raytrain_driver.fit_steps import RAY_CHECKPOINT_RECORD, is_checkpoint_folder
 
     return [n for n in run_dir.list_names() if n in (RAY_CHECKPOINT_RECORD, FIT_RECORD) or is_checkpoint_folder(n)]
 
@@ -215,7 +248,7 @@ def check_cluster(
         # (or serve's warm Ray) run this interpreter on this machine with the folder the code was imported from
         # (workers_code_dir): the driver's import in resolve_code is theirs, and a task would only start one more
         # process (~2.7 s here). A Ray the caller connected by itself may be anywhere: checked like a cluster.
-        from raytrain_driver.user_fit import check_importable_on_cluster
+        from raytrain_driver.fit_steps import check_importable_on_cluster
 
         check_importable_on_cluster(config.train_code, workers_code_dir(config))
     if plan.sized:

@@ -3,7 +3,7 @@ own, so that a signal to the run's whole group reaches the run alone and the run
 
 systemd (``KillMode=control-group``), a terminal's Ctrl-C, container inits and Prefect's runner when it cancels a
 flow run (``os.killpg(pid, SIGTERM)``, prefect/runner/_process_manager.py) signal every process of a group. Our
-services used to be in it: they died first, and the run then waited on them forever (issue 29). In a group of
+services would be in it: they would die first, and the run would then wait on them forever. In a group of
 their own they keep running while the run handles the signal (its MLflow run marked KILLED, checkpoints kept),
 and the run stops them on its way out: Ray by ``ray.shutdown()`` (and Ray's own fate-sharing, which ends its
 processes with this one), the temporary API by Prefect's exit handler. This module holds Ray's door; the
@@ -66,7 +66,7 @@ def end_ray_groups() -> None:
 
     Ray's fate-sharing ends the services it started directly when this process dies; their own children (the
     raylet's dashboard and runtime-env agents, its workers) are in the service's group, and were seen to outlive
-    it by more than 10 s on a loaded machine (issue 29's test, in CI). A group whose leader is not the process
+    it by more than 10 s on a loaded machine. A group whose leader is not the process
     this one started (gone, its pid since given to another) is left alone: when in doubt, nothing is killed.
     """
     for group, started in tuple(_groups):

@@ -6,6 +6,7 @@ registered model without a ``champion`` alias counts as having no champion.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from enum import Enum
@@ -58,6 +59,7 @@ class PromotionDecision:
     reason: str
     candidate_score: float
     champion_score: float | None
+    champion_version: str | None = None  # the champion it was decided against, which a move must still find
 
 
 NOT_COMPARABLE = "not a number the gate can compare"
@@ -96,6 +98,26 @@ def decide_promotion(
     """Promote when allowed and there is no champion, or the candidate is strictly better by at least
     ``min_improvement``; a tie keeps the champion, so equal retrains do not churn the alias. A champion that
     could not be assessed keeps its alias and leaves the decision open."""
+    decided = _decide(
+        candidate_score,
+        champion,
+        min_improvement=min_improvement,
+        promote=promote,
+        higher_is_better=higher_is_better,
+        replace_incomparable=replace_incomparable,
+    )
+    return dataclasses.replace(decided, champion_version=champion.version)
+
+
+def _decide(
+    candidate_score: float,
+    champion: Champion,
+    *,
+    min_improvement: float = 0.0,
+    promote: bool = True,
+    higher_is_better: bool = True,
+    replace_incomparable: bool = False,
+) -> PromotionDecision:
     score = champion.score
     if not promote:
         return PromotionDecision(Promotion.NOT_REQUESTED, "promotion switched off", candidate_score, score)

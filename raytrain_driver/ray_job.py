@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import raytrain_driver
 import raytrain_tasks
 import raytrain_tasks.errors
+from raytrain_driver.fit_context import FitContext
 from raytrain_driver.hooks import stopped_by
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import CheckpointError, ClusterError, TrainingError
@@ -98,7 +99,7 @@ def fit_as_ray_job(
         # and sizes for a TrainSpec's lazy Ray Dataset splits (data_tasks_during_fit), which this one cannot see.
         check_cluster(config, runs, mlflow, run_key, spec.datasets is not None)
     client = connect(config)
-    submission_id = _attach_or_submit(client, config, dataset, run_key, run_dir, origin, logger)
+    submission_id = _attach_or_submit(client, FitContext(config, dataset, run_key, runs, origin, spec, mlflow))
     status, message = follow(client, submission_id, logger)
     if status == "SUCCEEDED":
         experiment = mlflow.get_experiment_by_name(config.experiment_name)
@@ -113,17 +114,12 @@ def fit_as_ray_job(
     raise job_error(client, submission_id, status, message, run_key)
 
 
-def _attach_or_submit(
-    client: JobSubmissionClient,
-    config: TrainingConfig,
-    dataset: RunData | None,
-    run_key: str,
-    run_dir: StorageLocation,
-    origin: dict[str, str],
-    logger: Any,
-) -> str:
+def _attach_or_submit(client: JobSubmissionClient, fit: FitContext) -> str:
     """The run key's job to follow: the one still training (or done while nobody watched), else a new one that
     resumes from the last checkpoint."""
+    from raytrain_driver.hooks import run_logger
+
+    config, dataset, run_key, run_dir, logger = fit.config, fit.dataset, fit.run_key, fit.run_dir, run_logger()
     existing = jobs_of(client, run_key)
     newest = next((name for name in reversed(submission_ids(run_key)) if name in existing), None)
     if newest is not None and existing[newest] in (*ACTIVE, "SUCCEEDED"):
@@ -148,7 +144,7 @@ def _attach_or_submit(
             # None: train_code without prepare reads its own data
             "dataset": dataset.model_dump(mode="json") if dataset is not None else None,
             "run_key": run_key,
-            "origin": origin | {"prefect_raytrain.ray_job": submission_id},
+            "origin": {**fit.origin, "prefect_raytrain.ray_job": submission_id},
         }
         _submit(client, config, submission_id, payload)
         logger.info(

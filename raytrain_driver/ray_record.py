@@ -8,7 +8,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from raytrain_driver.user_fit import CHECKPOINT_NAMES, RAY_CHECKPOINT_RECORD, is_checkpoint_folder
+from raytrain_driver.fit_steps import CHECKPOINT_NAMES, RAY_CHECKPOINT_RECORD, is_checkpoint_folder
 from raytrain_tasks.errors import CheckpointError, UnsafeCheckpointError
 from raytrain_tasks.storage.locations import StorageLocation
 

@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
 
-from raytrain_driver import user_register
+from raytrain_driver import register_steps
 from raytrain_driver.evaluation import EVALUATION_ARTIFACT_DIR, scores_as_metrics
 from raytrain_driver.fit_record import FitResult
 from raytrain_driver.hooks import run_logger, stopped_by
 from raytrain_driver.origin import registered_version, version_description, version_tags
+from raytrain_driver.preflight import resolve_code
 from raytrain_driver.promotion import (
     CHALLENGER,
     CHAMPION,
@@ -32,8 +33,8 @@ from raytrain_driver.promotion import (
     decide_again,
     decide_promotion,
 )
-from raytrain_driver.registry_lock import LockHandle, model_lock
-from raytrain_driver.user_register import (
+from raytrain_driver.register_steps import (
+    Candidate,
     assess_user_champion,
     registering,
     user_artifacts,
@@ -41,6 +42,7 @@ from raytrain_driver.user_register import (
     user_model,
     user_schema,
 )
+from raytrain_driver.registry_lock import LockHandle, model_lock
 from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.code_settings import secret_keys
 from raytrain_tasks.config import TrainingConfig
@@ -50,7 +52,6 @@ from raytrain_tasks.redact import redacted_errors
 from raytrain_tasks.tracking import pins
 from raytrain_tasks.tracking import runs as tracking
 from raytrain_tasks.tracking.outcome import CHECKPOINT_URI_TAG
-from raytrain_tasks.user_code import bind, resolve
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -105,7 +106,7 @@ def _register_model(
 ) -> ModelRef:
     logger = run_logger()
     client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
-    spec = bind(resolve(config.train_code), config)  # its gate (metric, direction) and selection
+    spec = resolve_code(config)  # its gate (metric, direction) and selection: the fit's own
     gate, selection = spec.gate, spec.selection
     metric, higher_is_better = gate.name, gate.higher_is_better
     candidate_score = fit.scores[metric]
@@ -130,7 +131,8 @@ def _register_model(
                 logger.info("run %s already registered %s version %s", fit.run_key, config.model_name, version)
             ref = _decided(client, config, version, candidate_score, metric, lock)
             if ref is None:
-                champion, candidate_score = _current_champion(client, config, spec, model_uri, fit, data_dir, schema)
+                candidate = Candidate(config, spec, model_uri, data_dir, schema)
+                champion, candidate_score = _current_champion(client, candidate, fit)
                 decision = decide_promotion(
                     candidate_score,
                     champion,
@@ -139,7 +141,7 @@ def _register_model(
                     higher_is_better=higher_is_better,
                     replace_incomparable=config.replace_incomparable_champion,
                 )
-                aliases = apply_decision(client, config.model_name, version, champion.version, decision, metric, lock)
+                aliases = apply_decision(client, config.model_name, version, decision, metric, lock)
                 ref = _model_ref(config, version, aliases, decision, champion.version, metric)
     logger.info(
         "%s version %s (%s %.4f): %s, %s",
@@ -158,34 +160,22 @@ def _register_model(
     return ref
 
 
-def _current_champion(
-    client: MlflowClient,
-    config: TrainingConfig,
-    spec: TrainFunc,
-    model_uri: str,
-    fit: FitResult,
-    data_dir: Path | None,
-    schema: str,
-) -> tuple[Champion, float]:
+def _current_champion(client: MlflowClient, candidate: Candidate, fit: FitResult) -> tuple[Champion, float]:
     """(the champion, the candidate's score) as the gate compares them, assessed the way its kind of code allows
     (fail closed: a champion that cannot be assessed comes back with an error, and nothing moves)."""
-    recorded = fit.scores[spec.gate.name]
-    if not config.promote:
+    recorded = fit.scores[candidate.spec.gate.name]
+    if not candidate.config.promote:
         return Champion.absent(), recorded
-    return assess_user_champion(client, config.model_name, config, spec, model_uri, recorded, data_dir, schema)
+    return assess_user_champion(client, candidate, recorded)
 
 
 def apply_decision(
-    client: MlflowClient,
-    name: str,
-    version: str,
-    champion_version: str | None,
-    decision: PromotionDecision,
-    metric: str,
-    lock: LockHandle,
+    client: MlflowClient, name: str, version: str, decision: PromotionDecision, metric: str, lock: LockHandle
 ) -> tuple[str, ...]:
     """Record the decision on the version, then move aliases; returns the version's aliases."""
     from mlflow.exceptions import MlflowException
+
+    champion_version = decision.champion_version
 
     tags = {
         "promotion.decision": decision.action.value,
@@ -326,7 +316,7 @@ def _log_pt2(fit: FitResult, model: Any, example: Any, metadata: dict[str, Any],
 
     # start_run's exit writes the run's end: a stop raised in a query of the block must not hold that query's lock.
     with (
-        user_register.EXPORT_LOCK,
+        register_steps.EXPORT_LOCK,
         mlflow.start_run(run_id=fit.mlflow_run_id),
         tracking.releasing_interrupted_reads(),
     ):

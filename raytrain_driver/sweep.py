@@ -149,7 +149,7 @@ def _unsynced(path: Path, info: os.stat_result, pins: Pins) -> tuple[bool | None
 
 def uncommitted_checkpoints(run_dir: StorageLocation, run_key: str, pins: Pins) -> list[Leftover]:
     """The run's checkpoint folders that neither Ray Train's record nor fit.json lists, with whether one is pinned."""
-    from raytrain_driver.user_fit import is_checkpoint_folder
+    from raytrain_driver.fit_steps import is_checkpoint_folder
 
     folders = [name for name in run_dir.list_names() if is_checkpoint_folder(name)]
     if not folders:

@@ -33,12 +33,12 @@ from raytrain_tasks.errors import (
     UnverifiedCheckpointError,
     UserCodeError,
 )
-from raytrain_tasks.prepared import RunData
-from raytrain_tasks.storage.locations import StorageLocation
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from raytrain_driver.fit_context import FitContext
     from raytrain_driver.fit_record import ResumePoint
-    from raytrain_tasks.api import TrainFunc
 
 START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 ABORT_TIMEOUT_S = 10.0
@@ -178,27 +178,22 @@ def _scaling(plan: FitPlan) -> ray.train.ScalingConfig:
 
 
 def build_trainer(
-    config: TrainingConfig,
+    fit: FitContext,
     plan: FitPlan,
-    dataset: RunData | None,
-    run_key: str,
-    runs: StorageLocation,
-    *callbacks: RayTrainCallback,  # UserCallbacks and ControllerCallbacks; they run on the controller
-    spec: TrainFunc,
     resume_point: ResumePoint | None = None,
-    lease: tuple[str, str] | None = None,
+    callbacks: Sequence[RayTrainCallback] = (),  # UserCallbacks and ControllerCallbacks; they run on the controller
 ) -> TorchTrainer:
-    """The run's TorchTrainer for the user's code (``spec``, resolved by ``preflight.resolve_code``); ``lease``:
-    the run's lease (its URI, this driver's holder name), which the workers check before each checkpoint."""
+    """The run's TorchTrainer for the fit's code; its workers check the fit's lease before each checkpoint."""
     # torch loads here, not when the flow module is imported: a Prefect worker needs no CUDA to plan runs.
     from ray.train.torch import TorchConfig
 
-    from raytrain_driver.user_fit import trainer_function
+    from raytrain_driver.fit_steps import trainer_function
     from raytrain_tasks.failures import StopOnRepeatedFailure
 
-    code, fixed = workers_code_dir(config), plan.fixed_workers
-    train_func, loop_config, data = trainer_function(config, spec, code, resume_point, dataset, fixed, lease)
-    score_attribute, score_order = spec.selection.name, spec.selection.order
+    config, run_key, runs = fit.config, fit.run_key, fit.runs
+    code = workers_code_dir(config)
+    train_func, loop_config, data = trainer_function(fit, code, resume_point, plan.fixed_workers)
+    score_attribute, score_order = fit.spec.selection.name, fit.spec.selection.order
     return RunTrainer(
         train_func,
         train_loop_config=loop_config,

@@ -157,7 +157,8 @@ def _spec_loop(spec: TrainSpec) -> Callable[[dict[str, Any], RaySplits | None], 
             else torch.optim.Adam(model.parameters(), lr=float(config["lr"]))
         )
         if splits is not None:  # a typo in the metric's name, found on one batch before any training (all else: below)
-            names = _batch_metric_names(spec, model, splits.val, rank, world, batch_size, ray.train.torch.get_device())
+            val_batches = slice_batches(splits.val, rank, world, batch_size)
+            names = _batch_metric_names(spec, model, val_batches, ray.train.torch.get_device())
             check_metric_named(spec, config, names, typos_only=True)
         start = _resume(model, optimizer, digest)
         taken = _run_folders()
@@ -183,8 +184,8 @@ def _spec_loop(spec: TrainSpec) -> Callable[[dict[str, Any], RaySplits | None], 
             if spec.prepare is None and digest:  # with prepare, the run's dataset hash is the stored version's
                 metrics[DATASET_DIGEST_KEY] = digest  # the controller records it as the run's dataset hash
             reporting = time.perf_counter()
-            _report(metrics, model, optimizer, epoch, digest, rank, checkpoint_dir_name(epoch, taken))
-            if rank == 0:  # a Ray Job's log (its only progress) and --verbose show it, as the built-in's
+            _report(metrics, model, optimizer, digest, checkpoint_dir_name(epoch, taken))
+            if rank == 0:  # a Ray Job's log (its only progress) and --verbose show it
                 logger.info(epoch_line(epoch, int(config["epochs"]), metrics, time.perf_counter() - reporting))
 
     return train_func
@@ -270,14 +271,13 @@ def _empty(dataset: Any) -> bool:
     return dataset is None or (not is_ray_dataset(dataset) and len(dataset) == 0)
 
 
-def _batch_metric_names(
-    spec: TrainSpec, model: Any, val: Any, rank: int, world: int, batch_size: int, device: Any
-) -> list[str] | None:
-    """The names ``loss`` and ``metrics`` give on this rank's first validation batch (None when it has none), from
-    the model as built: no training, no random number drawn (the trajectory stays the uninterrupted one's)."""
+def _batch_metric_names(spec: TrainSpec, model: Any, val_batches: Any, device: Any) -> list[str] | None:
+    """The names ``loss`` and ``metrics`` give on this rank's first validation batch (``val_batches``: its slice;
+    None when it has none), from the model as built: no training, and no random number drawn (a DataLoader's
+    iterator draws one), so the trajectory stays the uninterrupted one's."""
     net = getattr(model, "module", model)  # not DDP's forward: no collective for a check some ranks may skip
     with torch.random.fork_rng(devices=[]), torch.no_grad():
-        batch = next(iter(slice_batches(val, rank, world, batch_size)), None)
+        batch = next(iter(val_batches), None)
         if batch is None:
             return None
         was_training = net.training
@@ -341,12 +341,11 @@ def epoch_line(epoch: int, epochs: int, metrics: dict[str, Any], checkpoint_s: f
     return f"epoch {epoch + 1}/{epochs} {shown} ({speed})"
 
 
-def _report(
-    metrics: dict[str, Any], model: Any, optimizer: Any, epoch: int, digest: str, rank: int, folder_name: str
-) -> None:
+def _report(metrics: dict[str, Any], model: Any, optimizer: Any, digest: str, folder_name: str) -> None:
+    """The epoch's ``metrics`` and (rank 0 alone writes it) its checkpoint, in folder ``folder_name``."""
     import ray.train
 
-    if rank != 0:  # rank 0 alone writes the checkpoint
+    if ray.train.get_context().get_world_rank() != 0:
         ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=folder_name)
         return
     # Written where the run's next checkpoint on this node removes what a killed attempt left (a worker killed
@@ -356,7 +355,7 @@ def _report(
             "model": {k: v.detach().cpu() for k, v in getattr(model, "module", model).state_dict().items()},
             "optimizer": optimizer.state_dict(),
             "rng": capture_rng_state(),  # torch, numpy and Python's: user code draws from any of them
-            "epoch": epoch,
+            "epoch": metrics["epoch"],
             "data_sha256": digest,
         }
         torch.save(state, folder / STATE_FILE)

@@ -1,4 +1,4 @@
-"""Logging in a Ray Train worker of the pipeline's loops (the built-in classifier's and a TrainSpec's)."""
+"""Logging in a Ray Train worker of the pipeline's TrainSpec loop."""
 
 from __future__ import annotations
 

@@ -578,6 +578,24 @@ def head_node(env: dict[str, str] | None = None, num_cpus: int = 2) -> Iterator[
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+def fit_context(config: TrainingConfig, run_key: str, **parts: Any) -> Any:
+    """The FitContext a fit of ``config`` makes for ``run_key`` (raytrain_driver.fit): its code resolved, an MLflow
+    client of its store; ``parts`` (dataset, spec, client, lease, origin) replace those."""
+    from mlflow import MlflowClient
+
+    from raytrain_driver.fit_context import FitContext
+    from raytrain_driver.preflight import resolve_code
+    from raytrain_tasks.storage.locations import RUNS_DIR, locate
+
+    runs = locate(config.storage_path, config.storage_options).child(RUNS_DIR)
+    made = {"dataset": None, "origin": {"run_name": run_key}, "lease": None}
+    made |= {
+        "spec": parts.get("spec") or resolve_code(config),
+        "client": parts.get("client") or MlflowClient(config.mlflow_tracking_uri),
+    }
+    return FitContext(config=config, run_key=run_key, runs=runs, **(made | parts))
+
+
 def prepared_for(config: TrainingConfig) -> tuple[TrainingConfig, Any]:
     """``config`` and what prepare-data stores for it, as the fit task is handed both."""
     from raytrain_driver.preflight import resolve_code

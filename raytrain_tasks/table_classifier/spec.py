@@ -242,7 +242,7 @@ def artifacts(model: nn.Module, config: dict[str, Any], folder: Path) -> None:
 
 def schema(config: dict[str, Any]) -> dict[str, Any]:
     """What the model's inputs and outputs mean: a champion of other columns or classes is not compared with it
-    (the built-in classifier's versions record the same digest)."""
+    (versions of releases up to 0.2, its model before it was a TrainSpec, record the same digest)."""
     dataset = described(config)
     return {"features": list(dataset.feature_names), "classes": list(dataset.class_labels)}
 

@@ -29,7 +29,7 @@ def epoch_number(index: int | float) -> int:
     return int(index) + 1
 
 
-CHECKPOINT_PREFIX = "epoch-"  # the built-in loop's checkpoint folders: epoch-0001, epoch-0002, ...
+CHECKPOINT_PREFIX = "epoch-"  # the TrainSpec loop's checkpoint folders: epoch-0001, epoch-0002, ...
 # The whole name of such a folder: the epoch, and after a retraining the attempt (epoch-0002-r1). Anything else
 # that starts with the prefix (epoch-0002.tmp, epoch-planted) is not one this project wrote.
 EPOCH_FOLDER = re.compile(r"epoch-\d{4,}(-r\d+)?")

@@ -1,5 +1,5 @@
 """What a finished fit leaves in its MLflow run beside the per-epoch metrics: the summary (tags and a table in the
-run's description) and one LoggedModel per kept checkpoint, for the built-in classifier and your code alike."""
+run's description) and one LoggedModel per kept checkpoint."""
 
 from __future__ import annotations
 
@@ -17,21 +17,17 @@ SUMMARY_TAG_PREFIX = "summary."
 RESULT_HEADING = "\n\n#### Result\n"
 
 
-SUMMARY_COLUMNS = ("train_loss", "val_loss", "val_accuracy")  # the built-in classifier's table
-
-
 def log_summary(
     client: MlflowClient,
     run_id: str,
     history: list[dict[str, float]],
     metric: str,
     best_epoch: int,
-    keys: Sequence[str] = EPOCH_METRICS,
-    columns: Sequence[str] = SUMMARY_COLUMNS,
+    columns: Sequence[str],
 ) -> bool:
     """The best epoch (``best_epoch``, the number of the checkpoint the fit chose) and the final one, as tags
-    (``summary.best_epoch``, ``summary.best_<metric>``, ``summary.final_<key>`` for each of ``keys``: searchable,
-    a column in the runs table) and a table of ``columns`` at the end of the run's description.
+    (``summary.best_epoch``, ``summary.best_<metric>``, ``summary.final_<key>`` for every key the history holds:
+    searchable, a column in the runs table) and a table of ``columns`` at the end of the run's description.
 
     Not as metrics: the MLflow UI draws every metric as a chart, and one-point charts of values the per-epoch
     curves already hold would sit among those curves. False (nothing logged) when ``history`` has no entry for
@@ -44,7 +40,7 @@ def log_summary(
         return False
     last = history[-1]
     summary = {"best_epoch": str(epoch_number(best["epoch"])), f"best_{metric}": f"{best[metric]:.6f}"}
-    summary |= {f"final_{key}": f"{last[key]:.6f}" for key in keys if key in last}
+    summary |= {f"final_{key}": f"{value:.6f}" for key, value in sorted(last.items()) if key != "epoch"}
     columns = [key for key in columns if key in last and key in best]
     table = [
         f"| epoch | {' | '.join(columns)} |",
@@ -82,13 +78,12 @@ def log_checkpoint_models(
     """Each checkpoint Ray Train kept, as an MLflow 3 LoggedModel of the run linked to its step's metrics;
     returns checkpoint folder name -> model_id. ``kept``: folder name -> (URI, the MLflow step of its report).
 
-    In the experiment's Models tab the kept checkpoints are then rows with their epoch's metrics (``metric_keys``
-    of the run's history at that step), so the best one is a sort: the built-in classifier's and your code's
-    alike. The LoggedModel holds no copy of the weights: its tags say where the checkpoint is and its recorded
-    digest. Idempotent: a retry or a resume finds the models an earlier attempt created, and links a metric once
-    (MLflow skips a metric it already has). They are created once the fit is done, when Ray Train deletes no more
-    checkpoints of the run (a resume cannot change ``epochs`` or ``checkpoints_to_keep``), so every one of them
-    points to a checkpoint in storage.
+    In the experiment's Models tab the kept checkpoints are then rows with their epoch's metrics (``metric_keys`` of
+    the run's history at that step), so the best one is a sort. The LoggedModel holds no copy of the weights: its
+    tags say where the checkpoint is and its recorded digest. Idempotent: a retry or a resume finds the models an
+    earlier attempt created, and links a metric once (MLflow skips a metric it already has). They are created once
+    the fit is done, when Ray Train deletes no more checkpoints of the run (a resume cannot change ``epochs`` or
+    ``checkpoints_to_keep``), so every one of them points to a checkpoint in storage.
     """
     from mlflow.entities import LoggedModelStatus, Metric
 

@@ -11,6 +11,7 @@ import json
 import re
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,13 +23,15 @@ import torch
 from mlflow import MlflowClient
 from torch.utils.data import TensorDataset
 
-from raytrain_driver.user_fit import best_checkpoint, trainer_function
+from raytrain_driver.fit_steps import best_checkpoint, trainer_function
+from raytrain_driver.lease import HeldLease
 from raytrain_tasks.api import Metric, Splits, TrainFunc, TrainSpec
 from raytrain_tasks.errors import UserCodeError
 from raytrain_tasks.spec_loop import SpecTrainFunc
+from raytrain_tasks.storage.locations import locate
 from raytrain_tasks.tracking.controller import MlflowEpochLogger
-from raytrain_tasks.user_code import bind, code_error_stopper, resolve
-from tests.helpers import seed_mlflow_store, small_config
+from raytrain_tasks.user_code import code_error_stopper
+from tests.helpers import fit_context, seed_mlflow_store, small_config
 
 PIPELINE_CONFIG = {"epochs": 2, "batch_size": 16, "lr": 0.1, "seed": 0, "num_workers": 1, "use_gpu": False}
 
@@ -240,7 +243,7 @@ def test_a_report_ray_train_would_keep_wrongly_is_refused_on_the_worker_before_r
     (tmp_path / f"{name}.py").write_text(textwrap.dedent(OWN_CODE).replace("REPORT", report))
     monkeypatch.syspath_prepend(str(tmp_path))
     config = small_config(tmp_path, train_code=f"{name}:training", epochs=2, num_workers=1)
-    worker, loop_config, _ = trainer_function(config, bind(resolve(config.train_code), config), "")
+    worker, loop_config, _ = trainer_function(fit_context(config, "20261206-100000-abcdef"), "")
     trainer = TorchTrainer(lambda: worker(loop_config), scaling_config=ScalingConfig(num_workers=0))
     if says is None:
         trainer.fit()
@@ -273,8 +276,8 @@ def test_a_fit_whose_driver_lost_the_lease_commits_no_checkpoint(
     if holder is not None:
         lease.write_text(json.dumps({"holder": holder, "duration_s": 60.0, "renewals": 3}))
     config = small_config(tmp_path, train_code=f"{name}:training", epochs=2, num_workers=1)
-    spec = bind(resolve(config.train_code), config)
-    worker, loop_config, _ = trainer_function(config, spec, "", lease=(str(lease), "this-driver"))
+    held = HeldLease(locate(str(lease)), "20261206-100000-abcdef", "this-driver", 60.0, "", time.monotonic())
+    worker, loop_config, _ = trainer_function(fit_context(config, "20261206-100000-abcdef", lease=held), "")
     trainer = TorchTrainer(lambda: worker(loop_config), scaling_config=ScalingConfig(num_workers=0))
     if holder == "this-driver":
         trainer.fit()
@@ -301,9 +304,8 @@ def test_a_lease_lost_on_a_worker_stops_the_fit_and_leaves_the_mlflow_run_to_its
     client = MlflowClient(config.mlflow_tracking_uri)
     run_id = client.create_run(client.create_experiment("lease")).info.run_id
     with pytest.raises(RunLeaseLostError, match="training run 20261206-100000-abcdef: worker rank 1"):
-        _end_unfinished_run(
-            ray.train.ControllerError(ended.value), config, "20261206-100000-abcdef", client, run_id, None
-        )
+        context = fit_context(config, "20261206-100000-abcdef", spec=object(), client=client)
+        _end_unfinished_run(ray.train.ControllerError(ended.value), context, run_id)
     assert client.get_run(run_id).info.status == "RUNNING"  # not FAILED: the new holder trains it
 
 

@@ -278,7 +278,13 @@ def test_a_run_killed_in_register_model_waits_for_registration_and_its_resume_fi
     from raytrain_driver.preflight import resolve_code, shown_params
     from raytrain_driver.register import APPLIED_TAG, register
     from raytrain_tasks.storage.locations import RUNS_DIR, locate
-    from tests.helpers import REGISTRY_CODE, a_stop_in_the_next_mlflow_query, fit_for_registry, small_config
+    from tests.helpers import (
+        REGISTRY_CODE,
+        a_stop_in_the_next_mlflow_query,
+        fit_context,
+        fit_for_registry,
+        small_config,
+    )
 
     key = "20261127-060000-eeeeee"
     config = small_config(tmp_path, train_code=REGISTRY_CODE, model_name="waiting", experiment_name="waiting", epochs=1)
@@ -301,7 +307,7 @@ def test_a_run_killed_in_register_model_waits_for_registration_and_its_resume_fi
     # What `resume` does with it: distributed-fit finds the finished fit and trains nothing, then register-model.
     finished = finished_fit(run_dir, client, fit.mlflow_experiment_id, key)
     assert finished == fit
-    resumed = _confirm_finished(config, None, key, client, fit.mlflow_experiment_id, finished, spec)
+    resumed = _confirm_finished(fit_context(config, key, spec=spec, client=client), fit.mlflow_experiment_id, finished)
     ref = register(config, None, resumed)
     assert (ref.version, ref.decision, ref.aliases) == ("1", "promote", ("champion",)), ref
     assert client.get_model_version("waiting", "1").tags[APPLIED_TAG] == "true"

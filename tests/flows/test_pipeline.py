@@ -195,7 +195,7 @@ def challenger(first_run: PipelineResult, client: MlflowClient, workdir: Path) -
     of releases up to 0.2 tagged its versions: no train_code, its gate in other tags. The table classifier, which
     trains the same model on the same table, registers into the same model and is compared with it; it was
     incomparable, and every one of its models stayed `challenger`. The tags are put back after."""
-    from raytrain_driver.user_register import GATE_DIRECTION_TAG, GATE_METRIC_TAG, TRAIN_CODE_TAG
+    from raytrain_driver.register_steps import GATE_DIRECTION_TAG, GATE_METRIC_TAG, TRAIN_CODE_TAG
 
     assert first_run.model is not None
     name, version = first_run.model.name, first_run.model.version
@@ -241,7 +241,7 @@ def test_the_table_classifiers_model_is_judged_against_the_built_in_champion(
 ) -> None:
     """Compared with the built-in's champion (the same pt2 model of the same table), scored on this run's test
     split by the spec's own evaluate, not kept as incomparable."""
-    from raytrain_driver.user_register import GATE_DIRECTION_TAG, GATE_METRIC_TAG, TRAIN_CODE_TAG
+    from raytrain_driver.register_steps import GATE_DIRECTION_TAG, GATE_METRIC_TAG, TRAIN_CODE_TAG
 
     result, champion_tags = challenger
     assert first_run.model is not None

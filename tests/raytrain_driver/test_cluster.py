@@ -343,16 +343,14 @@ def test_max_workers_makes_the_worker_group_elastic(tmp_path: Path) -> None:
     from raytrain_driver.preflight import resolve_code
     from raytrain_driver.sizing import FitPlan
     from raytrain_driver.trainer import build_trainer
-    from raytrain_tasks.storage.locations import locate
-    from tests.helpers import REGISTRY_CODE
+    from tests.helpers import REGISTRY_CODE, fit_context
 
-    runs = locate(str(tmp_path / "runs"), TrainingConfig().storage_options)
-    code = {"train_code": REGISTRY_CODE, "register": False}
+    code = {"train_code": REGISTRY_CODE, "register": False, "storage_path": str(tmp_path)}
     elastic_config = TrainingConfig(num_workers=2, max_workers=4, cpus_per_worker=0.5, **code)
     fixed_config = TrainingConfig(num_workers=2, cpus_per_worker=1, **code)
     spec = resolve_code(elastic_config)
-    elastic = build_trainer(elastic_config, FitPlan.of(elastic_config), None, "k", runs, spec=spec)
-    fixed = build_trainer(fixed_config, FitPlan.of(fixed_config), None, "k", runs, spec=spec)
+    elastic = build_trainer(fit_context(elastic_config, "k", spec=spec, client=object()), FitPlan.of(elastic_config))
+    fixed = build_trainer(fit_context(fixed_config, "k", spec=spec, client=object()), FitPlan.of(fixed_config))
     assert elastic.scaling_config.num_workers == (2, 4)
     assert fixed.scaling_config.num_workers == 2
 

@@ -14,7 +14,7 @@ from torch.utils.data import TensorDataset
 
 from raytrain_tasks.api import Metric, Splits, TrainSpec
 from raytrain_tasks.errors import TrackingError
-from tests.helpers import small_config
+from tests.helpers import fit_context, small_config
 from tests.raytrain_driver.test_user_gate import finished_fit
 
 
@@ -67,7 +67,8 @@ def test_a_finished_train_spec_run_refuses_a_resume_on_changed_data(
     run_id, _ = tracking.start_or_reopen_run(client, experiment_id, fit.run_key, "r", tags, shown_params(config, spec))
     finished = fit.model_copy(update={"mlflow_run_id": run_id})
 
-    assert _confirm_finished(config, None, fit.run_key, client, experiment_id, finished, spec) == finished
+    context = fit_context(config, fit.run_key, spec=spec, client=client)
+    assert _confirm_finished(context, experiment_id, finished) == finished
     torch.save(torch.linspace(-1, 1, 9).unsqueeze(1), source)  # a row more, in the same file
     with pytest.raises(TrackingError, match=f"trained on dataset {trained_on}, but its data is dataset [0-9a-f]{{64}}"):
-        _confirm_finished(config, None, fit.run_key, client, experiment_id, finished, spec)
+        _confirm_finished(context, experiment_id, finished)

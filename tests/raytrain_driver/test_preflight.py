@@ -93,3 +93,36 @@ def test_a_resume_of_a_run_key_with_no_mlflow_run_and_no_storage_names_both_and_
     assert runs.child(key).uri in message
     assert not db.exists()
     assert not Path(runs.child(key).path).exists()
+
+
+def test_the_code_is_resolved_once_per_process_for_the_settings_it_sees(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CLI's check, prepare-data, the fit and register-model each ask for the run's code: they share one
+    TrainFunc, and its metric function runs once. Settings the code does not see (the run's storage, MLflow, model
+    name) make no other; a setting it sees does."""
+    import sys
+
+    from raytrain_driver.preflight import resolve_code
+    from raytrain_tasks.config import TrainingConfig
+
+    (tmp_path / "once_code.py").write_text(
+        "from raytrain_tasks.api import Metric, TrainFunc\n"
+        "CALLS = []\n"
+        "def metric(config):\n"
+        "    CALLS.append(config['lr'])\n"
+        "    return Metric('val_loss', higher_is_better=False)\n"
+        "training = TrainFunc(lambda config: None, metric=metric)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "once_code", raising=False)
+    config = TrainingConfig(train_code="once_code:training", register=False)
+    first = resolve_code(config)
+    assert resolve_code(config) is first
+    assert resolve_code(config.resolved(tmp_path, {}, "")) is first  # what the flow's tasks are handed
+    assert resolve_code(config.model_copy(update={"model_name": "other", "experiment_name": "x"})) is first
+    faster = resolve_code(config.model_copy(update={"learning_rate": 0.5}))
+    assert faster is not first and faster.selection.name == "val_loss"
+    assert sys.modules["once_code"].CALLS == [config.learning_rate, 0.5]
+    monkeypatch.delitem(sys.modules, "once_code")

@@ -5,7 +5,7 @@ MLflow run whose history has every epoch exactly once. Failures are injected fro
 code: worker PIDs come from Ray's State API, the CLI is killed by its PID. Every test here is a real death or
 outage window, so all of them are `chaos` (make test-chaos). What the retry policy decides, which checkpoint a
 restarted worker group is given, and a resume's choice among damaged ones are tested without a fit
-(tests/tasks/test_fit_retries.py, test_tracking, test_user_fit).
+(tests/tasks/test_fit_retries.py, test_tracking, test_fit_steps).
 """
 
 from __future__ import annotations

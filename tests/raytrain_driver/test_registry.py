@@ -224,7 +224,7 @@ def test_a_champion_stored_as_a_pickle_is_never_loaded(registry: dict[str, Any],
     import torch
 
     from raytrain_driver.preflight import resolve_code
-    from raytrain_driver.user_register import user_schema, version_tags
+    from raytrain_driver.register_steps import user_schema, version_tags
 
     config, client, workdir = registry["config"], registry["client"], registry["workdir"]
     marker = tmp_path / "pwned"

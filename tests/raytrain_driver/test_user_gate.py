@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from raytrain_driver.promotion import Promotion, decide_promotion
-from raytrain_driver.user_register import assess_user_champion, user_schema, version_tags
+from raytrain_driver.register_steps import Candidate, assess_user_champion, user_schema, version_tags
 from raytrain_tasks.api import Metric, Splits, TrainFunc, TrainSpec
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import UserCodeError
@@ -88,6 +88,12 @@ def log_pt2(uri: str, weight: float) -> str:
     return str(info.model_uri)
 
 
+def _assess(client: MlflowClient, name: str, config: TrainingConfig, code: TrainFunc, uri: str) -> tuple[Any, float]:
+    """The gate's view of the champion of ``name`` and the candidate at ``uri`` (its recorded score 0.5)."""
+    candidate = Candidate(config.model_copy(update={"model_name": name}), code, uri)
+    return assess_user_champion(client, candidate, recorded=0.5)
+
+
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory: pytest.TempPathFactory) -> tuple[MlflowClient, TrainingConfig, str]:
     """A champion (y = -2x: wrong today) registered with a recorded test_mse of 0.001 (right on its own data), and
@@ -119,7 +125,7 @@ def test_with_evaluate_the_champion_and_the_candidate_are_scored_on_todays_data(
     recorded scores, the champion would be kept for ever."""
     client, config, candidate_uri = registry
     with tracking.using_tracking_uri(config.mlflow_tracking_uri):
-        champion, candidate = assess_user_champion(client, NAME, config, spec(), candidate_uri, recorded=0.5)
+        champion, candidate = _assess(client, NAME, config, spec(), candidate_uri)
     expected = float((16 * X**2).mean())
     assert champion.version == "1" and champion.score == pytest.approx(expected, rel=1e-5), champion
     assert candidate == pytest.approx(0.0, abs=1e-9)
@@ -130,7 +136,7 @@ def test_with_evaluate_the_champion_and_the_candidate_are_scored_on_todays_data(
 def test_without_evaluate_the_recorded_scores_are_compared(registry: tuple[MlflowClient, TrainingConfig, str]) -> None:
     client, config, candidate_uri = registry
     with tracking.using_tracking_uri(config.mlflow_tracking_uri):
-        champion, candidate = assess_user_champion(client, NAME, config, spec(None), candidate_uri, recorded=0.5)
+        champion, candidate = _assess(client, NAME, config, spec(None), candidate_uri)
     assert champion.score == pytest.approx(0.001) and candidate == 0.5
     assert decide_promotion(candidate, champion, higher_is_better=False).action is Promotion.KEEP_CHAMPION
 
@@ -153,7 +159,7 @@ def test_an_evaluate_that_fails_moves_nothing_and_says_why(
         return mse_today(model, config)
 
     with tracking.using_tracking_uri(config.mlflow_tracking_uri):
-        champion, candidate = assess_user_champion(client, NAME, config, spec(evaluate), candidate_uri, recorded=0.5)
+        champion, candidate = _assess(client, NAME, config, spec(evaluate), candidate_uri)
     said = "test_rmse" if fails_on == "metric" else f"cannot score the {fails_on}"
     assert champion.version == "1" and said in champion.error, champion
     assert decide_promotion(candidate, champion, higher_is_better=False).action is Promotion.UNDECIDED
@@ -185,7 +191,7 @@ def test_a_champion_of_another_signature_is_kept_as_incomparable_not_scored(
     client.set_registered_model_alias(name, "champion", version.version)
 
     with tracking.using_tracking_uri(uri):
-        champion, candidate = assess_user_champion(client, name, config, spec(evaluate), candidate_uri, recorded=0.5)
+        champion, candidate = _assess(client, name, config, spec(evaluate), candidate_uri)
     assert champion.version == str(version.version) and champion.score is None and not champion.error, champion
     assert "signature" in champion.incomparable and "3" in champion.incomparable, champion
     kept = decide_promotion(candidate, champion, higher_is_better=False)
@@ -214,7 +220,7 @@ def test_a_train_spec_evaluates_on_its_test_split_with_its_loss_and_metrics() ->
 def test_an_input_example_the_model_does_not_take_is_named_before_mlflow_exports_it(tmp_path: Path) -> None:
     """A wrong input_example (64 features for a 1-feature model) fails naming input_example, the shapes and the
     resume that registers without training, not with MLflow's export error about its serialization format."""
-    from raytrain_driver.user_register import user_model
+    from raytrain_driver.register_steps import user_model
     from raytrain_tasks.errors import UserCodeError
     from raytrain_tasks.integrity import local_folder_digest
     from tests.helpers import small_config
@@ -249,7 +255,7 @@ def test_an_input_example_the_model_does_not_take_is_named_before_mlflow_exports
 def test_an_artifacts_function_that_fails_stops_registration_naming_its_frames() -> None:
     """The code's artifacts(...) runs before the model is logged or a version created: its error (with the user's
     own frame) fails registration, and nothing is registered."""
-    from raytrain_driver.user_register import user_artifacts
+    from raytrain_driver.register_steps import user_artifacts
     from raytrain_tasks.errors import UserCodeError
 
     def my_confusion_matrix(model: Any, config: dict[str, Any], folder: Path) -> None:
@@ -298,7 +304,7 @@ def test_model_metadata_is_checked_before_anything_is_registered(metadata: Any, 
     """``model_metadata(config)`` gives the registered model's MLflow metadata (class labels, ...): JSON values, the
     pipeline's own keys left alone; anything else (or an error in it, with the user's frame) fails registration
     before a model is logged, naming `model_metadata`."""
-    from raytrain_driver.user_register import user_metadata
+    from raytrain_driver.register_steps import user_metadata
     from raytrain_tasks.errors import UserCodeError
 
     def my_metadata(config: dict[str, Any]) -> Any:
@@ -380,9 +386,9 @@ def test_a_champion_of_another_input_schema_is_kept_as_incomparable_not_scored(
     with tracking.using_tracking_uri(config.mlflow_tracking_uri):
         version = client.create_model_version(name, candidate_uri, tags=tags, model_id=candidate_uri.split("/")[-1])
         client.set_registered_model_alias(name, "champion", version.version)
-        same, _ = assess_user_champion(client, name, config, reading("x"), candidate_uri, recorded=0.5)
-        renamed, _ = assess_user_champion(client, name, config, reading("x_cm"), candidate_uri, recorded=0.5)
-        unsaid, _ = assess_user_champion(client, name, config, spec(), candidate_uri, recorded=0.5)
+        same, _ = _assess(client, name, config, reading("x"), candidate_uri)
+        renamed, _ = _assess(client, name, config, reading("x_cm"), candidate_uri)
+        unsaid, _ = _assess(client, name, config, spec(), candidate_uri)
     assert not same.incomparable and same.score is not None, same  # scored by evaluate on today's data
     for champion in (renamed, unsaid):
         assert champion.score is None and "input schema" in str(champion.incomparable), champion
@@ -400,7 +406,7 @@ def test_a_champion_the_built_in_classifier_registered_is_compared_with_the_tabl
     import dataclasses
 
     from raytrain_driver.champion import digest_of_schema
-    from raytrain_driver.user_register import TABLE_CLASSIFIER
+    from raytrain_driver.register_steps import TABLE_CLASSIFIER
 
     client, config, candidate_uri = registry
     config = config.model_copy(update={"train_code": TABLE_CLASSIFIER})
@@ -418,7 +424,7 @@ def test_a_champion_the_built_in_classifier_registered_is_compared_with_the_tabl
         with tracking.using_tracking_uri(config.mlflow_tracking_uri):
             version = client.create_model_version(name, candidate_uri, tags=tags, model_id=candidate_uri.split("/")[-1])
             client.set_registered_model_alias(name, "champion", version.version)
-            return assess_user_champion(client, name, config, ours, candidate_uri, recorded=0.5)[0]
+            return _assess(client, name, config, ours, candidate_uri)[0]
 
     built_in = {"schema.digest": digest_of_schema(table), "promotion.metric": "test_loss", "test_loss": "0.001"}
     same = champion_tagged(**built_in)
@@ -428,7 +434,7 @@ def test_a_champion_the_built_in_classifier_registered_is_compared_with_the_tabl
     assert "input schema" in other_table.incomparable and "gate metric" in other_metric.incomparable
     config = config.model_copy(update={"train_code": TRAIN_CODE})
     with tracking.using_tracking_uri(config.mlflow_tracking_uri):
-        against_other_code = assess_user_champion(client, name, config, ours, candidate_uri, recorded=0.5)[0]
+        against_other_code = _assess(client, name, config, ours, candidate_uri)[0]
     assert "trained by the built-in classifier" in against_other_code.incomparable, against_other_code
 
 

@@ -342,7 +342,7 @@ def test_a_secret_setting_reaches_the_code_and_is_masked_wherever_the_run_shows_
     import types
 
     from raytrain_driver.preflight import code_secret_keys, shown_params
-    from raytrain_driver.user_register import version_tags
+    from raytrain_driver.register_steps import version_tags
     from raytrain_tasks.config import non_default_settings
 
     module = types.ModuleType("secret_code")

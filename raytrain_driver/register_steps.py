@@ -1,4 +1,4 @@
-"""register-model for the user's own training code (``train_code``): what differs from the built-in classifier.
+"""The steps of register-model that concern the run's code (``train_code``): its model, and the gate.
 
 The model is made by the user's ``load_model`` from a verified local copy of the best checkpoint and logged in
 MLflow's ``pt2`` format with the user's input example. A champion is comparable only when the same ``train_code``
@@ -15,6 +15,7 @@ import json
 import tempfile
 import threading
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -113,7 +114,7 @@ def version_tags(config: TrainingConfig, spec: TrainFunc | None, score: float, s
     """What makes a version's recorded score comparable: the code that trained it, its gate metric and the
     digest of the code's ``schema`` (``user_schema``); the score in full (``repr``), so that a tie with it is a
     tie, not a gain in the seventh decimal."""
-    assert spec is not None, "the built-in classifier's versions record their input schema instead"
+    assert spec is not None, "every version this release registers is of a train_code"
     return {
         GATE_SCORE_TAG: repr(float(score)),
         TRAIN_CODE_TAG: config.train_code,
@@ -132,19 +133,23 @@ def user_schema(config: TrainingConfig, spec: TrainFunc, data_dir: Path | None) 
     return digest_of_schema(_code_mapping(config, spec, data_dir, "schema", spec.schema))
 
 
-def assess_recorded_champion(
-    client: MlflowClient,
-    name: str,
-    config: TrainingConfig,
-    spec: TrainFunc,
-    data_dir: Path | None = None,
-    candidate_uri: str | None = None,
-    schema: str | None = None,
-) -> Champion:
+@dataclass(frozen=True)
+class Candidate:
+    """This run's model as the gate sees it: the run's config and code, the logged model, and its data."""
+
+    config: TrainingConfig
+    spec: TrainFunc
+    uri: str  # models:/<model id> of the logged model
+    data_dir: Path | None = None  # the local copy of the run's prepared data, for the code's evaluate
+    schema: str | None = None  # this run's schema digest (user_schema); None: taken when needed
+
+
+def assess_recorded_champion(client: MlflowClient, candidate: Candidate) -> Champion:
     """The champion's score as recorded when it was registered; incomparable unless the same training code
-    registered it on the same metric and schema (``schema``: this run's digest, ``user_schema``; None: taken
-    here), and (given the candidate's ``candidate_uri``) with the same MLflow signature. Only a missing alias
-    means there is none; a registry error leaves it open."""
+    registered it on the same metric and schema, with the same MLflow signature as the candidate's. Only a missing
+    alias means there is none; a registry error leaves it open."""
+    config, spec, data_dir, candidate_uri = candidate.config, candidate.spec, candidate.data_dir, candidate.uri
+    name, schema = config.model_name, candidate.schema
     found = read_champion(client, name)
     if isinstance(found, Champion):
         return found
@@ -174,7 +179,7 @@ def assess_recorded_champion(
             incomparable=f"its input schema ({recorded_schema or 'none recorded'}) is not this run's "
             f"({schema or 'none'}; train_code's schema(config)): its inputs or outputs mean something else",
         )
-    if candidate_uri is not None:
+    if candidate_uri:
         from mlflow.exceptions import MlflowException
 
         try:
@@ -192,13 +197,13 @@ def assess_recorded_champion(
         return Champion(version, error=f"{name} version {version} records no {spec.gate.name} score ({recorded!r})")
 
 
-# The built-in classifier's versions (registered before it was the table classifier's TrainSpec) record their schema
-# and the gate's metric in other tags, and no train_code.
+# Versions registered by releases up to 0.2 (their built-in classifier) record their schema and the gate's metric in
+# other tags, and no train_code.
 _BUILTIN_GATES = {"test_accuracy": "true", "test_loss": "false"}  # its promotion_metric's, and their direction
 
 
 def _as_table_classifier(tags: dict[str, str]) -> dict[str, str]:
-    """A version the built-in classifier registered, tagged as the table classifier's would be: the same model of
+    """A version of releases up to 0.2, tagged as the table classifier's would be: the same model of
     the same table (its schema digest, the same formula), gated on the same metric. Other tags as they are."""
     metric = tags.get("promotion.metric", "")
     if TRAIN_CODE_TAG in tags or SCHEMA_TAG not in tags or metric not in _BUILTIN_GATES:
@@ -211,19 +216,12 @@ def _as_table_classifier(tags: dict[str, str]) -> dict[str, str]:
     }
 
 
-def assess_user_champion(
-    client: MlflowClient,
-    name: str,
-    config: TrainingConfig,
-    spec: TrainFunc,
-    candidate_uri: str,
-    recorded: float,
-    data_dir: Path | None = None,
-    schema: str | None = None,
-) -> tuple[Champion, float]:
+def assess_user_champion(client: MlflowClient, candidate: Candidate, recorded: float) -> tuple[Champion, float]:
     """(the champion, the candidate's score) as the gate compares them: both scored by the code's ``evaluate`` on
-    this run's data when it has one and the champion is comparable; else the scores recorded at training time."""
-    champion = assess_recorded_champion(client, name, config, spec, data_dir, candidate_uri, schema)
+    this run's data when it has one and the champion is comparable; else the scores recorded at training time
+    (``recorded``: the candidate's)."""
+    champion = assess_recorded_champion(client, candidate)
+    config, spec, data_dir, candidate_uri = candidate.config, candidate.spec, candidate.data_dir, candidate.uri
     if spec.evaluate is None or champion.score is None:
         return champion, recorded
     try:
@@ -236,8 +234,8 @@ def assess_user_champion(
 def signature_change(champion_uri: str, candidate_uri: str) -> str:
     """Why the two models' MLflow signatures (their inputs' and outputs' names, types and shapes) differ; "" when
     they agree or either has none. A model another shape of input or output cannot stand in for the champion
-    (whoever calls it would break), nor be scored on the same data as it: incomparable, as the built-in
-    classifier's champion of another input schema is."""
+    (whoever calls it would break), nor be scored on the same data as it: incomparable, as a champion of another
+    input schema is."""
     from mlflow.models import get_model_info
 
     theirs = get_model_info(champion_uri).signature

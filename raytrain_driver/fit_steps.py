@@ -1,8 +1,9 @@
-"""distributed-fit for the user's own ``train_func`` (``train_code``): what differs from the built-in loop.
+"""The steps of distributed-fit that concern the run's code (``train_code``).
 
-The fit itself is the same (``raytrain_driver.fit``: one run key, its lease, its MLflow run, Ray Train's
-checkpoints in the run's storage, resume through ``ray.train.get_checkpoint()``). Here: the import check on the
-cluster, the trainer's function and config, and the record of what the user's reports said.
+``raytrain_driver.fit`` runs the fit: one run key, its lease, its MLflow run, Ray Train's checkpoints in the
+run's storage, resume through ``ray.train.get_checkpoint()``. Here: the import check on the cluster, the
+function and config each worker gets, the checkpoint a resume starts from, and the record of what the code's
+reports said.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from raytrain_driver.evaluation import scores_as_metrics
 from raytrain_driver.fit_record import FitResult, OpenRun, ResumePoint, checkpoint_uri, refuse_foreign_checkpoints
 from raytrain_driver.hooks import run_logger
 from raytrain_tasks.api import TrainFunc
-from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import CheckpointError, UserCodeError
 from raytrain_tasks.reports import EVALUATION_ARTIFACT_DIR, log_learning_curves
 from raytrain_tasks.tracking.controller import numeric_metrics, report_step
@@ -27,7 +27,7 @@ from raytrain_tasks.tracking.outcome import SPEC_LOOP_EXTRAS, headline, log_chec
 if TYPE_CHECKING:
     import ray.train
 
-    from raytrain_tasks.prepared import PreparedData
+    from raytrain_driver.fit_context import FitContext
     from raytrain_tasks.storage.locations import StorageLocation
 
 # The folders of a run's checkpoints: Ray Train names a train_func's checkpoint_<timestamp> (its reports may not
@@ -65,22 +65,17 @@ def check_importable_on_cluster(train_code: str, working_dir: str) -> None:
 
 
 def trainer_function(
-    config: TrainingConfig,
-    spec: TrainFunc,
-    code_dir: str,
-    resume: ResumePoint | None = None,
-    prepared: PreparedData | None = None,
-    fixed_workers: int = 0,
-    lease: tuple[str, str] | None = None,
+    fit: FitContext, code_dir: str, resume: ResumePoint | None = None, fixed_workers: int = 0
 ) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-    """(the function each worker runs, its ``train_loop_config``, ``TorchTrainer`` data kwargs). With ``prepared``
+    """(the function each worker runs, its ``train_loop_config``, ``TorchTrainer`` data kwargs). With prepared
     data, each worker finds its node's local copy (``config["data_dir"]``); the driver its own, for ``datasets``.
     ``fixed_workers``: the worker group's size when it is fixed (0: elastic), which kept splits are divided for.
-    ``lease``: (the run's lease object's URI, this driver's holder name), which every checkpoint is checked against
-    (raytrain_tasks.checked_reports)."""
+    Every checkpoint is checked against the fit's lease (raytrain_tasks.checked_reports)."""
     from raytrain_tasks.prepared import data_dir_of
     from raytrain_tasks.spec_loop import SpecTrainFunc
     from raytrain_tasks.user_code import run_train_func, user_config
+
+    config, spec, prepared, lease = fit.config, fit.spec, fit.dataset, fit.lease
 
     loop_config = user_config(config, spec)
     data: dict[str, Any] = {}
@@ -106,7 +101,7 @@ def trainer_function(
             "present": sorted(resume.present),
             "data": prepared.model_dump(mode="json") if prepared is not None else None,
             "storage": config.storage_options.model_dump(mode="json"),
-            "lease": {"uri": lease[0], "holder": lease[1]} if lease else None,
+            "lease": {"uri": lease.location.uri, "holder": lease.holder} if lease is not None else None,
             # A TrainSpec's Ray Dataset splits: columns and example, so no worker calls data() (trainer_data).
             "ray_splits": spec_func.ray_splits if spec_func is not None and ray_spec else None,
         },
@@ -289,17 +284,10 @@ __all__ = [
 ]
 
 
-def record_user_fit(
-    client: Any,
-    result: ray.train.Result,
-    spec: Any,
-    config: TrainingConfig,
-    run_key: str,
-    run_dir: StorageLocation,
-    opened: OpenRun,
-) -> FitResult:
+def record_fit(fit: FitContext, result: ray.train.Result, opened: OpenRun) -> FitResult:
     """What the user's reports said: the best checkpoint by their metric, and the run's history as MLflow holds
     it. Their metric is the score the gate compares (no held-out split of the pipeline's own here)."""
+    client, spec, run_key, run_dir = fit.client, fit.spec, fit.run_key, fit.run_dir
     run_id = opened.run_id
     refuse_foreign_checkpoints(result, run_key, run_dir, is_checkpoint_folder, CHECKPOINT_NAMES)
     rejected = opened.resume_point.rejected if opened.resume_point is not None else frozenset()
@@ -310,8 +298,13 @@ def record_user_fit(
     best.pop("epoch", None)
     log_user_summary(run_logger(), spec, step, best)
     keys = sorted({key for entry in history for key in entry} - {"epoch"})  # every metric the code reported
-    model_ids = log_kept_checkpoints(client, result, run_dir, opened, rejected, history, keys)
-    fit = FitResult(
+    kept = {
+        checkpoint_name(c.path): (checkpoint_uri(run_dir, c), step_of(metrics, history))
+        for c, metrics in result.best_checkpoints or []
+        if checkpoint_name(c.path) not in rejected
+    }
+    model_ids = log_kept_checkpoints(client, opened, kept, keys)
+    done = FitResult(
         run_key=run_key,
         run_uri=run_dir.uri,
         mlflow_run_id=run_id,
@@ -333,39 +326,28 @@ def record_user_fit(
         best_checkpoint_model_id=model_ids.get(checkpoint_name(checkpoint.path)),
         shown_metrics=headline(keys, left_off(spec)),
     )
-    firsts = [spec.selection.name, spec.gate.name, *fit.shown_metrics]  # a TrainSpec's: no timing figure
+    firsts = [spec.selection.name, spec.gate.name, *done.shown_metrics]  # a TrainSpec's: no timing figure
     columns = [key for key in dict.fromkeys(firsts) if key in keys][:5]
-    if not log_summary(client, run_id, history, spec.selection.name, step, keys, columns):
+    if not log_summary(client, run_id, history, spec.selection.name, step, columns):
         client.set_tag(run_id, "summary.best_epoch", str(step))  # a pick the history lacks: its score alone
         client.set_tag(run_id, f"summary.best_{spec.selection.name}", f"{best[spec.selection.name]:.6f}")
     log_learning_curves(client, run_id, history)  # the run page links it
-    _log_checkpoint_pointer(client, fit)
-    # The best checkpoint's held-out scores, as the built-in's: best_checkpoint_<key> at its step, on its model.
-    client.log_batch(run_id, metrics=scores_as_metrics(fit.scores, step, fit.best_checkpoint_model_id))
-    return fit
+    _log_checkpoint_pointer(client, done)
+    # The best checkpoint's held-out scores: best_checkpoint_<key> at its step, on its model.
+    client.log_batch(run_id, metrics=scores_as_metrics(done.scores, step, done.best_checkpoint_model_id))
+    return done
 
 
 def _log_checkpoint_pointer(client: Any, fit: FitResult) -> None:
-    """Where the best checkpoint is, beside the learning curves (as the built-in's runs): what ``load_model`` reads."""
+    """Where the best checkpoint is, beside the learning curves: what ``load_model`` reads."""
     pointer = {"uri": fit.best_checkpoint_uri, "epoch": fit.best_epoch, "run_uri": fit.run_uri, "run_key": fit.run_key}
     client.log_text(fit.mlflow_run_id, json.dumps(pointer, indent=1), f"{EVALUATION_ARTIFACT_DIR}/checkpoint.json")
 
 
 def log_kept_checkpoints(
-    client: Any,
-    result: ray.train.Result,
-    run_dir: StorageLocation,
-    opened: OpenRun,
-    rejected: frozenset[str],
-    history: list[dict[str, float]],
-    keys: list[str],
+    client: Any, opened: OpenRun, kept: dict[str, tuple[str, int]], keys: list[str]
 ) -> dict[str, str]:
-    """Each checkpoint the run kept (not a rejected one), as a LoggedModel linked to its report's metrics, as the
-    built-in classifier's are (tracking.outcome.log_checkpoint_models); checkpoint folder name -> model_id."""
-    kept = {
-        checkpoint_name(c.path): (checkpoint_uri(run_dir, c), step_of(metrics, history))
-        for c, metrics in result.best_checkpoints or []
-        if checkpoint_name(c.path) not in rejected
-    }
+    """Each checkpoint the run kept (``kept``: folder name -> (its URI, its step); no rejected one), as a
+    LoggedModel linked to its report's metrics (tracking.outcome.log_checkpoint_models); folder name -> model_id."""
     digests = pinned_digests(client.get_run(opened.run_id).data.tags)
     return log_checkpoint_models(client, opened.experiment_id, opened.run_id, kept, digests, keys)

@@ -1,4 +1,4 @@
-"""Which checkpoint a resume of the user's code starts from (raytrain_driver.user_fit); no Ray."""
+"""Which checkpoint a resume of the user's code starts from (raytrain_driver.fit_steps); no Ray."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_driver.user_fit import choose_resume_point
+from raytrain_driver.fit_steps import choose_resume_point
 from raytrain_tasks.errors import CheckpointError
 from raytrain_tasks.integrity import folder_digest
 from raytrain_tasks.storage.locations import locate
@@ -80,7 +80,7 @@ def test_a_report_without_epoch_is_matched_to_its_step_by_the_metrics_mlflow_has
     """A train_func that reports no `epoch`, with a `test_loss` (a gate_metric) that MLflow's per-step history of the
     run does not hold: each checkpoint still gets its own step (they all got the last one, so the Models tab and the
     summary showed the last epoch for every checkpoint)."""
-    from raytrain_driver.user_fit import step_of
+    from raytrain_driver.fit_steps import step_of
 
     history = [{"epoch": 0.0, "val_loss": 0.5, "train_loss": 0.9}, {"epoch": 1.0, "val_loss": 0.4, "train_loss": 0.7}]
     assert step_of({"val_loss": 0.5, "test_loss": 0.55, "train_loss": 0.9}, history) == 1
