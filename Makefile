@@ -86,6 +86,7 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 	$(PY) -m devtools.check_sizes
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 typecheck: install
 	$(VENV)/bin/mypy flows tasks raytrain_driver raytrain_tasks deployments bench examples
@@ -114,8 +115,9 @@ bench: install  ## benchmarks that print figures (not tests); results in bench/r
 bench-smoke: install  ## the overhead benchmark at tiny sizes, one repetition (run it before changing bench/)
 	$(PY) -m bench.overhead --smoke
 
-docs: install  ## regenerate docs/configuration.md from the config model (tests/docs/test_docs.py checks it)
+docs: install  ## regenerate docs/configuration.md from the config model, then build the site into .pipeline/site
 	$(PY) -m devtools.config_reference
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 clean:
 	rm -rf .pipeline
