@@ -37,17 +37,16 @@ def quiet_console() -> None:
     _one_line_run_errors()
 
 
-# The loggers of Prefect's flow and task runs: their failure records carry the whole error (and the flow engine's
+# The loggers of Prefect's flow and task runs: their failure records carry the whole error (and the engine's
 # traceback), which the command prints once, at its end.
 RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
 ONE_LINE_CHARS = 200
 
 
 def _one_line_run_errors() -> None:
-    """On the console only, a flow or task run's failure is one line: the error in full (with the user's own
-    frames) ends the command's output once, instead of three times with Prefect's engine frames. The records keep
-    everything for the run's logs (Prefect's API handler sees them first, on the run loggers themselves) and for
-    --verbose."""
+    """On the console only, a flow or task run's failure is left to the command, which ends its output with the
+    error once (with the user's own frames) and the command that continues the run. The records keep everything
+    for the run's logs (Prefect's API handler sees them first, on the run loggers themselves) and for --verbose."""
     for handler in logging.getLogger().handlers:
         if type(handler).__name__ == "PrefectConsoleHandler" and not getattr(handler, "_prt_one_line", False):
             handler.emit = _shortened(handler.emit)  # type: ignore[method-assign]
@@ -56,16 +55,15 @@ def _one_line_run_errors() -> None:
 
 def _shortened(emit: Any) -> Any:
     def emit_one_line(record: logging.LogRecord) -> None:
-        failed = record.levelno >= logging.ERROR or str(record.msg).startswith("Finished in state Failed")
-        if record.name.startswith(RUN_LOGGERS) and (record.exc_info or failed):
+        if record.name.startswith(RUN_LOGGERS):
+            failed = record.levelno >= logging.ERROR or str(record.msg).startswith("Finished in state Failed")
+            if failed:
+                return  # the command prints it, once
             message = record.getMessage()
             first = message.splitlines()[0] if message else ""
-            if record.exc_info or first != message or len(first) > ONE_LINE_CHARS:
+            if record.exc_info or first != message or len(first) > ONE_LINE_CHARS:  # a retry: its reason, short
                 record = copy.copy(record)
-                record.msg = (
-                    first[:ONE_LINE_CHARS]
-                    + " ... (in full: the run's logs, --verbose, and the end of this output if the run fails)"
-                )
+                record.msg = first[:ONE_LINE_CHARS] + " ... (in full: the run's logs and --verbose)"
                 record.args, record.exc_info, record.exc_text = (), None, None
         emit(record)
 
