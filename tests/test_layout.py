@@ -162,8 +162,8 @@ def test_the_editable_install_warns_about_nothing(tmp_path: Path) -> None:
     assert proc.stdout.strip().endswith(".whl")
 
 
-def test_the_flow_and_its_tasks_assume_nothing_of_the_built_in_classifier() -> None:
-    """Issue 32 item 3: flows/ and tasks/ treat the built-in classifier as any training code: what its epochs and
+def test_the_flow_and_its_tasks_assume_nothing_of_the_table_classifier() -> None:
+    """flows/ and tasks/ treat the table classifier as any training code: what its epochs and
     summaries show, its data's description, its gate, all come from the driver (raytrain_driver), not from names
     of its metrics or data written here."""
     found = [

@@ -585,7 +585,7 @@ def test_user_code_outside_the_project_that_never_reports_the_gate_metric_fails_
 ) -> None:
     """The code lives in a folder of its own (the command's working directory), reaches the workers from there,
     trains and checkpoints, but reports `loss` while its TrainFunc gates on `val_score`. Ray Train would keep its
-    checkpoints by a metric they lack, so the first checkpointed report is refused on the worker (#63 item 5): the
+    checkpoints by a metric they lack, so the first checkpointed report is refused on the worker: the
     run fails there, once (a UserCodeError, not retried by the controller or by Prefect), saying how to continue
     with `resume=<run key>`, and nothing is committed or registered."""
     starts = tmp_path / "starts.txt"

@@ -259,7 +259,7 @@ def test_a_report_ray_train_would_keep_wrongly_is_refused_on_the_worker_before_r
 def test_a_fit_whose_driver_lost_the_lease_commits_no_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, holder: str | None
 ) -> None:
-    """(#63 item 16) Only the driver renews and watches the run's lease. A driver frozen past it (a paused VM,
+    """Only the driver renews and watches the run's lease. A driver frozen past it (a paused VM,
     Ctrl-Z) cannot stop its Ray Train controller and workers, which went on committing checkpoints beside the new
     driver's. Every rank now checks the lease before each checkpoint and stops with RunLeaseLostError."""
     from ray.train import ScalingConfig

@@ -215,7 +215,7 @@ def test_a_signal_to_the_whole_group_stops_the_command_in_seconds(
 def test_a_run_killed_before_its_first_checkpoint_continues_from_epoch_one_in_the_same_mlflow_run(
     tmp_path: Path, prefect_api: None
 ) -> None:
-    """Issue 30 item 3: SIGKILL to the whole group after the MLflow run opened, before any epoch was committed
+    """SIGKILL to the whole group after the MLflow run opened, before any epoch was committed
     (the likeliest moment to run out of memory); `resume` trains from epoch 1 in that same MLflow run."""
     command = Command(tmp_path, "train", *WORKLOAD)
     command.wait_until(lambda: "new MLflow run" in command.output(), "the MLflow run to open")
@@ -277,7 +277,7 @@ with ray_session(TrainingConfig()):
 
 @pytest.mark.window  # a deadline of 1 s, and 3 s for Ray's processes to end
 def test_a_stop_that_overruns_its_deadline_still_ends_every_ray_process_it_started(tmp_path: Path) -> None:
-    """Issue 29, seen in CI: a SIGTERM that landed between the fit and register-model was still being handled
+    """a SIGTERM that landed between the fit and register-model was still being handled
     10 s later, so the CLI exited at its deadline without ``ray.shutdown()``; the raylet's dashboard and
     runtime-env agents outlived it by more than 10 s. At the deadline the CLI now ends the process groups of
     the Ray it started (raytrain_driver.process_groups), and marks the MLflow run it drives KILLED."""

@@ -1,4 +1,4 @@
-"""Which version of the user's code trained a run (#63 item 8): a digest of its files, its git commit, and what a
+"""Which version of the user's code trained a run: a digest of its files, its git commit, and what a
 resume says when the code changed. Real files and a real git checkout; no Ray, no MLflow."""
 
 from __future__ import annotations

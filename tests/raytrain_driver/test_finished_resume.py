@@ -37,7 +37,7 @@ def _as_a_worker_hashes(spec: object, config: object) -> str:
 def test_a_finished_train_spec_run_refuses_a_resume_on_changed_data(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """(#63 item 7) A TrainSpec without ``prepare`` reads its own data; its finished run resumed on changed data
+    """A TrainSpec without ``prepare`` reads its own data; its finished run resumed on changed data
     would register its old scores as if they were the new data's."""
     from raytrain_driver.fit import _confirm_finished, _spec_data_digest
     from raytrain_driver.preflight import resolve_code, shown_params

@@ -248,7 +248,7 @@ def test_cli_killed_then_resumed_continues_the_same_run(tmp_path: Path, referenc
 
 @pytest.mark.chaos
 def test_checkpoints_committed_while_mlflow_was_down_survive_a_crash(tmp_path: Path, reference: PipelineResult) -> None:
-    """Issue 30 item 5: MLflow goes down right after the run opened, so no checkpoint gets its pin there; the
+    """MLflow goes down right after the run opened, so no checkpoint gets its pin there; the
     command is then SIGKILLed. With MLflow back, `resume` continues from the newest checkpoint (its pin kept on
     this machine meanwhile), not from epoch 1, and the run ends as an uninterrupted one."""
     import ray

@@ -373,7 +373,7 @@ def test_a_holder_whose_lock_was_taken_over_does_not_finish_an_interrupted_promo
 def test_a_champion_moved_while_the_holder_assessed_it_is_not_overwritten(
     registry: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """(#63 item 19) A holder frozen past its lease while it assesses the champion is overtaken by a pipeline
+    """A holder frozen past its lease while it assesses the champion is overtaken by a pipeline
     that moves `champion`; woken, it must not move `champion` over that one on a decision made against the old."""
     import raytrain_driver.register as register
 

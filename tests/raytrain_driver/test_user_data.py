@@ -81,7 +81,7 @@ def test_a_stored_version_changed_afterwards_is_refused_where_it_is_read(tmp_pat
 
 
 def test_a_second_run_writing_the_same_version_does_not_make_the_first_refuse_it(tmp_path: Path) -> None:
-    """(#63 item 18) Two runs preparing the same new data at once: the second replaces each file whole, under a
+    """Two runs preparing the same new data at once: the second replaces each file whole, under a
     temporary name beside it first. A fit of the first reading the version then hashed those names too, refused
     its data and told the user to delete the folder the other run was writing."""
     config = small_config(tmp_path, train_code=CODE, epochs=1)
@@ -118,7 +118,7 @@ def test_a_prepare_that_fails_or_writes_nothing_is_named_before_anything_is_stor
 
 
 def test_a_data_error_of_the_table_classifier_shows_no_frame_of_this_project(tmp_path: Path) -> None:
-    """(#63 item 15) Its message says what is wrong with the table; frames of raytrain_driver/user_data.py and
+    """Its message says what is wrong with the table; frames of raytrain_driver/user_data.py and
     raytrain_tasks/tables.py under it read as if the user's code had failed."""
     from raytrain_driver.preflight import resolve_code
 

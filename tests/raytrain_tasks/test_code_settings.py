@@ -335,7 +335,7 @@ def test_the_settings_that_hold_a_secret_are_found_by_their_types() -> None:
 def test_a_secret_setting_reaches_the_code_and_is_masked_wherever_the_run_shows_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """(#63 item 13) A SecretStr setting was shown in clear in the flow's settings line (Prefect keeps its logs)
+    """A SecretStr setting was shown in clear in the flow's settings line (Prefect keeps its logs)
     and the run's ``train_config`` param, while the code got pydantic's mask."""
     import json
     import sys

@@ -268,7 +268,7 @@ def test_a_resume_may_change_what_steers_the_run_and_nothing_it_trains_with() ->
 
 
 def test_a_resume_whose_code_lost_a_default_is_refused() -> None:
-    """(#63 item 8) A default removed from the code left its ``train_config.<key>`` param out of the resume's
+    """A default removed from the code left its ``train_config.<key>`` param out of the resume's
     params, and only the keys present were compared: the run went on training without it."""
     from raytrain_tasks.errors import TrackingError
     from raytrain_tasks.tracking.runs import _check_params_unchanged

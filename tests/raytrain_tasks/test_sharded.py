@@ -1,4 +1,4 @@
-"""Checkpoints written by every rank (issue 37): examples/fsdp_sharded shards its model with FSDP2 and saves it
+"""Checkpoints written by every rank: examples/fsdp_sharded shards its model with FSDP2 and saves it
 with torch.distributed.checkpoint from both ranks. A killed worker resumes from the last checkpoint in one
 MLflow run that ends where an uninterrupted one does; a checkpoint missing one rank's shard is never resumed
 from (the run continues from the one before it and records why); one registered version loads and predicts.

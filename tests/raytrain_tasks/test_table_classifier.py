@@ -1,4 +1,4 @@
-"""raytrain_tasks/table_classifier.py: the built-in classifier's model and data as a plain ``TrainSpec``, run
+"""raytrain_tasks/table_classifier/: the default train_code, a plain ``TrainSpec``, run
 through the whole pipeline the way a user runs their own table: a CSV file, a label column of names, a key
 column, trained, registered behind the gate, served from the registry on raw rows."""
 

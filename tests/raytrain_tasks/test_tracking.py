@@ -165,7 +165,7 @@ def test_a_resume_on_data_with_another_content_hash_is_refused_naming_both(tmp_p
 def test_the_pin_journal_keeps_pins_for_the_mlflow_run_they_belong_to_and_fills_in_only_what_mlflow_lacks(
     tmp_path: Path,
 ) -> None:
-    """Issue 30 item 5, the parts: pins appended while MLflow is down are read back for their run only; a record
+    """Pins appended while MLflow is down are read back for their run only; a record
     cut short by a crash costs that record alone, not the next; the driver copies into MLflow only the pins and
     epoch metrics it lacks, never over what it has; a journal anyone else could have written is not read; a
     controller on another machine than the driver writes none there."""
