@@ -21,17 +21,17 @@ import torch
 
 from bench.summary import write_figures
 from devtools.s3_server import ADMIN, LocalS3
-from raytrain_tasks.checkpoint import capture_rng_state
 from raytrain_tasks.storage.filesystem import StorageOptions, open_filesystem
 from raytrain_tasks.storage.locations import s3_client
 from raytrain_tasks.table_classifier.models import build_mlp
+from raytrain_tasks.trainspec.checkpoint import capture_rng_state
 
 BUCKET = "bench"
 
 
 def make_checkpoint(directory: Path, hidden: list[int]) -> int:
-    """A checkpoint as a TrainSpec's loop writes one (raytrain_tasks.spec_loop): model, optimizer and RNG state."""
-    from raytrain_tasks.spec_loop import STATE_FILE
+    """A checkpoint as a TrainSpec's loop writes one (raytrain_tasks.trainspec.loop): model, optimizer and RNG state."""
+    from raytrain_tasks.trainspec.loop import STATE_FILE
 
     model = build_mlp(64, 10, hidden)
     optimizer = torch.optim.Adam(model.parameters())

@@ -120,9 +120,9 @@ def _spec_data_digest(config: TrainingConfig, spec: TrainFunc) -> str | None:
     """A TrainSpec's own data (no ``prepare``), hashed here as its workers hash it: a finished run's resume trains
     nothing, so no worker would see that it changed. None for other code, for data pinned by ``prepare``'s stored
     version, and for Ray Datasets (hashing them would read them whole)."""
-    from raytrain_tasks.checkpoint import capture_rng_state, restore_rng_state
-    from raytrain_tasks.spec_data import data_digest
-    from raytrain_tasks.spec_loop import SpecTrainFunc, seed_as_workers
+    from raytrain_tasks.trainspec.checkpoint import capture_rng_state, restore_rng_state
+    from raytrain_tasks.trainspec.data import data_digest
+    from raytrain_tasks.trainspec.loop import SpecTrainFunc, seed_as_workers
     from raytrain_tasks.user_code import user_config
 
     func = spec.train_func

@@ -72,7 +72,7 @@ def trainer_function(
     ``fixed_workers``: the worker group's size when it is fixed (0: elastic), which kept splits are divided for.
     Every checkpoint is checked against the fit's lease (raytrain_tasks.checked_reports)."""
     from raytrain_tasks.prepared import data_dir_of
-    from raytrain_tasks.spec_loop import SpecTrainFunc
+    from raytrain_tasks.trainspec.loop import SpecTrainFunc
     from raytrain_tasks.user_code import run_train_func, user_config
 
     config, spec, prepared, lease = fit.config, fit.spec, fit.dataset, fit.lease
@@ -242,7 +242,7 @@ def step_of(metrics: dict[str, Any], history: list[dict[str, float]]) -> int:
 def left_off(spec: TrainFunc) -> tuple[str, ...]:
     """What a run's epoch lines and summary leave off: a TrainSpec's timing figures and test scores; nothing of a
     train_func's (each name it reports is its own choice)."""
-    from raytrain_tasks.spec_loop import SpecTrainFunc
+    from raytrain_tasks.trainspec.loop import SpecTrainFunc
 
     return SPEC_LOOP_EXTRAS if isinstance(spec.train_func, SpecTrainFunc) else ()
 

@@ -111,7 +111,7 @@ def check_spec_data(config: TrainingConfig, spec: TrainFunc, dataset: RunData | 
     the wrong kind, an empty split, no test split or a missing column fail the fit in seconds, before an MLflow run
     or any worker (every worker would refuse them too)."""
     from raytrain_tasks.prepared import data_dir_of
-    from raytrain_tasks.spec_loop import SpecTrainFunc
+    from raytrain_tasks.trainspec.loop import SpecTrainFunc
     from raytrain_tasks.user_code import user_config
 
     if not isinstance(spec.train_func, SpecTrainFunc):
@@ -133,7 +133,7 @@ def data_tasks_during_fit(spec: TrainFunc) -> bool:
     workers train, which need a CPU the workers leave free: a TrainFunc's ``datasets=`` (built later, as they
     may stream), a TrainSpec's splits unless all are kept in the object store (materialized, as the table
     classifier keeps what fits)."""
-    from raytrain_tasks.spec_loop import SpecTrainFunc
+    from raytrain_tasks.trainspec.loop import SpecTrainFunc
 
     if isinstance(spec.train_func, SpecTrainFunc):
         return spec.train_func.ray_data and not spec.train_func.kept

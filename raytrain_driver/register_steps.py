@@ -305,7 +305,7 @@ def registering(config: TrainingConfig, fit: FitResult) -> Iterator[None]:
     from raytrain_driver.cluster import ray_session
 
     if fit.ray_datasets:
-        from raytrain_tasks.spec_data import quiet_ray_data
+        from raytrain_tasks.trainspec.data import quiet_ray_data
 
         quiet_ray_data()
     with ray_session(config) if fit.ray_datasets else contextlib.nullcontext():

@@ -1,9 +1,9 @@
 """Find what `prefect-raytrain gc` may remove, and remove it (the rules: raytrain_driver.leftovers).
 
 On this node: the copies of prepared data (raytrain_tasks.prepared) and the checkpoint staging folders
-(raytrain_tasks.checkpoint) in the temporary directory, and the pin journals under the orchestrator's state folder
-(raytrain_tasks.tracking.pin_journal). In storage: the checkpoint folders of each run that were never committed, and
-the files a killed write left (``<name>.<8 hex>.tmp``, ``.write-probe-*``). Dataset versions are never removed.
+(raytrain_tasks.trainspec.checkpoint) in the temporary directory, and the pin journals under the orchestrator's state
+folder (raytrain_tasks.tracking.pin_journal). In storage: the checkpoint folders of each run that were never committed,
+and the files a killed write left (``<name>.<8 hex>.tmp``, ``.write-probe-*``). Dataset versions are never removed.
 
 Each removal checks again first what can change meanwhile: a node copy's locks, the run's lease, the age.
 """
@@ -99,11 +99,11 @@ def _copy_age(folder: Path) -> float:
 
 def staging_folders() -> list[Leftover]:
     """This user's checkpoint staging folders on this node, one per run key."""
-    from raytrain_tasks.checkpoint import STAGING_PREFIX
+    from raytrain_tasks.trainspec.checkpoint import STAGING_PREFIX
 
     root = Path(tempfile.gettempdir()) / f"{STAGING_PREFIX}{os.getuid()}"
     if not _plain_dir(root) or root.lstat().st_uid != os.getuid():
-        return []  # not this user's own: raytrain_tasks.checkpoint does not use it either
+        return []  # not this user's own: raytrain_tasks.trainspec.checkpoint does not use it either
     return [
         Leftover(Kind.CHECKPOINT_STAGING, str(entry), _bytes(entry), _age(entry), run_key=entry.name)
         for entry in sorted(root.iterdir())

@@ -2,7 +2,7 @@
 
 - The public API: ``api`` (``TrainFunc``, ``TrainSpec``, ``Metric``, ``Splits``). Nothing else here is public.
 - Your code, loaded and checked: ``user_code``, ``code_settings``, ``checked_reports``, ``errors``.
-- The TrainSpec loop: ``spec_loop``, ``spec_steps``, ``spec_data``, ``kept_shards``, ``checkpoint``, ``resume``.
+- The TrainSpec loop: ``trainspec/`` (what each worker runs for a ``TrainSpec``).
 - The run's settings: ``config`` (``TrainingConfig``), ``settings``, ``moved_settings``, ``environment``.
 - Storage: ``storage/`` (local folders and S3), ``prepared`` (prepare-data's stored versions), ``integrity``.
 - Tracking: ``tracking/`` (the MLflow run, pins, the controller's logging), ``reports``, ``failures``.

@@ -38,7 +38,7 @@ from __future__ import annotations
 import posixpath
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -168,97 +168,59 @@ class Metric:
 MetricChoice = Metric | Callable[[dict[str, Any]], Metric]
 
 
-@dataclass(frozen=True)
-class TrainFunc:
-    """Ray Train's training function, with what the pipeline needs beside it.
+@dataclass(frozen=True, kw_only=True)
+class CodeOptions:
+    """What a ``TrainFunc`` and a ``TrainSpec`` both take, by keyword. Each is a function of ``config`` (the config
+    your code receives) unless said otherwise. [Your code in detail](own-code.md#every-option) says more."""
 
-    Attributes:
-        train_func: ``train_func(config)``, run on every worker as ``TorchTrainer(train_func, ...)`` would. It
-            reports with ``ray.train.report(metrics, checkpoint=...)`` (every rank calls it each time; rank 0 alone,
-            or every rank, may pass a checkpoint folder: the files of every rank are kept together) and resumes from
-            ``ray.train.get_checkpoint()``. Include ``"epoch"`` (0-based) in the metrics to have MLflow steps
-            follow your epochs; otherwise each checkpointed report is the next step.
-        metric: the reported metric that picks the best checkpoint and that the promotion gate compares; or a
-            function of ``config`` returning it, to let one of your settings choose (``MetricChoice``).
-        load_model: ``load_model(checkpoint_dir, config) -> torch.nn.Module``: the servable model from a local copy
-            of one of your checkpoints (for a sharded checkpoint, gather it here, e.g. with
-            ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``). None: nothing can be registered,
-            run with ``register=False``.
-        input_example: ``input_example(config)`` -> a tensor (or numpy array) the model accepts: MLflow exports the
-            model with it and records its signature. Needed with ``load_model``.
-        datasets: ``datasets(config) -> {"train": ray.data.Dataset, ...}``, built on the driver and passed as
-            ``TorchTrainer(datasets=...)``, for a ``train_func`` that reads ``ray.train.get_dataset_shard(name)``.
-        defaults: values for ``config`` that apply when neither ``train_config`` nor the pipeline sets them.
-        settings: your code's own settings, declared as a class (a pydantic ``BaseModel`` or a dataclass: one
-            field per setting, with its type and default), instead of ``defaults``. ``train_config`` is then checked
-            against it before anything starts (a key it does not declare, a value of the wrong type or a required
-            setting left out is refused, naming ``train_config.<key>``); your code receives every setting in
-            ``config`` as a plain JSON value (``Settings(**config)`` reads them back typed), each is logged as the
-            MLflow param ``train_config.<key>``, and a served deployment that names your code shows one typed field
-            per setting in the Prefect UI's run form.
-        gate_metric: the reported metric the promotion gate compares, when it is not ``metric`` (e.g. select the
-            best checkpoint by ``val_loss``, compare ``test_loss`` with the champion's); same direction.
-        evaluate: ``evaluate(model, config) -> {metric: value}``: scores a servable model on the data your code
-            holds out today, returning at least the gate's metric. It gets this run's model and the current
-            champion, each loaded back from the registry as a torch module, so the gate compares the two on the
-            same data (a champion trained on last month's data is judged on today's). None: the gate compares the
-            scores recorded when each was trained, which is like with like only while the data does not change. A
-            ``TrainSpec`` has one: its test split, loss and metrics.
-        artifacts: ``artifacts(model, config, folder)``: files about the registered model (plots, a confusion
-            matrix, per-class scores, a report...), written into ``folder`` (an empty local directory) on the driver
-            when the run registers, with the model ``load_model`` gives; the pipeline logs them to the run's MLflow
-            artifacts under ``evaluation/``. An error in it fails registration with your frames (nothing is
-            registered; ``resume`` registers once it is fixed). Needs ``load_model``.
-        model_metadata: ``model_metadata(config) -> {key: JSON value}``: what the registered model carries in its
-            MLflow metadata (its ``MLmodel`` file) beside the pipeline's own ``run_key``, ``train_code`` and
-            ``dataset_hash``, which it may not set: class labels, feature names, units, what the output means.
-            Called on the driver when the run registers; whoever loads the model reads it back with
-            ``mlflow.models.get_model_info(model_uri).metadata``. An error in it fails registration as one in
-            ``artifacts`` does. Needs ``load_model``.
-        prepare: ``prepare(config, folder)``: the run's prepare-data step. Load or download your data, split and
-            preprocess it, and write the result, in any files and format, into ``folder`` (an empty local
-            directory). It runs once per run, where the flow runs, before any worker is asked for. The pipeline
-            keeps the folder in ``<storage_path>/datasets/<content hash>/`` (the same data is stored once, however
-            many runs use it), records the hash in the MLflow run (``prefect_raytrain.dataset_hash``), and hands
-            your code ``config["data_dir"]``: a local folder holding those exact files, on every worker and on the
-            driver (for ``datasets``, ``load_model``, ``input_example`` and ``evaluate``), on any node of a cluster.
-            Files that no longer hash to the recorded content are refused: treat ``data_dir`` as read-only, and
-            write the same bytes for the same data (seeded, no timestamps). A resume runs ``prepare`` again and is
-            refused if the data changed: a run continues on the data it started with. None: your code reads its
-            data where it is (and ``data_dir`` is a key like any other). It may return one line on what it wrote
-            (``"1437 train / 180 val / 180 test rows, 64 features, 10 classes"``): the prepare-data log line, the
-            Prefect run page and the MLflow dataset input's profile show it beside the content hash.
-        schema: ``schema(config) -> {key: JSON value}``: what the model's inputs and outputs mean beyond their
-            shapes, e.g. ``{"features": [...names in order], "classes": [...labels in order]}``. Each registered
-            version records its digest (tag ``schema.digest``: the first 16 hex digits of the SHA-256 of
-            ``json.dumps(schema)``, keys in the order given); a champion of another schema, or of none, is not
-            compared with this run's model: it keeps ``champion`` and the reason is recorded, unless
-            ``replace_incomparable_champion`` is on. Called once on the driver when the run registers (with
-            ``data_dir``), before anything is registered. None: no schema is recorded, and the MLflow signature
-            (types and shapes) decides, unless the champion recorded one (then it is incomparable). Needs
-            ``load_model``.
-        model_name: ``model_name(config) -> str``: the MLflow registered model a run registers into when it leaves
-            the ``model_name`` setting at its default, e.g. one per region (``f"sales-{config['region']}"``): the
-            gate only compares models of one name, so data whose scores are not comparable needs a name of its
-            own. Called where the run starts (``config["data_dir"]`` is None then), and again by a crash
-            continuation: the same config must give the same name. 1-200 letters, digits, spaces, ``.``, ``_``,
-            ``-``, starting with a letter or digit. None: the module of ``train_code`` (``my_project.train``).
-    """
+    input_example: Callable[[dict[str, Any]], Any] | None = None
+    """``input_example(config)``: an input the model accepts. MLflow exports the model with it."""
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    """Values for ``config`` where neither ``train_config`` nor the pipeline sets them."""
+    settings: type | None = None
+    """Your settings as a class (pydantic or a dataclass), instead of ``defaults``. ``train_config`` is checked
+    against it before anything starts, and the Prefect form shows one field per setting."""
+    prepare: Prepare | None = None
+    """``prepare(config, folder)``: the prepare-data step. It writes your data into ``folder``; the pipeline stores
+    it by content hash, and your code reads it from ``config["data_dir"]``."""
+    artifacts: Callable[[Any, dict[str, Any], Path], None] | None = None
+    """``artifacts(model, config, folder)``: files about the registered model, logged under ``evaluation/``."""
+    model_metadata: ModelMetadata | None = None
+    """``model_metadata(config) -> {key: JSON value}``: the registered model's MLflow metadata."""
+    schema: ModelMetadata | None = None
+    """``schema(config) -> {key: JSON value}``: what inputs and outputs mean. A champion of another schema is not
+    compared."""
+    model_name: Callable[[dict[str, Any]], str] | None = None
+    """``model_name(config) -> str``: the registered model, where the ``model_name`` setting is left at its
+    default."""
+
+    def _check_options(self, kind: str) -> None:
+        check_code_config(kind, self.defaults, self.settings, self.prepare)
+        for name in ("input_example", "prepare", "artifacts", "model_metadata", "schema", "model_name"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise TypeError(f"{kind}({name}=...) must be a function, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TrainFunc(CodeOptions):
+    """Ray Train's training function, with what the pipeline needs beside it: the metric that decides, and how a
+    checkpoint becomes a model to register."""
 
     train_func: Callable[[dict[str, Any]], None]
+    """``train_func(config)``, run on every worker as ``TorchTrainer(train_func, ...)`` would run it."""
     metric: MetricChoice
+    """The reported metric that picks the best checkpoint and that the gate compares, or a function of ``config``
+    returning it."""
+    _: KW_ONLY
     load_model: Callable[[Path, dict[str, Any]], Any] | None = None
-    input_example: Callable[[dict[str, Any]], Any] | None = None
+    """``load_model(checkpoint_dir, config) -> torch.nn.Module``. None: nothing can be registered."""
     datasets: Callable[[dict[str, Any]], Mapping[str, Any]] | None = None
-    defaults: Mapping[str, Any] = field(default_factory=dict)
+    """``datasets(config) -> {"train": ray.data.Dataset, ...}``, passed as ``TorchTrainer(datasets=...)``."""
     gate_metric: str = ""
+    """The reported metric the gate compares, when it is not ``metric``; same direction."""
     evaluate: Callable[[Any, dict[str, Any]], Mapping[str, float]] | None = None
-    prepare: Prepare | None = None
-    settings: type | None = None
-    artifacts: Callable[[Any, dict[str, Any], Path], None] | None = None
-    model_metadata: ModelMetadata | None = None
-    schema: ModelMetadata | None = None
-    model_name: Callable[[dict[str, Any]], str] | None = None
+    """``evaluate(model, config) -> {metric: value}``: scores this run's model and the champion on today's data."""
 
     def __post_init__(self) -> None:
         if not callable(self.train_func):
@@ -270,14 +232,13 @@ class TrainFunc:
             )
         if (self.load_model is None) != (self.input_example is None):
             raise TypeError("TrainFunc needs load_model and input_example together (both, or neither)")
-        check_code_config("TrainFunc", self.defaults, self.settings, self.prepare)
+        self._check_options("TrainFunc")
         for name in ("evaluate", "artifacts", "model_metadata", "schema"):
             if getattr(self, name) is not None and self.load_model is None:
                 raise TypeError(
                     f"TrainFunc({name}=...) works on registered models: it needs load_model and input_example"
                 )
-        functions = ("load_model", "input_example", "datasets", "evaluate", "prepare", "artifacts", "model_metadata")
-        for name in (*functions, "schema", "model_name"):
+        for name in ("load_model", "datasets", "evaluate"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise TypeError(f"TrainFunc({name}=...) must be a function, got {value!r}")
@@ -322,55 +283,24 @@ class Splits:
 
 
 @dataclass(frozen=True)
-class TrainSpec:
-    """Your model, data, loss and metrics; the pipeline's own loop trains them (DDP through ``prepare_model``,
-    sharded data loading, a checkpoint every epoch, a resume that continues the same trajectory, the held-out
-    test split scored for the gate). Point ``train_code`` at it as at a ``TrainFunc``.
-
-    Attributes:
-        data: ``data(config) -> Splits``. Torch Datasets: runs on every worker, and must give the same splits
-            every time (read files, or split with a fixed seed); the pipeline records a content hash of them, and a
-            resume on other data is refused. Ray Datasets: runs only where the flow runs (workers get shards).
-        model: ``model(config, example) -> torch.nn.Module`` from the config and an example input batch (its shape
-            tells input sizes).
-        loss: ``loss(outputs, targets) -> scalar tensor``, the mean over the batch; trained on, and reported as
-            ``train_loss``, ``val_loss``, ``test_loss``.
-        metrics: ``metrics(outputs, targets) -> {name: mean over the batch}``; reported as ``val_<name>`` and
-            ``test_<name>``, averaged over each whole split.
-        metric: which of them decides (``Metric("accuracy", higher_is_better=True)`` or ``Metric("loss", False)``,
-            or a function of ``config`` returning one, as for ``TrainFunc``):
-            ``val_<name>`` picks the best checkpoint, ``test_<name>`` is what the gate compares: the champion's and
-            this run's model each scored on this run's test split (as ``TrainFunc.evaluate`` does).
-        optimizer: ``optimizer(parameters, config)``; default Adam with ``config["lr"]``.
-        input_example: ``input_example(config)`` -> what the registered model is exported with; default: two inputs
-            of the train split.
-        defaults: values for ``config`` that apply when neither ``train_config`` nor the pipeline sets them.
-        settings: your code's own settings as a class, instead of ``defaults``, as for ``TrainFunc``.
-        artifacts: ``artifacts(model, config, folder)``: files about the registered model, as for ``TrainFunc``.
-        model_metadata: ``model_metadata(config) -> {key: JSON value}``: the registered model's MLflow metadata
-            (class labels, ...), as for ``TrainFunc``.
-        prepare: ``prepare(config, folder)``, as for ``TrainFunc``: ``data(config)`` then reads the files from
-            ``config["data_dir"]``, the same on the driver and every worker, wherever they run.
-        schema: ``schema(config) -> {key: JSON value}``: what the model's inputs and outputs mean (feature names,
-            class labels); a champion of another schema is not compared, as for ``TrainFunc``.
-        model_name: ``model_name(config) -> str``: the registered model's name where the run leaves the
-            ``model_name`` setting at its default, as for ``TrainFunc``.
-    """
+class TrainSpec(CodeOptions):
+    """Your model, data, loss and metrics; the pipeline's own loop trains them: DDP, sharded data, a checkpoint
+    every epoch, an exact resume, the held-out test split scored for the gate."""
 
     data: Callable[[dict[str, Any]], Splits]
+    """``data(config) -> Splits``: the same splits every time it is called."""
     model: Callable[[dict[str, Any], Any], Any]
+    """``model(config, example) -> torch.nn.Module``; ``example`` is an input batch."""
     loss: Callable[[Any, Any], Any]
+    """``loss(outputs, targets) -> scalar tensor``, the mean over the batch."""
     metric: MetricChoice
+    """Which measure decides: ``Metric("accuracy", True)``, ``Metric("loss", False)``, or a function of
+    ``config`` returning one. ``val_<name>`` picks the best checkpoint; the gate compares ``test_<name>``."""
+    _: KW_ONLY
     metrics: Callable[[Any, Any], Mapping[str, Any]] | None = None
+    """``metrics(outputs, targets) -> {name: mean over the batch}``, reported as ``val_<name>``, ``test_<name>``."""
     optimizer: Callable[[Any, dict[str, Any]], Any] | None = None
-    input_example: Callable[[dict[str, Any]], Any] | None = None
-    defaults: Mapping[str, Any] = field(default_factory=dict)
-    prepare: Prepare | None = None
-    settings: type | None = None
-    artifacts: Callable[[Any, dict[str, Any], Path], None] | None = None
-    model_metadata: ModelMetadata | None = None
-    schema: ModelMetadata | None = None
-    model_name: Callable[[dict[str, Any]], str] | None = None
+    """``optimizer(parameters, config)``. Default: Adam with ``config["lr"]``."""
 
     def __post_init__(self) -> None:
         for name in ("data", "model", "loss"):
@@ -383,10 +313,7 @@ class TrainSpec:
             )
         if isinstance(self.metric, Metric) and (problem := spec_metric_problem(self, self.metric)):
             raise TypeError(problem)
-        for name in ("prepare", "artifacts", "model_metadata", "schema", "model_name"):
-            if getattr(self, name) is not None and not callable(getattr(self, name)):
-                raise TypeError(f"TrainSpec({name}=...) must be a function, got {getattr(self, name)!r}")
-        check_code_config("TrainSpec", self.defaults, self.settings, self.prepare)
+        self._check_options("TrainSpec")
 
 
 def spec_metric_problem(spec: TrainSpec, metric: Metric) -> str:

@@ -50,7 +50,7 @@ def resolve(train_code: str, where: str = "on this driver") -> TrainFunc:
             )
         target = getattr(target, part)
     if isinstance(target, TrainSpec):
-        from raytrain_tasks.spec_loop import as_train_func
+        from raytrain_tasks.trainspec.loop import as_train_func
 
         return as_train_func(target)
     if not isinstance(target, TrainFunc):
@@ -73,7 +73,7 @@ def bind(spec: TrainFunc, config: Any) -> TrainFunc:
     if isinstance(spec.metric, Metric):
         return spec
     from raytrain_tasks.api import spec_metric_problem
-    from raytrain_tasks.spec_loop import SpecTrainFunc, as_train_func
+    from raytrain_tasks.trainspec.loop import SpecTrainFunc, as_train_func
 
     where = f"train_code {config.train_code!r}: its metric=... function"
     try:
@@ -135,7 +135,7 @@ def user_config(config: Any, spec: TrainFunc, data_dir: Path | None = None) -> d
 def run_train_func(loop_config: dict[str, Any]) -> None:
     """What each Ray Train worker runs for user code: the user's ``train_func`` with its config."""
     from raytrain_tasks.checked_reports import checked_reports
-    from raytrain_tasks.spec_loop import SpecTrainFunc
+    from raytrain_tasks.trainspec.loop import SpecTrainFunc
 
     _on_import_path(loop_config.get("code_dir", ""))
     spec = resolve(loop_config["train_code"], where="on a Ray Train worker")

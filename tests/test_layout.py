@@ -44,7 +44,11 @@ for module in modules:
     found[module] = [probe for probe, bit in zip(probes, answer) if bit == "1"]
 print(json.dumps(found))
 """
-WORKER_MODULES = ["raytrain_tasks.spec_loop", "raytrain_tasks.tracking.controller", "raytrain_tasks.checkpoint"]
+WORKER_MODULES = [
+    "raytrain_tasks.trainspec.loop",
+    "raytrain_tasks.tracking.controller",
+    "raytrain_tasks.trainspec.checkpoint",
+]
 FLOW_MODULES = ["flows.training", "tasks.fit", "tasks.register", "tasks.data"]
 
 

@@ -75,7 +75,7 @@ def log_epoch(
     values = numeric_metrics(metrics) if keys is None else {k: float(metrics[k]) for k in keys if k in metrics}
     batch = [Metric(key, value, timestamp, step) for key, value in values.items()]
     tags = [RunTag(LAST_CHECKPOINT_TAG, checkpoint_path)] if checkpoint_path else []
-    if isinstance(metrics.get(DATASET_DIGEST_KEY), str):  # a TrainSpec's content hash of its splits (spec_loop)
+    if isinstance(metrics.get(DATASET_DIGEST_KEY), str):  # a TrainSpec's content hash of its splits (trainspec.loop)
         tags.append(RunTag(DATASET_HASH_TAG, metrics[DATASET_DIGEST_KEY]))
     digest = metrics.get(MANIFEST_METRIC)
     if checkpoint_path and isinstance(digest, str):

@@ -131,7 +131,7 @@ def _run_models(client: MlflowClient, experiment_id: str, run_id: str) -> list[A
             return found
 
 
-# What a TrainSpec's loop reports besides its losses and metrics (raytrain_tasks.spec_data.epoch_figures), and its
+# What a TrainSpec's loop reports besides its losses and metrics (raytrain_tasks.trainspec.data.epoch_figures), and its
 # test-split scores (the gate's; they pick nothing): in MLflow, but left off its epoch lines and summaries.
 SPEC_LOOP_EXTRAS = ("test_", "epoch_seconds", "samples_per_second", "workers")
 

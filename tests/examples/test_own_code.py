@@ -821,7 +821,7 @@ def test_a_train_spec_without_a_held_out_test_split_is_refused_before_training()
     from torch.utils.data import TensorDataset
 
     from raytrain_tasks.api import Splits, TrainSpec
-    from raytrain_tasks.spec_loop import _splits
+    from raytrain_tasks.trainspec.loop import _splits
 
     rows = TensorDataset(torch.zeros(4, 2), torch.zeros(4))
     spec = TrainSpec(
@@ -906,7 +906,7 @@ def test_an_error_in_a_train_specs_data_on_the_driver_is_the_users_with_its_fram
     """data() fails where the fit checks it first: a UserCodeError (not retried) with the user's own frame, not a
     bare KeyError that Prefect would retry `fit_retries` times."""
     from raytrain_tasks.api import TrainSpec
-    from raytrain_tasks.spec_loop import SpecTrainFunc
+    from raytrain_tasks.trainspec.loop import SpecTrainFunc
 
     def my_data(config: dict[str, Any]) -> Any:
         return config["source_dir"]
@@ -925,7 +925,7 @@ def test_an_empty_ray_dataset_split_or_a_missing_column_is_refused_on_the_driver
 
     from raytrain_tasks.api import Splits, TrainSpec
     from raytrain_tasks.errors import DatasetError
-    from raytrain_tasks.spec_loop import SpecTrainFunc
+    from raytrain_tasks.trainspec.loop import SpecTrainFunc
 
     rows = ray.data.from_items([{"x": [float(i)], "y": [2.0 * i]} for i in range(8)])
 

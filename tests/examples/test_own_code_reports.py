@@ -27,9 +27,9 @@ from raytrain_driver.fit_steps import best_checkpoint, trainer_function
 from raytrain_driver.lease import HeldLease
 from raytrain_tasks.api import Metric, Splits, TrainFunc, TrainSpec
 from raytrain_tasks.errors import UserCodeError
-from raytrain_tasks.spec_loop import SpecTrainFunc
 from raytrain_tasks.storage.locations import locate
 from raytrain_tasks.tracking.controller import MlflowEpochLogger
+from raytrain_tasks.trainspec.loop import SpecTrainFunc
 from raytrain_tasks.user_code import code_error_stopper
 from tests.helpers import fit_context, seed_mlflow_store, small_config
 

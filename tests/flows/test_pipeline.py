@@ -367,8 +367,8 @@ def by_loss(workdir: Path, ray_cluster: object, prefect_api: None) -> Iterator[t
     a model and a stale file in it. Returns the run and that folder."""
     import tempfile
 
-    from raytrain_tasks.checkpoint import STAGING_PREFIX
     from raytrain_tasks.config import new_run_key
+    from raytrain_tasks.trainspec.checkpoint import STAGING_PREFIX
 
     key = new_run_key()
     root = Path(tempfile.gettempdir()) / f"{STAGING_PREFIX}{os.getuid()}"

@@ -166,7 +166,7 @@ def test_the_pipeline_trains_on_a_cluster_by_address_and_leaves_it_running(
         )
     # The driver shipped raytrain_tasks (runtime_env py_modules): the cluster unpacked it for its workers.
     resources = external_cluster.temp_dir / "session_latest" / "runtime_resources"
-    shipped = list(resources.glob("py_modules_files/*/raytrain_tasks/spec_loop.py"))
+    shipped = list(resources.glob("py_modules_files/*/raytrain_tasks/trainspec/loop.py"))
     assert shipped, sorted(str(p.relative_to(resources)) for p in resources.rglob("*"))[:50]
 
 

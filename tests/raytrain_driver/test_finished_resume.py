@@ -25,9 +25,9 @@ def _data(config: dict) -> Splits:  # type: ignore[type-arg]
 
 
 def _as_a_worker_hashes(spec: object, config: object) -> str:
-    """The digest a worker records: it seeds, then calls data() (raytrain_tasks.spec_loop)."""
-    from raytrain_tasks.spec_data import data_digest
-    from raytrain_tasks.spec_loop import _splits, seed_as_workers
+    """The digest a worker records: it seeds, then calls data() (raytrain_tasks.trainspec.loop)."""
+    from raytrain_tasks.trainspec.data import data_digest
+    from raytrain_tasks.trainspec.loop import _splits, seed_as_workers
     from raytrain_tasks.user_code import user_config
 
     seed_as_workers(config.seed)  # type: ignore[attr-defined]

@@ -26,8 +26,8 @@ import pytest
 from flows.training import PipelineResult, training_pipeline
 from raytrain_tasks.config import RUN_KEY_PATTERN as RUN_KEY
 from raytrain_tasks.config import parameters_of
-from raytrain_tasks.resume import checkpoint_dir_name
 from raytrain_tasks.tracking.names import EPOCH_METRICS, epoch_number
+from raytrain_tasks.trainspec.resume import checkpoint_dir_name
 from tests.helpers import (
     REPO_ROOT,
     Kill,

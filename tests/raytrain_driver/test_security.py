@@ -22,10 +22,10 @@ import torch
 from pydantic import ValidationError
 
 from raytrain_tasks.api import TrainSpec
-from raytrain_tasks.checkpoint import capture_rng_state, restore_rng_state
 from raytrain_tasks.config import TrainingConfig, check_run_key, parameters_of
 from raytrain_tasks.errors import UnsafeCheckpointError
-from raytrain_tasks.spec_loop import STATE_FILE
+from raytrain_tasks.trainspec.checkpoint import capture_rng_state, restore_rng_state
+from raytrain_tasks.trainspec.loop import STATE_FILE
 from tests.helpers import CreatesAFile
 
 
@@ -33,8 +33,8 @@ from tests.helpers import CreatesAFile
 def test_a_checkpoint_carrying_a_pickle_is_refused_and_never_runs(tmp_path: Path, how: str) -> None:
     """A TrainSpec's checkpoint is read with torch's restricted unpickler alone, on the workers (a resume) and on
     the driver (registration): an object that would run code when unpickled is refused before it is created."""
-    from raytrain_tasks.spec_loop import spec_load_model
     from raytrain_tasks.table_classifier.spec import classifier
+    from raytrain_tasks.trainspec.loop import spec_load_model
 
     folder = tmp_path / "epoch-0001"
     folder.mkdir()

@@ -20,8 +20,8 @@ from raytrain_driver.register_steps import Candidate, assess_user_champion, user
 from raytrain_tasks.api import Metric, Splits, TrainFunc, TrainSpec
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import UserCodeError
-from raytrain_tasks.spec_loop import as_train_func
 from raytrain_tasks.tracking import runs as tracking
+from raytrain_tasks.trainspec.loop import as_train_func
 
 TRAIN_CODE = "someones_project.train:training"
 NAME = "gate-test"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_tasks.resume import checkpoint_dir_name
+from raytrain_tasks.trainspec.resume import checkpoint_dir_name
 
 
 def test_an_epoch_trained_again_never_reuses_the_folder_of_the_checkpoint_it_replaces() -> None:
@@ -24,7 +24,7 @@ KEY = "20261124-110000-abc123"
 def test_a_staging_folder_left_by_a_killed_attempt_is_replaced_by_the_runs_next_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from raytrain_tasks.checkpoint import STAGING_PREFIX, staging_folder
+    from raytrain_tasks.trainspec.checkpoint import STAGING_PREFIX, staging_folder
 
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     left = tmp_path / f"{STAGING_PREFIX}{os.getuid()}" / KEY
@@ -42,7 +42,7 @@ def test_a_staging_folder_left_by_a_killed_attempt_is_replaced_by_the_runs_next_
 def test_a_staging_parent_that_is_not_this_users_own_is_never_used_or_emptied(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, unsafe: str
 ) -> None:
-    from raytrain_tasks.checkpoint import STAGING_PREFIX, staging_folder
+    from raytrain_tasks.trainspec.checkpoint import STAGING_PREFIX, staging_folder
 
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     elsewhere = tmp_path / "someone-elses"
@@ -63,7 +63,7 @@ def test_a_staging_parent_that_is_not_this_users_own_is_never_used_or_emptied(
 def test_without_a_run_key_each_checkpoint_gets_a_fresh_temporary_folder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from raytrain_tasks.checkpoint import staging_folder
+    from raytrain_tasks.trainspec.checkpoint import staging_folder
 
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     with staging_folder(None) as first, staging_folder(None) as second:

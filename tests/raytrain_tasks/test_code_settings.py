@@ -227,7 +227,7 @@ class Selection(BaseModel):
 
 
 def _chosen(spec: TrainFunc | TrainSpec, select_by: str) -> TrainFunc:
-    from raytrain_tasks.spec_loop import as_train_func
+    from raytrain_tasks.trainspec.loop import as_train_func
     from raytrain_tasks.user_code import bind
 
     func = as_train_func(spec) if isinstance(spec, TrainSpec) else spec

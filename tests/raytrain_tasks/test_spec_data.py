@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import TensorDataset
 
-from raytrain_tasks.spec_data import train_loader_of
+from raytrain_tasks.trainspec.data import train_loader_of
 
 ROWS = TensorDataset(torch.arange(40).unsqueeze(1), torch.zeros(40))
 
@@ -33,8 +33,8 @@ def test_a_train_specs_workers_say_each_epoch_in_one_line() -> None:
     """A Ray Job's log is its only progress (no run page on the cluster), and --verbose shows the workers' output:
     rank 0 of a TrainSpec's loop says each committed epoch there, as the built-in classifier's loop does (it said
     nothing). Numbered from 1, the losses and validation figures, not the test split's."""
-    from raytrain_tasks.spec_loop import epoch_line
     from raytrain_tasks.tracking.names import DATASET_DIGEST_KEY
+    from raytrain_tasks.trainspec.loop import epoch_line
 
     reported = {"epoch": 1, "train_loss": 0.2782, "val_loss": 0.18, "val_mae": 0.3, "test_mae": 0.4, "test_loss": 0.5}
     figures = {"epoch_seconds": 0.0947, "samples_per_second": 13537.5, "workers": 2.0, DATASET_DIGEST_KEY: "ab12"}

@@ -10,8 +10,8 @@ from torch.utils.data import TensorDataset
 
 from raytrain_tasks.api import Metric, Splits, TrainSpec
 from raytrain_tasks.errors import UserCodeError
-from raytrain_tasks.spec_data import slice_batches
-from raytrain_tasks.spec_loop import _batch_metric_names, check_metric_named
+from raytrain_tasks.trainspec.data import slice_batches
+from raytrain_tasks.trainspec.loop import _batch_metric_names, check_metric_named
 
 
 def _spec(metric: Any) -> TrainSpec:

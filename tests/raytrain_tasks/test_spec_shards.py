@@ -1,5 +1,5 @@
 """A TrainSpec's Ray Dataset splits on a real worker group: which rows each worker trains on and scores, for splits
-kept in the object store (divided on the driver, raytrain_tasks.kept_shards) and for streamed ones."""
+kept in the object store (divided on the driver, raytrain_tasks.trainspec.kept_shards) and for streamed ones."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 from ray.train.torch import TorchTrainer
 
 from raytrain_tasks.api import Splits
-from raytrain_tasks.spec_data import RaySplits, ray_held_out_batches, ray_train_batches, trainer_datasets
+from raytrain_tasks.trainspec.data import RaySplits, ray_held_out_batches, ray_train_batches, trainer_datasets
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 WORLD = 2

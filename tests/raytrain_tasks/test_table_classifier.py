@@ -105,8 +105,8 @@ def test_ray_data_splits_that_fit_are_read_once_and_larger_ones_stream(
     # Kept splits run no Ray Data task while the workers train: no CPU is set aside for them (two workers of 1 CPU
     # on 2 CPUs, as the built-in's ray_data loader gets; a whole CPU was set aside, each worker had 0.5)
     from raytrain_driver.preflight import data_tasks_during_fit
-    from raytrain_tasks.spec_loop import as_train_func
     from raytrain_tasks.table_classifier.spec import classifier
+    from raytrain_tasks.trainspec.loop import as_train_func
 
     code = as_train_func(classifier)
     assert code.train_func.check_data(config) and not data_tasks_during_fit(code)  # type: ignore[attr-defined]

@@ -107,7 +107,7 @@ def test_a_train_specs_epoch_line_shows_its_losses_and_metrics_and_the_epochs_se
     from raytrain_driver.fit_steps import left_off
     from raytrain_driver.hooks import EpochView
     from raytrain_tasks.api import Metric, Splits, TrainFunc, TrainSpec
-    from raytrain_tasks.spec_loop import as_train_func
+    from raytrain_tasks.trainspec.loop import as_train_func
     from tasks.run_page import EpochProgress
 
     spec = TrainSpec(

@@ -25,12 +25,13 @@ import pyarrow.fs as pafs
 import torch
 from torch.utils.data import DistributedSampler
 
-from raytrain_tasks import spec_data
 from raytrain_tasks.api import Metric, Splits, TrainFunc, TrainSpec
-from raytrain_tasks.checkpoint import capture_rng_state, restore_rng_state, this_runs_staging_folder
 from raytrain_tasks.errors import DataRefusedError, DatasetError, UserCodeError, user_frames
-from raytrain_tasks.resume import checkpoint_dir_name
-from raytrain_tasks.spec_data import (
+from raytrain_tasks.tracking.names import DATASET_DIGEST_KEY
+from raytrain_tasks.tracking.outcome import SPEC_LOOP_EXTRAS, headline
+from raytrain_tasks.trainspec import data as spec_data
+from raytrain_tasks.trainspec.checkpoint import capture_rng_state, restore_rng_state, this_runs_staging_folder
+from raytrain_tasks.trainspec.data import (
     RaySplits,
     check_ray_splits,
     data_digest,
@@ -46,9 +47,8 @@ from raytrain_tasks.spec_data import (
     trainer_datasets,
     uses_ray_data,
 )
-from raytrain_tasks.spec_steps import batch_sums, mean_of, score_split, train_epoch
-from raytrain_tasks.tracking.names import DATASET_DIGEST_KEY
-from raytrain_tasks.tracking.outcome import SPEC_LOOP_EXTRAS, headline
+from raytrain_tasks.trainspec.resume import checkpoint_dir_name
+from raytrain_tasks.trainspec.steps import batch_sums, mean_of, score_split, train_epoch
 from raytrain_tasks.worker_log import configure_worker_logging
 
 logger = logging.getLogger(__name__)

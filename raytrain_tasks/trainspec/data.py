@@ -101,7 +101,7 @@ class RaySplits:
     example batch (for the model's shapes). A worker never calls ``data()`` for them, so a ``data()`` that
     materializes its splits (as Ray Data's guide advises for data that fits in the object store) runs once.
     ``divided``: the splits the driver divided into one shard per rank for a group of ``world`` workers
-    (raytrain_tasks.kept_shards); a group of another size gets them as Ray Train hands them out."""
+    (raytrain_tasks.trainspec.kept_shards); a group of another size gets them as Ray Train hands them out."""
 
     columns: tuple[str, str]
     example: Any
@@ -176,7 +176,7 @@ def trainer_datasets(splits: Splits, world_size: int) -> tuple[dict[str, Any], t
     a group of ``world_size`` workers (0: elastic), so no coordinator starts every epoch's stream."""
     import ray.train
 
-    from raytrain_tasks.kept_shards import kept_shards
+    from raytrain_tasks.trainspec.kept_shards import kept_shards
 
     in_order = ray.train.DataConfig.default_ingest_options()
     in_order.preserve_order = True

@@ -1,6 +1,6 @@
-"""The steps of a ``TrainSpec``'s loop (raytrain_tasks.spec_loop) over batches of either kind: one epoch's training,
-and the loss and metrics of a split, exact over the whole split (each rank scores its batches, the sums are
-all-reduced on the device: NCCL reduces no CPU tensor).
+"""The steps of a ``TrainSpec``'s loop (``loop``) over batches of either kind: one epoch's training, and the loss and
+metrics of a split, exact over the whole split (each rank scores its batches, the sums are all-reduced on the device:
+NCCL reduces no CPU tensor).
 """
 
 from __future__ import annotations
