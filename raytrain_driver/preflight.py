@@ -19,7 +19,8 @@ from raytrain_driver.sizing import (
     sized_for_cluster,
     storage_shared_with_nodes,
 )
-from raytrain_tasks.api import TrainFunc, data_dir_refused
+from raytrain_tasks.api import TrainFunc
+from raytrain_tasks.code_rules import data_dir_refused
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import CheckpointError, DatasetError, TrackingError, UserCodeError, user_frames
 from raytrain_tasks.prepared import RunData
@@ -41,14 +42,17 @@ _CODE_SEES = {
     "use_gpu",
     "register",
 }
-_RESOLVED: dict[tuple[int | None, str], TrainFunc] = {}
+# Settings the code sees -> (the object train_code named then, the TrainFunc made of it).
+_RESOLVED: dict[str, tuple[object, TrainFunc]] = {}
 
 
-def _code_key(config: TrainingConfig) -> tuple[int | None, str]:
-    """Which resolution of the code ``config`` gets: the module object as imported (a test may import it anew) and
-    the settings the code sees."""
-    module = sys.modules.get(config.train_code.partition(":")[0])
-    return (id(module) if module is not None else None, config.model_dump_json(include=_CODE_SEES))
+def _named_object(train_code: str) -> object | None:
+    """What ``train_code`` names as imported now (a test may import or replace it anew); None before its import."""
+    module_name, _, attribute = train_code.partition(":")
+    target: object | None = sys.modules.get(module_name)
+    for part in attribute.split("."):
+        target = getattr(target, part, None)
+    return target
 
 
 def resolve_code(config: TrainingConfig) -> TrainFunc:
@@ -56,10 +60,12 @@ def resolve_code(config: TrainingConfig) -> TrainFunc:
 
     Once per process for the settings the code sees: the CLI's check, prepare-data, the fit and register-model
     share one TrainFunc, and the code's ``metric`` function is called once."""
-    if (resolved := _RESOLVED.get(_code_key(config))) is not None:
-        return resolved
+    key = config.model_dump_json(include=_CODE_SEES)
+    named = _named_object(config.train_code)
+    if named is not None and (found := _RESOLVED.get(key)) is not None and found[0] is named:
+        return found[1]
     spec = _resolve_and_check(config)
-    _RESOLVED[_code_key(config)] = spec  # keyed after the import: the module is known now
+    _RESOLVED[key] = (_named_object(config.train_code), spec)  # held: what it names is compared by identity
     return spec
 
 

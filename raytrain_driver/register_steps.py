@@ -29,7 +29,8 @@ from raytrain_driver.champion import (
     read_champion,
 )
 from raytrain_driver.promotion import Champion
-from raytrain_tasks.api import PIPELINE_METADATA, TrainFunc
+from raytrain_tasks.api import TrainFunc
+from raytrain_tasks.code_rules import PIPELINE_METADATA
 from raytrain_tasks.code_settings import secret_keys
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import UnsafeCheckpointError, UserCodeError

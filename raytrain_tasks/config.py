@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from raytrain_tasks.api import pipeline_keys_refused, train_config_param_problem
+from raytrain_tasks.code_rules import pipeline_keys_refused, train_config_param_problem
 from raytrain_tasks.errors import SettingsError
 from raytrain_tasks.moved_settings import carried_into_train_config
 from raytrain_tasks.settings import (

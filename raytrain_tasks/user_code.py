@@ -72,7 +72,7 @@ def bind(spec: TrainFunc, config: Any) -> TrainFunc:
     metric a TrainSpec's loop does not report."""
     if isinstance(spec.metric, Metric):
         return spec
-    from raytrain_tasks.api import spec_metric_problem
+    from raytrain_tasks.code_rules import spec_metric_problem
     from raytrain_tasks.trainspec.loop import SpecTrainFunc, as_train_func
 
     where = f"train_code {config.train_code!r}: its metric=... function"

@@ -125,4 +125,11 @@ def test_the_code_is_resolved_once_per_process_for_the_settings_it_sees(
     faster = resolve_code(config.model_copy(update={"learning_rate": 0.5}))
     assert faster is not first and faster.selection.name == "val_loss"
     assert sys.modules["once_code"].CALLS == [config.learning_rate, 0.5]
+    # The code imported anew (another test's module of the same name, say): resolved anew.
+    monkeypatch.delitem(sys.modules, "once_code")
+    (tmp_path / "once_code.py").write_text(
+        "from raytrain_tasks.api import Metric, TrainFunc\n"
+        "training = TrainFunc(lambda config: None, metric=Metric('val_accuracy', higher_is_better=True))\n"
+    )
+    assert resolve_code(config).selection.name == "val_accuracy"
     monkeypatch.delitem(sys.modules, "once_code")
