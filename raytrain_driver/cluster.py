@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from raytrain_driver.process_groups import ray_groups_stopped, ray_processes_in_their_own_group
+from raytrain_driver.ray_token import TOKEN_REFUSED, check_token_accepted
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.environment import PROCESS_DEFAULTS
 from raytrain_tasks.errors import ClusterError
@@ -119,6 +120,7 @@ def ray_session(config: TrainingConfig) -> Iterator[None]:
     warm = "" if config.ray_address else _warm_ray_address()
     if config.ray_address:
         check_reachable(config.ray_address)
+        check_token_accepted(config.ray_address)
     try:
         with _sigterm_stays_with_the_orchestrator(), ray_processes_in_their_own_group():
             _init(config, warm)
@@ -130,11 +132,7 @@ def ray_session(config: TrainingConfig) -> Iterator[None]:
             ) from exc
         where = f"at {config.ray_address!r}" if config.ray_address else "locally"
         if "AuthToken" in repr(exc.__cause__) or "AuthenticationError" in type(exc.__cause__).__name__:
-            raise ClusterError(
-                f"the Ray cluster {where} refused this driver's authentication token. Ray clusters use token "
-                "authentication by default: set RAY_AUTH_MODE=token and the cluster's token (RAY_AUTH_TOKEN, or "
-                "RAY_AUTH_TOKEN_PATH / ~/.ray/auth_token) in this process's environment, or check `ray_address`"
-            ) from exc
+            raise ClusterError(TOKEN_REFUSED.format(address=config.ray_address or where)) from exc
         raise ClusterError(
             f"cannot start or reach Ray {where}: {exc}; check `ray_address` (empty starts a local Ray)"
         ) from exc

@@ -279,6 +279,8 @@ def test_a_driver_without_the_cluster_token_is_told_how_to_authenticate(external
     )
     assert done.returncode != 0
     assert "ClusterError" in done.stderr and "RAY_AUTH_MODE=token" in done.stderr, done.stderr[-3000:]
+    # Refused by the token check before ray.init(), whose GCS client retries for half a minute with warnings.
+    assert "gcs_client" not in done.stderr and "ray.init" not in done.stderr, done.stderr[-3000:]
 
 
 def test_an_unreachable_address_fails_naming_the_setting() -> None:
