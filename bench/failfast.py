@@ -39,7 +39,7 @@ def main() -> None:
 
         from flows.training import training_pipeline
         from raytrain_driver.cluster import worker_env
-        from raytrain_tasks.config import config_from_parameters, parameters_of
+        from raytrain_tasks.config import TrainingConfig, parameters_of
 
         def train_actors() -> set[str]:
             address = ray.get_runtime_context().gcs_address
@@ -76,12 +76,12 @@ def main() -> None:
                         )
                 case_dir = workdir / f"case-{number}"
                 values: dict[str, Any] = {
-                    "dataset": "synthetic",
+                    "train_config": {"dataset": "synthetic"},
                     "storage_path": str(case_dir / "storage"),
                     "mlflow_tracking_uri": f"sqlite:///{case_dir / 'mlflow.db'}",
                     "retry_delay_seconds": 0,
                 }
-                config = config_from_parameters(values | overrides)
+                config = TrainingConfig(**(values | overrides))
                 before = train_actors() if ray.is_initialized() else None
                 started = time.monotonic()
                 state = training_pipeline(**parameters_of(config), return_state=True)

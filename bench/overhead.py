@@ -361,7 +361,8 @@ def _run_measured(command: list[str], cwd: Path, env: dict[str, str]) -> Measure
     return Measured(wall, peak_pss / 2**30, peak_rss / 2**30, output)
 
 
-# A TrainSpec's epoch line: "(0.52 s, ...; checkpoint 0.031 s)"; an older release's had no space before "s".
+# A TrainSpec's epoch line: "(0.52 s, ...; checkpoint 0.031 s)". The space before "s" is optional so that results
+# kept from runs of other releases parse too.
 CHECKPOINT_LINE = re.compile(r"epoch \d+/\d+ .*\(([0-9.]+) ?s, [0-9]+ samples/s; checkpoint ([0-9.]+) ?s\)")
 
 

@@ -52,7 +52,7 @@ def _s3_preflight(workdir: Path) -> list[dict[str, Any]]:
     from devtools.s3_server import ADMIN, READER, LocalS3
     from raytrain_driver.preflight import resolve_code
     from raytrain_driver.user_data import prepare_user_data
-    from raytrain_tasks.config import config_from_parameters
+    from raytrain_tasks.config import TrainingConfig
     from raytrain_tasks.storage.filesystem import StorageOptions
     from raytrain_tasks.storage.locations import s3_client
 
@@ -71,13 +71,13 @@ def _s3_preflight(workdir: Path) -> list[dict[str, Any]]:
         for number, (case, (overrides, keys)) in enumerate(cases.items()):
             os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"] = keys
             values: dict[str, Any] = {
-                "dataset": "synthetic",
+                "train_config": {"dataset": "synthetic"},
                 "storage_path": f"s3://prt-bench/case-{number}",
                 "s3_endpoint_url": server.endpoint_url,
                 "create_bucket": True,
                 "mlflow_tracking_uri": f"sqlite:///{workdir / 'mlflow.db'}",
             }
-            config = config_from_parameters(values | overrides)
+            config = TrainingConfig(**(values | overrides))
             seconds, error = _seconds(partial(prepare_user_data, config, resolve_code(config)))
             rows.append({"figure": "s3 preflight", "case": case, "seconds": seconds, "error": error})
     finally:

@@ -41,6 +41,8 @@ def build_parser(prog: str = "python -m flows.training") -> argparse.ArgumentPar
         prog=prog,
         description="Run the training pipeline (prepare-data -> distributed-fit -> register-model) once.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        # A removed flag must not pass for a longer one it begins (--model for --model-name).
+        allow_abbrev=False,
     )
     for name, field in TrainingConfig.model_fields.items():
         flag = "--" + name.replace("_", "-")

@@ -56,12 +56,12 @@ def _one_line_run_errors() -> None:
 def _shortened(emit: Any) -> Any:
     def emit_one_line(record: logging.LogRecord) -> None:
         if record.name.startswith(RUN_LOGGERS):
-            failed = record.levelno >= logging.ERROR or str(record.msg).startswith("Finished in state Failed")
-            if failed:
+            # A run's failure: the error it raised (with a traceback), or its final state. Other errors show.
+            if record.exc_info or str(record.msg).startswith("Finished in state Failed"):
                 return  # the command prints it, once
             message = record.getMessage()
             first = message.splitlines()[0] if message else ""
-            if record.exc_info or first != message or len(first) > ONE_LINE_CHARS:  # a retry: its reason, short
+            if first != message or len(first) > ONE_LINE_CHARS:  # a retry: its reason, short
                 record = copy.copy(record)
                 record.msg = first[:ONE_LINE_CHARS] + " ... (in full: the run's logs and --verbose)"
                 record.args, record.exc_info, record.exc_text = (), None, None

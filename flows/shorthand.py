@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 # Flags that write a key of the table classifier's train_config: `--dataset churn.csv` is
@@ -16,19 +17,24 @@ SHORTHAND = {
 def with_shorthand(overrides: dict[str, Any], parser: argparse.ArgumentParser) -> dict[str, Any]:
     """``overrides`` with the shorthand flags written into ``train_config``; refused for other code, which takes
     none of them, and where ``--train-config`` gives the same key another value."""
-    from raytrain_tasks.errors import SettingsError
-    from raytrain_tasks.moved_settings import carried_into_train_config
     from raytrain_tasks.settings import TABLE_CLASSIFIER
 
-    given = [name for name in SHORTHAND if name in overrides]
-    if given and overrides.get("train_code", TABLE_CLASSIFIER) != TABLE_CLASSIFIER:
-        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+    overrides = dict(overrides)
+    given = {name: overrides.pop(name) for name in SHORTHAND if name in overrides}
+    if not given:
+        return overrides
+    flags = " and ".join("--" + name.replace("_", "-") for name in given)
+    if overrides.get("train_code", TABLE_CLASSIFIER) != TABLE_CLASSIFIER:
         parser.exit(2, f"{flags}: the table classifier's settings; give your train_code's in --train-config\n")
     try:
-        return carried_into_train_config(overrides)
-    except SettingsError:
-        flags = " or ".join("--" + name.replace("_", "-") for name in given)
+        train_config = json.loads(overrides.get("train_config") or "{}")
+    except json.JSONDecodeError:
+        return overrides  # the config's own validation names the bad JSON
+    if not isinstance(train_config, dict):
+        return overrides
+    if any(name in train_config and train_config[name] != value for name, value in given.items()):
         parser.exit(2, f"{flags} and --train-config give one key different values: give it once\n")
+    return {**overrides, "train_config": {**train_config, **given}}
 
 
 def moved_flag_problem(unknown: list[str]) -> str:
@@ -37,7 +43,9 @@ def moved_flag_problem(unknown: list[str]) -> str:
 
     for arg in unknown:
         name = arg.split("=", 1)[0].removeprefix("--").replace("-", "_")
-        if name in MOVED and MOVED[name][0]:
+        if name in MOVED and not MOVED[name][0]:
+            return f"--{name} is gone: the MLP is the table classifier's one model (CHANGELOG.md)"
+        if name in MOVED:
             return (
                 f"{arg.split('=', 1)[0]} is a setting of the table classifier: give it in --train-config, e.g. "
                 f"--train-config '{{\"{MOVED[name][0]}\": ...}}' (CHANGELOG.md)"

@@ -53,11 +53,11 @@ def fit_in_this_process(
     dataset: RunData | None,
     run_key: str,
     runs: StorageLocation,
-    run_dir: StorageLocation,
     origin: dict[str, str],
 ) -> FitResult:
-    """The fit with this process as Ray Train's driver, under the run's lease. ``origin``: the MLflow run's name
-    and the tags that lead back to the Prefect flow run (tasks/fit.py), taken in the Prefect run."""
+    """The fit with this process as Ray Train's driver, under the run's lease. ``runs``: <storage>/runs;
+    ``origin``: the MLflow run's name and the tags that lead back to the Prefect flow run (tasks/fit.py)."""
+    run_dir = runs.child(run_key)
     with redacted_errors():
         check_run_key(run_key)  # it names a folder in storage and goes into MLflow filters
         if config.resume:  # before the lease: a resume that cannot go on leaves nothing in storage either

@@ -54,7 +54,7 @@ def main(argv: list[str]) -> int:
     run_key = str(payload["run_key"])
     runs = locate(config.storage_path, config.storage_options).child(RUNS_DIR)
     try:
-        fit = fit_in_this_process(config, dataset, run_key, runs, runs.child(run_key), origin=payload["origin"])
+        fit = fit_in_this_process(config, dataset, run_key, runs, origin=payload["origin"])
     except BaseException as exc:  # noqa: BLE001 - reported to the submitting task by name, then the job fails
         print(redact(traceback.format_exc()), flush=True)
         print(f"{ERROR_MARKER}{json.dumps({'type': type(exc).__name__, 'message': redact(str(exc))})}", flush=True)

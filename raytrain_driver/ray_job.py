@@ -80,10 +80,10 @@ def fit_as_ray_job(
     dataset: RunData | None,
     run_key: str,
     runs: StorageLocation,
-    run_dir: StorageLocation,
     origin: dict[str, str],
 ) -> FitResult:
     """Run (or re-attach to) the run key's fit as a Ray Job and return what it recorded."""
+    run_dir = runs.child(run_key)
     from raytrain_driver.cluster import ray_session
     from raytrain_driver.fit_record import finished_fit
     from raytrain_driver.hooks import run_logger

@@ -142,7 +142,7 @@ def _register_model(
                     replace_incomparable=config.replace_incomparable_champion,
                 )
                 aliases = apply_decision(client, config.model_name, version, decision, metric, lock)
-                ref = _model_ref(config, version, aliases, decision, champion.version, metric)
+                ref = _model_ref(config, version, aliases, decision, metric)
     logger.info(
         "%s version %s (%s %.4f): %s, %s",
         config.model_name,
@@ -246,9 +246,10 @@ def _decided(
         earlier,
         score,
         float(champion_score) if champion_score else None,
+        recorded_champion,
     )
     aliases = tuple(alias for alias, v in client.get_registered_model(name).aliases.items() if str(v) == version)
-    return _model_ref(config, version, aliases, decision, recorded_champion, metric)
+    return _model_ref(config, version, aliases, decision, metric)
 
 
 def _model_ref(
@@ -256,7 +257,6 @@ def _model_ref(
     version: str,
     aliases: tuple[str, ...],
     decision: PromotionDecision,
-    champion_version: str | None,
     metric: str,
 ) -> ModelRef:
     return ModelRef(
@@ -268,7 +268,7 @@ def _model_ref(
         reason=decision.reason,
         metric=metric,
         score=decision.candidate_score,
-        champion_version=champion_version,
+        champion_version=decision.champion_version,
         champion_score=decision.champion_score,
     )
 

@@ -1,7 +1,7 @@
 """What runs on Ray: the public API your code imports, and the pipeline's parts that run beside it.
 
 - The public API: ``api`` (``TrainFunc``, ``TrainSpec``, ``Metric``, ``Splits``). Nothing else here is public.
-- Your code, loaded and checked: ``user_code``, ``code_settings``, ``checked_reports``, ``errors``.
+- Your code, loaded and checked: ``user_code``, ``code_rules``, ``code_settings``, ``checked_reports``, ``errors``.
 - The TrainSpec loop: ``trainspec/`` (what each worker runs for a ``TrainSpec``).
 - The run's settings: ``config`` (``TrainingConfig``), ``settings``, ``moved_settings``, ``environment``.
 - Storage: ``storage/`` (local folders and S3), ``prepared`` (prepare-data's stored versions), ``integrity``.

@@ -242,7 +242,7 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
     def public_params(
         self, code_values: Mapping[str, Any] | None = None, *, secret_keys: Collection[str]
     ) -> dict[str, Any]:
-        """The config as flat MLflow params: lists joined, credentials in URIs and ``secret_keys`` masked, and
+        """The config as flat MLflow params: credentials in URIs and ``secret_keys`` masked, and
         ``train_config.<key>`` for each of ``code_values``, the code's own settings as it gets them
         (``raytrain_tasks.code_settings.shown_values``: ``train_config`` over its defaults)."""
         from raytrain_tasks.code_settings import SECRET_MASK
@@ -250,8 +250,6 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
 
         params: dict[str, Any] = {}
         for key, value in self.model_dump().items():
-            if isinstance(value, list):
-                value = ",".join(map(str, value))
             if key == "train_config":
                 value = self.train_config_shown(secret_keys)
             params[key] = masked_param(value) if isinstance(value, str) else value

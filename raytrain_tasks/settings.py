@@ -246,7 +246,7 @@ class FaultToleranceSettings(_Section):
         ge=1,
         le=1000,
         title="Checkpoints to keep",
-        description="Checkpoints kept per run: the best by promotion_metric, plus always the latest.",
+        description="Checkpoints kept per run: the best by the code's metric, plus always the latest.",
     )
     fit_retries: int = Field(
         json_schema_extra=MAY_CHANGE_ON_RESUME,

@@ -93,13 +93,12 @@ def distributed_fit(config: TrainingConfig, dataset: RunData | None, run_key: st
     with redacted_errors(), run_hooks(RunHooks(get_run_logger(), _run_page, Path(PREFECT_HOME.value()))):
         check_run_key(run_key)  # it names a folder in storage and goes into MLflow filters
         runs = locate(config.storage_path, config.storage_options).child(RUNS_DIR)
-        run_dir = runs.child(run_key)
         origin = prefect_origin(run_key)
         if config.launch_mode == "ray_job":
             from raytrain_driver.ray_job import fit_as_ray_job
 
             # The job takes the run's lease itself (fit_in_this_process, run by raytrain_driver/fit_job.py there).
-            return fit_as_ray_job(config, dataset, run_key, runs, run_dir, origin=origin)
+            return fit_as_ray_job(config, dataset, run_key, runs, origin)
         from raytrain_driver.fit import fit_in_this_process  # Ray Train's modules: not on the CLI's way in
 
-        return fit_in_this_process(config, dataset, run_key, runs, run_dir, origin)
+        return fit_in_this_process(config, dataset, run_key, runs, origin)

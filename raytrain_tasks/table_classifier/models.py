@@ -1,12 +1,9 @@
-"""Named model architectures: the one place to plug in your own model.
-
-A builder takes the input width, the number of classes and the hidden sizes, and returns an
-``nn.Module`` mapping a float32 batch ``[N, in_features]`` to logits ``[N, num_classes]``.
-"""
+"""The table classifier's model: an MLP mapping a float32 batch ``[N, in_features]`` to logits
+``[N, num_classes]``, behind a fixed standardisation layer so that it takes raw feature rows."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -24,11 +21,6 @@ def build_mlp(in_features: int, num_classes: int, hidden_sizes: Sequence[int]) -
         width = size
     layers.append(nn.Linear(width, num_classes))
     return nn.Sequential(*layers)
-
-
-MODELS: dict[str, Callable[[int, int, Sequence[int]], nn.Module]] = {
-    "mlp": build_mlp,
-}
 
 
 def with_standardisation(net: nn.Module, mean: Sequence[float], std: Sequence[float]) -> nn.Module:
@@ -49,11 +41,3 @@ def with_standardisation(net: nn.Module, mean: Sequence[float], std: Sequence[fl
             return (features - self.mean) / self.std
 
     return nn.Sequential(Standardise(), net)
-
-
-def build_model(name: str, in_features: int, num_classes: int, hidden_sizes: Sequence[int]) -> nn.Module:
-    try:
-        builder = MODELS[name]
-    except KeyError:
-        raise ValueError(f"unknown model {name!r}; known: {sorted(MODELS)} (raytrain_tasks/models.py)") from None
-    return builder(in_features, num_classes, hidden_sizes)

@@ -122,7 +122,7 @@ class Settings(BaseModel):
 
 @dataclass(frozen=True)
 class _Table:
-    """What shapes the prepared table (raytrain_tasks.tables.TableSettings), from this code's settings."""
+    """What shapes the prepared table (``tables.TableSettings``), from this code's settings."""
 
     dataset: str
     label_column: str

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 
 class TableSettings(Protocol):
-    """What shapes a prepared table: the run's settings (``TrainingConfig``), or the table classifier's."""
+    """What shapes a prepared table: the table classifier's settings (``spec._Table``)."""
 
     @property
     def dataset(self) -> str: ...

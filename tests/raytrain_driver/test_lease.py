@@ -431,7 +431,7 @@ def test_a_fit_whose_lease_is_taken_stops_at_once_and_leaves_the_mlflow_run_alon
 
     def drive() -> None:
         try:
-            outcome["result"] = fit_in_this_process(config, dataset, key, runs, run_dir, origin={"run_name": key})
+            outcome["result"] = fit_in_this_process(config, dataset, key, runs, origin={"run_name": key})
         except BaseException as exc:  # noqa: BLE001 - handed to the test thread
             outcome["error"] = exc
 

@@ -58,7 +58,7 @@ def test_a_resume_whose_mlflow_run_is_elsewhere_creates_nothing_and_names_where_
     before = _store_contents(looked_in)
 
     with pytest.raises(TrackingError) as raised:
-        fit_in_this_process(config, dataset, key, runs, run_dir, origin={"run_name": key})
+        fit_in_this_process(config, dataset, key, runs, origin={"run_name": key})
 
     message = str(raised.value)
     assert key in message
@@ -86,7 +86,7 @@ def test_a_resume_of_a_run_key_with_no_mlflow_run_and_no_storage_names_both_and_
     runs = locate(config.storage_path).child(RUNS_DIR)
 
     with pytest.raises(CheckpointError) as raised:
-        fit_in_this_process(config, None, key, runs, runs.child(key), origin={"run_name": key})
+        fit_in_this_process(config, None, key, runs, origin={"run_name": key})
 
     message = str(raised.value)
     assert key in message and f"sqlite:///{db}" in message and "experiment 'tests'" in message

@@ -188,7 +188,7 @@ def test_a_fit_refuses_a_tampered_record_before_ray_mlflow_or_any_worker(tmp_pat
     before = sorted(p.name for p in run.iterdir())
 
     with pytest.raises(UnsafeCheckpointError) as raised:
-        fit_in_this_process(config, dataset, key, runs, runs.child(key), origin={"run_name": key})
+        fit_in_this_process(config, dataset, key, runs, origin={"run_name": key})
 
     assert isinstance(raised.value, NOT_RETRYABLE)
     assert repr(victim) in str(raised.value) and "`storage_path`" in str(raised.value), raised.value

@@ -119,7 +119,7 @@ def test_a_prepare_that_fails_or_writes_nothing_is_named_before_anything_is_stor
 
 def test_a_data_error_of_the_table_classifier_shows_no_frame_of_this_project(tmp_path: Path) -> None:
     """Its message says what is wrong with the table; frames of raytrain_driver/user_data.py and
-    raytrain_tasks/tables.py under it read as if the user's code had failed."""
+    raytrain_tasks/table_classifier/tables.py under it read as if the user's code had failed."""
     from raytrain_driver.preflight import resolve_code
 
     table = tmp_path / "data.csv"

@@ -90,6 +90,7 @@ def test_the_cli_shorthand_writes_train_config() -> None:
         ["--dataset", "churn.csv", "--label-column", "churned", "--train-config", '{"synthetic_samples": 400}']
     )
     assert config.train_config == {"dataset": "churn.csv", "label_column": "churned", "synthetic_samples": 400}
+    assert parse_args(["--dataset", "digits"])[0].train_config == {"dataset": "digits"}
 
 
 @pytest.mark.parametrize(
@@ -104,6 +105,10 @@ def test_the_cli_shorthand_writes_train_config() -> None:
         (["--train-code", "my_model.train:training", "--dataset", "x.csv"], "--dataset: the table classifier's"),
         (["--dataset", "a.csv", "--train-config", '{"dataset": "b.csv"}'], "--dataset and --train-config give one"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        # Not read as --model-name, which it begins.
+        (["--model", "mlp"], "--model is gone: the MLP is the table classifier's one model"),
+        # The shorthand's value is given, even where it is the classifier's default.
+        (["--dataset", "digits", "--train-config", '{"dataset": "synthetic"}'], "give one key different values"),
     ],
 )
 def test_the_cli_refuses_moved_flags_naming_where_they_went(
