@@ -211,7 +211,7 @@ def _train(fit: FitContext, plan: FitPlan, opened: OpenRun) -> ray.train.Result:
     callbacks: list[Any] = [OpenMlflowEarly(uri, run_id)]
     from raytrain_tasks.user_code import code_error_stopper
 
-    epochs = MlflowEpochLogger(uri, run_id, step_key=spec.selection.name, keys=None, journal=opened.journal)
+    epochs = MlflowEpochLogger(uri, run_id, step_key=spec.selection.name, journal=opened.journal)
     # The stopper first: a checkpoint it refuses is never logged or pinned, so no resume starts from it.
     callbacks += [code_error_stopper(config.train_code, spec.selection.name), epochs, RestartGuard(epochs)]
     trainer = build_trainer(fit, plan, opened.resume_point, callbacks)

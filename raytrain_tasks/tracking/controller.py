@@ -22,7 +22,6 @@ from raytrain_tasks.redact import redact
 from raytrain_tasks.tracking.names import (
     DATASET_DIGEST_KEY,
     DATASET_HASH_TAG,
-    EPOCH_METRICS,
     LAST_CHECKPOINT_TAG,
     MANIFEST_METRIC,
     STEP_KEY,
@@ -63,16 +62,14 @@ def log_epoch(
     metrics: dict[str, Any],
     checkpoint_path: str | None,
     step: int | None = None,
-    keys: tuple[str, ...] | None = EPOCH_METRICS,
 ) -> None:
-    """One batched write per epoch: the metrics at ``step`` = the epoch number, and the latest checkpoint's location.
-
-    ``keys``: the metrics to log; None logs every number the report holds (user code's own metrics)."""
+    """One batched write per epoch: every number the report holds at ``step`` (the epoch number unless given), and
+    the latest checkpoint's location."""
     from mlflow.entities import Metric, RunTag
 
     step = epoch_number(metrics["epoch"]) if step is None else step
     timestamp = int(time.time() * 1000)
-    values = numeric_metrics(metrics) if keys is None else {k: float(metrics[k]) for k in keys if k in metrics}
+    values = numeric_metrics(metrics)
     batch = [Metric(key, value, timestamp, step) for key, value in values.items()]
     tags = [RunTag(LAST_CHECKPOINT_TAG, checkpoint_path)] if checkpoint_path else []
     if isinstance(metrics.get(DATASET_DIGEST_KEY), str):  # a TrainSpec's content hash of its splits (trainspec.loop)
@@ -134,39 +131,36 @@ class MlflowEpochLogger(UserCallback):
         tracking_uri: str,
         run_id: str,
         step_key: str = STEP_KEY,
-        keys: tuple[str, ...] | None = EPOCH_METRICS,
         journal: PinJournal | None = None,
     ) -> None:
         self.tracking_uri = tracking_uri
         self.run_id = run_id
         # Every pin is also appended here first, so an MLflow outage does not leave committed checkpoints unpinned.
         self.journal = journal
-        # User code: every number it reports is logged, and its gate metric says which steps MLflow has.
-        self.step_key, self.keys = step_key, keys
+        # Every number the code reports is logged; its metric (``step_key``) says which steps MLflow has.
+        self.step_key = step_key
         self._client: Any = None
         self._logged: set[int] | None = None
         # The latest checkpoint committed in this fit, and its digest then (None: it could not be taken).
         self.latest_committed: tuple[Checkpoint, str | None] | None = None
 
-    def _digest(self, metrics: dict[str, Any], checkpoint: Checkpoint) -> str | None:
-        """The pin of ``checkpoint``: the built-in loop's manifest digest (rank 0 reports it); for the user's own
-        checkpoint, the digest of every rank's files as persisted (integrity.py)."""
-        if self.keys is None and checkpoint.filesystem is not None:
-            from raytrain_tasks.integrity import folder_digest
+    def _digest(self, checkpoint: Checkpoint) -> str | None:
+        """The pin of ``checkpoint``: the digest of every rank's files as persisted (integrity.py); None for a
+        checkpoint that names no filesystem to read them from."""
+        if checkpoint.filesystem is None:
+            return None
+        from raytrain_tasks.integrity import folder_digest
 
-            return folder_digest(checkpoint.filesystem, checkpoint.path)
-        digest = metrics.get(MANIFEST_METRIC)
-        return digest if isinstance(digest, str) else None
+        return folder_digest(checkpoint.filesystem, checkpoint.path)
 
     def _journal(self, metrics: dict[str, Any], checkpoint: Checkpoint, digest: str) -> None:
         """Append the pin, with the epoch's step and metrics, to the journal; only for a report that says its
         ``epoch`` (the step is then known without asking MLflow, and a resume can log the epoch it holds)."""
         if self.journal is None or not isinstance(metrics.get("epoch"), int | float):
             return
-        numbers = numeric_metrics(metrics)
-        if self.keys is not None:
-            numbers = {key: value for key, value in numbers.items() if key in self.keys}
-        entry = JournalEntry(checkpoint_name(checkpoint.path), digest, epoch_number(metrics["epoch"]), numbers)
+        entry = JournalEntry(
+            checkpoint_name(checkpoint.path), digest, epoch_number(metrics["epoch"]), numeric_metrics(metrics)
+        )
         self.journal.append(self.run_id, entry)
 
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Checkpoint | None) -> None:
@@ -174,12 +168,10 @@ class MlflowEpochLogger(UserCallback):
             # Only epochs with a persisted checkpoint count; anything else would be redone on resume.
             return
         epoch_metrics = metrics[0]
-        if self.keys is None:
-            self.latest_committed = (checkpoint, None)  # unverifiable until its digest is taken
+        self.latest_committed = (checkpoint, None)  # unverifiable until its digest is taken
         try:
-            digest = self._digest(epoch_metrics, checkpoint)
-            if self.keys is None:
-                self.latest_committed = (checkpoint, digest)
+            digest = self._digest(checkpoint)
+            self.latest_committed = (checkpoint, digest)
             if digest is not None:
                 self._journal(epoch_metrics, checkpoint, digest)  # before MLflow, which may be down
             if self._client is None:
@@ -199,7 +191,7 @@ class MlflowEpochLogger(UserCallback):
                 epoch_metrics = {**epoch_metrics, MANIFEST_METRIC: digest}
             if step in self._logged:
                 return
-            log_epoch(self._client, self.run_id, epoch_metrics, checkpoint.path, step, self.keys)
+            log_epoch(self._client, self.run_id, epoch_metrics, checkpoint.path, step)
             self._logged.add(step)
         except Exception as exc:  # noqa: BLE001 - tracking must never kill training; tested in test_tracking_outage
             self._logged = None  # unknown after a failed write: re-read at the next report
@@ -213,10 +205,10 @@ class MlflowEpochLogger(UserCallback):
 
 class RestartGuard(WorkerGroupCallback):
     """Guards a restart inside the fit, for your own code: the checkpoint Ray Train hands a restarted worker group
-    is the latest one committed in this fit, and its files must still hash to the digest ``logger`` took when it
-    was committed. (The driver checks a run's checkpoints only where a fit starts; the built-in loop's workers
-    check their own.) A separate object: Ray Train calls a ``UserCallback`` only through its report and exception
-    hooks. Both reach the controller in one list, so this one reads the logger's state there."""
+    is the latest one committed in this fit, and its files must still hash to the digest ``logger`` took when it was
+    committed. (The driver checks a run's checkpoints only where a fit starts.) A separate object: Ray Train calls a
+    ``UserCallback`` only through its report and exception hooks. Both reach the controller in one list, so this one
+    reads the logger's state there."""
 
     def __init__(self, logger: MlflowEpochLogger) -> None:
         self.logger = logger

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import re
 
-# ``workers``: how many trained the epoch (an elastic run's count changes with the cluster).
+# What every epoch of the table classifier reports (a TrainSpec's loop, with metric accuracy). ``workers``: how many
+# trained the epoch (an elastic run's count changes with the cluster).
 EPOCH_METRICS = ("train_loss", "val_loss", "val_accuracy", "epoch_seconds", "samples_per_second", "workers")
 STEP_KEY = "val_accuracy"
 LAST_CHECKPOINT_TAG = "prefect_raytrain.last_checkpoint"
-# Rank 0 reports the SHA-256 of each checkpoint's manifest (computed before upload) under this metrics key;
-# the controller records it in MLflow as PIN_TAG_PREFIX + folder name. A checkpoint is later trusted only
-# if its manifest still hashes to what was recorded: storage alone cannot vouch for itself.
+# The digest of a committed checkpoint's files, as the controller hands it to log_epoch with the epoch's metrics;
+# it is recorded in MLflow as PIN_TAG_PREFIX + folder name. A checkpoint is later trusted only if its files still
+# hash to what was recorded: storage alone cannot vouch for itself.
 MANIFEST_METRIC = "checkpoint_manifest_sha256"
 PIN_TAG_PREFIX = "prefect_raytrain.checkpoint_sha256."
 DATASET_DIGEST_KEY = "dataset_sha256"

@@ -7,7 +7,7 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from raytrain_tasks.tracking.names import EPOCH_METRICS, epoch_number
+from raytrain_tasks.tracking.names import epoch_number
 from raytrain_tasks.tracking.runs import NOTE_TAG
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ def log_checkpoint_models(
     run_id: str,
     kept: dict[str, tuple[str, int]],
     digests: dict[str, str],
-    metric_keys: Iterable[str] = EPOCH_METRICS,
+    metric_keys: Iterable[str],
 ) -> dict[str, str]:
     """Each checkpoint Ray Train kept, as an MLflow 3 LoggedModel of the run linked to its step's metrics;
     returns checkpoint folder name -> model_id. ``kept``: folder name -> (URI, the MLflow step of its report).

@@ -90,7 +90,7 @@ def test_reports_without_a_checkpoint_are_never_logged_as_epochs_of_the_run(tmp_
     db = seed_mlflow_store(tmp_path / "mlflow.db")
     client = MlflowClient(f"sqlite:///{db}")
     run_id = client.create_run(client.create_experiment("reports")).info.run_id
-    epochs = MlflowEpochLogger(f"sqlite:///{db}", run_id, keys=None)  # keys=None: the user's code, every number
+    epochs = MlflowEpochLogger(f"sqlite:///{db}", run_id)
     for epoch in range(2):
         epochs.after_report(None, [{"epoch": epoch, "val_loss": 1.0 / (epoch + 1)}], None)
     assert client.get_metric_history(run_id, "val_loss") == []

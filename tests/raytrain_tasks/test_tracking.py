@@ -92,6 +92,7 @@ def test_a_stop_raised_in_a_query_holds_no_sqlite_lock_once_out_of_a_releasing_b
 
 class _Checkpoint:
     path = "/storage/runs/key/epoch-0000"
+    filesystem = None  # no files to pin: the epoch's metrics alone
 
 
 def _epoch(step: int) -> list[dict[str, Any]]:
@@ -251,7 +252,7 @@ def test_a_restarted_worker_group_gets_only_a_checkpoint_that_verifies_and_an_un
     folder.mkdir()
     (folder / "checkpoint.pt").write_bytes(b"the weights as committed")
     filesystem = pafs.LocalFileSystem()
-    epochs = MlflowEpochLogger(f"sqlite:///{tmp_path / 'mlflow.db'}", "run-id", keys=None)
+    epochs = MlflowEpochLogger(f"sqlite:///{tmp_path / 'mlflow.db'}", "run-id")
     guard = RestartGuard(epochs)
     assert guard.before_init_train_context([]) == {}  # no commit in this fit yet: the driver verified its start
     checkpoint = ray.train.Checkpoint(str(folder), filesystem=filesystem)
