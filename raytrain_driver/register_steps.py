@@ -158,10 +158,9 @@ def assess_recorded_champion(client: MlflowClient, candidate: Candidate) -> Cham
     if config.train_code == TABLE_CLASSIFIER:
         tags = _as_table_classifier(tags)
     if tags.get(TRAIN_CODE_TAG) != config.train_code:
+        trainer = tags.get(TRAIN_CODE_TAG) or "the built-in classifier of releases up to 0.2"
         return Champion(
-            version,
-            incomparable=f"it was trained by {tags.get(TRAIN_CODE_TAG) or 'the built-in classifier'!s}, this run by "
-            f"train_code {config.train_code!r}",
+            version, incomparable=f"it was trained by {trainer}, this run by train_code {config.train_code!r}"
         )
     if (
         tags.get(GATE_METRIC_TAG) != spec.gate.name
