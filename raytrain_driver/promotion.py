@@ -7,6 +7,7 @@ registered model without a ``champion`` alias counts as having no champion.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from enum import Enum
@@ -98,31 +99,12 @@ def decide_promotion(
     """Promote when allowed and there is no champion, or the candidate is strictly better by at least
     ``min_improvement``; a tie keeps the champion, so equal retrains do not churn the alias. A champion that
     could not be assessed keeps its alias and leaves the decision open."""
-    decided = _decide(
-        candidate_score,
-        champion,
-        min_improvement=min_improvement,
-        promote=promote,
-        higher_is_better=higher_is_better,
-        replace_incomparable=replace_incomparable,
-    )
-    return dataclasses.replace(decided, champion_version=champion.version)
-
-
-def _decide(
-    candidate_score: float,
-    champion: Champion,
-    *,
-    min_improvement: float = 0.0,
-    promote: bool = True,
-    higher_is_better: bool = True,
-    replace_incomparable: bool = False,
-) -> PromotionDecision:
+    decision = functools.partial(PromotionDecision, champion_version=champion.version)
     score = champion.score
     if not promote:
-        return PromotionDecision(Promotion.NOT_REQUESTED, "promotion switched off", candidate_score, score)
+        return decision(Promotion.NOT_REQUESTED, "promotion switched off", candidate_score, score)
     if champion.error:
-        return PromotionDecision(
+        return decision(
             Promotion.UNDECIDED,
             f"champion version {champion.version or '?'} could not be assessed, so it keeps its alias: "
             f"{champion.error}",
@@ -130,21 +112,21 @@ def _decide(
             score,
         )
     if (unscored := _not_a_number(candidate_score, champion)) is not None:
-        return unscored
+        return dataclasses.replace(unscored, champion_version=champion.version)
     if champion.version is None:
-        return PromotionDecision(Promotion.PROMOTE, "no champion yet", candidate_score, None)
+        return decision(Promotion.PROMOTE, "no champion yet", candidate_score, None)
     if champion.incomparable:
         if replace_incomparable:
             reason = (
                 f"replaces an incomparable champion on request (replace_incomparable_champion): {champion.incomparable}"
             )
-            return PromotionDecision(Promotion.REPLACE_INCOMPARABLE, reason, candidate_score, score)
+            return decision(Promotion.REPLACE_INCOMPARABLE, reason, candidate_score, score)
         reason = (
             f"champion version {champion.version} is not comparable and keeps its alias: {champion.incomparable}; "
             "a new run with `replace_incomparable_champion` on (--replace-incomparable-champion) replaces it on "
             "purpose, unscored"
         )
-        return PromotionDecision(Promotion.KEEP_INCOMPARABLE, reason, candidate_score, score)
+        return decision(Promotion.KEEP_INCOMPARABLE, reason, candidate_score, score)
     if score is None:
         raise ValueError("a comparable champion needs a score")
     raw_gain = candidate_score - score if higher_is_better else score - candidate_score
@@ -152,9 +134,9 @@ def _decide(
     required = round(min_improvement, SCORE_DECIMALS)
     if gain > 0 and gain >= required:
         reason = f"beats champion version {champion.version} by {gain:.4f} (required {required:.4f})"
-        return PromotionDecision(Promotion.PROMOTE, reason, candidate_score, score)
+        return decision(Promotion.PROMOTE, reason, candidate_score, score)
     if gain <= 0:
         reason = f"does not beat champion version {champion.version} ({candidate_score:.4f} vs {score:.4f})"
     else:
         reason = f"gain {gain:.4f} over champion version {champion.version} is below min_improvement {required:.4f}"
-    return PromotionDecision(Promotion.KEEP_CHAMPION, reason, candidate_score, score)
+    return decision(Promotion.KEEP_CHAMPION, reason, candidate_score, score)
