@@ -328,8 +328,20 @@ def describe_validation_error(exc: Exception) -> str:
         if not field:  # a rule across fields: its message names them
             lines.append(str(err.get("msg")).removeprefix("Value error, "))
             continue
-        lines.append(f"{field} (--{field.replace('_', '-')}): {err.get('msg')}; got {err.get('input')!r}")
+        lines.append(f"{field} (--{field.replace('_', '-')}): {err.get('msg')}{_got(err.get('input'))}")
     return "invalid training config:\n  " + "\n  ".join(lines)
+
+
+def _got(value: Any) -> str:
+    """The refused value as the message may show it: a number or a text, credentials masked; nothing of a JSON
+    object or list, whose other keys may hold secrets (a password in ``train_config``)."""
+    from raytrain_tasks.redact import redact
+
+    if isinstance(value, str):
+        return f"; got {redact(value)!r}"
+    if value is None or isinstance(value, int | float):
+        return f"; got {value!r}"
+    return ""
 
 
 def _marked(marker: dict[str, Any]) -> tuple[str, ...]:

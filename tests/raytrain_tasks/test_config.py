@@ -281,3 +281,17 @@ def test_a_resume_whose_code_lost_a_default_is_refused() -> None:
     )
     with pytest.raises(TrackingError, match=r"other settings \(train_config\.dropout: '0\.1' -> '\(none\)'\)"):
         _check_params_unchanged(logged, config.public_params({"hidden": 32}, secret_keys=()), "20260101-000000-abcdef")
+
+
+def test_an_invalid_train_config_is_named_without_echoing_its_values() -> None:
+    """The CLI prints this message: a train_config refused for one key must not show the others (a password,
+    a token) in clear. A scalar setting's value is still shown, its credentials masked."""
+    with pytest.raises(ValidationError) as info:
+        TrainingConfig(train_config={"seed": 1, "db_password": "hunter2-in-clear"})
+    shown = describe_validation_error(info.value)
+    assert "train_config (--train-config)" in shown and "may not set seed" in shown, shown
+    assert "hunter2" not in shown, shown
+    with pytest.raises(ValidationError) as info:
+        TrainingConfig(storage_path="gs://user:pw-in-clear@bucket/x")
+    shown = describe_validation_error(info.value)
+    assert "storage_path (--storage-path)" in shown and "pw-in-clear" not in shown, shown
