@@ -138,6 +138,33 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalS3]:
         server.stop()
 
 
+MLFLOW_URI_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
+
+
+@pytest.fixture(autouse=True)
+def _mlflow_uris_as_found() -> Iterator[None]:
+    """Each test leaves MLflow's process-wide URIs as it found them. ``mlflow.set_tracking_uri`` (the fluent API a
+    test may use to load a model) keeps its URI in a module global and exports it to the environment; a client
+    opened later without a registry URI (``MlflowClient(uri)``) resolves its registry from them, and registered
+    into another test's server."""
+    import sys
+
+    env = {name: os.environ.get(name) for name in MLFLOW_URI_ENV}
+    yield
+    if "mlflow" not in sys.modules:
+        return
+    from mlflow.tracking._model_registry import utils as registry_utils
+    from mlflow.tracking._tracking_service import utils as tracking_utils
+
+    tracking_utils._tracking_uri = None
+    registry_utils._registry_uri = None
+    for name, value in env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture(autouse=True)
 def _the_zombie_watch_loads_at_once(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """A run or `serve` that creates or changes the zombie watch waits WATCH_LOAD_SECONDS (8 s) for the server to

@@ -318,9 +318,11 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
 
 
 def mlflow_client(workdir: Path) -> MlflowClient:
+    """A client of the store in ``workdir``, its registry named as the product names it (never MLflow's globals)."""
     from mlflow import MlflowClient
 
-    return MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+    store = f"sqlite:///{workdir / 'mlflow.db'}"
+    return MlflowClient(store, registry_uri=store)
 
 
 def only_run(workdir: Path) -> Any:

@@ -21,7 +21,7 @@ from flows.cli import parse_config
 from flows.command import flags_from_params
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.environment import PREFECT_CONFIGURED_BY, embedded_prefect_home
-from tests.helpers import free_port, stop_process_group
+from tests.helpers import free_port, mlflow_client, stop_process_group
 
 PREFECT_RAYTRAIN = str(Path(sys.executable).with_name("prefect-raytrain"))
 
@@ -164,7 +164,7 @@ def test_runs_says_what_each_run_trains(tmp_path: Path) -> None:
     from tests.helpers import seed_mlflow_store
 
     seed_mlflow_store(tmp_path / "mlflow.db")
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = mlflow_client(tmp_path)
     experiment = client.create_experiment("runs", artifact_location=str(tmp_path / "artifacts"))
     shown = {}
     for key, params in (
@@ -186,7 +186,7 @@ def test_runs_calls_a_stopped_run_with_no_checkpoint_resumable_from_its_first_ep
     from tests.helpers import seed_mlflow_store
 
     seed_mlflow_store(tmp_path / "mlflow.db")
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = mlflow_client(tmp_path)
     experiment = client.create_experiment("runs", artifact_location=str(tmp_path / "artifacts"))
     run = client.create_run(experiment, tags={tracking.RUN_KEY_TAG: "20261127-040000-cccccc"})
     client.log_param(run.info.run_id, "epochs", "3")
@@ -253,7 +253,7 @@ def test_runs_shows_a_trained_run_whose_registration_was_not_applied_as_waiting_
     from tests.helpers import seed_mlflow_store
 
     seed_mlflow_store(tmp_path / "mlflow.db")
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = mlflow_client(tmp_path)
     experiment = client.create_experiment("runs", artifact_location=str(tmp_path / "artifacts"))
     key = "20261127-050000-dddddd"
     run_id = _trained_run(client, experiment, key, status, register)
@@ -288,7 +288,7 @@ def test_a_run_killed_in_register_model_waits_for_registration_and_its_resume_fi
 
     key = "20261127-060000-eeeeee"
     config = small_config(tmp_path, train_code=REGISTRY_CODE, model_name="waiting", experiment_name="waiting", epochs=1)
-    client = MlflowClient(config.mlflow_tracking_uri)
+    client = MlflowClient(config.mlflow_tracking_uri, registry_uri=config.mlflow_tracking_uri)
     fit = fit_for_registry(client, tmp_path, config, None, key, 0.9)  # its MLflow run FINISHED, as the fit ends it
     spec = resolve_code(config)
     for name, value in shown_params(config, spec).items():
