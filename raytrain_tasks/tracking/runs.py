@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import subprocess
+import threading
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -272,29 +273,47 @@ def stop_own_run(client: MlflowClient, experiment_name: str, run_key: str, reaso
     return True
 
 
+# The URIs of the using_tracking_uri blocks open in this process (two pipelines may register in two threads), and
+# what MLflow's globals and environment held before the first of them opened.
+_URI_BLOCKS: list[str] = []
+_URI_LOCK = threading.Lock()
+_BEFORE_BLOCKS: list[Any] = []
+
+
 @contextmanager
 def using_tracking_uri(uri: str) -> Iterator[None]:
     """MLflow's fluent API pointed at `uri` for the block, its registry too (``models:/`` loads, the champion's
-    download), whatever MLFLOW_REGISTRY_URI says; the previous URIs and environment come back after."""
+    download), whatever MLFLOW_REGISTRY_URI says; the previous URIs and environment come back after the last block
+    open in the process ends (a thread's block ending leaves another thread's in place)."""
     # MLflow 3.17 keeps each URI in a module global and exports it to the environment; the public getters resolve
     # the environment too, so the globals are read to restore them exactly.
     from mlflow.tracking._model_registry import utils as registry_utils
     from mlflow.tracking._tracking_service import utils as tracking_utils
 
-    previous = tracking_utils._tracking_uri, registry_utils._registry_uri
-    previous_env = {name: os.environ.get(name) for name in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
-    tracking_utils.set_tracking_uri(uri)
-    registry_utils.set_registry_uri(uri)
+    def point_at(tracking: str | None, registry: str | None) -> None:
+        tracking_utils.set_tracking_uri(tracking)  # type: ignore[arg-type]  # None unsets it, as at start
+        registry_utils.set_registry_uri(registry)  # type: ignore[arg-type]
+
+    with _URI_LOCK:
+        if not _URI_BLOCKS:
+            env = {name: os.environ.get(name) for name in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
+            _BEFORE_BLOCKS[:] = [tracking_utils._tracking_uri, registry_utils._registry_uri, env]
+        _URI_BLOCKS.append(uri)
+        point_at(uri, uri)
     try:
         yield
     finally:
-        tracking_utils.set_tracking_uri(previous[0])  # type: ignore[arg-type]  # None unsets it, as at start
-        registry_utils.set_registry_uri(previous[1])  # type: ignore[arg-type]
-        for name, value in previous_env.items():
-            if value is None:
-                os.environ.pop(name, None)
+        with _URI_LOCK:
+            _URI_BLOCKS.remove(uri)
+            if _URI_BLOCKS:
+                point_at(_URI_BLOCKS[-1], _URI_BLOCKS[-1])
             else:
-                os.environ[name] = value
+                point_at(_BEFORE_BLOCKS[0], _BEFORE_BLOCKS[1])
+                for name, value in _BEFORE_BLOCKS[2].items():
+                    if value is None:
+                        os.environ.pop(name, None)
+                    else:
+                        os.environ[name] = value
 
 
 @contextmanager

@@ -308,3 +308,32 @@ def test_registry_calls_go_to_the_tracking_store_whatever_mlflow_registry_uri_sa
     assert (Path(copy) / "weights.bin").read_bytes() == b"w"
     # The block leaves the process as it found it.
     assert os.environ["MLFLOW_REGISTRY_URI"] == elsewhere and mlflow.get_registry_uri() == elsewhere
+
+
+def test_a_threads_block_ending_leaves_another_threads_block_pointed_at_its_store(tmp_path: Path) -> None:
+    """Two pipelines registering in two threads of one process each open a using_tracking_uri block on the same
+    store. The first to end put MLflow's globals back while the other was still inside: the other's champion
+    lookup (models:/...) then went to the default registry, found no such model, and left the decision open."""
+    import threading
+
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    before = mlflow.get_tracking_uri()
+    inside, first_done = threading.Event(), threading.Event()
+    seen: list[str] = []
+
+    def second() -> None:
+        with tracking.using_tracking_uri(uri):
+            inside.set()
+            first_done.wait(timeout=10)
+            seen.append(mlflow.get_registry_uri())
+
+    thread = threading.Thread(target=second)
+    with tracking.using_tracking_uri(uri):
+        thread.start()
+        assert inside.wait(timeout=10)
+    first_done.set()
+    thread.join(timeout=10)
+    assert seen == [uri]
+    assert mlflow.get_tracking_uri() == before  # the last block to end put the process back
