@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 # Flags that write a key of the table classifier's train_config: `--dataset churn.csv` is
@@ -17,6 +16,8 @@ SHORTHAND = {
 def with_shorthand(overrides: dict[str, Any], parser: argparse.ArgumentParser) -> dict[str, Any]:
     """``overrides`` with the shorthand flags written into ``train_config``; refused for other code, which takes
     none of them, and where ``--train-config`` gives the same key another value."""
+    from raytrain_tasks.errors import SettingsError
+    from raytrain_tasks.moved_settings import with_keys_carried
     from raytrain_tasks.settings import TABLE_CLASSIFIER
 
     overrides = dict(overrides)
@@ -27,14 +28,9 @@ def with_shorthand(overrides: dict[str, Any], parser: argparse.ArgumentParser) -
     if overrides.get("train_code", TABLE_CLASSIFIER) != TABLE_CLASSIFIER:
         parser.exit(2, f"{flags}: the table classifier's settings; give your train_code's in --train-config\n")
     try:
-        train_config = json.loads(overrides.get("train_config") or "{}")
-    except json.JSONDecodeError:
-        return overrides  # the config's own validation names the bad JSON
-    if not isinstance(train_config, dict):
-        return overrides
-    if any(name in train_config and train_config[name] != value for name, value in given.items()):
+        return with_keys_carried(overrides, {name: (f"--{name}", value) for name, value in given.items()})
+    except SettingsError:
         parser.exit(2, f"{flags} and --train-config give one key different values: give it once\n")
-    return {**overrides, "train_config": {**train_config, **given}}
 
 
 def moved_flag_problem(unknown: list[str]) -> str:

@@ -53,6 +53,14 @@ def carried_into_train_config(parameters: Mapping[str, Any]) -> dict[str, Any]:
         for name, value in moved.items()
         if MOVED[name][0] and _as_key_value(name, value) != _as_key_value(name, MOVED[name][1])
     }
+    return with_keys_carried(rest, carried)
+
+
+def with_keys_carried(parameters: Mapping[str, Any], carried: Mapping[str, tuple[str, Any]]) -> dict[str, Any]:
+    """``parameters`` with ``carried`` (train_config key -> (the setting or flag that gave it, its value)) added to
+    their ``train_config``, an object or its JSON text. Left as they are where ``train_config`` is no JSON object:
+    the config's own validation names that. SettingsError where a key is given two different values."""
+    rest = dict(parameters)
     if not carried:
         return rest
     train_config = rest.get("train_config") or {}
@@ -60,7 +68,7 @@ def carried_into_train_config(parameters: Mapping[str, Any]) -> dict[str, Any]:
         try:
             train_config = json.loads(train_config or "{}")
         except json.JSONDecodeError:
-            return rest  # the config's own validation names the bad JSON
+            return rest
     if not isinstance(train_config, dict):
         return rest
     clashes = [  # named, not quoted: a value may hold credentials
