@@ -27,6 +27,7 @@ from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.environment import embedded_prefect_home
 from raytrain_tasks.redact import MASK, redact_uri
 from raytrain_tasks.settings import DEFAULT_STATE_DIR
+from raytrain_tasks.tracking.names import LAST_STEP_TAG, STEP_SERIES
 
 PROG = "prefect-raytrain"
 
@@ -98,7 +99,7 @@ def _experiment_runs(config: TrainingConfig, limit: int) -> tuple[Any, list[Any]
 def committed_epochs(client: Any, run: Any) -> int:
     """Epochs (checkpointed reports) the run committed, each logged once at its step: the steps of whichever of
     its metrics has the most (a metric reported only now and then has fewer)."""
-    keys = [key for key in run.data.metrics if not key.startswith("system/")]
+    keys = [key for key in run.data.metrics if not key.startswith(("system/", STEP_SERIES))]
     return max((len({m.step for m in client.get_metric_history(run.info.run_id, key)}) for key in keys), default=0)
 
 
@@ -117,6 +118,8 @@ def describe_run(client: Any, run: Any) -> dict[str, str]:
     if state in ("failed", "stopped", "interrupted"):
         # `resume` continues either way: from the last checkpoint, or from epoch 1 in the same MLflow run.
         resumable = "yes" if done else "yes (from epoch 1)"
+        if step := run.data.tags.get(LAST_STEP_TAG):  # the newest checkpoint's step, within an epoch or at its end
+            resumable = f"yes (after step {step})"
         if run.data.tags.get(tracking.ERROR_TAG, "").startswith("UserCodeError"):
             resumable = "after a code fix"  # its error says so; a train_config at fault needs a new run instead
     else:

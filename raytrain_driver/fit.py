@@ -24,6 +24,7 @@ from raytrain_driver.lease import run_lease
 from raytrain_driver.origin import data_loader_of, run_description, run_tags
 from raytrain_driver.preflight import (
     check_cluster,
+    check_long_run_settings,
     check_resume,
     check_spec_data,
     data_tasks_during_fit,
@@ -83,6 +84,7 @@ def _distributed_fit(fit: FitContext) -> FitResult:
     with ray_session(config):
         try:
             ray_datasets = check_spec_data(config, fit.spec, fit.dataset)  # a TrainSpec's data() may build them
+            check_long_run_settings(config, fit.spec, ray_datasets)
             plan = check_cluster(config, fit.runs, client, run_key, data_tasks_during_fit(fit.spec))
             experiment_id = tracking.ensure_experiment(
                 client, config.experiment_name, config.mlflow_tracking_uri, config.storage_path

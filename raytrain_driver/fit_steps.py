@@ -21,7 +21,15 @@ from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.errors import CheckpointError, UserCodeError
 from raytrain_tasks.reports import EVALUATION_ARTIFACT_DIR, log_learning_curves
 from raytrain_tasks.tracking.controller import numeric_metrics, report_step
-from raytrain_tasks.tracking.names import EPOCH_FOLDER, checkpoint_name, checkpoint_order, epoch_number, pinned_digests
+from raytrain_tasks.tracking.names import (
+    EPOCH_FOLDER,
+    STEP_SERIES,
+    checkpoint_name,
+    checkpoint_order,
+    epoch_number,
+    pinned_digests,
+    within_epoch,
+)
 from raytrain_tasks.tracking.outcome import SPEC_LOOP_EXTRAS, headline, log_checkpoint_models, log_summary
 
 if TYPE_CHECKING:
@@ -104,6 +112,11 @@ def trainer_function(
             "lease": {"uri": lease.location.uri, "holder": lease.holder} if lease is not None else None,
             # A TrainSpec's Ray Dataset splits: columns and example, so no worker calls data() (trainer_data).
             "ray_splits": spec_func.ray_splits if spec_func is not None and ray_spec else None,
+            # A TrainSpec's checkpoints within epochs (refused before this for other code: preflight).
+            "step_checkpoints": {
+                "every_steps": config.checkpoint_every_steps,
+                "every_minutes": config.checkpoint_every_minutes,
+            },
         },
         data,
     )
@@ -168,7 +181,8 @@ def history_of(result: ray.train.Result, logged: list[dict[str, float]]) -> list
         return logged
     entries: list[dict[str, float]] = []
     seen: set[int] = set()
-    for _, metrics in sorted(result.best_checkpoints or [], key=lambda pair: checkpoint_name(pair[0].path)):
+    reports = [(c, m) for c, m in result.best_checkpoints or [] if not within_epoch(checkpoint_name(c.path))]
+    for _, metrics in sorted(reports, key=lambda pair: checkpoint_name(pair[0].path)):
         step = report_step(metrics, seen)
         seen.add(step)
         entries.append({**numeric_metrics(metrics), "epoch": float(step - 1)})
@@ -250,7 +264,7 @@ def left_off(spec: TrainFunc) -> tuple[str, ...]:
 def logged_history(client: Any, run_id: str, spec: TrainFunc) -> list[dict[str, float]]:
     """The run's committed reports as MLflow holds them (step = epoch number), every metric at each step."""
     run = client.get_run(run_id)
-    keys = [key for key in run.data.metrics if not key.startswith(("system/", "best_", "test_"))]
+    keys = [key for key in run.data.metrics if not key.startswith(("system/", "best_", "test_", STEP_SERIES))]
     by_step: dict[int, dict[str, float]] = {}
     for key in keys:
         for point in client.get_metric_history(run_id, key):
@@ -294,14 +308,13 @@ def record_fit(fit: FitContext, result: ray.train.Result, opened: OpenRun) -> Fi
     checkpoint, metrics = best_checkpoint(result, spec, run_key, rejected)
     history = history_of(result, logged_history(client, run_id, spec))
     step = step_of(metrics, history)
-    best = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-    best.pop("epoch", None)
+    best = numeric_metrics(metrics)
     log_user_summary(run_logger(), spec, step, best)
     keys = sorted({key for entry in history for key in entry} - {"epoch"})  # every metric the code reported
     kept = {
         checkpoint_name(c.path): (checkpoint_uri(run_dir, c), step_of(metrics, history))
         for c, metrics in result.best_checkpoints or []
-        if checkpoint_name(c.path) not in rejected
+        if checkpoint_name(c.path) not in rejected and not within_epoch(checkpoint_name(c.path))
     }
     model_ids = log_kept_checkpoints(client, opened, kept, keys)
     done = FitResult(

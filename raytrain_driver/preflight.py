@@ -22,7 +22,14 @@ from raytrain_driver.sizing import (
 from raytrain_tasks.api import TrainFunc
 from raytrain_tasks.code_rules import data_dir_refused
 from raytrain_tasks.config import TrainingConfig
-from raytrain_tasks.errors import CheckpointError, DatasetError, TrackingError, UserCodeError, user_frames
+from raytrain_tasks.errors import (
+    CheckpointError,
+    DatasetError,
+    SettingsError,
+    TrackingError,
+    UserCodeError,
+    user_frames,
+)
 from raytrain_tasks.prepared import RunData
 from raytrain_tasks.redact import redact_uri
 from raytrain_tasks.settings import MODEL_NAME_MAX, MODEL_NAME_PATTERN
@@ -132,6 +139,18 @@ def check_spec_data(config: TrainingConfig, spec: TrainFunc, dataset: RunData | 
             "more rows"
         )
     return ray_data
+
+
+def check_long_run_settings(config: TrainingConfig, spec: TrainFunc, ray_data: bool) -> None:
+    """SettingsError, before any worker starts, for checkpoints within epochs that the run's code or data cannot
+    resume from exactly (raytrain_tasks.long_runs)."""
+    from raytrain_tasks.long_runs import StepCheckpoints, step_checkpoint_refusal
+    from raytrain_tasks.trainspec.loop import SpecTrainFunc
+
+    checkpoints = StepCheckpoints(config.checkpoint_every_steps, config.checkpoint_every_minutes)
+    why = step_checkpoint_refusal(checkpoints, isinstance(spec.train_func, SpecTrainFunc), ray_data)
+    if why:
+        raise SettingsError(f"train_code {config.train_code!r}: {why}")
 
 
 def data_tasks_during_fit(spec: TrainFunc) -> bool:

@@ -33,6 +33,7 @@ from raytrain_tasks.errors import (
     UnverifiedCheckpointError,
     UserCodeError,
 )
+from raytrain_tasks.long_runs import hang_timeout_s
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -192,12 +193,15 @@ def build_trainer(
 
     config, run_key, runs = fit.config, fit.run_key, fit.runs
     code = workers_code_dir(config)
+    hang_s = round(hang_timeout_s(config.hang_timeout_s, plan.use_gpu))
     train_func, loop_config, data = trainer_function(fit, code, resume_point, plan.fixed_workers)
     score_attribute, score_order = fit.spec.selection.name, fit.spec.selection.order
     return RunTrainer(
         train_func,
         train_loop_config=loop_config,
-        torch_config=TorchConfig(backend=plan.backend),
+        # A rank that makes no progress fails its peers' next collective within this bound, not torch's 30 minutes:
+        # Ray Train then restarts the group from the last checkpoint (long_runs.hang_timeout_s).
+        torch_config=TorchConfig(backend=plan.backend, timeout_s=hang_s),
         **data,
         scaling_config=_scaling(plan),
         run_config=ray.train.RunConfig(

@@ -181,6 +181,15 @@ class TrainingConfig(FaultToleranceSettings, ServiceSettings, TrainingSettings, 
         """(minimum, maximum) workers: equal unless elastic."""
         return self.num_workers, max(self.num_workers, self.max_workers)
 
+    @field_validator("hang_timeout_s")
+    @classmethod
+    def _hang_timeout_tells_a_hang(cls, value: float) -> float:
+        from raytrain_tasks.long_runs import hang_timeout_refusal
+
+        if why := hang_timeout_refusal(value):
+            raise ValueError(why)
+        return value
+
     @field_validator("storage_path")
     @classmethod
     def _supported_storage(cls, value: str) -> str:

@@ -248,6 +248,37 @@ class FaultToleranceSettings(_Section):
         title="Checkpoints to keep",
         description="Checkpoints kept per run: the best by the code's metric, plus always the latest.",
     )
+    checkpoint_every_steps: int = Field(
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
+        default=0,
+        ge=0,
+        le=100_000_000,
+        title="Checkpoint every N steps",
+        description=(
+            "A TrainSpec also checkpoints within an epoch, every this many training steps; a resume continues from "
+            "that step exactly. 0: at epoch ends only."
+        ),
+    )
+    checkpoint_every_minutes: float = Field(
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
+        default=0.0,
+        ge=0,
+        le=10_080,
+        title="Checkpoint every N minutes",
+        description="As `checkpoint_every_steps`, by time: at the first step after this many minutes. 0: off.",
+    )
+    hang_timeout_s: float = Field(
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
+        default=0.0,
+        ge=0,
+        le=86_400,
+        title="Hang timeout (s)",
+        description=(
+            "A collective (gradient all-reduce, barrier) that waits longer than this fails, and Ray Train restarts "
+            "the worker group from its last checkpoint (counted in `max_failures`). 0: 600 s on CPUs, 1800 s on "
+            "GPUs. At least 30 s."
+        ),
+    )
     fit_retries: int = Field(
         json_schema_extra=MAY_CHANGE_ON_RESUME,
         default=1,

@@ -154,6 +154,10 @@ def run_train_func(loop_config: dict[str, Any]) -> None:
                 "not on this Ray Train worker: the code differs between the two (ship the same code to both)"
             )
         spec.train_func.ray_splits = loop_config["ray_splits"]
+    if loop_config.get("step_checkpoints") and isinstance(spec.train_func, SpecTrainFunc):
+        from raytrain_tasks.long_runs import StepCheckpoints
+
+        spec.train_func.step_checkpoints = StepCheckpoints(**loop_config["step_checkpoints"])
     try:
         names_checkpoints, lease = isinstance(spec.train_func, SpecTrainFunc), loop_config.get("lease")
         with checked_reports(loop_config.get("metric"), names_checkpoints, lease, loop_config.get("storage")):

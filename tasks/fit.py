@@ -25,6 +25,7 @@ from raytrain_tasks.errors import (
     NodeStorageError,
     RepeatedFailureError,
     RunLeaseError,
+    SettingsError,
     TrackingError,
     UserCodeError,
 )
@@ -47,6 +48,7 @@ NOT_RETRYABLE = (
     UserCodeError,
     NodeStorageError,
     RepeatedFailureError,
+    SettingsError,
 )
 
 

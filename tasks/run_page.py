@@ -10,6 +10,7 @@ from urllib.parse import quote
 
 from raytrain_driver.hooks import EpochView
 from raytrain_tasks.redact import redact, redact_uri
+from raytrain_tasks.tracking.names import STEP_SERIES
 from raytrain_tasks.tracking.outcome import headline
 
 if TYPE_CHECKING:
@@ -101,7 +102,8 @@ class EpochProgress:
 
     def _histories(self, keys: list[str] | None = None) -> dict[str, dict[int, float]]:
         if keys is None:
-            keys = sorted(key for key in self.client.get_run(self.run_id).data.metrics if not key.startswith("system/"))
+            metrics = self.client.get_run(self.run_id).data.metrics
+            keys = sorted(key for key in metrics if not key.startswith(("system/", STEP_SERIES)))  # by epoch only
         return {key: {int(m.step): m.value for m in self.client.get_metric_history(self.run_id, key)} for key in keys}
 
     def _steps(self, histories: dict[str, dict[int, float]]) -> set[int]:

@@ -22,9 +22,14 @@ from raytrain_tasks.redact import redact
 from raytrain_tasks.tracking.names import (
     DATASET_DIGEST_KEY,
     DATASET_HASH_TAG,
+    GLOBAL_STEP_KEY,
+    IN_EPOCH_KEY,
     LAST_CHECKPOINT_TAG,
+    LAST_STEP_TAG,
     MANIFEST_METRIC,
     STEP_KEY,
+    STEP_LOSS_KEY,
+    STEP_SERIES,
     checkpoint_name,
     epoch_number,
     pin_tag,
@@ -47,13 +52,30 @@ def report_step(metrics: dict[str, Any], logged: set[int]) -> int:
     return max(logged, default=0) + 1
 
 
+# A report's numbers that are not the epoch's metrics: ``epoch`` is MLflow's step; the others make the step series.
+NOT_EPOCH_METRICS = frozenset({"epoch", IN_EPOCH_KEY, GLOBAL_STEP_KEY, STEP_LOSS_KEY})
+
+
 def numeric_metrics(metrics: dict[str, Any]) -> dict[str, float]:
-    """What MLflow can chart of a report: its numbers (not ``epoch``, which is the step; not the manifest)."""
+    """What MLflow charts per epoch of a report: its numbers, but for ``NOT_EPOCH_METRICS``."""
     return {
         key: float(value)
         for key, value in metrics.items()
-        if isinstance(value, int | float) and not isinstance(value, bool) and key != "epoch"
+        if isinstance(value, int | float) and not isinstance(value, bool) and key not in NOT_EPOCH_METRICS
     }
+
+
+def step_point(metrics: dict[str, Any], timestamp: int) -> tuple[list[Any], list[Any]]:
+    """(the step series' point, the last-step tag) of a report that says its global step; ([], []) otherwise."""
+    from mlflow.entities import Metric, RunTag
+
+    step, loss = metrics.get(GLOBAL_STEP_KEY), metrics.get(STEP_LOSS_KEY)
+    if not isinstance(step, int | float) or isinstance(step, bool):
+        return [], []
+    epoch = metrics.get("epoch", metrics.get(IN_EPOCH_KEY))
+    where = f"{int(step)}, epoch {epoch_number(epoch)}" if isinstance(epoch, int | float) else str(int(step))
+    points = [Metric(STEP_SERIES, float(loss), timestamp, int(step))] if isinstance(loss, int | float) else []
+    return points, [RunTag(LAST_STEP_TAG, where)]
 
 
 def log_epoch(
@@ -72,12 +94,30 @@ def log_epoch(
     values = numeric_metrics(metrics)
     batch = [Metric(key, value, timestamp, step) for key, value in values.items()]
     tags = [RunTag(LAST_CHECKPOINT_TAG, checkpoint_path)] if checkpoint_path else []
+    points, step_tags = step_point(metrics, timestamp)
+    batch += points
+    tags += step_tags
     if isinstance(metrics.get(DATASET_DIGEST_KEY), str):  # a TrainSpec's content hash of its splits (trainspec.loop)
         tags.append(RunTag(DATASET_HASH_TAG, metrics[DATASET_DIGEST_KEY]))
     digest = metrics.get(MANIFEST_METRIC)
     if checkpoint_path and isinstance(digest, str):
         tags.append(RunTag(pin_tag(checkpoint_name(checkpoint_path)), digest))
     client.log_batch(run_id, metrics=batch, tags=tags)
+
+
+def log_within_epoch(
+    client: Any, run_id: str, metrics: dict[str, Any], checkpoint_path: str, digest: str | None
+) -> None:
+    """One batched write for a checkpoint committed within an epoch: the step series' point, the latest
+    checkpoint's location and step, and its pin (``digest``; none when it could not be taken: a resume then passes
+    the checkpoint over)."""
+    from mlflow.entities import RunTag
+
+    points, tags = step_point(metrics, int(time.time() * 1000))
+    tags.append(RunTag(LAST_CHECKPOINT_TAG, checkpoint_path))
+    if digest is not None:
+        tags.append(RunTag(pin_tag(checkpoint_name(checkpoint_path)), digest))
+    client.log_batch(run_id, metrics=points, tags=tags)
 
 
 class OpenMlflowEarly(ControllerCallback):
@@ -179,6 +219,9 @@ class MlflowEpochLogger(UserCallback):
 
                 bound_mlflow_requests()
                 self._client = MlflowClient(self.tracking_uri, registry_uri=self.tracking_uri)
+            if IN_EPOCH_KEY in epoch_metrics:  # a checkpoint within an epoch: its pin and step, no epoch's metrics
+                log_within_epoch(self._client, self.run_id, epoch_metrics, checkpoint.path, digest)
+                return
             if self._logged is None:
                 self._logged = logged_steps(self._client, self.run_id, self.step_key)
             step = report_step(epoch_metrics, self._logged)

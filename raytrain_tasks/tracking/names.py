@@ -18,6 +18,15 @@ MANIFEST_METRIC = "checkpoint_manifest_sha256"
 PIN_TAG_PREFIX = "prefect_raytrain.checkpoint_sha256."
 DATASET_DIGEST_KEY = "dataset_sha256"
 DATASET_HASH_TAG = "prefect_raytrain.dataset_hash"
+# A checkpoint taken within an epoch reports these (and no ``epoch``, which names a finished epoch): the epoch in
+# progress (0-based, as ``epoch``), the global step, and the train loss since the last one, over every rank.
+IN_EPOCH_KEY = "in_epoch"
+GLOBAL_STEP_KEY = "global_step"
+STEP_LOSS_KEY = "step_train_loss"
+# In MLflow, the train loss by global step (its x-axis), apart from the per-epoch metrics (step = epoch number).
+STEP_SERIES = "steps/train_loss"
+# The step the run's newest committed checkpoint holds, "<global step>, epoch <number>": what `runs` shows.
+LAST_STEP_TAG = "prefect_raytrain.last_step"
 
 
 def epoch_number(index: int | float) -> int:
@@ -31,18 +40,30 @@ def epoch_number(index: int | float) -> int:
 
 
 CHECKPOINT_PREFIX = "epoch-"  # the TrainSpec loop's checkpoint folders: epoch-0001, epoch-0002, ...
-# The whole name of such a folder: the epoch, and after a retraining the attempt (epoch-0002-r1). Anything else
-# that starts with the prefix (epoch-0002.tmp, epoch-planted) is not one this project wrote.
-EPOCH_FOLDER = re.compile(r"epoch-\d{4,}(-r\d+)?")
+# The whole name of such a folder: the epoch, a step within it for a checkpoint taken before the epoch ended
+# (epoch-0002-step-00000150: global step 150, in the second epoch), and after a retraining the attempt
+# (epoch-0002-r1). Anything else that starts with the prefix (epoch-0002.tmp, epoch-planted) is not one this
+# project wrote.
+EPOCH_FOLDER = re.compile(r"epoch-(\d{4,})(?:-step-(\d{8,}))?(?:-r(\d+))?")
+STEP_MARK = "-step-"
 
 
 def checkpoint_order(name: str) -> tuple[int, ...]:
     """Sort key of a run's checkpoint folders, oldest first: by time for Ray Train's checkpoint_<timestamp>; by
-    epoch, then retraining, for epoch-NNNN-rK, as numbers (epoch-0002-r10 after -r9, epoch-10000 after 9999)."""
-    if not EPOCH_FOLDER.fullmatch(name):
+    epoch, then step within it (an epoch's own checkpoint after its steps'), then retraining, for the TrainSpec
+    loop's, as numbers (epoch-0002-r10 after -r9, epoch-10000 after 9999)."""
+    found = EPOCH_FOLDER.fullmatch(name)
+    if not found:
         return (0, *map(int, re.findall(r"\d+", name)))
-    epoch, _, retrained = name.removeprefix(CHECKPOINT_PREFIX).partition("-r")
-    return (1, int(epoch), int(retrained or 0))
+    epoch, step, retrained = found.groups()
+    within = (0, int(step)) if step is not None else (1, 0)
+    return (1, int(epoch), *within, int(retrained or 0))
+
+
+def within_epoch(name: str) -> bool:
+    """Whether checkpoint folder `name` was taken within an epoch (no epoch scores: never the registered one)."""
+    found = EPOCH_FOLDER.fullmatch(name)
+    return found is not None and found.group(2) is not None
 
 
 def checkpoint_name(path: str) -> str:

@@ -10,6 +10,7 @@ each whole split.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import math
 import time
@@ -205,16 +206,35 @@ def quiet_ray_data() -> None:
     warnings.filterwarnings("ignore", message=r".*ExecutionOptions\.exclude_resources. is deprecated")
 
 
+class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
+    """This rank's share of the train split, shuffled by ``seed`` and the epoch (DistributedSampler's order, which
+    draws nothing from the global RNG), able to start an epoch part-way: ``start_at(epoch, rows)`` makes that
+    epoch's pass begin after the first ``rows`` of its order, as a checkpoint within it left off. Being a
+    DistributedSampler, ``prepare_data_loader`` keeps it."""
+
+    def __init__(self, dataset: Any, num_replicas: int, rank: int, seed: int) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+        self._skip: tuple[int, int] | None = None  # (epoch, rows) for the next pass
+
+    def start_at(self, epoch: int, rows: int) -> None:
+        self.set_epoch(epoch)
+        self._skip = (epoch, rows)
+
+    def __iter__(self) -> Iterator[int]:
+        order = super().__iter__()
+        if self._skip is not None and self._skip[0] == self.epoch:
+            rows, self._skip = self._skip[1], None
+            return itertools.islice(order, rows, None)
+        return order
+
+
 def train_loader_of(dataset: Any, batch_size: int, seed: int, rank: int, world: int) -> DataLoader[Any]:
-    """The train split's loader, shuffled by the run's ``seed``: on several workers, each gets its share through a
-    DistributedSampler seeded with it (``prepare_data_loader`` adds one with seed 0 whatever the run's seed is, and
-    leaves one that is there); on one, the global RNG seeded with it draws the order."""
-    if world > 1:
-        sampler: DistributedSampler[Any] = DistributedSampler(
-            dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed
-        )
-        return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
-    return DataLoader(dataset, batch_size=batch_size, shuffle=True)
+    """The train split's loader: each rank's share in an order of the run's ``seed`` and the epoch
+    (``ResumableSampler``), so a checkpoint within an epoch can say where the next step starts. Its own generator
+    draws the loader's worker seed: iterating it leaves the global RNG, which a checkpoint holds, as it was.
+    (``prepare_data_loader`` would add a DistributedSampler of seed 0 whatever the run's seed is.)"""
+    sampler = ResumableSampler(dataset, num_replicas=world, rank=rank, seed=seed)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, generator=torch.Generator().manual_seed(seed))
 
 
 def slice_batches(dataset: Any, rank: int, world: int, batch_size: int) -> Any:

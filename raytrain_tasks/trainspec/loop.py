@@ -14,9 +14,11 @@ reach which shard); a resume on other data is refused (Ray Datasets are pinned o
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +29,14 @@ from torch.utils.data import DistributedSampler
 
 from raytrain_tasks.api import Metric, Splits, TrainFunc, TrainSpec
 from raytrain_tasks.errors import DataRefusedError, DatasetError, UserCodeError, user_frames
-from raytrain_tasks.tracking.names import DATASET_DIGEST_KEY
+from raytrain_tasks.long_runs import StepCheckpoints
+from raytrain_tasks.tracking.names import DATASET_DIGEST_KEY, GLOBAL_STEP_KEY, IN_EPOCH_KEY, STEP_LOSS_KEY
 from raytrain_tasks.tracking.outcome import SPEC_LOOP_EXTRAS, headline
 from raytrain_tasks.trainspec import data as spec_data
 from raytrain_tasks.trainspec.checkpoint import capture_rng_state, restore_rng_state, this_runs_staging_folder
 from raytrain_tasks.trainspec.data import (
     RaySplits,
+    ResumableSampler,
     check_ray_splits,
     data_digest,
     driver_batches,
@@ -49,10 +53,12 @@ from raytrain_tasks.trainspec.data import (
 )
 from raytrain_tasks.trainspec.resume import checkpoint_dir_name
 from raytrain_tasks.trainspec.steps import batch_sums, mean_of, score_split, train_epoch
+from raytrain_tasks.trainspec.within_epoch import EpochSoFar, WithinEpoch
 from raytrain_tasks.worker_log import configure_worker_logging
 
 logger = logging.getLogger(__name__)
 STATE_FILE = "spec_state.pt"
+AT_EPOCH_ENDS = StepCheckpoints()
 EXAMPLE_ROWS = 2
 
 
@@ -89,9 +95,10 @@ class SpecTrainFunc:
         self.kept = False  # ... and whether the splits are all kept in the object store (materialized)
         self._checked: tuple[dict[str, Any], Splits] | None = None  # its splits, for trainer_data
         self.ray_splits: RaySplits | None = None  # set by trainer_data on the driver, by run_train_func on workers
+        self.step_checkpoints = AT_EPOCH_ENDS  # the run's checkpoints within epochs, set by run_train_func
 
     def __call__(self, config: dict[str, Any]) -> None:
-        self._run(config, self.ray_splits)
+        self._run(config, self.ray_splits, self.step_checkpoints)
 
     def check_data(self, config: dict[str, Any]) -> bool:
         """``data(config)`` once, here (with Ray connected: it may build Ray Datasets), and whether it gives Ray
@@ -131,8 +138,10 @@ def spec_train_func(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:
     return SpecTrainFunc(spec)
 
 
-def _spec_loop(spec: TrainSpec) -> Callable[[dict[str, Any], RaySplits | None], None]:
-    def train_func(config: dict[str, Any], ray_splits: RaySplits | None = None) -> None:
+def _spec_loop(spec: TrainSpec) -> Callable[[dict[str, Any], RaySplits | None, StepCheckpoints], None]:
+    def train_func(
+        config: dict[str, Any], ray_splits: RaySplits | None = None, steps: StepCheckpoints = AT_EPOCH_ENDS
+    ) -> None:
         import ray.train.torch
 
         configure_worker_logging()
@@ -160,16 +169,35 @@ def _spec_loop(spec: TrainSpec) -> Callable[[dict[str, Any], RaySplits | None], 
             val_batches = slice_batches(splits.val, rank, world, batch_size)
             names = _batch_metric_names(spec, model, val_batches, ray.train.torch.get_device())
             check_metric_named(spec, config, names, typos_only=True)
-        start = _resume(model, optimizer, digest)
-        taken = _run_folders()
+        resumed = _resume(model, optimizer, digest)
+        start, taken = resumed.epoch, _run_folders()
+        steps_in_epoch = len(train_loader) if train_loader is not None else None
+        global_step = resumed.global_step(steps_in_epoch)
+        selection = f"val_{_chosen(spec, config).name}"
         for epoch in range(start, int(config["epochs"])):
             started = time.perf_counter()
             sampler = getattr(train_loader, "sampler", None)
             if isinstance(sampler, DistributedSampler):
                 sampler.set_epoch(epoch)
+            part = resumed.in_epoch if epoch == start else None
+            if part is not None and isinstance(sampler, ResumableSampler):
+                sampler.start_at(epoch, part.steps * batch_size)
+
+            def commit(metrics: dict[str, Any], so_far: EpochSoFar, epoch: int = epoch) -> None:
+                step = int(metrics[GLOBAL_STEP_KEY])
+                name = checkpoint_dir_name(epoch, taken, global_step=step)
+                state = {"in_epoch": so_far, "global_step": step}
+                _report({**metrics, selection: math.nan}, model, optimizer, digest, name, state)
+                if rank == 0:
+                    logger.info(step_line(epoch, int(config["epochs"]), metrics))
+
+            within = WithinEpoch(steps, epoch, global_step, steps_in_epoch, commit, part)
             model.train()
             batches = ray_train_batches(facts, batch_size, seed, epoch, rank) if splits is None else train_loader
-            total, count = train_epoch(spec, model, optimizer, batches)
+            after_step = within if steps.on else None
+            total, count = train_epoch(spec, model, optimizer, batches, after_step, within.start if part else None)
+            global_step = within.global_step if steps.on else global_step + (steps_in_epoch or 0)
+            extra = within.at_epoch_end(total, count) if steps.on else {}
             metrics: dict[str, Any] = {}
             for name in ("val", "test"):
                 held_out = (
@@ -180,11 +208,14 @@ def _spec_loop(spec: TrainSpec) -> Callable[[dict[str, Any], RaySplits | None], 
                 metrics |= score_split(spec, model, held_out, name)
             if epoch == start:
                 check_metric_named(spec, config, [key.removeprefix("val_") for key in metrics if key[:4] == "val_"])
-            metrics = {"epoch": epoch, **epoch_figures(total, count, started, ray.train.torch.get_device()), **metrics}
+            # An epoch resumed part-way counts its earlier attempt's seconds too.
+            before = part.seconds if part is not None else 0.0
+            figures = epoch_figures(total, count, started - before, ray.train.torch.get_device())
+            metrics = {"epoch": epoch, **figures, **metrics, **extra}
             if spec.prepare is None and digest:  # with prepare, the run's dataset hash is the stored version's
                 metrics[DATASET_DIGEST_KEY] = digest  # the controller records it as the run's dataset hash
             reporting = time.perf_counter()
-            _report(metrics, model, optimizer, digest, checkpoint_dir_name(epoch, taken))
+            _report(metrics, model, optimizer, digest, checkpoint_dir_name(epoch, taken), {"global_step": global_step})
             if rank == 0:  # a Ray Job's log (its only progress) and --verbose show it
                 logger.info(epoch_line(epoch, int(config["epochs"]), metrics, time.perf_counter() - reporting))
 
@@ -328,21 +359,34 @@ def _run_folders() -> frozenset[str]:
     return frozenset(info.base_name for info in found if info.type == pafs.FileType.Directory)
 
 
+def _chosen(spec: TrainSpec, config: dict[str, Any]) -> Metric:
+    return spec.metric if isinstance(spec.metric, Metric) else spec.metric(config)
+
+
+def step_line(epoch: int, epochs: int, metrics: dict[str, Any]) -> str:
+    """``epoch 2/3 step 150 train_loss=0.2782 (checkpoint)``: a checkpoint committed within an epoch."""
+    loss = float(metrics[STEP_LOSS_KEY])
+    return f"epoch {epoch + 1}/{epochs} step {int(metrics[GLOBAL_STEP_KEY])} train_loss={loss:.4f} (checkpoint)"
+
+
 def epoch_line(epoch: int, epochs: int, metrics: dict[str, Any], checkpoint_s: float) -> str:
     """``epoch 2/3 train_loss=0.2782 val_loss=0.1834 val_accuracy=0.9527 (0.09 s, 13537 samples/s; checkpoint
     0.012 s)``: the losses and validation figures of a committed epoch (its number counted from 1), its seconds and
     speed, and the seconds its checkpoint took to save, upload and report (``checkpoint_s``)."""
     shown = " ".join(
         f"{name}={float(metrics[name]):.4f}"
-        for name in headline(metrics, (*SPEC_LOOP_EXTRAS, "epoch", DATASET_DIGEST_KEY))
+        for name in headline(metrics, (*SPEC_LOOP_EXTRAS, "epoch", DATASET_DIGEST_KEY, GLOBAL_STEP_KEY, STEP_LOSS_KEY))
     )
     speed = f"{metrics['epoch_seconds']:.2f} s, {metrics['samples_per_second']:.0f} samples/s"
     speed += f"; checkpoint {checkpoint_s:.3f} s"
     return f"epoch {epoch + 1}/{epochs} {shown} ({speed})"
 
 
-def _report(metrics: dict[str, Any], model: Any, optimizer: Any, digest: str, folder_name: str) -> None:
-    """The epoch's ``metrics`` and (rank 0 alone writes it) its checkpoint, in folder ``folder_name``."""
+def _report(
+    metrics: dict[str, Any], model: Any, optimizer: Any, digest: str, folder_name: str, extra: dict[str, Any]
+) -> None:
+    """``metrics`` and (rank 0 alone writes it) a checkpoint in folder ``folder_name``: model, optimizer, RNG, the
+    epoch it holds, and ``extra`` (the global step; how far an epoch got, for one taken within it)."""
     import ray.train
 
     if ray.train.get_context().get_world_rank() != 0:
@@ -355,22 +399,39 @@ def _report(metrics: dict[str, Any], model: Any, optimizer: Any, digest: str, fo
             "model": {k: v.detach().cpu() for k, v in getattr(model, "module", model).state_dict().items()},
             "optimizer": optimizer.state_dict(),
             "rng": capture_rng_state(),  # torch, numpy and Python's: user code draws from any of them
-            "epoch": metrics["epoch"],
+            "epoch": metrics.get("epoch", metrics.get(IN_EPOCH_KEY)),
             "data_sha256": digest,
+            **{key: value.as_state() if isinstance(value, EpochSoFar) else value for key, value in extra.items()},
         }
         torch.save(state, folder / STATE_FILE)
         checkpoint = ray.train.Checkpoint.from_directory(folder)
         ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=folder_name)
 
 
-def _resume(model: Any, optimizer: Any, digest: str) -> int:
-    """The epoch to start from: 0, or the one after the last committed checkpoint (model, optimizer, RNG restored:
-    rank 0's, on every rank, as every rank was seeded alike and draws alike)."""
+@dataclass(frozen=True)
+class Resumed:
+    """Where a worker group starts: at epoch ``epoch`` (0-based), part-way through it when ``in_epoch`` says how
+    far a checkpoint within it got."""
+
+    epoch: int = 0
+    in_epoch: EpochSoFar | None = None
+    step: int | None = None  # the global step the checkpoint holds; None: an earlier release's, which had none
+
+    def global_step(self, steps_in_epoch: int | None) -> int:
+        if self.step is not None:
+            return self.step
+        return self.epoch * (steps_in_epoch or 0)
+
+
+def _resume(model: Any, optimizer: Any, digest: str) -> Resumed:
+    """Where to start: epoch 0, the one after the last committed epoch checkpoint, or the step after a checkpoint
+    within an epoch (model, optimizer, RNG restored: rank 0's, on every rank, as every rank was seeded alike and
+    draws alike)."""
     import ray.train
 
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
-        return 0
+        return Resumed()
     with checkpoint.as_directory() as folder:
         state = torch.load(Path(folder) / STATE_FILE, map_location="cpu", weights_only=True)
     # "" on either side: the data is pinned by prepare's stored version (an older release hashed it here too).
@@ -385,7 +446,10 @@ def _resume(model: Any, optimizer: Any, digest: str) -> int:
         torch.set_rng_state(state["rng"])
     else:
         restore_rng_state(state["rng"])
-    return int(state["epoch"]) + 1
+    step = int(state["global_step"]) if "global_step" in state else None
+    if "in_epoch" in state:
+        return Resumed(int(state["epoch"]), EpochSoFar.from_state(state["in_epoch"]), step)
+    return Resumed(int(state["epoch"]) + 1, None, step)
 
 
 def seed_as_workers(seed: int) -> None:

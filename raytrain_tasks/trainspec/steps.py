@@ -5,6 +5,7 @@ NCCL reduces no CPU tensor).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -13,9 +14,17 @@ import torch.distributed as dist
 from raytrain_tasks.api import TrainSpec
 
 
-def train_epoch(spec: TrainSpec, model: Any, optimizer: Any, batches: Any) -> tuple[torch.Tensor, int]:
-    """One epoch's training steps: (the sum of the batches' losses weighted by their rows, rows)."""
-    total, count = torch.zeros((), dtype=torch.float64), 0
+def train_epoch(
+    spec: TrainSpec,
+    model: Any,
+    optimizer: Any,
+    batches: Any,
+    after_step: Callable[[torch.Tensor, int], None] | None = None,
+    start: tuple[torch.Tensor, int] | None = None,
+) -> tuple[torch.Tensor, int]:
+    """One epoch's training steps: (the sum of the batches' losses weighted by their rows, rows), counted on from
+    ``start`` (an epoch resumed part-way). ``after_step`` is called with the sums so far after every step."""
+    total, count = start if start is not None else (torch.zeros((), dtype=torch.float64), 0)
     for inputs, targets in batches:
         optimizer.zero_grad(set_to_none=True)
         loss = spec.loss(model(inputs), targets)
@@ -23,6 +32,8 @@ def train_epoch(spec: TrainSpec, model: Any, optimizer: Any, batches: Any) -> tu
         optimizer.step()
         total += loss.detach().to(torch.float64).cpu() * len(targets)
         count += len(targets)
+        if after_step is not None:
+            after_step(total, count)
     return total, count
 
 

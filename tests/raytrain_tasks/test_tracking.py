@@ -337,3 +337,48 @@ def test_a_threads_block_ending_leaves_another_threads_block_pointed_at_its_stor
     thread.join(timeout=10)
     assert seen == [uri]
     assert mlflow.get_tracking_uri() == before  # the last block to end put the process back
+
+
+def test_a_checkpoint_within_an_epoch_is_pinned_and_charted_by_its_global_step_not_as_an_epoch(
+    tmp_path: Path,
+) -> None:
+    """The controller, given a real checkpoint folder committed within epoch 2 and then epoch 2's own: the first is
+    pinned (a resume may start from it), its train loss is a point of the step series at its global step, and no
+    epoch metric is logged for it; the epoch's own report logs the epoch once, at its number, and the last point.
+    `runs` then says the run continues after that step."""
+    import pyarrow.fs as pafs
+    import ray.train
+
+    from flows.command import describe_run
+    from raytrain_tasks.integrity import folder_digest
+    from raytrain_tasks.tracking.names import LAST_STEP_TAG, STEP_SERIES, pin_tag
+
+    db = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(db)
+    run = client.create_run(client.create_experiment("steps"), tags={tracking.RUN_KEY_TAG: "20261206-000000-abcdef"})
+    run_id = run.info.run_id
+    folders = {}
+    for name in ("epoch-0002-step-00000018", "epoch-0002"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "spec_state.pt").write_bytes(name.encode())
+        folders[name] = ray.train.Checkpoint(str(tmp_path / name), filesystem=pafs.LocalFileSystem())
+    logger = MlflowEpochLogger(db, run_id)
+    within = {"in_epoch": 1, "global_step": 18, "step_train_loss": 0.25, "val_accuracy": float("nan")}
+    logger.after_report(None, [within], folders["epoch-0002-step-00000018"])
+
+    tags = client.get_run(run_id).data.tags
+    digest = folder_digest(pafs.LocalFileSystem(), str(tmp_path / "epoch-0002-step-00000018"))
+    assert tags[pin_tag("epoch-0002-step-00000018")] == digest
+    assert tags[LAST_STEP_TAG] == "18, epoch 2"
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, STEP_SERIES)] == [(18, 0.25)]
+    assert client.get_metric_history(run_id, "val_accuracy") == []  # no epoch of it
+
+    epoch = {"epoch": 1, "train_loss": 0.3, "val_accuracy": 0.9, "global_step": 26, "step_train_loss": 0.2}
+    logger.after_report(None, [epoch], folders["epoch-0002"])
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "val_accuracy")] == [(2, 0.9)]
+    assert sorted((m.step, m.value) for m in client.get_metric_history(run_id, STEP_SERIES)) == [(18, 0.25), (26, 0.2)]
+    assert not {"global_step", "step_train_loss", "in_epoch"} & set(client.get_run(run_id).data.metrics)
+
+    client.set_terminated(run_id, "FAILED")
+    shown = describe_run(client, client.get_run(run_id))
+    assert shown["resumable"] == "yes (after step 26, epoch 2)" and shown["epochs"].startswith("1/"), shown

@@ -1,0 +1,132 @@
+"""Checkpoints a TrainSpec's loop commits within an epoch (``checkpoint_every_steps`` / ``checkpoint_every_minutes``),
+and where a resume from one starts.
+
+Such a checkpoint holds what an epoch's own does (model, optimizer, RNG) plus how far the epoch got: its steps, its
+train-loss sums over every rank, and its seconds. Every rank's data position follows from the step: each rank's
+share of the epoch is a fixed order of the run's seed and the epoch (``data.ResumableSampler``), so a resume
+starts each rank's loader after ``step * batch_size`` of its rows, and the run goes on as if it had never stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from raytrain_tasks.long_runs import StepCheckpoints, checkpoint_within_epoch
+from raytrain_tasks.tracking.names import GLOBAL_STEP_KEY, IN_EPOCH_KEY, STEP_LOSS_KEY
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EpochSoFar:
+    """How far an epoch got when a checkpoint within it was committed (``state["in_epoch"]``)."""
+
+    steps: int
+    loss_total: torch.Tensor  # float64, summed over every rank's rows
+    rows: int
+    seconds: float
+
+    def as_state(self) -> dict[str, Any]:
+        return {"steps": self.steps, "loss_total": self.loss_total, "rows": self.rows, "seconds": self.seconds}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> EpochSoFar:
+        return cls(int(state["steps"]), state["loss_total"], int(state["rows"]), float(state["seconds"]))
+
+
+class WithinEpoch:
+    """Called after every training step of an epoch (``steps.train_epoch``'s ``after_step``): counts the steps and
+    commits a checkpoint when one is due. Every rank calls it alike; ranks agree on a timed checkpoint through one
+    all-reduce per step (their clocks differ, their step counts do not)."""
+
+    def __init__(
+        self,
+        checkpoints: StepCheckpoints,
+        epoch: int,
+        global_step: int,
+        steps_in_epoch: int | None,
+        commit: Callable[[dict[str, Any], EpochSoFar], None],
+        resumed: EpochSoFar | None = None,
+    ) -> None:
+        self.checkpoints = checkpoints
+        self.epoch = epoch
+        self.global_step = global_step
+        self.steps_in_epoch = steps_in_epoch
+        self.commit = commit  # writes the checkpoint (rank 0) and reports it
+        self.epoch_step = resumed.steps if resumed is not None else 0
+        self.seconds_before = resumed.seconds if resumed is not None else 0.0
+        self.started = time.perf_counter()
+        self.last_commit = (time.monotonic(), global_step)
+        # Rank 0 carries every rank's sums up to a resumed checkpoint (the epoch's figure all-reduces them at its
+        # end); the other ranks count from zero.
+        self.start: tuple[torch.Tensor, int] = (torch.zeros((), dtype=torch.float64), 0)
+        if resumed is not None and _rank() == 0:
+            self.start = (resumed.loss_total.clone(), resumed.rows)
+        self.mark: tuple[torch.Tensor, int] = (self.start[0].clone(), self.start[1])  # sums at the last checkpoint
+
+    def seconds(self) -> float:
+        """The epoch's training seconds so far, across its attempts."""
+        return self.seconds_before + time.perf_counter() - self.started
+
+    def __call__(self, total: torch.Tensor, rows: int) -> None:
+        self.epoch_step += 1
+        self.global_step += 1
+        since, steps = self.last_commit
+        due = self.checkpoints.due(self.global_step - steps, time.monotonic() - since)
+        if self.checkpoints.timed:
+            due = _any_rank(due)
+        if checkpoint_within_epoch(due, self.epoch_step, self.steps_in_epoch):
+            self._commit(total, rows)
+
+    def _commit(self, total: torch.Tensor, rows: int) -> None:
+        """Sum the epoch's loss so far, and since the last checkpoint, over every rank; commit; mark the step."""
+        epoch_total, epoch_rows, step_loss = self._sums(total, rows)
+        so_far = EpochSoFar(self.epoch_step, torch.tensor(epoch_total, dtype=torch.float64), int(epoch_rows), 0.0)
+        so_far.seconds = self.seconds()
+        self.commit({IN_EPOCH_KEY: self.epoch, GLOBAL_STEP_KEY: self.global_step, STEP_LOSS_KEY: step_loss}, so_far)
+        self.mark = (total.clone(), rows)
+        self.last_commit = (time.monotonic(), self.global_step)
+
+    def at_epoch_end(self, total: torch.Tensor, rows: int) -> dict[str, float]:
+        """What the epoch's own checkpoint adds to its report: the global step, and the step series' last point."""
+        return {GLOBAL_STEP_KEY: self.global_step, STEP_LOSS_KEY: self._sums(total, rows)[2]}
+
+    def _sums(self, total: torch.Tensor, rows: int) -> tuple[float, float, float]:
+        """(the epoch's loss sum so far, its rows, the train loss since the last checkpoint), over every rank."""
+        since_total, since_rows = float(total - self.mark[0]), rows - self.mark[1]
+        sums = _all_reduced(torch.tensor([float(total), float(rows), since_total, since_rows], dtype=torch.float64))
+        epoch_total, epoch_rows, step_total, step_rows = sums.tolist()
+        return epoch_total, epoch_rows, step_total / step_rows if step_rows else math.nan
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _all_reduced(sums: torch.Tensor) -> torch.Tensor:
+    if not (dist.is_available() and dist.is_initialized()):
+        return sums
+    import ray.train.torch
+
+    on_device = sums.to(ray.train.torch.get_device())  # NCCL reduces CUDA tensors only
+    dist.all_reduce(on_device)
+    return on_device.cpu()
+
+
+def _any_rank(flag: bool) -> bool:
+    """True on every rank when it is on any: the ranks' clocks decide a timed checkpoint, once, together."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    import ray.train.torch
+
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=ray.train.torch.get_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
