@@ -107,6 +107,7 @@ bench: install  ## benchmarks that print figures (not tests); results in bench/r
 	$(PY) -m bench.served --bare-from bench/results/overhead.json
 	$(PY) -m bench.checkpoint_upload
 	$(PY) -m bench.recovery
+	$(PY) -m bench.long_runs
 	$(PY) -m bench.failfast
 	$(PY) -m bench.waits
 	$(PY) -m bench.own_code

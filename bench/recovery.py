@@ -74,9 +74,9 @@ def measure(workdir: Path) -> dict[str, float] | None:
     fit_called: list[float] = []
     original = raytrain_driver.trainer.fit_interruptibly
 
-    def timed_fit(trainer: Any, lease: Any = None) -> Any:
+    def timed_fit(trainer: Any, *args: Any, **kwargs: Any) -> Any:
         fit_called.append(time.time())
-        return original(trainer, lease)
+        return original(trainer, *args, **kwargs)
 
     raytrain_driver.trainer.fit_interruptibly = timed_fit  # type: ignore[assignment]  # a clock on the call, nothing else
     ray.init(address="local", num_cpus=2, runtime_env={"env_vars": worker_env()}, logging_level=logging.ERROR)

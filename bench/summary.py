@@ -44,6 +44,43 @@ def _ratio_row(target: str, value: float, limit: float, at_most: bool, detail: s
 GPU_TARGET = "GPU: in-loop vs plain NCCL DDP <= 1.03x; 1 worker vs a bare single-GPU loop >= 0.97x"
 
 
+def _long_run_rows(long: dict[str, Any] | None) -> list[Row]:
+    """From bench/results/long_runs.json (bench.long_runs)."""
+    share_target = "checkpoints every 50 steps: share of the epochs' time <= 3%"
+    if long is None:
+        return [(share_target, "not measured", "-", "python -m bench.long_runs")]
+    share = long["checkpoint_share"]
+    stop = long["sigstop_to_first_resumed_step_s"]
+    bound = 30 + 1.2 * long.get("fresh_start_s", float("nan"))
+    return [
+        (
+            share_target,
+            f"{share:.1%} ({long['epochs_s_every_50']:.1f} s vs {long['epochs_s_at_epoch_ends']:.1f} s, "
+            f"{long['checkpoints_per_run']} checkpoints)",
+            "met" if share <= 0.03 else "missed",
+            "bench.long_runs",
+        ),
+        (
+            "work lost to a SIGKILL at a random moment: every 50 steps vs epoch ends (figure)",
+            f"{long['lost_s_every_50']:.1f} s vs {long['lost_s_at_epoch_ends']:.1f} s",
+            "-",
+            "bench.long_runs",
+        ),
+        (
+            "SIGSTOP of a worker -> first resumed step <= hang_timeout_s 30 + 1.2x a fresh group start",
+            f"{stop:.1f} s (bound {bound:.1f} s)",
+            "met" if stop <= bound else "missed",
+            "bench.long_runs",
+        ),
+        (
+            "SIGTERM to a worker -> its checkpoint committed (figure)",
+            f"{long['sigterm_to_committed_s']:.2f} s",
+            "-",
+            "bench.long_runs",
+        ),
+    ]
+
+
 def _gpu_row(gpu: dict[str, Any] | None) -> Row:
     """From bench/results/gpu.json, written by hand from a run on a lent GPU machine (this one has none)."""
     if gpu is None:
@@ -167,6 +204,7 @@ def rows() -> list[Row]:
                 "bench.recovery",
             )
         )
+    out += _long_run_rows(_load("long_runs"))
     failfast = _load("failfast")
     if failfast is None:
         out.append(("a wrong setting fails before any worker starts", "not measured", "-", "python -m bench.failfast"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -42,10 +43,13 @@ from raytrain_tasks.redact import redacted_errors
 from raytrain_tasks.storage.locations import StorageLocation
 from raytrain_tasks.tracking import pins, run_owner
 from raytrain_tasks.tracking import runs as tracking
-from raytrain_tasks.tracking.controller import MlflowEpochLogger, OpenMlflowEarly, RestartGuard
-from raytrain_tasks.tracking.names import pinned_digests
+from raytrain_tasks.tracking.controller import MlflowEpochLogger, OpenMlflowEarly, RestartGuard, SilentRanks
+from raytrain_tasks.tracking.names import LAST_STEP_TAG, pinned_digests
+from raytrain_tasks.trainspec.stop_requests import driver_stop_actor
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from raytrain_tasks.api import TrainFunc
 
 
@@ -207,6 +211,7 @@ def _train(fit: FitContext, plan: FitPlan, opened: OpenRun) -> ray.train.Result:
     """Ray Train's fit, its reports logged to the MLflow run as they come, the run page following it."""
     from raytrain_driver.fit_steps import left_off
     from raytrain_driver.trainer import build_trainer, fit_interruptibly
+    from raytrain_tasks.trainspec.loop import SpecTrainFunc
 
     config, spec, lease = fit.config, fit.spec, fit.lease
     uri, run_id = config.mlflow_tracking_uri, opened.run_id
@@ -216,7 +221,10 @@ def _train(fit: FitContext, plan: FitPlan, opened: OpenRun) -> ray.train.Result:
     epochs = MlflowEpochLogger(uri, run_id, step_key=spec.selection.name, journal=opened.journal)
     # The stopper first: a checkpoint it refuses is never logged or pinned, so no resume starts from it.
     callbacks += [code_error_stopper(config.train_code, spec.selection.name), epochs, RestartGuard(epochs)]
-    trainer = build_trainer(fit, plan, opened.resume_point, callbacks)
+    callbacks.append(SilentRanks(uri, run_id))  # which rank a hang timeout found silent
+    # A TrainSpec's workers commit a checkpoint before a signal stops this driver (trainspec.stop_requests).
+    stop = driver_stop_actor() if isinstance(spec.train_func, SpecTrainFunc) else None
+    trainer = build_trainer(fit, plan, opened.resume_point, callbacks, stop)
     # Off a Prefect run (a Ray Job) there is no run page to update: the job's submitter shows the progress.
     view = EpochView(expects=tuple(dict.fromkeys((spec.selection.name, spec.gate.name))), left_off=left_off(spec))
     page = progress_page()
@@ -227,7 +235,54 @@ def _train(fit: FitContext, plan: FitPlan, opened: OpenRun) -> ray.train.Result:
         tracking.system_metrics(config.system_metrics, uri, run_id, opened.reopened),
         progress or contextlib.nullcontext(),
     ):
-        return fit_interruptibly(trainer, lease)
+        return fit_interruptibly(trainer, lease, saves_first(fit.client, run_id, stop) if stop is not None else None)
+
+
+# How long a stopping driver waits for its workers' last checkpoint: within the CLI's 10 s deadline on stopping.
+SAVE_FIRST_S = 5.0
+
+
+def saves_first(client: Any, run_id: str, stop: Any) -> Callable[[], None]:
+    """What the driver does when a signal stops it mid-fit: ask the workers (``stop``, their ``DriverStop``) to
+    commit a checkpoint at their next step, and wait until MLflow holds it (the controller pins a checkpoint there
+    once Ray Train has registered it: a resume starts from it), at most ``SAVE_FIRST_S``."""
+
+    def save() -> None:
+        logger = run_logger()
+        stop.ask.remote()
+        logger.warning(
+            "stopping: the workers commit a checkpoint at their next step first (at most %g s)", SAVE_FIRST_S
+        )
+        deadline = time.monotonic() + SAVE_FIRST_S
+        while time.monotonic() < deadline:
+            time.sleep(0.2)
+            step = _saved_step(stop)
+            pinned = _last_step(client, run_id) if step is not None else None
+            if pinned is not None and pinned.startswith(f"{step},"):
+                logger.warning("checkpoint at step %s committed before stopping", pinned)
+                return
+        logger.warning("no checkpoint was committed within %g s: the run continues from its last one", SAVE_FIRST_S)
+
+    return save
+
+
+def _saved_step(stop: Any) -> int | None:
+    """The global step of the checkpoint the workers committed for the driver's stop; None before (or if the
+    actor cannot answer now)."""
+    try:
+        return ray.get(stop.saved_step.remote(), timeout=1.0)  # type: ignore[no-any-return]
+    except ray.exceptions.RayError:
+        return None
+
+
+def _last_step(client: Any, run_id: str) -> str | None:
+    """The step of the run's newest pinned checkpoint, as MLflow has it; None when it cannot say now."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_run(run_id).data.tags.get(LAST_STEP_TAG)  # type: ignore[no-any-return]
+    except (MlflowException, OSError):
+        return None
 
 
 def _record_user_code(fit: FitContext, opened: OpenRun, result: ray.train.Result, ray_datasets: bool) -> FitResult:

@@ -73,11 +73,12 @@ def check_importable_on_cluster(train_code: str, working_dir: str) -> None:
 
 
 def trainer_function(
-    fit: FitContext, code_dir: str, resume: ResumePoint | None = None, fixed_workers: int = 0
+    fit: FitContext, code_dir: str, resume: ResumePoint | None = None, fixed_workers: int = 0, driver_stop: Any = None
 ) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     """(the function each worker runs, its ``train_loop_config``, ``TorchTrainer`` data kwargs). With prepared
     data, each worker finds its node's local copy (``config["data_dir"]``); the driver its own, for ``datasets``.
     ``fixed_workers``: the worker group's size when it is fixed (0: elastic), which kept splits are divided for.
+    ``driver_stop``: a TrainSpec's ``DriverStop`` actor (raytrain_tasks.trainspec.stop_requests), or None.
     Every checkpoint is checked against the fit's lease (raytrain_tasks.checked_reports)."""
     from raytrain_tasks.prepared import data_dir_of
     from raytrain_tasks.trainspec.loop import SpecTrainFunc
@@ -106,6 +107,7 @@ def trainer_function(
             "start": resume.start,
             # What a checkpointed report must hold: Ray Train keeps a run's checkpoints by it (checked_reports).
             "metric": spec.selection.name,
+            "higher_is_better": spec.selection.higher_is_better,
             "present": sorted(resume.present),
             "data": prepared.model_dump(mode="json") if prepared is not None else None,
             "storage": config.storage_options.model_dump(mode="json"),
@@ -113,6 +115,8 @@ def trainer_function(
             # A TrainSpec's Ray Dataset splits: columns and example, so no worker calls data() (trainer_data).
             "ray_splits": spec_func.ray_splits if spec_func is not None and ray_spec else None,
             # A TrainSpec's checkpoints within epochs (refused before this for other code: preflight).
+            # What the workers ask whether the driver is stopping (a TrainSpec's loop then commits first).
+            "driver_stop": driver_stop,
             "step_checkpoints": {
                 "every_steps": config.checkpoint_every_steps,
                 "every_minutes": config.checkpoint_every_minutes,

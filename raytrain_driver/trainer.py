@@ -34,14 +34,16 @@ from raytrain_tasks.errors import (
     UserCodeError,
 )
 from raytrain_tasks.long_runs import hang_timeout_s
+from raytrain_tasks.tracking.names import RANK_SCORE_KEY
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from raytrain_driver.fit_context import FitContext
     from raytrain_driver.fit_record import ResumePoint
 
 START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+HEALTH_CHECK_TIMEOUT_ENV = "RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"
 ABORT_TIMEOUT_S = 10.0
 
 
@@ -90,6 +92,7 @@ class RunTrainer(TorchTrainer):
     """
 
     _placement_group_record = ""
+    hang_timeout_s = 0  # long_runs.hang_timeout_s of the fit (0: Ray's own 10 minutes)
 
     def _create_default_callbacks(self) -> list[Any]:
         # mypy resolves ray.train.torch to the V1 classes; V2 (which has this method) is used at runtime.
@@ -120,6 +123,8 @@ class RunTrainer(TorchTrainer):
         env_vars.setdefault(
             RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR, DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE
         )
+        if self.hang_timeout_s:  # a frozen worker answers no poll: its group is restarted within the same bound
+            env_vars.setdefault(HEALTH_CHECK_TIMEOUT_ENV, str(self.hang_timeout_s))
         controller_cls = ray.remote(
             num_cpus=0,
             label_selector={ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()},  # type: ignore[attr-defined]
@@ -183,6 +188,7 @@ def build_trainer(
     plan: FitPlan,
     resume_point: ResumePoint | None = None,
     callbacks: Sequence[RayTrainCallback] = (),  # UserCallbacks and ControllerCallbacks; they run on the controller
+    driver_stop: Any = None,
 ) -> TorchTrainer:
     """The run's TorchTrainer for the fit's code; its workers check the fit's lease before each checkpoint."""
     # torch loads here, not when the flow module is imported: a Prefect worker needs no CUDA to plan runs.
@@ -194,9 +200,8 @@ def build_trainer(
     config, run_key, runs = fit.config, fit.run_key, fit.runs
     code = workers_code_dir(config)
     hang_s = round(hang_timeout_s(config.hang_timeout_s, plan.use_gpu))
-    train_func, loop_config, data = trainer_function(fit, code, resume_point, plan.fixed_workers)
-    score_attribute, score_order = fit.spec.selection.name, fit.spec.selection.order
-    return RunTrainer(
+    train_func, loop_config, data = trainer_function(fit, code, resume_point, plan.fixed_workers, driver_stop)
+    trainer = RunTrainer(
         train_func,
         train_loop_config=loop_config,
         # A rank that makes no progress fails its peers' next collective within this bound, not torch's 30 minutes:
@@ -213,14 +218,28 @@ def build_trainer(
                 # Ray's default (-1) retries a worker group that cannot start forever.
                 controller_failure_limit=max(1, config.max_failures),
             ),  # type: ignore[call-arg]  # mypy resolves ray.train to the V1 classes; V2 is used at runtime
+            # Kept by the code's metric as checked_reports ranks it: finite, higher is better (a NaN in Ray's
+            # record of the run is written as null, which a resume cannot read back).
             checkpoint_config=ray.train.CheckpointConfig(
                 num_to_keep=config.checkpoints_to_keep,
-                checkpoint_score_attribute=score_attribute,
-                checkpoint_score_order=score_order,
+                checkpoint_score_attribute=RANK_SCORE_KEY,
+                checkpoint_score_order="max",
             ),
-            callbacks=[*callbacks, StopOnRepeatedFailure(run_key)],  # type: ignore[arg-type,list-item]  # V2, see above
+            callbacks=[*callbacks, *_on_workers(fit), StopOnRepeatedFailure(run_key)],  # type: ignore[arg-type,list-item]  # V2, see above
         ),
     )
+    # Ray Train also marks a worker dead once its poll has had no answer this long (a frozen process).
+    trainer.hang_timeout_s = hang_s
+    return trainer
+
+
+def _on_workers(fit: FitContext) -> list[Any]:
+    """Callbacks Ray Train runs on each worker: a TrainSpec's loop commits a checkpoint before a SIGTERM ends a
+    worker (raytrain_tasks.trainspec.stop_requests); a train_func of the user's own is left Ray's handling."""
+    from raytrain_tasks.trainspec.loop import SpecTrainFunc
+    from raytrain_tasks.trainspec.save_on_sigterm import SaveOnSigterm
+
+    return [SaveOnSigterm()] if isinstance(fit.spec.train_func, SpecTrainFunc) else []
 
 
 def training_error(exc: BaseException, run_key: str, config: TrainingConfig) -> BaseException:
@@ -265,7 +284,9 @@ def training_error(exc: BaseException, run_key: str, config: TrainingConfig) -> 
     )
 
 
-def fit_interruptibly(trainer: TorchTrainer, lease: HeldLease | None = None) -> ray.train.Result:
+def fit_interruptibly(
+    trainer: TorchTrainer, lease: HeldLease | None = None, save_first: Callable[[], None] | None = None
+) -> ray.train.Result:
     """``trainer.fit()``, with this thread free to take a SIGTERM (a Prefect cancellation) or Ctrl-C at once.
 
     ``fit()`` waits on the controller inside one ``ray.get``, and a thread blocked there runs Python's signal
@@ -278,25 +299,38 @@ def fit_interruptibly(trainer: TorchTrainer, lease: HeldLease | None = None) -> 
 
     A lost run lease (``lease``) ends the fit at once: its controller is killed, with its workers, whatever Ray
     this is (a cluster outlives the driver's connection), and RunLeaseLostError is raised.
+
+    ``save_first``: called when a signal stops this thread while the fit runs, before the signal goes on: the
+    workers commit a checkpoint first (a TrainSpec's, within a bound).
     """
     outcome: dict[str, Any] = {}
+    # Not Thread.is_alive(): a signal that interrupts Thread.join() can leave the thread marked stopped while it
+    # still runs (CPython's _wait_for_tstate_lock takes its held lock for one just released).
+    done = threading.Event()
 
     def run() -> None:
         try:
             outcome["result"] = trainer.fit()
         except BaseException as exc:  # noqa: BLE001 - handed over to the waiting thread as it is, whatever it is
             outcome["error"] = exc
+        finally:
+            done.set()
 
     context = contextvars.copy_context()
     helper = threading.Thread(target=context.run, args=(run,), name="ray-train-fit", daemon=True)
     helper.start()
-    while helper.is_alive():
-        helper.join(timeout=0.2)
-        if lease is not None and lease.lost() is not None:
-            abort = getattr(trainer, "abort", None)
-            if abort is not None:
-                abort()
-            lease.check()
+    try:
+        while not done.wait(timeout=0.2):
+            if lease is not None and lease.lost() is not None:
+                abort = getattr(trainer, "abort", None)
+                if abort is not None:
+                    abort()
+                lease.check()
+    except BaseException as stop:
+        # A signal's exception (TerminationSignal, KeyboardInterrupt) is no Exception; a lost lease is one.
+        if save_first is not None and not isinstance(stop, Exception) and not done.is_set():
+            save_first()
+        raise
     if "error" in outcome:
         raise outcome["error"]
     return outcome["result"]

@@ -4,10 +4,12 @@ takes it: a checkpoint comes with the run's metric, and the pipeline names the c
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Any
 
 from raytrain_tasks.errors import RunLeaseLostError, UserCodeError
+from raytrain_tasks.tracking.names import RANK_SCORE_KEY
 
 
 def missing_metric(metrics: Any, metric: str) -> str | None:
@@ -23,6 +25,20 @@ def missing_metric(metrics: Any, metric: str) -> str | None:
         f"is better; the best is registered. Report {metric!r} with every checkpoint (or name a metric it reports "
         "in TrainFunc(metric=...)), then continue the run with `resume`"
     )
+
+
+# Worse than any finite score: what a checkpoint without a finite figure of the metric ranks by (Ray Train would
+# write a NaN to its record as null, which it cannot read back on a resume).
+UNSCORED = -1e308
+
+
+def ranking_score(value: Any, higher_is_better: bool) -> float:
+    """What Ray Train keeps a run's checkpoints by (``RANK_SCORE_KEY``, higher is better): the metric, negated
+    when lower is better; ``UNSCORED`` for a report without a finite one (a checkpoint within an epoch, a diverged
+    epoch), so that it ranks last."""
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        return UNSCORED
+    return float(value) if higher_is_better else -float(value)
 
 
 def named_folder(checkpoint_dir_name: Any) -> str:
@@ -68,6 +84,7 @@ def checked_reports(
     names_checkpoints: bool,
     lease: dict[str, str] | None = None,
     storage: dict[str, Any] | None = None,
+    higher_is_better: bool = True,
 ) -> Iterator[None]:
     """Within it, each ``ray.train.report`` of this worker raises UserCodeError, before Ray Train takes the report,
     when it passes ``checkpoint_dir_name`` (unless ``names_checkpoints``: a TrainSpec's loop, which names them for
@@ -93,6 +110,8 @@ def checked_reports(
             raise UserCodeError(problem)
         if checkpoint is not None and (taken := lease_taken(lease, storage)):
             raise RunLeaseLostError(taken)
+        if checkpoint is not None and metric is not None and isinstance(metrics, dict):
+            metrics = {**metrics, RANK_SCORE_KEY: ranking_score(metrics.get(metric), higher_is_better)}
         return report(metrics, checkpoint, checkpoint_dir_name, *args, **kw)
 
     setattr(utils, "report", checked)  # noqa: B010 - mypy refuses assigning to a method

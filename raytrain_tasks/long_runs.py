@@ -84,3 +84,15 @@ def step_checkpoint_refusal(checkpoints: StepCheckpoints, spec_loop: bool, ray_d
             "Datasets, or set the setting back to 0 (checkpoints at epoch ends)"
         )
     return None
+
+
+# A rank whose answer to Ray Train's poll (every 0.1 s) has been outstanding this long when its group fails was
+# silent: frozen, or stuck outside Python. A busy rank answers between steps.
+SILENT_AFTER_S = 5.0
+
+
+def silent_ranks(outstanding: dict[int, float], now: float, quiet_s: float = SILENT_AFTER_S) -> list[tuple[int, float]]:
+    """(rank, seconds silent) of the ranks whose poll, outstanding since ``outstanding[rank]``, has had no answer
+    for ``quiet_s`` or more at ``now``; the longest silent first."""
+    silent = [(rank, now - since) for rank, since in outstanding.items() if now - since >= quiet_s]
+    return sorted(silent, key=lambda pair: (-pair[1], pair[0]))

@@ -158,9 +158,12 @@ def run_train_func(loop_config: dict[str, Any]) -> None:
         from raytrain_tasks.long_runs import StepCheckpoints
 
         spec.train_func.step_checkpoints = StepCheckpoints(**loop_config["step_checkpoints"])
+    if isinstance(spec.train_func, SpecTrainFunc):
+        spec.train_func.driver_stop = loop_config.get("driver_stop")
     try:
         names_checkpoints, lease = isinstance(spec.train_func, SpecTrainFunc), loop_config.get("lease")
-        with checked_reports(loop_config.get("metric"), names_checkpoints, lease, loop_config.get("storage")):
+        storage, higher = loop_config.get("storage"), bool(loop_config.get("higher_is_better", True))
+        with checked_reports(loop_config.get("metric"), names_checkpoints, lease, storage, higher):
             spec.train_func(config)
     except (TypeError, ImportError) as exc:
         # Ray Train hands the controller the exception alone (its traceback stays in the worker's log): the

@@ -1,10 +1,13 @@
 """A user's TrainSpec for the long-run tests (tests/raytrain_tasks/test_long_runs_fit.py): a small MLP with dropout,
 so that a resume that did not restore the RNG would end elsewhere, on synthetic rows. Its model fails once, at the
 training step `fail_at_step` of rank 0 (counted in the worker process: after a restart it starts again from 0),
-as a worker that dies within an epoch would; `marker` is the file that says it has failed."""
+as a worker that dies within an epoch would; `marker` is the file that says it has failed. With `pause_at_step`
+instead, rank 0 writes `marker` in that step and waits until the test removes it: a signal sent meanwhile arrives
+within a known step."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,17 +29,24 @@ def data(config: dict[str, Any]) -> Splits:
 
 
 class Net(nn.Module):
-    def __init__(self, fail_at_step: int, marker: str) -> None:
+    def __init__(self, config: dict[str, Any]) -> None:
         super().__init__()
         self.layers = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 3))
-        self.fail_at_step, self.marker, self.steps = fail_at_step, marker, 0
+        self.fail_at_step, self.pause_at_step = int(config["fail_at_step"]), int(config["pause_at_step"])
+        self.marker, self.steps = Path(str(config["marker"])), 0
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        if self.training and self.fail_at_step:
+        if self.training and (self.fail_at_step or self.pause_at_step):
             self.steps += 1
-            if self.steps == self.fail_at_step and _rank() == 0 and not Path(self.marker).exists():
-                Path(self.marker).write_text(str(self.steps))
+            if self.steps == self.fail_at_step and _rank() == 0 and not self.marker.exists():
+                self.marker.write_text(str(self.steps))
                 raise RuntimeError(f"failed at training step {self.steps}, as a worker that dies would")
+            if self.steps == self.pause_at_step and _rank() == 0 and not self.marker.with_suffix(".done").exists():
+                self.marker.with_suffix(".done").write_text(str(self.steps))
+                self.marker.write_text(str(self.steps))
+                deadline = time.monotonic() + 120
+                while self.marker.exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
         return self.layers(inputs)
 
 
@@ -52,9 +62,9 @@ def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Te
 
 training = TrainSpec(
     data=data,
-    model=lambda config, example: Net(int(config["fail_at_step"]), str(config["marker"])),
+    model=lambda config, example: Net(config),
     loss=nn.functional.cross_entropy,
     metrics=accuracy,
     metric=Metric("accuracy", higher_is_better=True),
-    defaults={"fail_at_step": 0, "marker": ""},
+    defaults={"fail_at_step": 0, "pause_at_step": 0, "marker": ""},
 )

@@ -27,6 +27,7 @@ from raytrain_tasks.tracking.names import (
     LAST_CHECKPOINT_TAG,
     LAST_STEP_TAG,
     MANIFEST_METRIC,
+    RANK_SCORE_KEY,
     STEP_KEY,
     STEP_LOSS_KEY,
     STEP_SERIES,
@@ -53,7 +54,7 @@ def report_step(metrics: dict[str, Any], logged: set[int]) -> int:
 
 
 # A report's numbers that are not the epoch's metrics: ``epoch`` is MLflow's step; the others make the step series.
-NOT_EPOCH_METRICS = frozenset({"epoch", IN_EPOCH_KEY, GLOBAL_STEP_KEY, STEP_LOSS_KEY})
+NOT_EPOCH_METRICS = frozenset({"epoch", IN_EPOCH_KEY, GLOBAL_STEP_KEY, STEP_LOSS_KEY, RANK_SCORE_KEY})
 
 
 def numeric_metrics(metrics: dict[str, Any]) -> dict[str, float]:
@@ -69,7 +70,7 @@ def step_point(metrics: dict[str, Any], timestamp: int) -> tuple[list[Any], list
     """(the step series' point, the last-step tag) of a report that says its global step; ([], []) otherwise."""
     from mlflow.entities import Metric, RunTag
 
-    step, loss = metrics.get(GLOBAL_STEP_KEY), metrics.get(STEP_LOSS_KEY)
+    step, loss = metrics.get(GLOBAL_STEP_KEY), metrics.get(STEP_LOSS_KEY, metrics.get("train_loss"))
     if not isinstance(step, int | float) or isinstance(step, bool):
         return [], []
     epoch = metrics.get("epoch", metrics.get(IN_EPOCH_KEY))
@@ -281,3 +282,57 @@ class RestartGuard(WorkerGroupCallback):
                 "loaded. Check who can write `storage_path`; a resume starts from the newest checkpoint that verifies"
             )
         return {}
+
+
+class SilentRanks(WorkerGroupCallback):
+    """Records in the MLflow run which rank on which host had stopped answering, and for how long, when its worker
+    group fails. A frozen rank (SIGSTOP, a stuck system call, a dead network card) answers neither its peers'
+    collectives nor Ray Train's polls: its peers fail after ``hang_timeout_s`` and Ray Train restarts the group;
+    this says who it was. Reads Ray Train's own record of the polls it is waiting on (2.60's WorkerGroup); records
+    nothing if that has another shape."""
+
+    def __init__(self, tracking_uri: str, run_id: str) -> None:
+        self.tracking_uri = tracking_uri
+        self.run_id = run_id
+        self._group: Any = None
+        self._recorded = False
+
+    def after_worker_group_start(self, worker_group: Any) -> None:
+        self._group, self._recorded = worker_group, False
+
+    def after_worker_group_poll_status(self, worker_group_status: Any) -> None:
+        if self._recorded or self._group is None or not worker_group_status.errors:
+            return
+        self._recorded = True
+        try:
+            from ray.train.v2._internal.util import time_monotonic
+
+            from raytrain_tasks.long_runs import silent_ranks
+
+            polls = self._group._world_rank_to_ongoing_poll
+            workers = self._group.get_workers()
+            silent = silent_ranks({rank: poll.start_time for rank, poll in polls.items()}, time_monotonic())
+            said = [_silent_line(rank, seconds, workers[rank].metadata) for rank, seconds in silent]
+        except (AttributeError, ImportError, IndexError, TypeError):
+            return
+        if not said:
+            return
+        text = "; ".join(said)
+        logger.warning("the worker group failed with %s", text)
+        try:
+            from mlflow import MlflowClient
+
+            bound_mlflow_requests()
+            MlflowClient(self.tracking_uri, registry_uri=self.tracking_uri).set_tag(self.run_id, SILENT_TAG, text)
+        except Exception as exc:  # noqa: BLE001 - a record of the failure must not add one; test_tracking_outage
+            logger.warning("could not record the silent rank in MLflow: %s", redact(f"{type(exc).__name__}: {exc}"))
+
+
+SILENT_TAG = "prefect_raytrain.silent_ranks"
+
+
+def _silent_line(rank: int, seconds: float, metadata: Any) -> str:
+    """``rank 1 on host node-2 (10.0.0.7, pid 4242) silent for 31.2 s``."""
+    return (
+        f"rank {rank} on host {metadata.hostname} ({metadata.node_ip}, pid {metadata.pid}) silent for {seconds:.1f} s"
+    )

@@ -19,14 +19,18 @@ PIN_TAG_PREFIX = "prefect_raytrain.checkpoint_sha256."
 DATASET_DIGEST_KEY = "dataset_sha256"
 DATASET_HASH_TAG = "prefect_raytrain.dataset_hash"
 # A checkpoint taken within an epoch reports these (and no ``epoch``, which names a finished epoch): the epoch in
-# progress (0-based, as ``epoch``), the global step, and the train loss since the last one, over every rank.
+# progress (0-based, as ``epoch``), the global step, and the epoch's train loss so far, over every rank.
 IN_EPOCH_KEY = "in_epoch"
 GLOBAL_STEP_KEY = "global_step"
 STEP_LOSS_KEY = "step_train_loss"
-# In MLflow, the train loss by global step (its x-axis), apart from the per-epoch metrics (step = epoch number).
+# In MLflow, the epoch's train loss so far by global step (its x-axis): a point at each checkpoint, within an
+# epoch or at its end (the epoch's train_loss). Apart from the per-epoch metrics, whose step is the epoch number.
 STEP_SERIES = "steps/train_loss"
 # The step the run's newest committed checkpoint holds, "<global step>, epoch <number>": what `runs` shows.
 LAST_STEP_TAG = "prefect_raytrain.last_step"
+# What Ray Train keeps a run's checkpoints by, added to each checkpointed report on the worker
+# (raytrain_tasks.checked_reports.ranking_score): the code's metric, higher is better, always finite.
+RANK_SCORE_KEY = "checkpoint_rank_score"
 
 
 def epoch_number(index: int | float) -> int:

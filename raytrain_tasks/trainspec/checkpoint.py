@@ -1,6 +1,6 @@
-"""What every checkpoint the pipeline writes for a TrainSpec shares: the RNG state (torch, numpy and Python's, as
-tensors and plain values that ``torch.load(weights_only=True)`` reads), and the local folder a worker writes it into
-before Ray Train uploads it."""
+"""The checkpoints the pipeline writes for a TrainSpec: what each holds (model, optimizer, the RNG state of torch,
+numpy and Python as tensors and plain values that ``torch.load(weights_only=True)`` reads, the epoch and step), the
+local folder a worker writes it into before Ray Train uploads it, and where a resume from one starts."""
 
 from __future__ import annotations
 
@@ -12,12 +12,19 @@ import stat
 import tempfile
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+
+from raytrain_tasks.errors import DataRefusedError
+from raytrain_tasks.tracking.names import IN_EPOCH_KEY
+from raytrain_tasks.trainspec.within_epoch import EpochSoFar
 
 logger = logging.getLogger(__name__)
+STATE_FILE = "spec_state.pt"  # a TrainSpec checkpoint's one file (torch.save of plain values and tensors)
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -135,3 +142,73 @@ def _staging_root() -> Path | None:
         )
         return None
     return root
+
+
+def report_state(
+    metrics: dict[str, Any], model: Any, optimizer: Any, digest: str, folder_name: str, extra: dict[str, Any]
+) -> None:
+    """``metrics`` and (rank 0 alone writes it) a checkpoint in folder ``folder_name``: model, optimizer, RNG, the
+    epoch it holds, and ``extra`` (the global step; how far an epoch got, for one taken within it)."""
+    import ray.train
+
+    if ray.train.get_context().get_world_rank() != 0:
+        ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=folder_name)
+        return
+    # Written where the run's next checkpoint on this node removes what a killed attempt left (a worker killed
+    # while it writes or uploads cannot remove its folder).
+    with this_runs_staging_folder() as folder:
+        state = {
+            "model": {k: v.detach().cpu() for k, v in getattr(model, "module", model).state_dict().items()},
+            "optimizer": optimizer.state_dict(),
+            "rng": capture_rng_state(),  # torch, numpy and Python's: user code draws from any of them
+            "epoch": metrics.get("epoch", metrics.get(IN_EPOCH_KEY)),
+            "data_sha256": digest,
+            **{key: value.as_state() if isinstance(value, EpochSoFar) else value for key, value in extra.items()},
+        }
+        torch.save(state, folder / STATE_FILE)
+        checkpoint = ray.train.Checkpoint.from_directory(folder)
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=folder_name)
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """Where a worker group starts: at epoch ``epoch`` (0-based), part-way through it when ``in_epoch`` says how
+    far a checkpoint within it got."""
+
+    epoch: int = 0
+    in_epoch: EpochSoFar | None = None
+    step: int | None = None  # the global step the checkpoint holds; None: an earlier release's, which had none
+
+    def global_step(self, steps_in_epoch: int | None) -> int:
+        if self.step is not None:
+            return self.step
+        return self.epoch * (steps_in_epoch or 0)
+
+
+def resume_state(model: Any, optimizer: Any, digest: str) -> Resumed:
+    """Where to start: epoch 0, the one after the last committed epoch checkpoint, or the step after a checkpoint
+    within an epoch (model, optimizer, RNG restored: rank 0's, on every rank, as every rank was seeded alike and
+    draws alike)."""
+    import ray.train
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return Resumed()
+    with checkpoint.as_directory() as folder:
+        state = torch.load(Path(folder) / STATE_FILE, map_location="cpu", weights_only=True)
+    # "" on either side: the data is pinned by prepare's stored version (an older release hashed it here too).
+    if state["data_sha256"] and digest and state["data_sha256"] != digest:
+        raise DataRefusedError(
+            f"the data changed since this run's last checkpoint (content hash {state['data_sha256'][:12]}... then, "
+            f"{digest[:12]}... now): a resume continues on the data it started with. Start a new run instead"
+        )
+    getattr(model, "module", model).load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    if isinstance(state["rng"], torch.Tensor):  # a checkpoint of an earlier release: torch's state alone
+        torch.set_rng_state(state["rng"])
+    else:
+        restore_rng_state(state["rng"])
+    step = int(state["global_step"]) if "global_step" in state else None
+    if "in_epoch" in state:
+        return Resumed(int(state["epoch"]), EpochSoFar.from_state(state["in_epoch"]), step)
+    return Resumed(int(state["epoch"]) + 1, None, step)

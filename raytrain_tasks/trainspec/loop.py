@@ -30,10 +30,10 @@ from torch.utils.data import DistributedSampler
 from raytrain_tasks.api import Metric, Splits, TrainFunc, TrainSpec
 from raytrain_tasks.errors import DataRefusedError, DatasetError, UserCodeError, user_frames
 from raytrain_tasks.long_runs import StepCheckpoints
-from raytrain_tasks.tracking.names import DATASET_DIGEST_KEY, GLOBAL_STEP_KEY, IN_EPOCH_KEY, STEP_LOSS_KEY
+from raytrain_tasks.tracking.names import DATASET_DIGEST_KEY, GLOBAL_STEP_KEY, STEP_LOSS_KEY
 from raytrain_tasks.tracking.outcome import SPEC_LOOP_EXTRAS, headline
 from raytrain_tasks.trainspec import data as spec_data
-from raytrain_tasks.trainspec.checkpoint import capture_rng_state, restore_rng_state, this_runs_staging_folder
+from raytrain_tasks.trainspec.checkpoint import STATE_FILE, Resumed, report_state, resume_state
 from raytrain_tasks.trainspec.data import (
     RaySplits,
     ResumableSampler,
@@ -51,13 +51,14 @@ from raytrain_tasks.trainspec.data import (
     trainer_datasets,
     uses_ray_data,
 )
+from raytrain_tasks.trainspec.metric_names import batch_metric_names, check_metric_named, chosen_metric
 from raytrain_tasks.trainspec.resume import checkpoint_dir_name
 from raytrain_tasks.trainspec.steps import batch_sums, mean_of, score_split, train_epoch
+from raytrain_tasks.trainspec.stop_requests import StopRequests
 from raytrain_tasks.trainspec.within_epoch import EpochSoFar, WithinEpoch
 from raytrain_tasks.worker_log import configure_worker_logging
 
 logger = logging.getLogger(__name__)
-STATE_FILE = "spec_state.pt"
 AT_EPOCH_ENDS = StepCheckpoints()
 EXAMPLE_ROWS = 2
 
@@ -96,9 +97,10 @@ class SpecTrainFunc:
         self._checked: tuple[dict[str, Any], Splits] | None = None  # its splits, for trainer_data
         self.ray_splits: RaySplits | None = None  # set by trainer_data on the driver, by run_train_func on workers
         self.step_checkpoints = AT_EPOCH_ENDS  # the run's checkpoints within epochs, set by run_train_func
+        self.driver_stop: Any = None  # ... and the driver's DriverStop actor (trainspec.stop_requests)
 
     def __call__(self, config: dict[str, Any]) -> None:
-        self._run(config, self.ray_splits, self.step_checkpoints)
+        self._run(config, self.ray_splits, self.step_checkpoints, self.driver_stop)
 
     def check_data(self, config: dict[str, Any]) -> bool:
         """``data(config)`` once, here (with Ray connected: it may build Ray Datasets), and whether it gives Ray
@@ -138,9 +140,12 @@ def spec_train_func(spec: TrainSpec) -> Callable[[dict[str, Any]], None]:
     return SpecTrainFunc(spec)
 
 
-def _spec_loop(spec: TrainSpec) -> Callable[[dict[str, Any], RaySplits | None, StepCheckpoints], None]:
+def _spec_loop(spec: TrainSpec) -> Callable[[dict[str, Any], RaySplits | None, StepCheckpoints, Any], None]:
     def train_func(
-        config: dict[str, Any], ray_splits: RaySplits | None = None, steps: StepCheckpoints = AT_EPOCH_ENDS
+        config: dict[str, Any],
+        ray_splits: RaySplits | None = None,
+        steps: StepCheckpoints = AT_EPOCH_ENDS,
+        driver_stop: Any = None,
     ) -> None:
         import ray.train.torch
 
@@ -167,59 +172,100 @@ def _spec_loop(spec: TrainSpec) -> Callable[[dict[str, Any], RaySplits | None, S
         )
         if splits is not None:  # a typo in the metric's name, found on one batch before any training (all else: below)
             val_batches = slice_batches(splits.val, rank, world, batch_size)
-            names = _batch_metric_names(spec, model, val_batches, ray.train.torch.get_device())
+            names = batch_metric_names(spec, model, val_batches, ray.train.torch.get_device())
             check_metric_named(spec, config, names, typos_only=True)
-        resumed = _resume(model, optimizer, digest)
-        start, taken = resumed.epoch, _run_folders()
-        steps_in_epoch = len(train_loader) if train_loader is not None else None
-        global_step = resumed.global_step(steps_in_epoch)
-        selection = f"val_{_chosen(spec, config).name}"
-        for epoch in range(start, int(config["epochs"])):
-            started = time.perf_counter()
-            sampler = getattr(train_loader, "sampler", None)
-            if isinstance(sampler, DistributedSampler):
-                sampler.set_epoch(epoch)
-            part = resumed.in_epoch if epoch == start else None
-            if part is not None and isinstance(sampler, ResumableSampler):
-                sampler.start_at(epoch, part.steps * batch_size)
-
-            def commit(metrics: dict[str, Any], so_far: EpochSoFar, epoch: int = epoch) -> None:
-                step = int(metrics[GLOBAL_STEP_KEY])
-                name = checkpoint_dir_name(epoch, taken, global_step=step)
-                state = {"in_epoch": so_far, "global_step": step}
-                _report({**metrics, selection: math.nan}, model, optimizer, digest, name, state)
-                if rank == 0:
-                    logger.info(step_line(epoch, int(config["epochs"]), metrics))
-
-            within = WithinEpoch(steps, epoch, global_step, steps_in_epoch, commit, part)
-            model.train()
-            batches = ray_train_batches(facts, batch_size, seed, epoch, rank) if splits is None else train_loader
-            after_step = within if steps.on else None
-            total, count = train_epoch(spec, model, optimizer, batches, after_step, within.start if part else None)
-            global_step = within.global_step if steps.on else global_step + (steps_in_epoch or 0)
-            extra = within.at_epoch_end(total, count) if steps.on else {}
-            metrics: dict[str, Any] = {}
-            for name in ("val", "test"):
-                held_out = (
-                    ray_held_out_batches(facts, name, batch_size, rank, world)
-                    if splits is None
-                    else slice_batches(getattr(splits, name), rank, world, batch_size)
-                )
-                metrics |= score_split(spec, model, held_out, name)
-            if epoch == start:
-                check_metric_named(spec, config, [key.removeprefix("val_") for key in metrics if key[:4] == "val_"])
-            # An epoch resumed part-way counts its earlier attempt's seconds too.
-            before = part.seconds if part is not None else 0.0
-            figures = epoch_figures(total, count, started - before, ray.train.torch.get_device())
-            metrics = {"epoch": epoch, **figures, **metrics, **extra}
-            if spec.prepare is None and digest:  # with prepare, the run's dataset hash is the stored version's
-                metrics[DATASET_DIGEST_KEY] = digest  # the controller records it as the run's dataset hash
-            reporting = time.perf_counter()
-            _report(metrics, model, optimizer, digest, checkpoint_dir_name(epoch, taken), {"global_step": global_step})
-            if rank == 0:  # a Ray Job's log (its only progress) and --verbose show it
-                logger.info(epoch_line(epoch, int(config["epochs"]), metrics, time.perf_counter() - reporting))
+        run = WorkerRun(spec, config, splits, facts, digest, rank, world, train_loader, model, optimizer)
+        resumed = resume_state(model, optimizer, digest)
+        run.train(resumed, steps, StopRequests(driver_stop))
 
     return train_func
+
+
+@dataclass
+class WorkerRun:
+    """One worker's training run of a spec, from where a checkpoint left it (or the start) to the last epoch."""
+
+    spec: TrainSpec
+    config: dict[str, Any]
+    splits: Splits | None  # torch Datasets; None for Ray Datasets, whose shards Ray Train hands out
+    facts: RaySplits
+    digest: str
+    rank: int
+    world: int
+    train_loader: Any
+    model: Any
+    optimizer: Any
+
+    def train(self, resumed: Resumed, steps: StepCheckpoints, stops: StopRequests) -> None:
+        self.taken = _run_folders()
+        self.selection = f"val_{chosen_metric(self.spec, self.config).name}"
+        self.steps_in_epoch = len(self.train_loader) if self.train_loader is not None else None
+        global_step = resumed.global_step(self.steps_in_epoch)
+        for epoch in range(resumed.epoch, int(self.config["epochs"])):
+            part = resumed.in_epoch if epoch == resumed.epoch else None
+            within = WithinEpoch(
+                steps, epoch, global_step, self.steps_in_epoch, self._commit_within(epoch), part, stops
+            )
+            self._epoch(epoch, within, part, first=epoch == resumed.epoch)
+            global_step = within.global_step
+            within.after_epoch_commit()
+
+    def _epoch(self, epoch: int, within: WithinEpoch, part: EpochSoFar | None, first: bool) -> None:
+        """Train ``epoch`` (on from ``part`` of it), score the held-out splits, commit its checkpoint."""
+        import ray.train.torch
+
+        started = time.perf_counter()
+        batch_size, seed = int(self.config["batch_size"]), int(self.config["seed"])
+        sampler = getattr(self.train_loader, "sampler", None)
+        if isinstance(sampler, DistributedSampler):
+            sampler.set_epoch(epoch)
+        if part is not None and isinstance(sampler, ResumableSampler):
+            sampler.start_at(epoch, part.steps * batch_size)
+        self.model.train()
+        batches = (
+            ray_train_batches(self.facts, batch_size, seed, epoch, self.rank)
+            if self.splits is None
+            else self.train_loader
+        )
+        total, count = train_epoch(
+            self.spec, self.model, self.optimizer, batches, within, within.start if part else None
+        )
+        metrics: dict[str, Any] = {}
+        for name in ("val", "test"):
+            metrics |= score_split(self.spec, self.model, self._held_out(name, batch_size), name)
+        if first:
+            names = [key.removeprefix("val_") for key in metrics if key[:4] == "val_"]
+            check_metric_named(self.spec, self.config, names)
+        # An epoch resumed part-way counts its earlier attempt's seconds too.
+        before = part.seconds if part is not None else 0.0
+        figures = epoch_figures(total, count, started - before, ray.train.torch.get_device())
+        extra = within.at_epoch_end() if within.checkpoints.on else {}
+        metrics = {"epoch": epoch, **figures, **metrics, **extra}
+        if self.spec.prepare is None and self.digest:  # with prepare, the run's dataset hash is the stored version's
+            metrics[DATASET_DIGEST_KEY] = self.digest  # the controller records it as the run's dataset hash
+        reporting = time.perf_counter()
+        name = checkpoint_dir_name(epoch, self.taken)
+        report_state(metrics, self.model, self.optimizer, self.digest, name, {"global_step": within.global_step})
+        if self.rank == 0:  # a Ray Job's log (its only progress) and --verbose show it
+            logger.info(epoch_line(epoch, int(self.config["epochs"]), metrics, time.perf_counter() - reporting))
+
+    def _held_out(self, name: str, batch_size: int) -> Any:
+        if self.splits is None:
+            return ray_held_out_batches(self.facts, name, batch_size, self.rank, self.world)
+        return slice_batches(getattr(self.splits, name), self.rank, self.world, batch_size)
+
+    def _commit_within(self, epoch: int) -> Callable[[dict[str, Any], EpochSoFar], None]:
+        """How ``WithinEpoch`` commits a checkpoint within ``epoch``: no epoch scores (the metric NaN, ranked last)."""
+
+        def commit(metrics: dict[str, Any], so_far: EpochSoFar) -> None:
+            step = int(metrics[GLOBAL_STEP_KEY])
+            name = checkpoint_dir_name(epoch, self.taken, global_step=step)
+            state = {"in_epoch": so_far, "global_step": step}
+            report_state({**metrics, self.selection: math.nan}, self.model, self.optimizer, self.digest, name, state)
+            if self.rank == 0:
+                logger.info(step_line(epoch, int(self.config["epochs"]), metrics))
+
+        return commit
 
 
 def spec_load_model(spec: TrainSpec) -> Callable[[Path, dict[str, Any]], Any]:
@@ -302,51 +348,6 @@ def _empty(dataset: Any) -> bool:
     return dataset is None or (not is_ray_dataset(dataset) and len(dataset) == 0)
 
 
-def _batch_metric_names(spec: TrainSpec, model: Any, val_batches: Any, device: Any) -> list[str] | None:
-    """The names ``loss`` and ``metrics`` give on this rank's first validation batch (``val_batches``: its slice;
-    None when it has none), from the model as built: no training, and no random number drawn (a DataLoader's
-    iterator draws one), so the trajectory stays the uninterrupted one's."""
-    net = getattr(model, "module", model)  # not DDP's forward: no collective for a check some ranks may skip
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        batch = next(iter(val_batches), None)
-        if batch is None:
-            return None
-        was_training = net.training
-        net.eval()
-        try:
-            sums, _ = batch_sums(spec, net, [batch], device)
-        finally:
-            net.train(was_training)
-    return sorted(sums)
-
-
-def check_metric_named(
-    spec: TrainSpec, config: dict[str, Any], names: list[str] | None, typos_only: bool = False
-) -> None:
-    """UserCodeError (not retried) when the spec's metric for this run is not one its ``loss``/``metrics`` give:
-    found at the first epoch, not after the last one, where no checkpoint could be picked. ``typos_only``: only
-    when one of ``names`` is close to it (names from one batch: a metric may leave a key out of a batch of one
-    class, and is judged on the whole split after the first epoch's validation)."""
-    if names is None:
-        return
-    chosen = spec.metric if isinstance(spec.metric, Metric) else spec.metric(config)
-    if chosen.name in names:
-        return
-    import difflib
-
-    lowered = {name.lower(): name for name in names}
-    close = [lowered[chosen.name.lower()]] if chosen.name.lower() in lowered else []
-    close = close or difflib.get_close_matches(chosen.name, names, n=1)
-    if typos_only and not close:
-        return
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise UserCodeError(
-        f"TrainSpec(metric={chosen.name!r}) names no metric this spec computes: its loss and metrics=... give "
-        f"{names}{hint}. val_<metric> picks the best checkpoint and test_<metric> is what the gate compares: name "
-        "one of those (or 'loss'), or return it from metrics=..."
-    )
-
-
 def _run_folders() -> frozenset[str]:
     """The folders in this run's storage as the worker group starts, which a checkpoint of this attempt must not be
     named as. (Ray Train takes rank 0's ``checkpoint_dir_name`` for all ranks; every rank computes it alike.)"""
@@ -357,10 +358,6 @@ def _run_folders() -> frozenset[str]:
         pafs.FileSelector(storage.experiment_fs_path, allow_not_found=True)
     )
     return frozenset(info.base_name for info in found if info.type == pafs.FileType.Directory)
-
-
-def _chosen(spec: TrainSpec, config: dict[str, Any]) -> Metric:
-    return spec.metric if isinstance(spec.metric, Metric) else spec.metric(config)
 
 
 def step_line(epoch: int, epochs: int, metrics: dict[str, Any]) -> str:
@@ -380,76 +377,6 @@ def epoch_line(epoch: int, epochs: int, metrics: dict[str, Any], checkpoint_s: f
     speed = f"{metrics['epoch_seconds']:.2f} s, {metrics['samples_per_second']:.0f} samples/s"
     speed += f"; checkpoint {checkpoint_s:.3f} s"
     return f"epoch {epoch + 1}/{epochs} {shown} ({speed})"
-
-
-def _report(
-    metrics: dict[str, Any], model: Any, optimizer: Any, digest: str, folder_name: str, extra: dict[str, Any]
-) -> None:
-    """``metrics`` and (rank 0 alone writes it) a checkpoint in folder ``folder_name``: model, optimizer, RNG, the
-    epoch it holds, and ``extra`` (the global step; how far an epoch got, for one taken within it)."""
-    import ray.train
-
-    if ray.train.get_context().get_world_rank() != 0:
-        ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=folder_name)
-        return
-    # Written where the run's next checkpoint on this node removes what a killed attempt left (a worker killed
-    # while it writes or uploads cannot remove its folder).
-    with this_runs_staging_folder() as folder:
-        state = {
-            "model": {k: v.detach().cpu() for k, v in getattr(model, "module", model).state_dict().items()},
-            "optimizer": optimizer.state_dict(),
-            "rng": capture_rng_state(),  # torch, numpy and Python's: user code draws from any of them
-            "epoch": metrics.get("epoch", metrics.get(IN_EPOCH_KEY)),
-            "data_sha256": digest,
-            **{key: value.as_state() if isinstance(value, EpochSoFar) else value for key, value in extra.items()},
-        }
-        torch.save(state, folder / STATE_FILE)
-        checkpoint = ray.train.Checkpoint.from_directory(folder)
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=folder_name)
-
-
-@dataclass(frozen=True)
-class Resumed:
-    """Where a worker group starts: at epoch ``epoch`` (0-based), part-way through it when ``in_epoch`` says how
-    far a checkpoint within it got."""
-
-    epoch: int = 0
-    in_epoch: EpochSoFar | None = None
-    step: int | None = None  # the global step the checkpoint holds; None: an earlier release's, which had none
-
-    def global_step(self, steps_in_epoch: int | None) -> int:
-        if self.step is not None:
-            return self.step
-        return self.epoch * (steps_in_epoch or 0)
-
-
-def _resume(model: Any, optimizer: Any, digest: str) -> Resumed:
-    """Where to start: epoch 0, the one after the last committed epoch checkpoint, or the step after a checkpoint
-    within an epoch (model, optimizer, RNG restored: rank 0's, on every rank, as every rank was seeded alike and
-    draws alike)."""
-    import ray.train
-
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
-        return Resumed()
-    with checkpoint.as_directory() as folder:
-        state = torch.load(Path(folder) / STATE_FILE, map_location="cpu", weights_only=True)
-    # "" on either side: the data is pinned by prepare's stored version (an older release hashed it here too).
-    if state["data_sha256"] and digest and state["data_sha256"] != digest:
-        raise DataRefusedError(
-            f"the data changed since this run's last checkpoint (content hash {state['data_sha256'][:12]}... then, "
-            f"{digest[:12]}... now): a resume continues on the data it started with. Start a new run instead"
-        )
-    getattr(model, "module", model).load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    if isinstance(state["rng"], torch.Tensor):  # a checkpoint of an earlier release: torch's state alone
-        torch.set_rng_state(state["rng"])
-    else:
-        restore_rng_state(state["rng"])
-    step = int(state["global_step"]) if "global_step" in state else None
-    if "in_epoch" in state:
-        return Resumed(int(state["epoch"]), EpochSoFar.from_state(state["in_epoch"]), step)
-    return Resumed(int(state["epoch"]) + 1, None, step)
 
 
 def seed_as_workers(seed: int) -> None:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from raytrain_tasks.long_runs import StepCheckpoints, checkpoint_within_epoch
 from raytrain_tasks.tracking.names import GLOBAL_STEP_KEY, IN_EPOCH_KEY, STEP_LOSS_KEY
+from raytrain_tasks.trainspec.stop_requests import StopRequests
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +45,9 @@ class EpochSoFar:
 
 class WithinEpoch:
     """Called after every training step of an epoch (``steps.train_epoch``'s ``after_step``): counts the steps and
-    commits a checkpoint when one is due. Every rank calls it alike; ranks agree on a timed checkpoint through one
-    all-reduce per step (their clocks differ, their step counts do not)."""
+    commits a checkpoint when one is due or a stop asks for one (``stop_requests``). Every rank calls it alike; on
+    several workers they agree through one all-reduce per step (their clocks and signals differ, their step counts
+    do not)."""
 
     def __init__(
         self,
@@ -55,8 +57,11 @@ class WithinEpoch:
         steps_in_epoch: int | None,
         commit: Callable[[dict[str, Any], EpochSoFar], None],
         resumed: EpochSoFar | None = None,
+        stops: StopRequests | None = None,
     ) -> None:
         self.checkpoints = checkpoints
+        self.stops = stops if stops is not None else StopRequests()
+        self.pending = StopRequests.NONE
         self.epoch = epoch
         self.global_step = global_step
         self.steps_in_epoch = steps_in_epoch
@@ -70,7 +75,6 @@ class WithinEpoch:
         self.start: tuple[torch.Tensor, int] = (torch.zeros((), dtype=torch.float64), 0)
         if resumed is not None and _rank() == 0:
             self.start = (resumed.loss_total.clone(), resumed.rows)
-        self.mark: tuple[torch.Tensor, int] = (self.start[0].clone(), self.start[1])  # sums at the last checkpoint
 
     def seconds(self) -> float:
         """The epoch's training seconds so far, across its attempts."""
@@ -81,30 +85,39 @@ class WithinEpoch:
         self.global_step += 1
         since, steps = self.last_commit
         due = self.checkpoints.due(self.global_step - steps, time.monotonic() - since)
-        if self.checkpoints.timed:
-            due = _any_rank(due)
-        if checkpoint_within_epoch(due, self.epoch_step, self.steps_in_epoch):
+        request = self.stops.local()
+        if _distributed():  # every rank commits at the same step, or none does
+            due, request = _agreed(due, request)
+        if checkpoint_within_epoch(due or bool(request), self.epoch_step, self.steps_in_epoch):
             self._commit(total, rows)
+            self.stops.after_commit(request, self.global_step)  # a stop raises here
+        elif request:
+            self.pending = request  # the epoch's last step: its own checkpoint is the one asked for
+
+    def after_epoch_commit(self) -> None:
+        """After the epoch's own checkpoint: what a stop asked for at its last step."""
+        request, self.pending = self.pending, StopRequests.NONE
+        self.stops.after_commit(request, self.global_step)
 
     def _commit(self, total: torch.Tensor, rows: int) -> None:
-        """Sum the epoch's loss so far, and since the last checkpoint, over every rank; commit; mark the step."""
-        epoch_total, epoch_rows, step_loss = self._sums(total, rows)
+        """Sum the epoch's loss so far over every rank, and commit."""
+        epoch_total, epoch_rows = self._sums(total, rows)
         so_far = EpochSoFar(self.epoch_step, torch.tensor(epoch_total, dtype=torch.float64), int(epoch_rows), 0.0)
         so_far.seconds = self.seconds()
-        self.commit({IN_EPOCH_KEY: self.epoch, GLOBAL_STEP_KEY: self.global_step, STEP_LOSS_KEY: step_loss}, so_far)
-        self.mark = (total.clone(), rows)
+        loss = epoch_total / epoch_rows if epoch_rows else math.nan
+        self.commit({IN_EPOCH_KEY: self.epoch, GLOBAL_STEP_KEY: self.global_step, STEP_LOSS_KEY: loss}, so_far)
         self.last_commit = (time.monotonic(), self.global_step)
 
-    def at_epoch_end(self, total: torch.Tensor, rows: int) -> dict[str, float]:
-        """What the epoch's own checkpoint adds to its report: the global step, and the step series' last point."""
-        return {GLOBAL_STEP_KEY: self.global_step, STEP_LOSS_KEY: self._sums(total, rows)[2]}
+    def at_epoch_end(self) -> dict[str, float]:
+        """What the epoch's own checkpoint adds to its report: the global step (its train loss is the series' point
+        there)."""
+        return {GLOBAL_STEP_KEY: self.global_step}
 
-    def _sums(self, total: torch.Tensor, rows: int) -> tuple[float, float, float]:
-        """(the epoch's loss sum so far, its rows, the train loss since the last checkpoint), over every rank."""
-        since_total, since_rows = float(total - self.mark[0]), rows - self.mark[1]
-        sums = _all_reduced(torch.tensor([float(total), float(rows), since_total, since_rows], dtype=torch.float64))
-        epoch_total, epoch_rows, step_total, step_rows = sums.tolist()
-        return epoch_total, epoch_rows, step_total / step_rows if step_rows else math.nan
+    def _sums(self, total: torch.Tensor, rows: int) -> tuple[float, float]:
+        """(the epoch's loss sum so far, its rows), over every rank."""
+        sums = _all_reduced(torch.tensor([float(total), float(rows)], dtype=torch.float64))
+        epoch_total, epoch_rows = sums.tolist()
+        return epoch_total, epoch_rows
 
 
 def _rank() -> int:
@@ -121,12 +134,16 @@ def _all_reduced(sums: torch.Tensor) -> torch.Tensor:
     return on_device.cpu()
 
 
-def _any_rank(flag: bool) -> bool:
-    """True on every rank when it is on any: the ranks' clocks decide a timed checkpoint, once, together."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return flag
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _agreed(due: bool, request: int) -> tuple[bool, int]:
+    """(whether any rank's clock says a checkpoint is due, the strongest request any rank has): one all-reduce, on
+    every step, so that every rank commits at the same step."""
     import ray.train.torch
 
-    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=ray.train.torch.get_device())
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
+    values = torch.tensor([int(due), request], dtype=torch.int32, device=ray.train.torch.get_device())
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    agreed_due, agreed_request = values.tolist()
+    return bool(agreed_due), int(agreed_request)

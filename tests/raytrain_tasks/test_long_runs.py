@@ -5,17 +5,21 @@ tests/raytrain_driver/test_long_runs_fit.py."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from pydantic import ValidationError
 from torch.utils.data import DataLoader, TensorDataset
 
+from raytrain_tasks.checked_reports import UNSCORED, ranking_score
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.long_runs import (
     StepCheckpoints,
     checkpoint_within_epoch,
     hang_timeout_refusal,
     hang_timeout_s,
+    silent_ranks,
     step_checkpoint_refusal,
 )
 from raytrain_tasks.tracking.names import CHECKPOINT_PREFIX, EPOCH_FOLDER, checkpoint_order, within_epoch
@@ -160,3 +164,38 @@ def test_each_epoch_is_shuffled_by_the_seed_alone() -> None:
         torch.manual_seed(len(orders))  # the global RNG differs each time: the order must not
         orders.append([b[0].tolist() for b in loader])
     assert orders[0] == orders[1] != orders[2]
+
+
+@pytest.mark.parametrize(
+    ("outstanding", "silent"),
+    [
+        ({}, []),
+        ({0: 99.9, 1: 99.0}, []),  # answers due within the poll interval: busy, not silent
+        ({1: 95.0}, [(1, 5.0)]),
+        ({0: 60.0, 1: 90.0, 2: 99.5}, [(0, 40.0), (1, 10.0)]),  # the longest silent first
+    ],
+)
+def test_a_rank_is_silent_once_its_poll_has_waited_five_seconds(
+    outstanding: dict[int, float], silent: list[tuple[int, float]]
+) -> None:
+    assert silent_ranks(outstanding, now=100.0) == silent
+
+
+@pytest.mark.parametrize(
+    ("value", "higher_is_better", "score"),
+    [
+        (0.9, True, 0.9),
+        (0.25, False, -0.25),  # lower is better: negated, so Ray Train keeps the highest
+        (float("nan"), True, UNSCORED),  # a checkpoint within an epoch, or a diverged epoch: last
+        (float("inf"), False, UNSCORED),
+        (None, True, UNSCORED),
+        (True, True, UNSCORED),
+    ],
+)
+def test_checkpoints_rank_by_a_finite_score_whatever_their_metric_holds(
+    value: object, higher_is_better: bool, score: float
+) -> None:
+    """Ray Train writes a NaN score to its record of the run as null and fails to read it back on a resume (a
+    TypeError in its checkpoint manager): every checkpoint ranks by a finite number instead."""
+    assert ranking_score(value, higher_is_better) == score
+    assert math.isfinite(ranking_score(value, higher_is_better))

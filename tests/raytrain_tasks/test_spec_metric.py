@@ -11,7 +11,7 @@ from torch.utils.data import TensorDataset
 from raytrain_tasks.api import Metric, Splits, TrainSpec
 from raytrain_tasks.errors import UserCodeError
 from raytrain_tasks.trainspec.data import slice_batches
-from raytrain_tasks.trainspec.loop import _batch_metric_names, check_metric_named
+from raytrain_tasks.trainspec.metric_names import batch_metric_names, check_metric_named
 
 
 def _spec(metric: Any) -> TrainSpec:
@@ -78,9 +78,9 @@ def test_the_batch_check_trains_nothing_and_draws_no_random_number() -> None:
         metric=Metric("mae", higher_is_better=False),
     )
     rows = TensorDataset(torch.ones(5, 1), torch.zeros(5, 1))
-    assert _batch_metric_names(spec, model, slice_batches(rows, 0, 2, 2), torch.device("cpu")) == ["loss", "mae"]
+    assert batch_metric_names(spec, model, slice_batches(rows, 0, 2, 2), torch.device("cpu")) == ["loss", "mae"]
     one_row = TensorDataset(torch.ones(1, 1), torch.ones(1, 1))
-    assert _batch_metric_names(spec, model, slice_batches(one_row, 1, 2, 2), "cpu") is None  # rank 1 has none
+    assert batch_metric_names(spec, model, slice_batches(one_row, 1, 2, 2), "cpu") is None  # rank 1 has none
     assert seen == [False] and model.training, "no gradient; the model back in train mode"
     assert torch.equal(torch.get_rng_state(), state)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

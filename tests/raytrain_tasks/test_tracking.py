@@ -373,12 +373,51 @@ def test_a_checkpoint_within_an_epoch_is_pinned_and_charted_by_its_global_step_n
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, STEP_SERIES)] == [(18, 0.25)]
     assert client.get_metric_history(run_id, "val_accuracy") == []  # no epoch of it
 
-    epoch = {"epoch": 1, "train_loss": 0.3, "val_accuracy": 0.9, "global_step": 26, "step_train_loss": 0.2}
+    epoch = {"epoch": 1, "train_loss": 0.3, "val_accuracy": 0.9, "global_step": 26}
     logger.after_report(None, [epoch], folders["epoch-0002"])
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "val_accuracy")] == [(2, 0.9)]
-    assert sorted((m.step, m.value) for m in client.get_metric_history(run_id, STEP_SERIES)) == [(18, 0.25), (26, 0.2)]
+    assert sorted((m.step, m.value) for m in client.get_metric_history(run_id, STEP_SERIES)) == [(18, 0.25), (26, 0.3)]
     assert not {"global_step", "step_train_loss", "in_epoch"} & set(client.get_run(run_id).data.metrics)
 
     client.set_terminated(run_id, "FAILED")
     shown = describe_run(client, client.get_run(run_id))
     assert shown["resumable"] == "yes (after step 26, epoch 2)" and shown["epochs"].startswith("1/"), shown
+
+
+def test_a_failed_group_records_which_rank_on_which_host_was_silent_and_an_mlflow_outage_costs_nothing(
+    tmp_path: Path,
+) -> None:
+    """When a worker group fails, the ranks whose answer to Ray Train's poll has been outstanding 5 s or more are
+    named in the MLflow run, with host, pid and seconds; once per failed group. With MLflow unreachable the callback
+    only warns. (The shape of Ray's WorkerGroup is the real one in test_long_runs_fit's stopped-worker test.)"""
+    from types import SimpleNamespace
+
+    from ray.train.v2._internal.util import time_monotonic
+
+    from raytrain_tasks.tracking.controller import SILENT_TAG, SilentRanks
+
+    now = time_monotonic()
+    workers = [
+        SimpleNamespace(metadata=SimpleNamespace(hostname=f"node-{rank}", node_ip=f"10.0.0.{rank}", pid=100 + rank))
+        for rank in range(3)
+    ]
+    group = SimpleNamespace(
+        _world_rank_to_ongoing_poll={1: SimpleNamespace(start_time=now - 31.0), 2: SimpleNamespace(start_time=now - 1)},
+        get_workers=lambda: workers,
+    )
+    failed = SimpleNamespace(errors={0: RuntimeError("gloo: timed out")})
+    db = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(db)
+    run_id = client.create_run(client.create_experiment("silent")).info.run_id
+
+    recorder = SilentRanks(db, run_id)
+    recorder.after_worker_group_start(group)
+    recorder.after_worker_group_poll_status(SimpleNamespace(errors={}))  # running: nothing to say
+    assert SILENT_TAG not in client.get_run(run_id).data.tags
+    recorder.after_worker_group_poll_status(failed)
+    said = client.get_run(run_id).data.tags[SILENT_TAG]
+    assert said.startswith("rank 1 on host node-1 (10.0.0.1, pid 101) silent for 3") and "rank 2" not in said, said
+
+    down = SilentRanks(f"http://127.0.0.1:{free_port()}", run_id)
+    down.after_worker_group_start(group)
+    down.after_worker_group_poll_status(failed)  # warns, does not raise

@@ -1,0 +1,182 @@
+"""Why a TrainSpec's workers commit a checkpoint at the next step, whatever the checkpoint settings: a SIGTERM to one
+of their processes (a spot node shutting down, `kill`), Ray's notice that a node of the group is being drained
+(`ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds N`, a cloud's preemption), or
+the fit's driver stopping (a SIGTERM to the flow-run process: a Prefect cancellation, a machine shutting down).
+
+Each rank reads its own requests after every step; the ranks agree on the step in the all-reduce they make then
+(``within_epoch``), so every rank commits at the same step. After a SIGTERM every rank stops, with
+StopRequestedError: Ray Train restarts the group from that checkpoint (one of ``max_failures``), without the
+process that was told to go. After a drain notice they commit once and train on, as Ray Train advises: when the node
+goes, Ray Train restarts the group from that checkpoint on what remains. After the driver's stop they wait for it to
+end them, once it has seen the checkpoint pinned in MLflow.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# After the checkpoint a driver's stop asked for, the workers wait this long for the driver to end them.
+DRIVER_ENDS_WITHIN_S = 60.0
+# How often each worker asks whether the driver is stopping.
+DRIVER_POLL_S = 0.5
+
+# A SIGTERM that the loop has not acted on within this many seconds (a step that never ends, a hung collective)
+# ends the process as Ray's own handler would.
+SAVE_WITHIN_S = 60.0
+
+_sigterm = threading.Event()
+
+
+class StopRequestedError(RuntimeError):
+    """Raised by every rank once the checkpoint a stop asked for is committed: Ray Train restarts the group from it."""
+
+
+def save_on_sigterm() -> None:
+    """A SIGTERM to this process sets the flag the loop reads after each step, instead of ending the process at
+    once; a second SIGTERM, or none acted on within ``SAVE_WITHIN_S``, ends it as the handler before would."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    _sigterm.clear()
+    previous = signal.getsignal(signal.SIGTERM)
+    if getattr(previous, "saves_first", False):
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        if _sigterm.is_set():
+            _end_as_before(previous, signum, frame)
+            return
+        _sigterm.set()
+        logger.warning("SIGTERM: committing a checkpoint at the next step, then stopping (pid %d)", os.getpid())
+        timer = threading.Timer(SAVE_WITHIN_S, os.kill, (os.getpid(), signal.SIGTERM))
+        timer.daemon = True
+        timer.start()
+
+    handler.saves_first = True  # type: ignore[attr-defined]
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _end_as_before(previous: Any, signum: int, frame: Any) -> None:
+    if callable(previous):
+        previous(signum, frame)
+    elif previous != signal.SIG_IGN:
+        raise SystemExit(128 + signum)
+
+
+def _rank() -> int:
+    import ray.train
+
+    return int(ray.train.get_context().get_world_rank())
+
+
+def sigterm_received() -> bool:
+    return _sigterm.is_set()
+
+
+def drain_notice() -> Any:
+    """Ray Train's notice that a node of this worker group is being drained (its ``PreemptionInfo``), as this
+    worker holds it now; None when there is none. Read from the worker's train context without Ray's collective
+    (``ray.train.get_preemption_info()`` is a barrier across the workers through the controller, too slow for every
+    step): the ranks agree on it in the loop's own all-reduce. None if Ray's context has another shape."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        return get_train_context().preemption_context.preemption_info
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+
+
+class DriverStop:
+    """Set by the fit's driver when it is told to stop (a SIGTERM to the flow-run process, Ctrl-C), so that its
+    workers commit a checkpoint first: a Ray actor (``driver_stop_actor``) each worker asks every
+    ``DRIVER_POLL_S``."""
+
+    def __init__(self) -> None:
+        self._asked = False
+        self._saved: int | None = None
+
+    def ask(self) -> None:
+        self._asked = True
+
+    def asked(self) -> bool:
+        return self._asked
+
+    def saved(self, global_step: int) -> None:
+        """Rank 0, once the checkpoint the driver asked for is reported: its global step."""
+        self._saved = global_step
+
+    def saved_step(self) -> int | None:
+        return self._saved
+
+
+def driver_stop_actor() -> Any:
+    """A new ``DriverStop`` actor of no CPU; it ends with the driver's Ray job."""
+    import ray
+
+    return ray.remote(num_cpus=0)(DriverStop).remote()
+
+
+def _watch_driver(handle: Any, asked: threading.Event) -> None:
+    """Set ``asked`` once the driver's ``DriverStop`` says so; stop asking once the actor is gone (the driver with
+    it: nothing is left to save for)."""
+    import ray
+
+    while not asked.is_set():
+        try:
+            if ray.get(handle.asked.remote(), timeout=10):
+                asked.set()
+                return
+        except ray.exceptions.GetTimeoutError:
+            continue
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(DRIVER_POLL_S)
+
+
+class StopRequests:
+    """What a rank has been asked, as a code for the step's all-reduce (the highest wins on every rank)."""
+
+    NONE, DRAIN, SIGTERM, DRIVER = 0, 1, 2, 3
+
+    def __init__(self, driver_stop: Any = None) -> None:
+        self.driver_stop = driver_stop
+        self.drain_handled = False
+        self.driver_asked = threading.Event()
+        if driver_stop is not None:
+            threading.Thread(
+                target=_watch_driver, args=(driver_stop, self.driver_asked), name="driver-stop", daemon=True
+            ).start()
+
+    def local(self) -> int:
+        if self.driver_asked.is_set():
+            return self.DRIVER
+        if sigterm_received():
+            return self.SIGTERM
+        if not self.drain_handled and drain_notice() is not None:
+            return self.DRAIN
+        return self.NONE
+
+    def after_commit(self, agreed: int, global_step: int) -> None:
+        """What follows the checkpoint the ranks agreed on: a drain trains on; a SIGTERM raises; the driver's stop
+        waits for the driver to end the group."""
+        if agreed == self.DRAIN:
+            self.drain_handled = True
+            logger.warning("a node of this worker group is being drained: checkpoint at step %d committed", global_step)
+            return
+        if agreed == self.DRIVER:
+            logger.warning("the driver is stopping: checkpoint at step %d committed", global_step)
+            if self.driver_stop is not None and _rank() == 0:
+                self.driver_stop.saved.remote(global_step)
+            time.sleep(DRIVER_ENDS_WITHIN_S)
+            raise StopRequestedError(f"the driver asked to stop at step {global_step} and did not end the group")
+        if agreed == self.SIGTERM:
+            raise StopRequestedError(
+                f"stopped at step {global_step} after a SIGTERM to a worker, its checkpoint committed: Ray Train "
+                "restarts the worker group from it"
+            )
