@@ -223,7 +223,10 @@ def _train(fit: FitContext, plan: FitPlan, opened: OpenRun) -> ray.train.Result:
     callbacks += [code_error_stopper(config.train_code, spec.selection.name), epochs, RestartGuard(epochs)]
     callbacks.append(SilentRanks(uri, run_id))  # which rank a hang timeout found silent
     # A TrainSpec's workers commit a checkpoint before a signal stops this driver (trainspec.stop_requests).
-    stop = driver_stop_actor() if isinstance(spec.train_func, SpecTrainFunc) else None
+    # Not in a Ray Job: its supervisor kills the driver 3 s after its SIGTERM, before a checkpoint could be pinned,
+    # and the fit's orchestrator re-attaches to the job instead of stopping it.
+    saves = isinstance(spec.train_func, SpecTrainFunc) and config.launch_mode == "driver"
+    stop = driver_stop_actor() if saves else None
     trainer = build_trainer(fit, plan, opened.resume_point, callbacks, stop)
     # Off a Prefect run (a Ray Job) there is no run page to update: the job's submitter shows the progress.
     view = EpochView(expects=tuple(dict.fromkeys((spec.selection.name, spec.gate.name))), left_off=left_off(spec))

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 HEALTH_CHECK_TIMEOUT_ENV = "RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"
+TORCH_SHUTDOWN_ENV, TORCH_SHUTDOWN_S = "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S", "5"
 ABORT_TIMEOUT_S = 10.0
 
 
@@ -92,7 +93,7 @@ class RunTrainer(TorchTrainer):
     """
 
     _placement_group_record = ""
-    hang_timeout_s = 0  # long_runs.hang_timeout_s of the fit (0: Ray's own 10 minutes)
+    hang_timeout_s = 0  # the fit's `hang_timeout_s` when set (0: Ray's own health-check timeout, 10 minutes)
 
     def _create_default_callbacks(self) -> list[Any]:
         # mypy resolves ray.train.torch to the V1 classes; V2 (which has this method) is used at runtime.
@@ -125,6 +126,10 @@ class RunTrainer(TorchTrainer):
         )
         if self.hang_timeout_s:  # a frozen worker answers no poll: its group is restarted within the same bound
             env_vars.setdefault(HEALTH_CHECK_TIMEOUT_ENV, str(self.hang_timeout_s))
+        # Tearing a group down first destroys its process group on every worker; a frozen worker never answers,
+        # and Ray Train waits 30 s for it before it kills the workers. A healthy group's takes well under a second.
+        if TORCH_SHUTDOWN_ENV not in os.environ:
+            env_vars.setdefault(TORCH_SHUTDOWN_ENV, TORCH_SHUTDOWN_S)
         controller_cls = ray.remote(
             num_cpus=0,
             label_selector={ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()},  # type: ignore[attr-defined]
@@ -228,8 +233,8 @@ def build_trainer(
             callbacks=[*callbacks, *_on_workers(fit), StopOnRepeatedFailure(run_key)],  # type: ignore[arg-type,list-item]  # V2, see above
         ),
     )
-    # Ray Train also marks a worker dead once its poll has had no answer this long (a frozen process).
-    trainer.hang_timeout_s = hang_s
+    # Ray Train also marks a worker dead once its poll has had no answer this long (a frozen process): when set.
+    trainer.hang_timeout_s = round(config.hang_timeout_s)
     return trainer
 
 
@@ -330,6 +335,9 @@ def fit_interruptibly(
         # A signal's exception (TerminationSignal, KeyboardInterrupt) is no Exception; a lost lease is one.
         if save_first is not None and not isinstance(stop, Exception) and not done.is_set():
             save_first()
+            abort = getattr(trainer, "abort", None)
+            if abort is not None:  # the driver may live on (a notebook): no restarted group trains after it
+                abort()
         raise
     if "error" in outcome:
         raise outcome["error"]

@@ -110,7 +110,8 @@ def checked_reports(
             raise UserCodeError(problem)
         if checkpoint is not None and (taken := lease_taken(lease, storage)):
             raise RunLeaseLostError(taken)
-        if checkpoint is not None and metric is not None and isinstance(metrics, dict):
+        # On every report, checkpoint or not: Ray Train keeps rank 0's metrics with whichever rank's checkpoint.
+        if metric is not None and isinstance(metrics, dict):
             metrics = {**metrics, RANK_SCORE_KEY: ranking_score(metrics.get(metric), higher_is_better)}
         return report(metrics, checkpoint, checkpoint_dir_name, *args, **kw)
 

@@ -162,7 +162,11 @@ def _spec_loop(spec: TrainSpec) -> Callable[[dict[str, Any], RaySplits | None, S
         train_loader = (
             None
             if splits is None
-            else ray.train.torch.prepare_data_loader(train_loader_of(splits.train, batch_size, seed, rank, world))
+            # Not moved to the device by Ray's wrapper, which loads the next batch before this one is trained: the
+            # RNG state a checkpoint takes after a step would hold that batch's draws (random augmentations).
+            else ray.train.torch.prepare_data_loader(
+                train_loader_of(splits.train, batch_size, seed, rank, world), move_to_device=False
+            )
         )
         model = ray.train.torch.prepare_model(spec.model(config, facts.example))
         optimizer = (
@@ -203,12 +207,18 @@ class WorkerRun:
         global_step = resumed.global_step(self.steps_in_epoch)
         for epoch in range(resumed.epoch, int(self.config["epochs"])):
             part = resumed.in_epoch if epoch == resumed.epoch else None
-            within = WithinEpoch(
-                steps, epoch, global_step, self.steps_in_epoch, self._commit_within(epoch), part, stops
-            )
+            # Exact only with the world size the checkpoint was taken with: each rank's share is another otherwise.
+            if part is not None and part.world != self.world:
+                said = f"taken by {part.world} workers, not {self.world}: the epoch starts again from its beginning"
+                logger.warning("the checkpoint within epoch %d was %s", epoch + 1, said)
+                part = None
+            # A Ray Dataset shard cannot start again where it stopped (ray#37633): no checkpoint within its epochs.
+            within_ok = self.splits is not None
+            commit = self._commit_within(epoch)
+            within = WithinEpoch(steps, epoch, global_step, self.steps_in_epoch, commit, part, stops, within_ok)
             self._epoch(epoch, within, part, first=epoch == resumed.epoch)
             global_step = within.global_step
-            within.after_epoch_commit()
+            within.after_epoch_commit(final=epoch == int(self.config["epochs"]) - 1)
 
     def _epoch(self, epoch: int, within: WithinEpoch, part: EpochSoFar | None, first: bool) -> None:
         """Train ``epoch`` (on from ``part`` of it), score the held-out splits, commit its checkpoint."""
@@ -239,7 +249,7 @@ class WorkerRun:
         # An epoch resumed part-way counts its earlier attempt's seconds too.
         before = part.seconds if part is not None else 0.0
         figures = epoch_figures(total, count, started - before, ray.train.torch.get_device())
-        extra = within.at_epoch_end() if within.checkpoints.on else {}
+        extra = within.at_epoch_end()
         metrics = {"epoch": epoch, **figures, **metrics, **extra}
         if self.spec.prepare is None and self.digest:  # with prepare, the run's dataset hash is the stored version's
             metrics[DATASET_DIGEST_KEY] = self.digest  # the controller records it as the run's dataset hash

@@ -24,8 +24,12 @@ def train_epoch(
 ) -> tuple[torch.Tensor, int]:
     """One epoch's training steps: (the sum of the batches' losses weighted by their rows, rows), counted on from
     ``start`` (an epoch resumed part-way). ``after_step`` is called with the sums so far after every step."""
+    import ray.train.torch  # here, not at import: the CLI's check of the code imports this module before Ray starts
+
+    device = ray.train.torch.get_device()
     total, count = start if start is not None else (torch.zeros((), dtype=torch.float64), 0)
-    for inputs, targets in batches:
+    for batch_inputs, batch_targets in batches:
+        inputs, targets = batch_inputs.to(device), batch_targets.to(device)
         optimizer.zero_grad(set_to_none=True)
         loss = spec.loss(model(inputs), targets)
         loss.backward()

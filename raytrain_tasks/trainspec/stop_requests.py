@@ -32,6 +32,7 @@ DRIVER_POLL_S = 0.5
 SAVE_WITHIN_S = 60.0
 
 _sigterm = threading.Event()
+_timers: list[threading.Timer] = []  # the deadline of a SIGTERM not acted on yet
 
 
 class StopRequestedError(RuntimeError):
@@ -56,6 +57,7 @@ def save_on_sigterm() -> None:
         logger.warning("SIGTERM: committing a checkpoint at the next step, then stopping (pid %d)", os.getpid())
         timer = threading.Timer(SAVE_WITHIN_S, os.kill, (os.getpid(), signal.SIGTERM))
         timer.daemon = True
+        _timers.append(timer)
         timer.start()
 
     handler.saves_first = True  # type: ignore[attr-defined]
@@ -132,8 +134,8 @@ def _watch_driver(handle: Any, asked: threading.Event) -> None:
             if ray.get(handle.asked.remote(), timeout=10):
                 asked.set()
                 return
-        except ray.exceptions.GetTimeoutError:
-            continue
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
+            continue  # slow or briefly unreachable: ask again
         except ray.exceptions.RayActorError:
             return
         time.sleep(DRIVER_POLL_S)
@@ -152,6 +154,12 @@ class StopRequests:
             threading.Thread(
                 target=_watch_driver, args=(driver_stop, self.driver_asked), name="driver-stop", daemon=True
             ).start()
+
+    def acted(self, agreed: int) -> None:
+        """The ranks agreed to act on a request: a SIGTERM's deadline no longer applies (the commit may be long)."""
+        if agreed == self.SIGTERM:
+            while _timers:
+                _timers.pop().cancel()
 
     def local(self) -> int:
         if self.driver_asked.is_set():

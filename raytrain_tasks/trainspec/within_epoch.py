@@ -34,13 +34,21 @@ class EpochSoFar:
     loss_total: torch.Tensor  # float64, summed over every rank's rows
     rows: int
     seconds: float
+    world: int = 1  # the workers that trained it: each rank's share of the epoch follows from it
 
     def as_state(self) -> dict[str, Any]:
-        return {"steps": self.steps, "loss_total": self.loss_total, "rows": self.rows, "seconds": self.seconds}
+        return {
+            "steps": self.steps,
+            "loss_total": self.loss_total,
+            "rows": self.rows,
+            "seconds": self.seconds,
+            "world": self.world,
+        }
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> EpochSoFar:
-        return cls(int(state["steps"]), state["loss_total"], int(state["rows"]), float(state["seconds"]))
+        steps, rows, seconds = int(state["steps"]), int(state["rows"]), float(state["seconds"])
+        return cls(steps, state["loss_total"], rows, seconds, int(state.get("world", 1)))
 
 
 class WithinEpoch:
@@ -58,10 +66,12 @@ class WithinEpoch:
         commit: Callable[[dict[str, Any], EpochSoFar], None],
         resumed: EpochSoFar | None = None,
         stops: StopRequests | None = None,
+        within_ok: bool = True,
     ) -> None:
         self.checkpoints = checkpoints
         self.stops = stops if stops is not None else StopRequests()
         self.pending = StopRequests.NONE
+        self.within_ok = within_ok  # whether a checkpoint within the epoch can be resumed from exactly
         self.epoch = epoch
         self.global_step = global_step
         self.steps_in_epoch = steps_in_epoch
@@ -85,25 +95,29 @@ class WithinEpoch:
         self.global_step += 1
         since, steps = self.last_commit
         due = self.checkpoints.due(self.global_step - steps, time.monotonic() - since)
-        request = self.stops.local()
-        if _distributed():  # every rank commits at the same step, or none does
+        request = self.stops.local() if self.within_ok else StopRequests.NONE
+        if _distributed() and self.within_ok:  # every rank commits at the same step, or none does
             due, request = _agreed(due, request)
-        if checkpoint_within_epoch(due or bool(request), self.epoch_step, self.steps_in_epoch):
+        if request:
+            self.stops.acted(request)
+        if self.within_ok and checkpoint_within_epoch(due or bool(request), self.epoch_step, self.steps_in_epoch):
             self._commit(total, rows)
             self.stops.after_commit(request, self.global_step)  # a stop raises here
         elif request:
             self.pending = request  # the epoch's last step: its own checkpoint is the one asked for
 
-    def after_epoch_commit(self) -> None:
-        """After the epoch's own checkpoint: what a stop asked for at its last step."""
+    def after_epoch_commit(self, final: bool = False) -> None:
+        """After the epoch's own checkpoint: what a stop asked for at its last step (nothing after the last epoch's:
+        the run is done)."""
         request, self.pending = self.pending, StopRequests.NONE
-        self.stops.after_commit(request, self.global_step)
+        if not final:
+            self.stops.after_commit(request, self.global_step)
 
     def _commit(self, total: torch.Tensor, rows: int) -> None:
         """Sum the epoch's loss so far over every rank, and commit."""
         epoch_total, epoch_rows = self._sums(total, rows)
-        so_far = EpochSoFar(self.epoch_step, torch.tensor(epoch_total, dtype=torch.float64), int(epoch_rows), 0.0)
-        so_far.seconds = self.seconds()
+        total_tensor = torch.tensor(epoch_total, dtype=torch.float64)
+        so_far = EpochSoFar(self.epoch_step, total_tensor, int(epoch_rows), self.seconds(), _world())
         loss = epoch_total / epoch_rows if epoch_rows else math.nan
         self.commit({IN_EPOCH_KEY: self.epoch, GLOBAL_STEP_KEY: self.global_step, STEP_LOSS_KEY: loss}, so_far)
         self.last_commit = (time.monotonic(), self.global_step)
@@ -132,6 +146,10 @@ def _all_reduced(sums: torch.Tensor) -> torch.Tensor:
     on_device = sums.to(ray.train.torch.get_device())  # NCCL reduces CUDA tensors only
     dist.all_reduce(on_device)
     return on_device.cpu()
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _distributed() -> bool:
