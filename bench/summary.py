@@ -62,7 +62,7 @@ def _long_run_rows(long: dict[str, Any] | None) -> list[Row]:
         ),
         (
             "work lost to a SIGKILL at a random moment: every 50 steps vs epoch ends (figure)",
-            f"{long['lost_s_every_50']:.1f} s vs {long['lost_s_at_epoch_ends']:.1f} s",
+            f"{long['lost_s_every_50']:.2f} s vs {long['lost_s_at_epoch_ends']:.2f} s",
             "-",
             "bench.long_runs",
         ),

@@ -15,7 +15,7 @@ from flows.training import PipelineResult, training_pipeline
 from raytrain_tasks.config import parameters_of
 from raytrain_tasks.integrity import local_folder_digest
 from raytrain_tasks.table_classifier.data import LABEL_INDEX_COLUMN
-from raytrain_tasks.tracking.names import EPOCH_METRICS, pin_tag
+from raytrain_tasks.tracking.names import EPOCH_METRICS, STEP_SERIES, pin_tag
 from tests.helpers import small_config, table_dataset
 
 TABLE_CLASSIFIER = "raytrain_tasks.table_classifier:classifier"
@@ -93,9 +93,16 @@ def test_one_epoch_numbering_and_the_summary_as_a_table(first_run: PipelineResul
     scores = {key for key in run.data.metrics if key.startswith("best_checkpoint_")}
     assert scores == {f"best_checkpoint_{key}" for key in first_run.fit.scores}
     per_epoch = set(run.data.metrics) - scores - {key for key in run.data.metrics if key.startswith("system/")}
+    per_epoch -= {STEP_SERIES}  # by global step: below
     assert per_epoch >= {"train_loss", "val_loss", "val_accuracy"}
     for key in per_epoch:
         assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == [1, 2, 3], key
+    # The step series' x-axis is the global step: at each epoch's end (no checkpoints within), the epoch's train loss.
+    series = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, STEP_SERIES))
+    steps_per_epoch = series[0][0]
+    assert [step for step, _ in series] == [steps_per_epoch * epoch for epoch in (1, 2, 3)], series
+    losses = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train_loss"))
+    assert [value for _, value in series] == pytest.approx([value for _, value in losses], abs=1e-9)
     tags = run.data.tags
     assert tags["summary.best_epoch"] == str(best)
     assert float(tags["summary.best_val_accuracy"]) == pytest.approx(history[best], abs=1e-6)
