@@ -218,7 +218,9 @@ def test_cli_killed_then_resumed_continues_the_same_run(tmp_path: Path, referenc
     written = checkpoint_mtimes(tmp_path)
     # `prefect-raytrain runs` says what to resume; nobody digs through MLflow tags for it.
     listed = _runs_table(tmp_path, api_url)[run_dir.name]
-    assert listed["STATE"] == "interrupted" and listed["RESUMABLE"] == "yes", listed
+    # It continues after the newest checkpoint's global step, which `runs` names with its epoch (from 1).
+    after = re.fullmatch(r"yes \(after step \d+, epoch (\d+)\)", listed["RESUMABLE"])
+    assert listed["STATE"] == "interrupted" and after and int(after[1]) == logged + 1, listed
     assert listed["EPOCHS"] == f"{len(committed_epochs(tmp_path))}/{EPOCHS}"
     assert listed["MLFLOW RUN"] == run_before.info.run_id
 
