@@ -29,7 +29,6 @@ from raytrain_tasks.tracking.names import (
     checkpoint_order,
     epoch_number,
     pinned_digests,
-    within_epoch,
 )
 from raytrain_tasks.tracking.outcome import SPEC_LOOP_EXTRAS, headline, log_checkpoint_models, log_summary
 
@@ -186,17 +185,13 @@ def history_of(result: ray.train.Result, logged: list[dict[str, float]]) -> list
         return logged
     entries: list[dict[str, float]] = []
     seen: set[int] = set()
-    reports = [(c, m) for c, m in result.best_checkpoints or [] if not _within_epoch(c, m)]
+    # A checkpoint within an epoch (a TrainSpec's or a train_func's) says so in its report: it holds no epoch.
+    reports = [(c, m) for c, m in result.best_checkpoints or [] if IN_EPOCH_KEY not in m]
     for _, metrics in sorted(reports, key=lambda pair: checkpoint_name(pair[0].path)):
         step = report_step(metrics, seen)
         seen.add(step)
         entries.append({**numeric_metrics(metrics), "epoch": float(step - 1)})
     return entries
-
-
-def _within_epoch(checkpoint: Any, metrics: dict[str, Any]) -> bool:
-    """A checkpoint taken within an epoch: a TrainSpec's (by its folder) or a train_func's (by its report)."""
-    return within_epoch(checkpoint_name(checkpoint.path)) or IN_EPOCH_KEY in metrics
 
 
 def best_checkpoint(
@@ -324,7 +319,7 @@ def record_fit(fit: FitContext, result: ray.train.Result, opened: OpenRun) -> Fi
     kept = {
         checkpoint_name(c.path): (checkpoint_uri(run_dir, c), step_of(metrics, history))
         for c, metrics in result.best_checkpoints or []
-        if checkpoint_name(c.path) not in rejected and not _within_epoch(c, metrics)
+        if checkpoint_name(c.path) not in rejected and IN_EPOCH_KEY not in metrics
     }
     model_ids = log_kept_checkpoints(client, opened, kept, keys)
     done = FitResult(

@@ -180,7 +180,7 @@ def _spec_loop(spec: TrainSpec) -> Callable[[dict[str, Any], RaySplits | None, S
             check_metric_named(spec, config, names, typos_only=True)
         run = WorkerRun(spec, config, splits, facts, digest, rank, world, train_loader, model, optimizer)
         resumed = resume_state(model, optimizer, digest)
-        run.train(resumed, steps, StopRequests(driver_stop))
+        run.train(resumed, steps, StopRequests(driver_stop, rank))
 
     return train_func
 

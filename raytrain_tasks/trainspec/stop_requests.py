@@ -71,12 +71,6 @@ def _end_as_before(previous: Any, signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)
 
 
-def _rank() -> int:
-    import ray.train
-
-    return int(ray.train.get_context().get_world_rank())
-
-
 def sigterm_received() -> bool:
     return _sigterm.is_set()
 
@@ -146,8 +140,9 @@ class StopRequests:
 
     NONE, DRAIN, SIGTERM, DRIVER = 0, 1, 2, 3
 
-    def __init__(self, driver_stop: Any = None) -> None:
+    def __init__(self, driver_stop: Any = None, rank: int = 0) -> None:
         self.driver_stop = driver_stop
+        self.rank = rank
         self.drain_handled = False
         self.driver_asked = threading.Event()
         if driver_stop is not None:
@@ -179,7 +174,7 @@ class StopRequests:
             return
         if agreed == self.DRIVER:
             logger.warning("the driver is stopping: checkpoint at step %d committed", global_step)
-            if self.driver_stop is not None and _rank() == 0:
+            if self.driver_stop is not None and self.rank == 0:
                 self.driver_stop.saved.remote(global_step)
             time.sleep(DRIVER_ENDS_WITHIN_S)
             raise StopRequestedError(f"the driver asked to stop at step {global_step} and did not end the group")
