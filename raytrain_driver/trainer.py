@@ -118,7 +118,8 @@ class RunTrainer(TorchTrainer):
             DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
             get_env_vars_to_propagate,
         )
-        from ray.train.v2._internal.execution.controller import TrainController
+
+        from raytrain_driver.retention import KeepResumedController  # Ray's TrainController, retention aside
 
         env_vars = get_env_vars_to_propagate()
         env_vars.setdefault(
@@ -134,7 +135,7 @@ class RunTrainer(TorchTrainer):
             num_cpus=0,
             label_selector={ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()},  # type: ignore[attr-defined]
             runtime_env={"env_vars": env_vars},
-        )(TrainController)
+        )(KeepResumedController)
         with self._controller_lock:
             if self._aborted:
                 remove_recorded_placement_group(self._placement_group_record)
