@@ -28,6 +28,7 @@ from raytrain_driver.preflight import (
     check_long_run_settings,
     check_resume,
     check_spec_data,
+    check_step_time,
     data_tasks_during_fit,
     resolve_code,
     shown_params,
@@ -97,6 +98,7 @@ def _distributed_fit(fit: FitContext) -> FitResult:
             finished = finished_fit(fit.run_dir, client, experiment_id, run_key)
             if finished is not None:
                 return _confirm_finished(fit, experiment_id, finished)
+            check_step_time(config, client, experiment_id, run_key)  # before the run it continues is reopened
             run_id, reopened = _start_run(fit, plan, experiment_id, data_loader_of(config, ray_datasets))
             opened = _prepare_resume(fit, OpenRun.new(run_id, experiment_id, reopened, plan.backend))
             result = _train(fit, plan, opened)

@@ -30,11 +30,13 @@ from raytrain_tasks.errors import (
     UserCodeError,
     user_frames,
 )
+from raytrain_tasks.long_runs import RecordedEpoch, recorded_epochs, step_time_refusal
 from raytrain_tasks.prepared import RunData
 from raytrain_tasks.redact import redact_uri
 from raytrain_tasks.settings import MODEL_NAME_MAX, MODEL_NAME_PATTERN
 from raytrain_tasks.storage.locations import StorageLocation
 from raytrain_tasks.tracking import runs as tracking
+from raytrain_tasks.tracking.names import STEP_SERIES
 from raytrain_tasks.user_code import resolve
 
 # What of a run's config its code sees (user_config) or is checked against: its resolution depends on these alone.
@@ -151,6 +153,33 @@ def check_long_run_settings(config: TrainingConfig, spec: TrainFunc, ray_data: b
     why = step_checkpoint_refusal(checkpoints, isinstance(spec.train_func, SpecTrainFunc), ray_data)
     if why:
         raise SettingsError(f"train_code {config.train_code!r}: {why}")
+
+
+def check_step_time(config: TrainingConfig, client: Any, experiment_id: str, run_key: str) -> None:
+    """SettingsError, before any worker starts, when the MLflow run this fit continues (a resume, a retry) took
+    steps too long for `hang_timeout_s` (raytrain_tasks.long_runs.step_time_refusal). A new run has none."""
+    run = tracking.find_run(client, experiment_id, run_key)
+    if run is None:
+        return
+    run_id = run.info.run_id
+    measured = f"MLflow run {run_id} (run key {run_key})"
+    if why := step_time_refusal(config.hang_timeout_s, config.use_gpu, _recorded_epochs(client, run_id), measured):
+        raise SettingsError(why)
+
+
+def _recorded_epochs(client: Any, run_id: str) -> list[RecordedEpoch]:
+    """The run's epochs, as their reports logged them: ``epoch_seconds`` at the epoch's number, and the global step
+    at its end as the step of its ``steps/train_loss`` point."""
+    # An epoch's report is one batch with one timestamp (tracking.controller.log_epoch): its seconds and its point
+    # share it. A checkpoint within an epoch logs a point of its own; where two share a timestamp, neither counts.
+    ends: dict[int, list[int]] = {}
+    for point in client.get_metric_history(run_id, STEP_SERIES):
+        ends.setdefault(point.timestamp, []).append(int(point.step))
+    logged: list[tuple[int, float, int | None]] = []
+    for seconds in sorted(client.get_metric_history(run_id, "epoch_seconds"), key=lambda m: (m.timestamp, m.step)):
+        at = ends.get(seconds.timestamp, [])
+        logged.append((int(seconds.step), seconds.value, at[0] if len(at) == 1 else None))
+    return recorded_epochs(logged)
 
 
 def data_tasks_during_fit(spec: TrainFunc) -> bool:

@@ -1,9 +1,11 @@
 """What long runs decide: when a TrainSpec checkpoints within an epoch, how long a collective may wait for a silent
-rank, and which of these settings a run's code and data cannot honour. Plain functions of plain values: no Ray, no
-torch, so each rule is tested as a table (tests/raytrain_tasks/test_long_runs.py)."""
+rank, and which of these settings a run's code, data or recorded steps cannot honour. Plain functions of plain
+values: no Ray, no torch, so each rule is tested as a table (tests/raytrain_tasks/test_long_runs.py)."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # How long a gradient all-reduce or barrier waits for a rank that makes no progress, when `hang_timeout_s` is 0.
@@ -30,6 +32,62 @@ def hang_timeout_refusal(setting: float) -> str | None:
             "1800 s on GPUs)"
         )
     return None
+
+
+# A collective fails a rank that waits there longer than the hang timeout for its peers. A rank may arrive a whole
+# step after them (a slower batch, rank 0 saving a checkpoint, a busier node), and steps vary with the data and the
+# machine: the timeout must hold that lagging step and as much again of noise, on top of the step itself.
+STEP_TIME_MARGIN = 3.0
+
+
+@dataclass(frozen=True)
+class RecordedEpoch:
+    """An epoch a run logged: its number (from 1), its seconds, and the training steps it took (None: unknown)."""
+
+    number: int
+    seconds: float
+    steps: int | None = None
+
+    @property
+    def step_seconds(self) -> float | None:
+        """Its seconds per step. Scoring and the epoch's figures count in its seconds: a step's time errs long."""
+        return self.seconds / self.steps if self.steps else None
+
+
+def recorded_epochs(logged: Sequence[tuple[int, float, int | None]]) -> list[RecordedEpoch]:
+    """The epochs of a run's history, from what each epoch's report logged, oldest first: (its number, its seconds,
+    the global step at its end or None). Its steps are that global step less the previous epoch's (0 before the
+    first); unknown where either is, or where the count did not grow (code that counts each epoch from 0)."""
+    ends = {number: end for number, _, end in logged if end is not None}  # a retrained epoch: its latest end
+    epochs = []
+    for number, seconds, end in logged:
+        before = 0 if number == 1 else ends.get(number - 1)
+        steps = end - before if end is not None and before is not None and end > before else None
+        epochs.append(RecordedEpoch(number, seconds, steps))
+    return epochs
+
+
+def step_time_refusal(setting: float, use_gpu: bool, epochs: Sequence[RecordedEpoch], run: str) -> str | None:
+    """Why `hang_timeout_s` (``setting``; 0: the device's default) is too short for the steps that ``run`` took in
+    its recorded ``epochs``: under STEP_TIME_MARGIN times the slowest. None when it is not, or when no epoch says
+    how many steps it took."""
+    # An epoch without a step count says nothing: one collective's wait cannot be set against a whole epoch. Passing
+    # it fails open only to the setting's own floor (MIN_HANG_TIMEOUT_S), which the config holds to already.
+    timed = [(step_s, epoch) for epoch in epochs if (step_s := epoch.step_seconds) is not None]
+    if not timed:
+        return None
+    step_s, slowest = max(timed, key=lambda pair: pair[0])
+    timeout, needed = hang_timeout_s(setting, use_gpu), STEP_TIME_MARGIN * step_s
+    if timeout >= needed:
+        return None
+    device = "GPUs" if use_gpu else "CPUs"
+    given = f"hang_timeout_s={setting:g}" if setting else f"hang_timeout_s=0 (the default, {timeout:g} s on {device})"
+    return (
+        f"{given} is shorter than {STEP_TIME_MARGIN:g} steps of this run: {run} took {step_s:.1f} s per step in "
+        f"epoch {slowest.number} ({slowest.seconds:.1f} s over {slowest.steps} steps), and a rank may reach a "
+        "collective a whole step after the others, which would then fail as a hang. Give hang_timeout_s "
+        f"{math.ceil(needed)} or more"
+    )
 
 
 @dataclass(frozen=True)

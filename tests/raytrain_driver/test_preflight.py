@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from raytrain_tasks.config import new_run_key
-from raytrain_tasks.errors import CheckpointError, TrackingError
+from raytrain_tasks.errors import CheckpointError, SettingsError, TrackingError
 from raytrain_tasks.storage.locations import RUNS_DIR, locate
 from raytrain_tasks.tracking import runs as tracking
 from tests.helpers import prepared_for, seed_mlflow_store, small_config
@@ -133,3 +135,71 @@ def test_the_code_is_resolved_once_per_process_for_the_settings_it_sees(
     )
     assert resolve_code(config).selection.name == "val_accuracy"
     monkeypatch.delitem(sys.modules, "once_code")
+
+
+def _run_with_epochs(db: Path, run_key: str, reports: list[dict[str, float]]) -> tuple[Any, str, str]:
+    """An MLflow run of ``run_key`` that logged ``reports`` as the controller logs them: an epoch's (with ``epoch``)
+    in one batch, a checkpoint within an epoch's (``in_epoch``) as its step series' point. (client, experiment id,
+    run id)."""
+    from raytrain_tasks.tracking.controller import log_epoch, log_within_epoch
+
+    client = tracking.connect(f"sqlite:///{seed_mlflow_store(db)}")
+    experiment_id = tracking.ensure_experiment(client, "tests", f"sqlite:///{db}", str(db.parent / "storage"))
+    run_id = client.create_run(experiment_id, tags={tracking.RUN_KEY_TAG: run_key}).info.run_id
+    for report in reports:
+        time.sleep(0.002)  # each write its own millisecond, as reports seconds apart have
+        if "epoch" in report:
+            log_epoch(client, run_id, report, f"/runs/{run_key}/epoch-{int(report['epoch']) + 1:04d}")
+        else:
+            log_within_epoch(client, run_id, report, f"/runs/{run_key}/within", None)
+    return client, experiment_id, run_id
+
+
+# Epoch 1: 40 steps in 1000 s (25 s a step), with checkpoints at steps 10 and 20; epoch 2: 40 more in 1200 s (30 s).
+SLOW_STEPS = [
+    {"in_epoch": 0, "global_step": 10, "step_train_loss": 0.9},
+    {"in_epoch": 0, "global_step": 20, "step_train_loss": 0.8},
+    {"epoch": 0, "epoch_seconds": 1000.0, "global_step": 40, "train_loss": 0.7, "val_accuracy": 0.6},
+    {"epoch": 1, "epoch_seconds": 1200.0, "global_step": 80, "train_loss": 0.6, "val_accuracy": 0.7},
+]
+
+
+@pytest.mark.parametrize(("hang_timeout_s", "refused"), [(60, True), (89, True), (90, False), (0, False)])
+def test_a_continued_run_whose_steps_outlast_a_third_of_the_hang_timeout_is_refused_naming_it(
+    tmp_path: Path, hang_timeout_s: float, refused: bool
+) -> None:
+    """Run ``KEY``'s MLflow run logged 30 s steps at its slowest. Continuing it (a resume, a retry) with
+    `hang_timeout_s` under 3 such steps fails before the run is reopened or any worker starts, with a SettingsError
+    (not retried) naming the setting, the step's seconds, the MLflow run and what to give; 90, or the default 600,
+    go on."""
+    from raytrain_driver.preflight import check_step_time
+    from tasks.fit import NOT_RETRYABLE
+
+    key = new_run_key()
+    client, experiment_id, run_id = _run_with_epochs(tmp_path / "mlflow.db", key, SLOW_STEPS)
+    config = small_config(tmp_path, hang_timeout_s=hang_timeout_s)
+
+    if not refused:
+        check_step_time(config, client, experiment_id, key)
+        return
+    with pytest.raises(SettingsError) as raised:
+        check_step_time(config, client, experiment_id, key)
+    message = str(raised.value)
+    assert f"hang_timeout_s={hang_timeout_s:g} is shorter" in message, message
+    assert f"MLflow run {run_id} (run key {key}) took 30.0 s per step in epoch 2 (1200.0 s over 40 steps)" in message
+    assert message.endswith("Give hang_timeout_s 90 or more"), message
+    assert isinstance(raised.value, NOT_RETRYABLE)
+
+
+def test_a_new_run_or_one_whose_reports_give_no_global_step_is_not_held_to_a_step_time(tmp_path: Path) -> None:
+    """No run of the key yet, or a TrainFunc whose epochs report their seconds but no global step: nothing says how
+    long a step took, and the least `hang_timeout_s` (30) goes on."""
+    from raytrain_driver.preflight import check_step_time
+
+    key = new_run_key()
+    epochs = [{"epoch": e, "epoch_seconds": 5000.0, "train_loss": 0.5, "val_accuracy": 0.5} for e in range(2)]
+    client, experiment_id, _ = _run_with_epochs(tmp_path / "mlflow.db", key, epochs)
+    config = small_config(tmp_path, hang_timeout_s=30)
+
+    check_step_time(config, client, experiment_id, key)
+    check_step_time(config, client, experiment_id, new_run_key())

@@ -16,12 +16,15 @@ from raytrain_tasks.checked_reports import UNSCORED, ranking_score
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.long_runs import (
     StepCheckpoints,
+    RecordedEpoch,
     checkpoint_within_epoch,
     hang_timeout_refusal,
     hang_timeout_s,
     silent_ranks,
+    recorded_epochs,
     step_checkpoint_refusal,
 )
+    step_time_refusal,
 from raytrain_tasks.tracking.names import CHECKPOINT_PREFIX, EPOCH_FOLDER, checkpoint_order, within_epoch
 from raytrain_tasks.trainspec.data import ResumableSampler, train_loader_of
 from raytrain_tasks.trainspec.resume import checkpoint_dir_name
@@ -93,6 +96,60 @@ def test_a_hang_timeout_too_short_to_tell_a_hang_from_a_pause_is_refused(setting
 
 
 @pytest.mark.parametrize(
+RUN = "MLflow run 0a1b of run key K"
+
+
+@pytest.mark.parametrize(
+    ("setting", "use_gpu", "epochs", "refused"),
+    [
+        (60, False, [], False),  # a new run: nothing measured
+        (60, False, [RecordedEpoch(1, 5000.0)], False),  # no step count: not comparable (the floor holds)
+        (60, False, [RecordedEpoch(1, 2000.0, 100)], False),  # 20 s a step: 3 steps fit exactly
+        (59, False, [RecordedEpoch(1, 2000.0, 100)], True),
+        (59, False, [RecordedEpoch(1, 1000.0, 100), RecordedEpoch(2, 5000.0)], False),  # only the counted epoch
+        (90, False, [RecordedEpoch(1, 1000.0, 100), RecordedEpoch(2, 4000.0, 100)], True),  # the slowest decides
+        (0, False, [RecordedEpoch(1, 25000.0, 100)], True),  # 250 s a step: over the CPU default's third
+        (0, True, [RecordedEpoch(1, 25000.0, 100)], False),  # the GPU default holds it
+        (3600, True, [RecordedEpoch(1, 25000.0, 100)], False),
+    ],
+)
+def test_a_hang_timeout_under_three_recorded_steps_is_refused(
+    setting: float, use_gpu: bool, epochs: list[RecordedEpoch], refused: bool
+) -> None:
+    assert (step_time_refusal(setting, use_gpu, epochs, RUN) is not None) is refused
+
+
+@pytest.mark.parametrize(
+    ("setting", "use_gpu", "named"),
+    [(59, False, "hang_timeout_s=59 is shorter"), (0, False, "hang_timeout_s=0 (the default, 600 s on CPUs)")],
+)
+def test_the_step_time_refusal_names_the_setting_the_step_the_run_and_what_to_give(
+    setting: float, use_gpu: bool, named: str
+) -> None:
+    epochs = [RecordedEpoch(1, 1000.0, 100), RecordedEpoch(2, 30000.0, 120)]  # epoch 2: 250 s a step
+    why = step_time_refusal(setting, use_gpu, epochs, RUN)
+    assert why is not None and named in why, why
+    assert f"{RUN} took 250.0 s per step in epoch 2 (30000.0 s over 120 steps)" in why, why
+    assert why.endswith("Give hang_timeout_s 750 or more"), why
+
+
+@pytest.mark.parametrize(
+    ("logged", "steps"),
+    [
+        ([(1, 10.0, 50), (2, 10.0, 100)], [50, 50]),  # global steps at epoch ends: each epoch's is the difference
+        ([(1, 10.0, 50), (2, 10.0, 80)], [50, 30]),  # fewer steps (more workers, each a larger share)
+        ([(1, 10.0, None), (2, 10.0, 100)], [None, None]),  # no step reported at the end before: unknown
+        ([(2, 10.0, 100), (3, 10.0, 150)], [None, 50]),  # the epoch before is not in the history
+        ([(1, 10.0, 50), (2, 10.0, 50)], [50, None]),  # a count that starts again each epoch: not a global step
+        ([(1, 10.0, 50), (2, 9.0, 100), (2, 10.0, 100), (3, 10.0, 150)], [50, 50, 50, 50]),  # epoch 2 retrained
+    ],
+)
+def test_an_epochs_steps_are_its_global_step_less_the_epoch_befores(
+    logged: list[tuple[int, float, int | None]], steps: list[int | None]
+) -> None:
+    assert [epoch.steps for epoch in recorded_epochs(logged)] == steps
+
+
     ("settings", "named"),
     [
         ({"checkpoint_every_steps": -1}, "checkpoint_every_steps"),
