@@ -10,7 +10,6 @@ each whole split.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import logging
 import math
 import time
@@ -209,8 +208,10 @@ def quiet_ray_data() -> None:
 class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
     """This rank's share of the train split, shuffled by ``seed`` and the epoch (DistributedSampler's order, which
     draws nothing from the global RNG), able to start an epoch part-way: ``start_at(epoch, rows)`` makes that
-    epoch's pass begin after the first ``rows`` of its order, as a checkpoint within it left off. Being a
-    DistributedSampler, ``prepare_data_loader`` keeps it."""
+    epoch's pass begin after the first ``rows`` of the epoch's order over all ranks, as a checkpoint within it left
+    off. The rows left are dealt to the ranks there are now, so a group of another size (an elastic group after a
+    node was lost) still trains each row of the epoch once. Being a DistributedSampler, ``prepare_data_loader``
+    keeps it."""
 
     def __init__(self, dataset: Any, num_replicas: int, rank: int, seed: int) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
@@ -221,11 +222,27 @@ class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
         self._skip = (epoch, rows)
 
     def __iter__(self) -> Iterator[int]:
-        order = super().__iter__()
-        if self._skip is not None and self._skip[0] == self.epoch:
-            rows, self._skip = self._skip[1], None
-            return itertools.islice(order, rows, None)
-        return order
+        if self._skip is None or self._skip[0] != self.epoch:
+            return super().__iter__()
+        rows, self._skip = self._skip[1], None
+        return iter(self._rest(rows))
+
+    def __len__(self) -> int:
+        if self._skip is None or self._skip[0] != self.epoch:
+            return int(self.num_samples)
+        return len(self._rest(self._skip[1]))
+
+    def _rest(self, rows: int) -> list[int]:
+        """This rank's share of the epoch's order after its first ``rows``. With the group size the rows were
+        trained with, exactly what the uninterrupted pass would have given it next: DistributedSampler pads the
+        order with its own head to a multiple of the ranks, and deals every world-th row to each."""
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        order: list[int] = torch.randperm(len(self.dataset), generator=generator).tolist()  # type: ignore[arg-type]
+        rest = order[min(rows, len(order)) :]
+        padding = -len(rest) % self.num_replicas
+        rest += (order * (padding // max(len(order), 1) + 1))[:padding]
+        return rest[self.rank :: self.num_replicas]
 
 
 def train_loader_of(dataset: Any, batch_size: int, seed: int, rank: int, world: int) -> DataLoader[Any]:

@@ -207,11 +207,9 @@ class WorkerRun:
         global_step = resumed.global_step(self.steps_in_epoch)
         for epoch in range(resumed.epoch, int(self.config["epochs"])):
             part = resumed.in_epoch if epoch == resumed.epoch else None
-            # Exact only with the world size the checkpoint was taken with: each rank's share is another otherwise.
-            if part is not None and part.world != self.world:
-                said = f"taken by {part.world} workers, not {self.world}: the epoch starts again from its beginning"
-                logger.warning("the checkpoint within epoch %d was %s", epoch + 1, said)
-                part = None
+            if part is not None and part.world != self.world:  # each row of the epoch is still trained once
+                said = f"taken by {part.world} workers goes on with {self.world}: the rows left are dealt anew"
+                logger.warning("the checkpoint within epoch %d %s", epoch + 1, said)
             # A Ray Dataset shard cannot start again where it stopped (ray#37633): no checkpoint within its epochs.
             within_ok = self.splits is not None
             commit = self._commit_within(epoch)
@@ -230,7 +228,8 @@ class WorkerRun:
         if isinstance(sampler, DistributedSampler):
             sampler.set_epoch(epoch)
         if part is not None and isinstance(sampler, ResumableSampler):
-            sampler.start_at(epoch, part.steps * batch_size)
+            sampler.start_at(epoch, part.rows)  # the rows every rank trained, the epoch's order consumed
+            within.steps_in_epoch = part.steps + len(self.train_loader)
         self.model.train()
         batches = (
             ray_train_batches(self.facts, batch_size, seed, epoch, self.rank)

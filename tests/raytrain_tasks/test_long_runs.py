@@ -6,6 +6,7 @@ tests/raytrain_driver/test_long_runs_fit.py."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -15,16 +16,16 @@ from torch.utils.data import DataLoader, TensorDataset
 from raytrain_tasks.checked_reports import UNSCORED, ranking_score
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.long_runs import (
-    StepCheckpoints,
     RecordedEpoch,
+    StepCheckpoints,
     checkpoint_within_epoch,
     hang_timeout_refusal,
     hang_timeout_s,
-    silent_ranks,
     recorded_epochs,
+    silent_ranks,
     step_checkpoint_refusal,
-)
     step_time_refusal,
+)
 from raytrain_tasks.tracking.names import CHECKPOINT_PREFIX, EPOCH_FOLDER, checkpoint_order, within_epoch
 from raytrain_tasks.trainspec.data import ResumableSampler, train_loader_of
 from raytrain_tasks.trainspec.resume import checkpoint_dir_name
@@ -95,7 +96,6 @@ def test_a_hang_timeout_too_short_to_tell_a_hang_from_a_pause_is_refused(setting
     assert (hang_timeout_refusal(setting) is not None) is refused
 
 
-@pytest.mark.parametrize(
 RUN = "MLflow run 0a1b of run key K"
 
 
@@ -150,6 +150,7 @@ def test_an_epochs_steps_are_its_global_step_less_the_epoch_befores(
     assert [epoch.steps for epoch in recorded_epochs(logged)] == steps
 
 
+@pytest.mark.parametrize(
     ("settings", "named"),
     [
         ({"checkpoint_every_steps": -1}, "checkpoint_every_steps"),
@@ -193,8 +194,9 @@ def test_checkpoint_folders_within_epochs_are_named_and_ordered_by_epoch_then_st
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_a_resumed_epochs_loader_yields_the_rest_of_each_ranks_order(world: int) -> None:
-    """Each rank's loader, started after `step * batch_size` of its rows, yields exactly the batches the whole pass
-    yields after `step` steps; the epoch after it is whole again; iterating draws nothing from the global RNG."""
+    """Each rank's loader, started after the `step * batch_size * world` rows every rank trained, yields exactly the
+    batches the whole pass yields after `step` steps; the epoch after it is whole again; iterating draws nothing
+    from the global RNG."""
     rows = TensorDataset(torch.arange(103))
     batch, step, epoch = 4, 5, 2
     for rank in range(world):
@@ -204,13 +206,39 @@ def test_a_resumed_epochs_loader_yields_the_rest_of_each_ranks_order(world: int)
         resumed = train_loader_of(rows, batch, seed=3, rank=rank, world=world)
         sampler = resumed.sampler
         assert isinstance(sampler, ResumableSampler)
-        sampler.start_at(epoch, step * batch)
+        sampler.start_at(epoch, step * batch * world)
         before = torch.get_rng_state()
+        assert len(resumed) == len(expected)
         assert [b[0].tolist() for b in resumed] == expected
         assert torch.equal(torch.get_rng_state(), before)
         sampler.set_epoch(epoch + 1)
         whole.sampler.set_epoch(epoch + 1)
         assert [b[0].tolist() for b in resumed] == [b[0].tolist() for b in whole]
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2), (3, 2), (2, 3)])
+def test_a_group_of_another_size_trains_the_rest_of_the_epoch_each_row_once(before: int, after: int) -> None:
+    """An elastic group that lost (or gained) a node resumes a checkpoint within an epoch: the rows the old group
+    had not reached are dealt to the new ranks, none skipped and none trained twice (only the order's own padding
+    to a multiple of the ranks repeats a row, as DistributedSampler does)."""
+    rows = TensorDataset(torch.arange(103))
+    batch, step, epoch = 4, 5, 1
+    trained: list[int] = []
+    for rank in range(before):
+        whole = train_loader_of(rows, batch, seed=3, rank=rank, world=before)
+        whole.sampler.set_epoch(epoch)
+        trained += [i for b in list(whole)[:step] for i in b[0].tolist()]
+    assert len(trained) == step * batch * before
+    rest: list[int] = []
+    for rank in range(after):
+        resumed = train_loader_of(rows, batch, seed=3, rank=rank, world=after)
+        resumed.sampler.start_at(epoch, len(trained))
+        rest += [i for b in resumed for i in b[0].tolist()]
+    padding = len(rest) - (103 - len(trained))
+    assert 0 <= padding < after
+    counts = Counter(trained + rest)
+    assert sorted(counts) == list(range(103))  # none skipped
+    assert sum(counts.values()) - len(counts) == padding  # none twice but the padding
 
 
 def test_each_epoch_is_shuffled_by_the_seed_alone() -> None:
