@@ -41,12 +41,12 @@ from raytrain_tasks.errors import (
 )
 from raytrain_tasks.prepared import RunData
 from raytrain_tasks.redact import redacted_errors
+from raytrain_tasks.stop_requests import driver_stop_actor
 from raytrain_tasks.storage.locations import StorageLocation
 from raytrain_tasks.tracking import pins, run_owner
 from raytrain_tasks.tracking import runs as tracking
 from raytrain_tasks.tracking.controller import MlflowEpochLogger, OpenMlflowEarly, RestartGuard, SilentRanks
 from raytrain_tasks.tracking.names import LAST_STEP_TAG, pinned_digests
-from raytrain_tasks.trainspec.stop_requests import driver_stop_actor
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -224,7 +224,7 @@ def _train(fit: FitContext, plan: FitPlan, opened: OpenRun) -> ray.train.Result:
     # The stopper first: a checkpoint it refuses is never logged or pinned, so no resume starts from it.
     callbacks += [code_error_stopper(config.train_code, spec.selection.name), epochs, RestartGuard(epochs)]
     callbacks.append(SilentRanks(uri, run_id))  # which rank a hang timeout found silent
-    # A TrainSpec's workers commit a checkpoint before a signal stops this driver (trainspec.stop_requests).
+    # A TrainSpec's workers commit a checkpoint before a signal stops this driver (raytrain_tasks.stop_requests).
     # Not in a Ray Job: its supervisor kills the driver 3 s after its SIGTERM, before a checkpoint could be pinned,
     # and the fit's orchestrator re-attaches to the job instead of stopping it.
     saves = isinstance(spec.train_func, SpecTrainFunc) and config.launch_mode == "driver"

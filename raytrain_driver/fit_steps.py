@@ -78,7 +78,7 @@ def trainer_function(
     """(the function each worker runs, its ``train_loop_config``, ``TorchTrainer`` data kwargs). With prepared
     data, each worker finds its node's local copy (``config["data_dir"]``); the driver its own, for ``datasets``.
     ``fixed_workers``: the worker group's size when it is fixed (0: elastic), which kept splits are divided for.
-    ``driver_stop``: a TrainSpec's ``DriverStop`` actor (raytrain_tasks.trainspec.stop_requests), or None.
+    ``driver_stop``: a TrainSpec's ``DriverStop`` actor (raytrain_tasks.stop_requests), or None.
     Every checkpoint is checked against the fit's lease (raytrain_tasks.checked_reports)."""
     from raytrain_tasks.prepared import data_dir_of
     from raytrain_tasks.trainspec.loop import SpecTrainFunc

@@ -241,11 +241,12 @@ def build_trainer(
 
 def _on_workers(fit: FitContext) -> list[Any]:
     """Callbacks Ray Train runs on each worker: a TrainSpec's loop commits a checkpoint before a SIGTERM ends a
-    worker (raytrain_tasks.trainspec.stop_requests); a train_func of the user's own is left Ray's handling."""
+    worker (raytrain_tasks.stop_requests); a train_func of the user's own does once it calls
+    ``checkpoint_if_preempted``, and is left Ray's handling until then."""
     from raytrain_tasks.trainspec.loop import SpecTrainFunc
     from raytrain_tasks.trainspec.save_on_sigterm import SaveOnSigterm
 
-    return [SaveOnSigterm()] if isinstance(fit.spec.train_func, SpecTrainFunc) else []
+    return [SaveOnSigterm(acted_on=isinstance(fit.spec.train_func, SpecTrainFunc))]
 
 
 def training_error(exc: BaseException, run_key: str, config: TrainingConfig) -> BaseException:

@@ -42,7 +42,16 @@ from typing import Any
 
 from raytrain_tasks.code_rules import DATA_DIR_KEY, TRAIN_CONFIG_KEYS, check_code_config, spec_metric_problem
 
-__all__ = ["DATA_DIR_KEY", "Metric", "MetricChoice", "Splits", "TrainFunc", "TrainSpec", "TRAIN_CONFIG_KEYS"]
+__all__ = [
+    "DATA_DIR_KEY",
+    "Metric",
+    "MetricChoice",
+    "Splits",
+    "TrainFunc",
+    "TrainSpec",
+    "TRAIN_CONFIG_KEYS",
+    "checkpoint_if_preempted",
+]
 # Keys of the config your code receives: TRAIN_CONFIG_KEYS are the pipeline's own settings (epochs, batch_size, lr,
 # seed, num_workers, use_gpu); DATA_DIR_KEY holds the local folder of what ``prepare`` wrote.
 
@@ -223,3 +232,17 @@ class TrainSpec(CodeOptions):
         if isinstance(self.metric, Metric) and (problem := spec_metric_problem(self, self.metric)):
             raise TypeError(problem)
         self._check_options("TrainSpec")
+
+
+def checkpoint_if_preempted(save: Callable[[], object]) -> bool:
+    """For a ``train_func``: call it on every rank after each training step, with what reports a checkpoint within
+    the epoch. When the worker group is about to lose a process, every rank calls ``save()`` at this same step:
+
+    - after a SIGTERM to one of the group's workers (a spot node shutting down), it then raises, and Ray Train
+      restarts the group from that checkpoint;
+    - after Ray's notice that a node of the group is being drained, it returns True, and training goes on.
+
+    It returns False when nothing was asked. On several workers it is a collective: one small all-reduce."""
+    from raytrain_tasks.stop_requests import checkpoint_if_preempted as on_request
+
+    return on_request(save)

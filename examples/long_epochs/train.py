@@ -2,7 +2,8 @@
 
 Every ``save_every_steps`` steps, each rank writes where it is in its data (``loader-rank<R>.json``) beside rank 0's
 model and optimizer, and reports that checkpoint. A resume reads its rank's position and starts the epoch there,
-so a worker killed in the middle of an epoch costs at most ``save_every_steps`` steps, not the epoch.
+so a worker killed in the middle of an epoch costs at most ``save_every_steps`` steps, not the epoch. A worker told
+to go first (a SIGTERM, a node drain) costs no step: ``checkpoint_if_preempted`` has every rank save at once.
 
 The pipeline records such a checkpoint like any other (pinned by digest, resumed from, kept until a newer one
 pushes it out) once its report says what it is:
@@ -18,6 +19,7 @@ Run it from the folder that holds ``examples/``::
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -33,7 +35,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from raytrain_tasks.api import Metric, TrainFunc
+from raytrain_tasks.api import Metric, TrainFunc, checkpoint_if_preempted
 
 MODEL_FILE = "model.pt"
 
@@ -103,10 +105,15 @@ def train_func(config: dict[str, Any]) -> None:
             loss.backward()
             optimizer.step()
             step, global_step = step + 1, global_step + 1
-            if step % config["save_every_steps"] == 0 and step < len(train_loader):  # not at the epoch's end
+            if step < len(train_loader):  # at the epoch's last step, the epoch's own checkpoint follows at once
                 position = {"epoch": epoch, "step": step, "global_step": global_step}
                 metrics = {"in_epoch": epoch, "global_step": global_step, "step_train_loss": loss.item()}
-                _report({**metrics, "val_accuracy": math.nan}, model, optimizer, position, rank)
+                save = functools.partial(
+                    _report, {**metrics, "val_accuracy": math.nan}, model, optimizer, position, rank
+                )
+                # A SIGTERM to a worker or a node drain: every rank saves here first.
+                if not checkpoint_if_preempted(save) and step % config["save_every_steps"] == 0:
+                    save()
         step = 0
         metrics = {"epoch": epoch, "global_step": global_step, "train_loss": loss.item()}
         metrics |= _validate(model, val_loader, loss_fn)

@@ -30,6 +30,7 @@ from torch.utils.data import DistributedSampler
 from raytrain_tasks.api import Metric, Splits, TrainFunc, TrainSpec
 from raytrain_tasks.errors import DataRefusedError, DatasetError, UserCodeError, user_frames
 from raytrain_tasks.long_runs import StepCheckpoints
+from raytrain_tasks.stop_requests import StopRequests
 from raytrain_tasks.tracking.names import DATASET_DIGEST_KEY, GLOBAL_STEP_KEY, STEP_LOSS_KEY
 from raytrain_tasks.tracking.outcome import SPEC_LOOP_EXTRAS, headline
 from raytrain_tasks.trainspec import data as spec_data
@@ -54,7 +55,6 @@ from raytrain_tasks.trainspec.data import (
 from raytrain_tasks.trainspec.metric_names import batch_metric_names, check_metric_named, chosen_metric
 from raytrain_tasks.trainspec.resume import checkpoint_dir_name
 from raytrain_tasks.trainspec.steps import batch_sums, mean_of, score_split, train_epoch
-from raytrain_tasks.trainspec.stop_requests import StopRequests
 from raytrain_tasks.trainspec.within_epoch import EpochSoFar, WithinEpoch
 from raytrain_tasks.worker_log import configure_worker_logging
 
@@ -97,7 +97,7 @@ class SpecTrainFunc:
         self._checked: tuple[dict[str, Any], Splits] | None = None  # its splits, for trainer_data
         self.ray_splits: RaySplits | None = None  # set by trainer_data on the driver, by run_train_func on workers
         self.step_checkpoints = AT_EPOCH_ENDS  # the run's checkpoints within epochs, set by run_train_func
-        self.driver_stop: Any = None  # ... and the driver's DriverStop actor (trainspec.stop_requests)
+        self.driver_stop: Any = None  # ... and the driver's DriverStop actor (raytrain_tasks.stop_requests)
 
     def __call__(self, config: dict[str, Any]) -> None:
         self._run(config, self.ray_splits, self.step_checkpoints, self.driver_stop)

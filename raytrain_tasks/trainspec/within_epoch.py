@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from raytrain_tasks.long_runs import StepCheckpoints, checkpoint_within_epoch
+from raytrain_tasks.stop_requests import StopRequests, agreed
 from raytrain_tasks.tracking.names import GLOBAL_STEP_KEY, IN_EPOCH_KEY, STEP_LOSS_KEY
-from raytrain_tasks.trainspec.stop_requests import StopRequests
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class WithinEpoch:
         due = self.checkpoints.due(self.global_step - steps, time.monotonic() - since)
         request = self.stops.local() if self.within_ok else StopRequests.NONE
         if _distributed() and self.within_ok:  # every rank commits at the same step, or none does
-            due, request = _agreed(due, request)
+            due, request = agreed(due, request)
         if request:
             self.stops.acted(request)
         if self.within_ok and checkpoint_within_epoch(due or bool(request), self.epoch_step, self.steps_in_epoch):
@@ -154,14 +154,3 @@ def _world() -> int:
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _agreed(due: bool, request: int) -> tuple[bool, int]:
-    """(whether any rank's clock says a checkpoint is due, the strongest request any rank has): one all-reduce, on
-    every step, so that every rank commits at the same step."""
-    import ray.train.torch
-
-    values = torch.tensor([int(due), request], dtype=torch.int32, device=ray.train.torch.get_device())
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    agreed_due, agreed_request = values.tolist()
-    return bool(agreed_due), int(agreed_request)

@@ -21,12 +21,14 @@ from typing import Any
 import psutil
 import pytest
 
+from examples.long_epochs.train import load_splits
 from flows.training import training_pipeline
 from raytrain_tasks.config import parameters_of
 from raytrain_tasks.tracking.controller import SILENT_TAG
 from raytrain_tasks.tracking.names import LAST_STEP_TAG, STEP_SERIES, within_epoch
 from tests.helpers import (
     REPO_ROOT,
+    committed_epochs,
     mlflow_client,
     only_run,
     seed_mlflow_store,
@@ -301,28 +303,67 @@ def test_a_sigterm_to_the_command_commits_the_step_first_and_resume_ends_as_unin
 
 
 EXAMPLE = "examples.long_epochs.train:training"
+EXAMPLE_SETTINGS = {"epochs": 3, "register": False, "checkpoints_to_keep": 100}
+
+
+@pytest.fixture(scope="module")
+def example_uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
+    """examples/long_epochs run through (its checkpoints within epochs change nothing it trains)."""
+    workdir = tmp_path_factory.mktemp("example-uninterrupted")
+    settings = {**EXAMPLE_SETTINGS, "train_config": {"save_every_steps": 10}}
+    return _seen(workdir, _run_code(workdir, EXAMPLE, **settings))
+
+
+def assert_example_as_uninterrupted(run: SimpleNamespace, reference: SimpleNamespace) -> None:
+    """Every epoch's scores equal the uninterrupted run's to 1e-6, each logged once."""
+    for key in ("val_loss", "val_accuracy"):
+        got, expected = _by_step(run.history[key]), _by_step(reference.history[key])
+        assert len(run.history[key]) == len(got) and sorted(got) == sorted(expected), key
+        for step, value in expected.items():
+            assert got[step] == pytest.approx(value, abs=1e-6), (key, step)
 
 
 @pytest.mark.chaos
-def test_a_train_funcs_own_checkpoints_within_epochs_are_resumed_after_a_killed_worker(tmp_path: Path) -> None:
+def test_a_train_funcs_own_checkpoints_within_epochs_are_resumed_after_a_killed_worker(
+    tmp_path: Path, example_uninterrupted: SimpleNamespace
+) -> None:
     """examples/long_epochs (Ray Train's API alone: each rank writes its loader position) checkpoints every 10
     steps. A worker SIGKILLed in epoch 2, after such a checkpoint was pinned, restarts from it: the run ends as an
     uninterrupted one (to 1e-6), each epoch and each step point logged once."""
-    settings = {"epochs": 2, "register": False, "checkpoints_to_keep": 100, "train_config": {"save_every_steps": 10}}
-    reference_dir = tmp_path / "uninterrupted"
-    reference = _seen(reference_dir, _run_code(reference_dir, EXAMPLE, **settings))
-    killed_dir = tmp_path / "killed"
+    settings = {**EXAMPLE_SETTINGS, "train_config": {"save_every_steps": 10}}
     with ThreadPoolExecutor(1) as pool:
-        future = start_flow(pool, small_config(killed_dir, train_code=EXAMPLE, **settings))
-        wait_for(lambda: (_last_step(killed_dir) or "").endswith("epoch 2"), 300, "a checkpoint within epoch 2")
+        future = start_flow(pool, small_config(tmp_path, train_code=EXAMPLE, **settings))
+        wait_for(lambda: (_last_step(tmp_path) or "").endswith("epoch 2"), 300, "a checkpoint within epoch 2")
         os.kill(train_worker_pids(2)[-1], signal.SIGKILL)
         state = future.result(timeout=600)
     assert state.is_completed(), state
-    killed = _seen(killed_dir, state)
-    for key in ("val_loss", "val_accuracy", STEP_SERIES):
-        got, expected = _by_step(killed.history[key]), _by_step(reference.history[key])
-        assert sorted(got) == sorted(expected), key
-        for step, value in expected.items():
-            assert got[step] == pytest.approx(value, abs=1e-6), (key, step)
+    killed = _seen(tmp_path, state)
+    assert_example_as_uninterrupted(killed, example_uninterrupted)
+    got, expected = _by_step(killed.history[STEP_SERIES]), _by_step(example_uninterrupted.history[STEP_SERIES])
+    assert got == pytest.approx(expected, abs=1e-6)
     loader_files = {path.name for path in killed.run_dir.glob("checkpoint_*/loader-rank*.json")}
     assert loader_files == {"loader-rank0.json", "loader-rank1.json"}
+
+
+@pytest.mark.chaos
+def test_a_sigterm_to_a_train_funcs_worker_commits_first_through_the_public_helper(
+    tmp_path: Path, example_uninterrupted: SimpleNamespace
+) -> None:
+    """examples/long_epochs with no checkpoint due within its epochs: a SIGTERM to one worker after epoch 1 makes
+    every rank save at its next step (``checkpoint_if_preempted``), the group stops and Ray Train restarts it from
+    there, without the process told to go; the run ends as an uninterrupted one."""
+    settings = {**EXAMPLE_SETTINGS, "train_config": {"save_every_steps": 1000}}
+    config = small_config(tmp_path, train_code=EXAMPLE, **settings)
+    with ThreadPoolExecutor(1) as pool:
+        future = start_flow(pool, config)
+        wait_for(lambda: committed_epochs(tmp_path), 300, "epoch 1 to be committed")
+        pid = train_worker_pids(2)[-1]
+        os.kill(pid, signal.SIGTERM)
+        state = future.result(timeout=600)
+    assert state.is_completed(), state
+    run = _seen(tmp_path, state)
+    steps = math.ceil(math.ceil(len(load_splits()[0]) / 2) / config.batch_size)  # an epoch's, on 2 workers
+    within = set(_by_step(run.history[STEP_SERIES])) - {steps, 2 * steps, 3 * steps}
+    assert len(within) == 1 and steps < within.pop() < 3 * steps, run.history[STEP_SERIES]
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert_example_as_uninterrupted(run, example_uninterrupted)
