@@ -196,12 +196,13 @@ class MlflowEpochLogger(UserCallback):
 
     def _journal(self, metrics: dict[str, Any], checkpoint: Checkpoint, digest: str) -> None:
         """Append the pin, with the epoch's step and metrics, to the journal; only for a report that says its
-        ``epoch`` (the step is then known without asking MLflow, and a resume can log the epoch it holds)."""
-        if self.journal is None or not isinstance(metrics.get("epoch"), int | float):
+        ``epoch`` (the step is then known without asking MLflow, and a resume can log the epoch it holds) or the
+        epoch it was committed within (its pin alone: it has no epoch's metrics)."""
+        epoch = metrics.get("epoch", metrics.get(IN_EPOCH_KEY))
+        if self.journal is None or not isinstance(epoch, int | float) or isinstance(epoch, bool):
             return
-        entry = JournalEntry(
-            checkpoint_name(checkpoint.path), digest, epoch_number(metrics["epoch"]), numeric_metrics(metrics)
-        )
+        figures = {} if IN_EPOCH_KEY in metrics else numeric_metrics(metrics)
+        entry = JournalEntry(checkpoint_name(checkpoint.path), digest, epoch_number(epoch), figures)
         self.journal.append(self.run_id, entry)
 
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Checkpoint | None) -> None:
