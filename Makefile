@@ -108,6 +108,7 @@ bench: install  ## benchmarks that print figures (not tests); results in bench/r
 	$(PY) -m bench.checkpoint_upload
 	$(PY) -m bench.recovery
 	$(PY) -m bench.long_runs
+	$(PY) -m bench.scoring
 	$(PY) -m bench.failfast
 	$(PY) -m bench.waits
 	$(PY) -m bench.own_code

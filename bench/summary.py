@@ -81,6 +81,16 @@ def _long_run_rows(long: dict[str, Any] | None) -> list[Row]:
     ]
 
 
+def _scoring_row(scoring: dict[str, Any] | None) -> Row:
+    """From bench/results/scoring.json (bench.scoring)."""
+    target = "scoring 1M rows with 2 actors: rows/s >= 1.5x the same model in one process"
+    if scoring is None:
+        return target, "not measured", "-", "python -m bench.scoring"
+    speedup = scoring["speedup"]
+    shown = f"{speedup:.2f}x ({scoring['pipeline_rows_per_s']:.0f} vs {scoring['one_process_rows_per_s']:.0f} rows/s)"
+    return target, shown, "met" if speedup >= 1.5 else "missed", "bench.scoring"
+
+
 def _gpu_row(gpu: dict[str, Any] | None) -> Row:
     """From bench/results/gpu.json, written by hand from a run on a lent GPU machine (this one has none)."""
     if gpu is None:
@@ -205,6 +215,7 @@ def rows() -> list[Row]:
             )
         )
     out += _long_run_rows(_load("long_runs"))
+    out.append(_scoring_row(_load("scoring")))
     failfast = _load("failfast")
     if failfast is None:
         out.append(("a wrong setting fails before any worker starts", "not measured", "-", "python -m bench.failfast"))

@@ -1,4 +1,5 @@
-"""Serve the deployments of deployments/prefect.yaml from this one process, schedules included.
+"""Serve the deployments of deployments/prefect.yaml (training, and moving a champion back) from this one process,
+schedules included.
 
     python -m deployments.serve [--replace] [--prefect-file my-deployments.yaml]   # needs PREFECT_API_URL set
 
@@ -27,6 +28,7 @@ import yaml
 from flows.continuation import HEARTBEAT_SECONDS, HEARTBEAT_TAG, ensure_zombie_automation
 from flows.training import training_pipeline
 from raytrain_driver.cluster import warm_ray
+from raytrain_driver.origin import ENTRY_POINT
 from raytrain_tasks.errors import UserCodeError
 
 PREFECT_YAML = Path(__file__).with_name("prefect.yaml")
@@ -40,6 +42,20 @@ def load_deployment_specs(path: Path = PREFECT_YAML) -> list[dict[str, Any]]:
     return list(yaml.safe_load(path.read_text())["deployments"])
 
 
+def flow_of(spec: dict[str, Any]) -> Any:
+    """The flow a deployment runs: its entrypoint's (this project's flows by module, wherever serve starts); the
+    training pipeline's where it names none (a file of one's own that sets only parameters)."""
+    import importlib
+
+    from prefect.flows import load_flow_from_entrypoint
+
+    entrypoint = spec.get("entrypoint") or ENTRY_POINT
+    path, _, name = entrypoint.rpartition(":")
+    if (PREFECT_YAML.parents[1] / path).is_file():
+        return getattr(importlib.import_module(path.removesuffix(".py").replace("/", ".")), name)
+    return load_flow_from_entrypoint(entrypoint)
+
+
 def build_deployments(specs: list[dict[str, Any]]) -> list[Any]:
     from prefect.events import DeploymentEventTrigger
     from prefect.schedules import Cron
@@ -48,7 +64,7 @@ def build_deployments(specs: list[dict[str, Any]]) -> list[Any]:
     for spec in specs:
         schedules = [Cron(s["cron"], timezone=s.get("timezone")) for s in spec.get("schedules") or []]
         deployments.append(
-            training_pipeline.to_deployment(
+            flow_of(spec).to_deployment(
                 name=spec["name"],
                 description=spec.get("description"),
                 tags=spec.get("tags"),
@@ -80,20 +96,21 @@ def code_form(deployment: Any, train_code: str | None) -> None:
     schema.properties["train_code"] |= {"readOnly": True, "enum": [train_code]}
 
 
-def work_pool_deployments(names: list[str]) -> list[str]:
-    """Which of these deployments already exist on the server bound to a work pool (made by `prefect deploy`)."""
+def work_pool_deployments(full_names: list[str]) -> list[str]:
+    """Which of these deployments (``flow/deployment``) already exist on the server bound to a work pool (made by
+    `prefect deploy`)."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
     found = []
     with get_client(sync_client=True) as client:
-        for name in names:
+        for full_name in full_names:
             try:
-                deployment = client.read_deployment_by_name(f"{training_pipeline.name}/{name}")
+                deployment = client.read_deployment_by_name(full_name)
             except ObjectNotFound:
                 continue
             if deployment.work_pool_name:
-                found.append(f"{training_pipeline.name}/{name}")
+                found.append(full_name)
     return found
 
 
@@ -135,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     except (UserCodeError, ValueError) as exc:  # a deployment's train_code, imported for its form; its heartbeats
         print(f"error: --prefect-file {args.prefect_file}: {exc}", file=sys.stderr)
         return 2
-    taken = work_pool_deployments([spec["name"] for spec in specs])
+    full_names = [f"{deployment.flow_name}/{deployment.name}" for deployment in deployments]
+    taken = work_pool_deployments(full_names)
     if taken and not args.replace:
         print(
             f"error: {', '.join(taken)} already exist(s) on this server for a work pool (made by `prefect deploy`);"
@@ -162,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             serve(*deployments, query_seconds=poll)
         finally:
-            pause_served([spec["name"] for spec in specs])
+            pause_served(full_names)
     return 0
 
 
@@ -198,7 +216,7 @@ def served_environment(specs: list[dict[str, Any]], environ: Mapping[str, str]) 
     return environment
 
 
-def pause_served(names: list[str]) -> None:
+def pause_served(full_names: list[str]) -> None:
     """Pause the served deployments once serving has stopped, whatever stopped it.
 
     Prefect's runner pauses them itself on a clean shutdown, but on SIGTERM its pause runs while asyncio cancels
@@ -209,11 +227,11 @@ def pause_served(names: list[str]) -> None:
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
-        for name in names:
-            deployment = client.read_deployment_by_name(f"{training_pipeline.name}/{name}")
+        for full_name in full_names:
+            deployment = client.read_deployment_by_name(full_name)
             if not deployment.paused:
                 client.pause_deployment(deployment.id)
-                print(f"paused deployment {training_pipeline.name}/{name} (serving stopped)", file=sys.stderr)
+                print(f"paused deployment {full_name} (serving stopped)", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -29,11 +29,15 @@ from flows.stop_signals import (
     noted_run_key,
     send_again_a_stop_that_a_finalizer_swallowed,
 )
+from raytrain_driver.cluster import RaySettings
 from raytrain_driver.process_groups import end_ray_groups
 from raytrain_tasks.config import TrainingConfig, describe_validation_error, parameters_of
 from raytrain_tasks.errors import ClusterError, RunLeaseLostError
 from raytrain_tasks.redact import redact, redact_uri, strip_credentials
+from raytrain_tasks.scoring.config import ScoringConfig
 from raytrain_tasks.tracking.runs import opened_here
+
+AnyConfig = typing.TypeVar("AnyConfig", TrainingConfig, ScoringConfig)  # a run's settings: training or scoring
 
 
 def build_parser(prog: str = "python -m flows.training") -> argparse.ArgumentParser:
@@ -249,7 +253,7 @@ def _how_to_continue(config: TrainingConfig) -> str:
     return "; it stopped before its MLflow run was started (nothing trained): start it again"
 
 
-def credentials_to_environment(config: TrainingConfig) -> TrainingConfig:
+def credentials_to_environment(config: AnyConfig) -> AnyConfig:
     """Move a ``user:password@`` out of ``--mlflow-tracking-uri`` into MLFLOW_TRACKING_USERNAME / _PASSWORD.
 
     The flow's parameters are stored by Prefect as given; what is in this process's environment is not. MLflow
@@ -264,7 +268,7 @@ def credentials_to_environment(config: TrainingConfig) -> TrainingConfig:
 
 
 @contextmanager
-def local_services(config: TrainingConfig) -> Iterator[None]:
+def local_services(config: RaySettings) -> Iterator[None]:
     """Start the temporary Prefect API and the local Ray side by side, when the run would start both.
 
     Each takes seconds of start-up in which this process mostly waits; one after the other they were most of a

@@ -8,9 +8,15 @@
     prefect-raytrain ui [--port 5000]                the MLflow UI over the local store
     prefect-raytrain gc [--older-than 24] [--apply]  what no run needs any more, on this node and in storage:
                                                      listed (a dry run), or removed with --apply
+    prefect-raytrain score --model models:/NAME@champion --input PATH --output PATH.parquet
+                                                     predictions of every input row with the model, one
+                                                     Parquet file (local or s3://), recorded in MLflow
+    prefect-raytrain champions NAME                  who was champion when: every move of NAME@champion
+    prefect-raytrain rollback NAME --to VERSION --reason TEXT
+                                                     move NAME@champion back, recorded with the reason
 
 `runs`, `resume`, `ui` and `gc` find the runs with the same `--mlflow-tracking-uri`, `--experiment-name` and
-`--storage-path` flags as `train` (and the same defaults).
+`--storage-path` flags as `train` (and the same defaults); `champions` and `rollback` take `--mlflow-tracking-uri`.
 """
 
 from __future__ import annotations
@@ -53,7 +59,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ui(rest)
     if command == "gc":
         return gc(rest)
-    print(f"{PROG}: unknown command {command!r}; one of: train, runs, resume, ui, gc", file=sys.stderr)
+    if command == "score":
+        from flows.score_command import main as score
+
+        return score(rest, prog=f"{PROG} score")
+    if command in ("champions", "rollback"):  # the champion's history, and moving it back
+        from flows.champions_command import champions, rollback
+
+        return champions(rest) if command == "champions" else rollback(rest)
+    known = "train, runs, resume, ui, gc, score, champions, rollback"
+    print(f"{PROG}: unknown command {command!r}; one of: {known}", file=sys.stderr)
     return 2
 
 

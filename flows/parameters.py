@@ -14,22 +14,23 @@ import inspect
 from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from raytrain_tasks.config import PINNED, PINNED_NOTE, SETTINGS, TrainingConfig
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _setting(name: str) -> inspect.Parameter:
-    field = TrainingConfig.model_fields[name]
+def _setting(name: str, model: type[BaseModel] = TrainingConfig) -> inspect.Parameter:
+    field = model.model_fields[name]
     # Bounds, lengths and choices sit in the annotation, where Prefect's form builder keeps them. Prefect titles a
     # parameter by its name and takes descriptions from a FieldInfo default (which its validation then hands to
     # the flow as the value of an unset parameter, in 3.8.8), so title and description go in as schema extras.
     description = f"{field.description or ''} {PINNED_NOTE if name in PINNED else ''}".strip()
     shown = Field(json_schema_extra={"title": field.title or name, "description": description})
     annotation = Annotated[(field.annotation, *field.metadata, shown)]  # type: ignore[name-defined]  # made at run time
-    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=field.default, annotation=annotation)
+    default = inspect.Parameter.empty if field.is_required() else field.default
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
 
 
 def with_settings_as_parameters(fn: F) -> F:
@@ -45,3 +46,16 @@ def with_settings_as_parameters(fn: F) -> F:
     settings = [_setting(name) for name in SETTINGS]
     fn.__signature__ = inspect.signature(fn).replace(parameters=[*settings, *own])  # type: ignore[attr-defined]
     return fn
+
+
+def with_fields_as_parameters(model: type[BaseModel]) -> Callable[[F], F]:
+    """``fn(**settings)`` shown to Prefect as one keyword parameter per field of ``model`` (the scoring flow's
+    ``ScoringConfig``): its form and the server's check of a run's parameters carry each field's bounds."""
+
+    def decorate(fn: F) -> F:
+        fn.__signature__ = inspect.signature(fn).replace(  # type: ignore[attr-defined]
+            parameters=[_setting(name, model) for name in model.model_fields]
+        )
+        return fn
+
+    return decorate

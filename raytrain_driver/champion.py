@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -91,23 +89,6 @@ def check_model_layout(directory: Path) -> ModelLayout:
             "loaded or scored"
         )
     return ModelLayout()
-
-
-@contextmanager
-def pickle_deserialization_off() -> Iterator[None]:
-    """MLFLOW_ALLOW_PICKLE_DESERIALIZATION=false for the block (MLflow reads it at each load), restored after."""
-    from mlflow.environment_variables import MLFLOW_ALLOW_PICKLE_DESERIALIZATION
-
-    name = MLFLOW_ALLOW_PICKLE_DESERIALIZATION.name
-    before = os.environ.get(name)
-    os.environ[name] = "false"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
 
 
 def download_model(model_uri: str, directory: Path) -> Path:

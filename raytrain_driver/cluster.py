@@ -9,11 +9,10 @@ import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 from raytrain_driver.process_groups import ray_groups_stopped, ray_processes_in_their_own_group
 from raytrain_driver.ray_token import TOKEN_REFUSED, check_token_accepted
-from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.environment import PROCESS_DEFAULTS
 from raytrain_tasks.errors import ClusterError
 
@@ -83,7 +82,21 @@ CREDENTIAL_ENV = (
 )
 
 
-def cluster_runtime_env(config: TrainingConfig) -> dict[str, object]:
+class RaySettings(Protocol):
+    """What joining or starting Ray reads of a run's settings: a training run's (TrainingConfig) or a scoring
+    run's (raytrain_tasks.scoring.config.ScoringConfig)."""
+
+    @property
+    def ray_address(self) -> str: ...
+    @property
+    def ray_connect_timeout_s(self) -> float: ...
+    @property
+    def forward_credentials_to_cluster(self) -> bool: ...
+    @property
+    def train_code(self) -> str: ...
+
+
+def cluster_runtime_env(config: RaySettings) -> dict[str, object]:
     """What a cluster this driver connects to needs: our worker code and the environment it reads."""
     import raytrain_tasks
 
@@ -104,7 +117,7 @@ def cluster_runtime_env(config: TrainingConfig) -> dict[str, object]:
 
 
 @contextmanager
-def ray_session(config: TrainingConfig) -> Iterator[None]:
+def ray_session(config: RaySettings) -> Iterator[None]:
     """Yield with Ray initialised by this call, or as the caller already had it.
 
     A Ray the caller initialised is left alone. A local Ray this call started is stopped on exit. A cluster
@@ -149,7 +162,7 @@ def ray_session(config: TrainingConfig) -> Iterator[None]:
         shutdown_ray()
 
 
-def _init(config: TrainingConfig, warm: str = "") -> None:
+def _init(config: RaySettings, warm: str = "") -> None:
     """``warm``: the address of the local Ray that deployments.serve keeps, joined instead of starting one."""
     import ray
 
@@ -352,7 +365,7 @@ def check_reachable(address: str, timeout_s: float = 3.0) -> None:
         ) from exc
 
 
-def _check_same_cluster(config: TrainingConfig) -> None:
+def _check_same_cluster(config: RaySettings) -> None:
     """A process connected to one cluster cannot train a run meant for another."""
     import ray
 

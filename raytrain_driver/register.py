@@ -6,9 +6,10 @@ between) without a second model or version:
 1. The model is logged once per MLflow run: a READY logged model of the run is reused.
 2. Under the model's registry lock (``raytrain_driver.registry_lock``), the run key's version is looked up and
    registered only if missing, so two attempts never both register.
-3. Still under the lock, the decision is recorded as version tags, then the aliases move, then
-   ``promotion.applied`` marks it done. A final decision is never redone; an undecided one (the champion could
-   not be assessed) keeps every alias where it was and fails the task, and the next attempt decides again.
+3. Still under the lock, the decision is recorded as version tags, then the aliases move, then the move goes
+   into the champion history (``raytrain_driver.champion_history``), then ``promotion.applied`` marks it done.
+   A final decision is never redone; an undecided one (the champion could not be assessed) keeps every alias
+   where it was and fails the task, and the next attempt decides again.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict
 
 from raytrain_driver import register_steps
+from raytrain_driver.champion_history import record_promotion
 from raytrain_driver.evaluation import EVALUATION_ARTIFACT_DIR, scores_as_metrics
 from raytrain_driver.fit_record import FitResult
 from raytrain_driver.hooks import run_logger, stopped_by
@@ -194,6 +196,8 @@ def apply_decision(
             client.set_registered_model_alias(name, CHAMPION, version)
             if champion_version is not None:
                 client.set_registered_model_alias(name, PREVIOUS_CHAMPION, champion_version)
+            # After the move: a record never claims one that did not happen (a kill before it: see _decided).
+            record_promotion(client, name, version)
             aliases: tuple[str, ...] = (CHAMPION,)
         else:
             client.set_registered_model_alias(name, CHALLENGER, version)
@@ -235,6 +239,7 @@ def _decided(
         lock.check()  # the repair moves an alias: only while the lock is still ours
         if recorded_champion is not None:
             client.set_registered_model_alias(name, PREVIOUS_CHAMPION, recorded_champion)
+        record_promotion(client, name, version, unless_explained=True)  # the interrupted attempt may have
         client.set_model_version_tag(name, version, APPLIED_TAG, "true")
     champion_score = tags.get("promotion.champion_score")
     # The log line and the summary say so: a retry or a resume of a registered run does not decide again.

@@ -25,7 +25,6 @@ from raytrain_driver.champion import (
     check_model_layout,
     digest_of_schema,
     download_model,
-    pickle_deserialization_off,
     read_champion,
 )
 from raytrain_driver.promotion import Champion
@@ -34,6 +33,7 @@ from raytrain_tasks.code_rules import PIPELINE_METADATA
 from raytrain_tasks.code_settings import secret_keys
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import UnsafeCheckpointError, UserCodeError
+from raytrain_tasks.safe_load import pickle_deserialization_off
 from raytrain_tasks.settings import TABLE_CLASSIFIER
 from raytrain_tasks.storage.locations import download_dir, locate
 from raytrain_tasks.tracking import runs as tracking

@@ -90,8 +90,17 @@ class PromotionError(PipelineError):
     """The champion decision could not be made; no alias moved and the decision is redone by the next attempt."""
 
 
+class RollbackError(PipelineError):
+    """A rollback of the champion was refused (no such model or version, the champion already, an unknown run,
+    no reason given); nothing moved."""
+
+
 class SettingsError(PipelineError):
     """A flow run's parameters do not make a valid training config."""
+
+
+class ScoringInputError(PipelineError):
+    """A scoring run's model or input does not fit: found before any row is scored, nothing written."""
 
 
 # This project's packages, whose frames are never the user's: under a data error of the table classifier they

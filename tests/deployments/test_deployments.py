@@ -12,19 +12,61 @@ import pytest
 from prefect.flows import load_flow_from_entrypoint
 
 from deployments.serve import PREFECT_YAML, build_deployments, load_deployment_specs
+from raytrain_driver.origin import ENTRY_POINT
 from raytrain_tasks.config import TrainingConfig, config_from_parameters
 from tests.helpers import REPO_ROOT
 
 SPECS = load_deployment_specs()
+TRAINING = [spec for spec in SPECS if spec["entrypoint"] == ENTRY_POINT]  # the others: test_rollback_deployment...
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=[s["name"] for s in SPECS])
+@pytest.mark.parametrize("spec", TRAINING, ids=[s["name"] for s in TRAINING])
 def test_entrypoint_imports_and_parameters_validate(spec: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(REPO_ROOT)  # prefect deploy runs from the repository root
     flow = load_flow_from_entrypoint(spec["entrypoint"])
     validated = flow.validate_parameters(spec.get("parameters") or {})
     assert config_from_parameters(validated) == TrainingConfig.model_validate(spec.get("parameters") or {})
     assert spec["work_pool"]["name"] == "raytrain-process"
+
+
+def test_rollback_deployment_has_a_typed_form_and_refuses_what_is_not_a_rollback() -> None:
+    """The UI's run form of `rollback-champion`: the model, the version and the reason, required and typed; the
+    server refuses a run without them, or with a version that cannot exist, before it starts."""
+    (spec,) = [spec for spec in SPECS if spec["name"] == "rollback-champion"]
+    assert spec["work_pool"]["name"] == "raytrain-process" and not spec.get("schedules") and not spec.get("parameters")
+    flow = load_flow_from_entrypoint(f"{REPO_ROOT}/{spec['entrypoint']}")
+    schema = flow.parameters.model_dump()
+    fields = schema["properties"]
+    assert list(fields) == ["model_name", "to_version", "reason", "mlflow_tracking_uri"]
+    assert schema["required"] == ["model_name", "to_version", "reason"]
+    assert fields["to_version"]["type"] == "integer" and fields["to_version"]["minimum"] == 1
+    assert fields["model_name"]["pattern"] and fields["reason"]["minLength"] == 1
+    assert all(field.get("description") for field in fields.values())
+    run = {"model_name": "digits-classifier", "to_version": 3, "reason": "v4 mislabels returns"}
+    assert flow.validate_parameters(run)["to_version"] == 3
+    for refused in ({**run, "to_version": 0}, {**run, "reason": ""}, {**run, "model_name": "it's"}, {"to_version": 3}):
+        with pytest.raises(Exception, match="model_name|to_version|reason"):
+            flow.validate_parameters(refused)
+
+
+def test_the_scoring_deployment_has_a_typed_form_that_asks_for_the_table_and_the_output() -> None:
+    """The UI's run form of `score-champion`: the champion by default; the input and the output required; a run
+    without them, or out of bounds, refused by the server before it starts."""
+    from raytrain_tasks.scoring.config import ScoringConfig
+
+    (spec,) = [spec for spec in SPECS if spec["name"] == "score-champion"]
+    assert spec["parameters"] == {"model": "models:/digits-classifier@champion"} and not spec.get("schedules")
+    flow = load_flow_from_entrypoint(f"{REPO_ROOT}/{spec['entrypoint']}")
+    schema = flow.parameters.model_dump()
+    assert list(schema["properties"]) == list(ScoringConfig.model_fields)  # one field per setting, in order
+    assert schema["required"] == ["model", "input_path", "output_path"]
+    assert all(field.get("description") for field in schema["properties"].values())
+    run = {**spec["parameters"], "input_path": "s3://tables/today/", "output_path": "s3://scores/today.parquet"}
+    assert ScoringConfig(**flow.validate_parameters(run)).concurrency == 2
+    assert schema["properties"]["concurrency"]["type"] == "integer"
+    for refused in ({**run, "concurrency": 0}, {**run, "output_path": ""}, {"model": run["model"]}):
+        with pytest.raises(Exception, match="concurrency|output_path|input_path"):
+            flow.validate_parameters(refused)
 
 
 def test_a_nightly_schedule_with_timezone_and_an_unscheduled_ad_hoc_deployment() -> None:
@@ -58,7 +100,10 @@ def test_parameter_form_is_typed_and_described() -> None:
 
 def test_serve_builds_the_same_deployments() -> None:
     deployments = {d.name: d for d in build_deployments(SPECS)}
-    assert set(deployments) == {"nightly-retrain", "ad-hoc"}
+    assert set(deployments) == {"nightly-retrain", "ad-hoc", "rollback-champion", "score-champion"}
+    assert deployments["score-champion"].flow_name == "score"
+    rollback = deployments["rollback-champion"]
+    assert rollback.flow_name == "rollback-champion" and not rollback.schedules
     (schedule,) = deployments["nightly-retrain"].schedules
     assert schedule.schedule.cron == "0 2 * * *" and schedule.schedule.timezone == "Europe/Berlin"
     assert not deployments["ad-hoc"].schedules
@@ -66,7 +111,7 @@ def test_serve_builds_the_same_deployments() -> None:
     assert deployments["nightly-retrain"].parameters == {"epochs": 10, "min_improvement": 0.002}
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=[s["name"] for s in SPECS])
+@pytest.mark.parametrize("spec", TRAINING, ids=[s["name"] for s in TRAINING])
 def test_a_deployment_states_only_what_differs_from_the_defaults(spec: dict[str, Any]) -> None:
     """A default declared a second time in prefect.yaml would stop following the config's when that changes."""
     defaults = TrainingConfig()
@@ -75,7 +120,7 @@ def test_a_deployment_states_only_what_differs_from_the_defaults(spec: dict[str,
     assert not repeated, f"{spec['name']} repeats defaults of raytrain_tasks/config.py: {repeated}"
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=[s["name"] for s in SPECS])
+@pytest.mark.parametrize("spec", TRAINING, ids=[s["name"] for s in TRAINING])
 def test_each_deployment_continues_its_own_crashed_runs(spec: dict[str, Any]) -> None:
     """The crash trigger reacts to Crashed runs of this deployment only (another deployment's crash must not
     start this one) and hands the crashed run to the flow's `continue_flow_run`, which the flow accepts."""
@@ -89,7 +134,7 @@ def test_each_deployment_continues_its_own_crashed_runs(spec: dict[str, Any]) ->
     assert deployment.triggers[0].model_dump()["match_related"] == trigger["match_related"]  # `make serve` too
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=[s["name"] for s in SPECS])
+@pytest.mark.parametrize("spec", TRAINING, ids=[s["name"] for s in TRAINING])
 def test_runs_under_the_zombie_watch_send_heartbeats_often_enough(spec: dict[str, Any]) -> None:
     """The tag puts a deployment's runs under the 120 s no-heartbeat watch; its runs must then beat every 30 s."""
     from flows.continuation import HEARTBEAT_SECONDS, HEARTBEAT_TAG, SILENCE_SECONDS
@@ -121,6 +166,7 @@ def test_the_served_deployments_end_paused_whatever_stopped_serving(
     with get_client(sync_client=True) as client:
         for name in ("nightly-retrain", "ad-hoc"):
             assert client.read_deployment_by_name(f"training-pipeline/{name}").paused, name
+        assert client.read_deployment_by_name("rollback-champion/rollback-champion").paused
 
 
 def test_serve_refuses_a_prefect_file_it_cannot_serve_before_touching_the_server(

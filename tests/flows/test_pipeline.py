@@ -12,6 +12,7 @@ import pytest
 from mlflow import MlflowClient
 
 from flows.training import PipelineResult, training_pipeline
+from raytrain_driver.champion_history import read_history
 from raytrain_tasks.config import parameters_of
 from raytrain_tasks.integrity import local_folder_digest
 from raytrain_tasks.table_classifier.data import LABEL_INDEX_COLUMN
@@ -157,6 +158,10 @@ def test_champion_loads_and_reproduces_logged_accuracy(first_run: PipelineResult
     import mlflow
 
     assert first_run.model is not None and first_run.model.aliases == ("champion",)
+    # The promotion is the first move in the model's champion history: the version, its run, why.
+    first = read_history(client, first_run.model.name)[0].moves[0]
+    assert (first.version, first.run_key) == (first_run.model.version, first_run.run_key)
+    assert first.reason == "no champion yet"
     mlflow.set_tracking_uri(first_run.config.mlflow_tracking_uri)
     model = mlflow.pyfunc.load_model(f"models:/{first_run.model.name}@champion")
     table = table_dataset(first_run.dataset)

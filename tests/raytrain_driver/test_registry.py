@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from mlflow import MlflowClient
 
+from raytrain_driver.champion_history import read_history
 from raytrain_driver.fit_record import FitResult
 from raytrain_driver.register import APPLIED_TAG
 from raytrain_driver.registry_lock import QUEUE_SUFFIX
@@ -165,6 +166,9 @@ def test_one_version_per_run_key_however_often_register_runs(registry: dict[str,
     assert ref.reason == "no champion yet"
     assert again.reason == "no champion yet; decided earlier, when this run registered the version"
     assert _versions(client, "gate") == [ref.version]
+    # The promotion is in the model's champion history once, though register-model ran twice.
+    (move,) = read_history(client, "gate")[0].moves
+    assert (move.version, move.previous, move.run_key, move.reason) == (ref.version, None, fit.run_key, ref.reason)
     logged = client.search_logged_models(experiment_ids=[fit.mlflow_experiment_id])
     assert [m.source_run_id for m in logged].count(fit.mlflow_run_id) == 1  # the model was logged once
 

@@ -119,3 +119,31 @@ def test_your_own_code_trains_on_gpus_over_nccl_and_its_champion_loads_where_no_
     )
     assert loaded.returncode == 0, loaded.stderr[-3000:]
     print(f"\n{example} on {config.num_workers} x {torch.cuda.get_device_name(0)}: {result.fit.best_metrics}")
+
+
+def test_scoring_on_gpus_predicts_what_the_model_predicts_on_the_cpu(
+    gpu_ray: object, tmp_path: Path, prefect_api: None
+) -> None:
+    """`score` with use_gpu: each actor holds the model on a GPU; the predictions equal the CPU's (to 1e-4)."""
+    import numpy as np
+    import pandas as pd
+
+    from flows.scoring import scoring_pipeline
+    from tests.helpers import seed_mlflow_store
+    from tests.registered_versions import register_pt2
+
+    store = f"sqlite:///{seed_mlflow_store(tmp_path / 'mlflow.db')}"
+    register_pt2(store, "on-gpu", width=4, outputs=1)
+    table = pd.DataFrame({"id": np.arange(5000), **{n: np.random.default_rng(0).random(5000) for n in "abcd"}})
+    table.to_parquet(tmp_path / "in.parquet")
+    given = {
+        "model": "models:/on-gpu@champion",
+        "input_path": str(tmp_path / "in.parquet"),
+        "mlflow_tracking_uri": store,
+    }
+    on_gpu = scoring_pipeline(**given, output_path=str(tmp_path / "gpu.parquet"), use_gpu=True, concurrency=1)
+    on_cpu = scoring_pipeline(**given, output_path=str(tmp_path / "cpu.parquet"), concurrency=1)
+    assert on_gpu.rows == on_cpu.rows == 5000
+    gpu = pd.read_parquet(tmp_path / "gpu.parquet").sort_values("id")["prediction"].to_numpy()
+    cpu = pd.read_parquet(tmp_path / "cpu.parquet").sort_values("id")["prediction"].to_numpy()
+    assert np.allclose(gpu, cpu, atol=1e-4)

@@ -1,0 +1,112 @@
+"""A scoring run's output: what to do with what an output path holds (a table), and the commit of staged parts as
+one Parquet file, on a real folder and on the real S3 server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from devtools.s3_server import LocalS3
+from raytrain_driver.scoring_output import (
+    METADATA_KEY,
+    OutputAction,
+    Provenance,
+    commit,
+    output_action,
+    read_provenance,
+    staging_location,
+)
+from raytrain_tasks.storage.filesystem import StorageOptions
+from raytrain_tasks.storage.locations import StorageLocation, locate
+
+PLANNED = Provenance("m", "3", "a" * 64)
+
+
+@pytest.mark.parametrize(
+    ("found", "overwrite", "action"),
+    [
+        (None, False, OutputAction.WRITE),
+        (Provenance("m", "3", "a" * 64, rows=9, mlflow_run_id="r"), False, OutputAction.ALREADY_WRITTEN),
+        (Provenance("m", "3", "a" * 64, rows=9), True, OutputAction.ALREADY_WRITTEN),  # nothing to replace
+        (Provenance("m", "2", "a" * 64), False, OutputAction.REFUSE),  # another version's predictions
+        (Provenance("m", "3", "b" * 64), False, OutputAction.REFUSE),  # of another input
+        (Provenance("n", "3", "a" * 64), False, OutputAction.REFUSE),  # of another model
+        (Provenance("m", "2", "a" * 64), True, OutputAction.WRITE),
+        ("a Parquet file this project did not write", False, OutputAction.REFUSE),
+        ("a file that is not Parquet (ArrowInvalid)", True, OutputAction.WRITE),
+    ],
+)
+def test_an_output_path_is_written_found_written_or_left_alone(
+    found: Provenance | str | None, overwrite: bool, action: OutputAction
+) -> None:
+    decided, why = output_action(found, PLANNED, overwrite)
+    assert decided is action, why
+    if action is OutputAction.REFUSE:
+        assert "overwrite=true" in why and "version 3" in why
+
+
+def _stage(staging: StorageLocation, parts: list[pa.Table]) -> None:
+    staging.filesystem.create_dir(staging.path, recursive=True)
+    for index, table in enumerate(parts):
+        with staging.filesystem.open_output_stream(f"{staging.path}/part-{index}.parquet") as stream:
+            pq.write_table(table, stream)
+
+
+def _parts() -> list[pa.Table]:
+    """Parts as Ray Data writes them: an empty block among them, outputs in Ray's tensor extension type."""
+    from ray.data._internal.tensor_extensions.arrow import ArrowTensorArray
+
+    def part(keys: list[int]) -> pa.Table:
+        outputs = np.arange(len(keys) * 2, dtype=np.float32).reshape(len(keys), 2)
+        labels = pa.array(["cat" if k % 2 else "dog" for k in keys])
+        return pa.table({"id": keys, "prediction": labels, "output": ArrowTensorArray.from_numpy(outputs)})
+
+    return [part([1, 2, 3]), part([]), part([4, 5])]
+
+
+def test_staged_parts_become_one_file_with_its_provenance_in_one_step(tmp_path: Path) -> None:
+    output = locate(str(tmp_path / "predictions.parquet"))
+    (tmp_path / "predictions.parquet").write_bytes(b"yesterday's")  # what a reader sees until the commit
+    staging = staging_location(output, "abc")
+    assert Path(staging.path).name.startswith("_")  # Parquet readers pass the staging folder over
+    _stage(staging, _parts())
+    assert commit(staging, output, Provenance("m", "3", "a" * 64, mlflow_run_id="r1")) == 5
+
+    table = pq.read_table(tmp_path / "predictions.parquet")
+    assert table["id"].to_pylist() == [1, 2, 3, 4, 5]
+    output_type = table.schema.field("output").type
+    assert not isinstance(output_type, pa.ExtensionType) and pa.types.is_large_list(output_type)  # any reader
+    assert table["output"].to_pylist()[1] == [2.0, 3.0]
+    assert read_provenance(output) == Provenance("m", "3", "a" * 64, rows=5, mlflow_run_id="r1")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["predictions.parquet"]  # no staging, no temp file
+
+
+def test_what_an_output_path_holds_is_read_from_its_own_footer(tmp_path: Path) -> None:
+    assert read_provenance(locate(str(tmp_path / "none.parquet"))) is None
+    (tmp_path / "text.parquet").write_text("id,prediction\n1,0.5\n")
+    assert "not Parquet" in str(read_provenance(locate(str(tmp_path / "text.parquet"))))
+    pq.write_table(pa.table({"id": [1]}), tmp_path / "foreign.parquet")
+    assert "did not write" in str(read_provenance(locate(str(tmp_path / "foreign.parquet"))))
+    garbled = pa.table({"id": [1]}).replace_schema_metadata({METADATA_KEY: b"{not json"})
+    pq.write_table(garbled, tmp_path / "garbled.parquet")
+    assert "cannot be read" in str(read_provenance(locate(str(tmp_path / "garbled.parquet"))))
+
+
+def test_on_s3_the_output_object_appears_once_whole(s3_server: LocalS3) -> None:
+    from raytrain_tasks.storage.locations import create_bucket_in_region, s3_client
+
+    options = StorageOptions(endpoint_url=s3_server.endpoint_url)
+    create_bucket_in_region(s3_client(options), "prt-scoring")
+    output = locate("s3://prt-scoring/daily/predictions.parquet", options)
+    staging = staging_location(output, "abc")
+    _stage(staging, _parts())
+    assert not output.exists()
+    assert commit(staging, output, Provenance("m", "3", "a" * 64)) == 5
+    assert read_provenance(output) == Provenance("m", "3", "a" * 64, rows=5)
+    keys = s3_client(options).list_objects_v2(Bucket="prt-scoring", Prefix="daily/").get("Contents", [])
+    objects = [item["Key"] for item in keys if not item["Key"].endswith("/")]  # folder markers aside
+    assert objects == ["daily/predictions.parquet"]  # the staged parts are gone
