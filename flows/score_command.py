@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from flows.cli import credentials_to_environment, local_services
 from flows.console import quiet_console
 from raytrain_tasks.config import describe_validation_error
-from raytrain_tasks.errors import ClusterError
+from raytrain_tasks.errors import ClusterError, ScoringInputError, SettingsError
 from raytrain_tasks.redact import redact, redact_uri
 from raytrain_tasks.scoring.config import ScoringConfig
 
@@ -70,11 +70,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "prefect-raytrain score"
         print(f"\nscoring stopped by {signal.Signals(signum).name}: {AGAIN}", file=sys.stderr)
         return 128 + signum
     if not state.is_completed():
-        print(
-            f"\nscoring {(state.name or 'failed').lower()}: {redact(str(state.result(raise_on_failure=False)))}",
-            file=sys.stderr,
-        )
-        print(f"\n{AGAIN}", file=sys.stderr)
+        failure = state.result(raise_on_failure=False)
+        print(f"\nscoring {(state.name or 'failed').lower()}: {redact(str(failure))}", file=sys.stderr)
+        if not isinstance(failure, ScoringInputError | SettingsError):  # a refusal fails the same way again
+            print(f"\n{AGAIN}", file=sys.stderr)
         return 1
     result = state.result()
     done = "already held" if result.already_written else "now holds"

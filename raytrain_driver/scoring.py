@@ -11,7 +11,6 @@ model, an output that holds other predictions. ``score`` then reads the input wi
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import tempfile
 import time
@@ -20,21 +19,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from raytrain_driver.champion import check_model_layout, download_model
+from raytrain_driver.scoring_input import InputTable, check_no_missing_values, read_input
 from raytrain_driver.scoring_output import OutputAction, Provenance, output_action, read_provenance
 from raytrain_tasks.errors import ScoringInputError, TrackingError
 from raytrain_tasks.redact import redact, redact_uri
 from raytrain_tasks.scoring.columns import FeaturePlan, ModelInputs, plan_features
 from raytrain_tasks.scoring.config import MODEL_URI_PREFIX, ScoringConfig
-from raytrain_tasks.storage.locations import StorageLocation, locate
+from raytrain_tasks.storage.locations import locate
 from raytrain_tasks.tracking import runs as tracking
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
 logger = logging.getLogger(__name__)
-
-FORMATS = {".csv": "csv", ".parquet": "parquet"}
-CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -52,16 +49,6 @@ class ModelVersion:
     @property
     def uri(self) -> str:
         return f"{MODEL_URI_PREFIX}{self.name}/{self.version}"
-
-
-@dataclass(frozen=True)
-class InputTable:
-    """The input's files, their format, columns and content hash."""
-
-    files: tuple[str, ...]
-    format: str
-    columns: tuple[str, ...]
-    sha256: str
 
 
 @dataclass(frozen=True)
@@ -86,7 +73,8 @@ def plan_scoring(config: ScoringConfig, scratch: Path) -> ScoringPlan:
     client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
     model = resolve_model(client, config, scratch)
     table = read_input(config)
-    features = plan_features(list(table.columns), _numeric_columns(config, table), config.key_column, model.inputs)
+    features = plan_features(list(table.columns), set(table.numeric), config.key_column, model.inputs)
+    check_no_missing_values(config, table, features.features)
     output = locate(config.output_path, config.storage_options)
     planned = Provenance(model.name, model.version, table.sha256)
     action, why = output_action(read_provenance(output), planned, config.overwrite)
@@ -155,85 +143,6 @@ def _inputs_of(folder: Path) -> ModelInputs:
     names = tuple(str(name) for name in metadata.get("feature_names") or ())
     labels = tuple(str(label) for label in metadata.get("class_labels") or ())
     return ModelInputs(width, dtype, names, labels)
-
-
-def read_input(config: ScoringConfig) -> InputTable:
-    """The input's files (a file, or a folder's CSV or Parquet files: names starting with "." or "_" are left out, as
-    Parquet readers do), their columns, which every file must share, and the SHA-256 of their bytes."""
-    import pyarrow.fs as pafs
-
-    source = locate(config.input_path, config.storage_options)
-    kind = source.filesystem.get_file_info(source.path).type
-    if kind == pafs.FileType.NotFound:
-        raise ScoringInputError(f"input_path {redact_uri(config.input_path)} does not exist")
-    if kind == pafs.FileType.File:
-        files = [source.path]
-    else:
-        listed = source.filesystem.get_file_info(pafs.FileSelector(source.path))
-        found = [info.path for info in listed if info.type == pafs.FileType.File]
-        files = sorted(path for path in found if not path.rpartition("/")[2].startswith((".", "_")))
-    formats = {FORMATS.get(Path(path).suffix.lower()) for path in files}
-    if not files or None in formats or len(formats) != 1:
-        raise ScoringInputError(
-            f"input_path {redact_uri(config.input_path)}: give a CSV or Parquet file, or a folder of files of one of "
-            f"these kinds (found {len(files)} files: {', '.join(Path(p).name for p in files[:5])})"
-        )
-    format_ = formats.pop() or ""
-    columns = [_columns(source, path, format_) for path in files]
-    for path, names in zip(files, columns, strict=True):
-        if names != columns[0]:
-            raise ScoringInputError(
-                f"input_path: {Path(path).name} has the columns {', '.join(names[:10])}, {Path(files[0]).name} has "
-                f"{', '.join(columns[0][:10])}: every file of the input needs the same columns"
-            )
-    return InputTable(tuple(files), format_, tuple(columns[0]), _content_sha256(source, files))
-
-
-def _columns(source: StorageLocation, path: str, format_: str) -> list[str]:
-    return [str(name) for name in _schema(source, path, format_).names]
-
-
-def _schema(source: StorageLocation, path: str, format_: str) -> Any:
-    """A file's Arrow schema: a Parquet file's footer, a CSV file's header and its first block's inferred types."""
-    import pyarrow.csv as pcsv
-    import pyarrow.parquet as pq
-
-    try:
-        if format_ == "parquet":
-            with source.filesystem.open_input_file(path) as stream:
-                return pq.read_schema(stream)
-        with source.filesystem.open_input_stream(path) as stream:
-            return pcsv.open_csv(stream).schema
-    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
-        raise ScoringInputError(f"input_path: cannot read {Path(path).name} as {format_}: {exc}") from exc
-
-
-def _numeric_columns(config: ScoringConfig, table: InputTable) -> set[str]:
-    """The columns of a number type (or true/false) in every file of the input."""
-    import pyarrow.types as pat
-
-    source = locate(config.input_path, config.storage_options)
-    numeric = set(table.columns)
-    for path in table.files:
-        schema = _schema(source, path, table.format)
-        numeric &= {
-            f.name for f in schema if pat.is_integer(f.type) or pat.is_floating(f.type) or pat.is_boolean(f.type)
-        }
-    return numeric
-
-
-def _content_sha256(source: StorageLocation, files: list[str]) -> str:
-    """SHA-256 over each file's name (relative to the input), size and SHA-256, in name order."""
-    entries = []
-    for path in files:
-        digest, size = hashlib.sha256(), 0
-        with source.filesystem.open_input_stream(path) as stream:
-            while chunk := stream.read(CHUNK):
-                digest.update(chunk)
-                size += len(chunk)
-        name = Path(path).name if len(files) == 1 else path[len(source.path) + 1 :]
-        entries.append([name, size, digest.hexdigest()])
-    return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
 
 
 def scratch_folder() -> Any:

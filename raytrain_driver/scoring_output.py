@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from raytrain_tasks.errors import ScoringInputError
+from raytrain_tasks.redact import redact, redact_uri
 from raytrain_tasks.storage.filesystem import is_s3
 from raytrain_tasks.storage.locations import StorageLocation
 
 # The key of the output file's Parquet metadata that records what made it.
 METADATA_KEY = b"prefect_raytrain.scoring"
+STAGING_PREFIX = "_staging-"
+STAGED_OUTPUT = "_output.parquet"  # the whole output, written in the staging folder before it is put in place
 
 
 @dataclass(frozen=True)
@@ -63,17 +66,23 @@ def output_action(found: Provenance | str | None, planned: Provenance, overwrite
 
 def read_provenance(output: StorageLocation) -> Provenance | str | None:
     """What the output file records of itself; None when there is no file; a description when it is not one of
-    this project's outputs (no such metadata) or cannot be read as Parquet."""
+    this project's outputs (no such metadata) or not Parquet. ScoringInputError naming `output_path` when what is
+    there cannot be read (no access, an outage): not evidence that it may be replaced."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    if not output.exists():
-        return None
     try:
+        if not output.exists():
+            return None
         with output.filesystem.open_input_file(output.path) as stream:
             metadata = pq.read_schema(stream).metadata or {}
-    except (OSError, pa.ArrowInvalid) as exc:
+    except pa.ArrowInvalid as exc:
         return f"a file that is not Parquet ({type(exc).__name__})"
+    except OSError as exc:
+        raise ScoringInputError(
+            f"output_path {redact_uri(output.uri)}: cannot read what is there ({redact(str(exc))}); check "
+            "output_path and the S3 settings"
+        ) from exc
     if METADATA_KEY not in metadata:
         return "a Parquet file this project did not write"
     try:
@@ -83,15 +92,14 @@ def read_provenance(output: StorageLocation) -> Provenance | str | None:
         return "a Parquet file whose scoring record cannot be read"
 
 
-def staging_location(output: StorageLocation, token: str) -> StorageLocation:
-    """The folder beside the output where Ray Data writes a run's parts; a name starting with "_" is one Parquet
-    readers (pyarrow, Spark, pandas) pass over, and ``token`` makes it the same for a rerun of the same work, which
-    clears what a crashed attempt left there."""
+def staging_location(output: StorageLocation, work: str, attempt: str) -> StorageLocation:
+    """The folder beside the output where one attempt's parts are written; a name starting with "_" is one Parquet
+    readers (pyarrow, Spark, pandas) pass over. ``work`` names what is scored (the same for a rerun, which clears
+    what earlier attempts of it left once it has committed); ``attempt``, this attempt."""
     parent, _, name = output.path.rpartition("/")
-    uri_parent = output.uri.rpartition("/")[0]
-    return StorageLocation(
-        f"{uri_parent}/_staging-{name}-{token}", output.filesystem, f"{parent}/_staging-{name}-{token}", output.options
-    )
+    folder = f"{STAGING_PREFIX}{name}-{work}-{attempt}"
+    uri = f"{output.uri.rpartition('/')[0]}/{folder}"
+    return StorageLocation(uri, output.filesystem, f"{parent}/{folder}", output.options)
 
 
 def clear(location: StorageLocation) -> None:
@@ -101,27 +109,52 @@ def clear(location: StorageLocation) -> None:
         location.filesystem.delete_dir(location.path)
 
 
+def clear_attempts(output: StorageLocation, work: str) -> None:
+    """Remove every staging folder of ``work`` beside the output: what crashed attempts left."""
+    import pyarrow.fs as pafs
+
+    parent, _, name = output.path.rpartition("/")
+    prefix = f"{STAGING_PREFIX}{name}-{work}-"
+    for info in output.filesystem.get_file_info(pafs.FileSelector(parent, allow_not_found=True)):
+        if info.type == pafs.FileType.Directory and info.base_name.startswith(prefix):
+            output.filesystem.delete_dir(info.path)
+
+
 def commit(staging: StorageLocation, output: StorageLocation, provenance: Provenance) -> int:
-    """Write the staged parts as the one output file, with ``provenance`` (and the rows) in its metadata, replacing
-    what was there in one step; then remove the staging folder. The rows written."""
+    """Write the staged parts as one file, with ``provenance`` (and the rows) in its metadata, inside the staging
+    folder; then put it in place in one step: a local file is renamed over the output, an S3 object copied to it
+    on the server (it appears whole when the copy completes). A failure before that leaves the output as it was.
+    The rows written."""
     import pyarrow.fs as pafs
     import pyarrow.parquet as pq
 
     selector = pafs.FileSelector(staging.path, recursive=True)
-    parts = sorted(info.path for info in staging.filesystem.get_file_info(selector) if info.path.endswith(".parquet"))
+    parts = sorted(
+        info.path
+        for info in staging.filesystem.get_file_info(selector)
+        if info.path.endswith(".parquet") and not info.base_name.startswith("_")
+    )
+    rows = 0
+    for part in parts:
+        with staging.filesystem.open_input_file(part) as stream:
+            rows += pq.ParquetFile(stream).metadata.num_rows
     tables = _parts(staging, parts)
     first = next(tables, None)
     if first is None:
         raise RuntimeError(f"the scoring run wrote no predictions under {staging.uri}")
-    rows = sum(pq.ParquetFile(staging.filesystem.open_input_file(part)).metadata.num_rows for part in parts)
     record = {**provenance.__dict__, "rows": rows}
     schema = first.schema.with_metadata({METADATA_KEY: json.dumps(record).encode()})
-    target = output.path if is_s3(output.uri) else f"{output.path}.tmp-{secrets.token_hex(4)}"
-    with output.filesystem.open_output_stream(target) as stream, pq.ParquetWriter(stream, schema) as writer:
+    written, whole = 0, f"{staging.path}/{STAGED_OUTPUT}"
+    with staging.filesystem.open_output_stream(whole) as stream, pq.ParquetWriter(stream, schema) as writer:
         for table in (first, *tables):
-            writer.write_table(table.cast(schema))
-    if not is_s3(output.uri):
-        os.replace(target, output.path)  # a reader sees the old file or the new one, never a part
+            writer.write_table(table.cast(schema))  # a part of other types fails here, before anything is published
+            written += table.num_rows
+    if written != rows:
+        raise RuntimeError(f"{written} predictions written of the {rows} staged under {staging.uri}")
+    if is_s3(output.uri):
+        output.filesystem.copy_file(whole, output.path)
+    else:
+        os.replace(whole, output.path)  # a reader sees the old file or the new one, never a part
     clear(staging)
     return rows
 
@@ -132,7 +165,8 @@ def _parts(staging: StorageLocation, parts: list[str]) -> Any:
     import pyarrow.parquet as pq
 
     for part in parts:
-        table = pq.read_table(staging.filesystem.open_input_file(part))
+        with staging.filesystem.open_input_file(part) as stream:
+            table = pq.read_table(stream)
         if table.num_rows == 0:
             continue
         columns = [

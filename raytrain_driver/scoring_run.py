@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -13,8 +14,17 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from raytrain_driver.cluster import ray_session
+from raytrain_driver.hooks import stopped_by
 from raytrain_driver.scoring import ScoringPlan
-from raytrain_driver.scoring_output import OutputAction, Provenance, clear, commit, read_provenance, staging_location
+from raytrain_driver.scoring_input import check_unchanged, csv_options
+from raytrain_driver.scoring_output import (
+    OutputAction,
+    Provenance,
+    clear_attempts,
+    commit,
+    read_provenance,
+    staging_location,
+)
 from raytrain_tasks.errors import ClusterError, ScoringInputError
 from raytrain_tasks.redact import redact_uri
 from raytrain_tasks.scoring.config import ScoringConfig
@@ -55,17 +65,21 @@ def score(config: ScoringConfig, plan: ScoringPlan) -> ScoringResult:
         return _result(config, plan, held.rows, held.mlflow_run_id, already_written=True)
     client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
     run_id = _open_record(client, config, plan)
-    started = time.perf_counter()
+    started, work = time.perf_counter(), _work(plan, config)
+    staging = staging_location(output, work, secrets.token_hex(4))  # this attempt's own: another's never mixes in
     try:
         with ray_session(config):
-            _check_gpus(config)
-            staging = staging_location(output, _token(plan, config))
-            clear(staging)  # what a crashed attempt of the same work left
+            _check_cluster(config)
             _predict(config, plan, _checked_files(plan), staging)
+        check_unchanged(config, plan.table)  # the output must hold the rows of the input it records
         rows = commit(staging, output, Provenance(**{**plan.provenance.__dict__, "mlflow_run_id": run_id}))
     except BaseException as exc:
-        tracking.fail_run(client, run_id, exc)
+        if (why := stopped_by(exc)) is not None:
+            tracking.stop_run(client, run_id, f"stopped by {why}: nothing was written", exc)
+        else:
+            tracking.fail_run(client, run_id, exc)
         raise
+    clear_attempts(output, work)  # what crashed attempts of the same work left
     seconds = time.perf_counter() - started
     _close_record(client, run_id, rows, seconds)
     logger.info(
@@ -91,17 +105,25 @@ def _result(config: ScoringConfig, plan: ScoringPlan, rows: int, run_id: str, **
     )
 
 
-def _token(plan: ScoringPlan, config: ScoringConfig) -> str:
-    """The same for a rerun of the same work (its staging folder is cleared), another for other work."""
+def _work(plan: ScoringPlan, config: ScoringConfig) -> str:
+    """The same for a rerun of the same work (its staging folders are cleared once it commits), another for other
+    work."""
     work = f"{plan.model.name}\n{plan.model.version}\n{plan.table.sha256}\n{config.output_path}"
     return hashlib.sha256(work.encode()).hexdigest()[:16]
 
 
-def _check_gpus(config: ScoringConfig) -> None:
+def _check_cluster(config: ScoringConfig) -> None:
+    """GPUs where use_gpu asks for them; on several nodes, local paths that every node shares (Ray Data's tasks
+    read and write on any node)."""
     import ray
+
+    from raytrain_driver.sizing import read_mounts, storage_shared_with_nodes
 
     if config.use_gpu and ray.cluster_resources().get("GPU", 0) < 1:
         raise ClusterError("use_gpu is on, and the Ray cluster has no GPU: turn use_gpu off, or set ray_address")
+    nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
+    for setting in ("input_path", "output_path"):
+        storage_shared_with_nodes(getattr(config, setting), nodes, read_mounts(), setting)
 
 
 def _checked_files(plan: ScoringPlan) -> dict[str, bytes]:
@@ -125,8 +147,11 @@ def _predict(config: ScoringConfig, plan: ScoringPlan, files: dict[str, bytes], 
 
     quiet_ray_data()  # the command's console shows the run's own lines, not Ray Data's progress
     source = locate(config.input_path, config.storage_options)
-    read = ray.data.read_parquet if plan.table.format == "parquet" else ray.data.read_csv
-    dataset = read(list(plan.table.files), filesystem=source.filesystem)
+    if plan.table.format == "parquet":
+        dataset = ray.data.read_parquet(list(plan.table.files), filesystem=source.filesystem)
+    else:  # its key column as text, as the plan read it
+        options = csv_options(plan.features.key)
+        dataset = ray.data.read_csv(list(plan.table.files), filesystem=source.filesystem, convert_options=options)
     dataset = dataset.select_columns(list(dict.fromkeys([plan.features.key, *plan.features.features])))
     cpus = float(ray.cluster_resources().get("CPU", 1.0))
     per_actor = 0.0 if config.use_gpu else min(1.0, max(cpus - CPUS_FOR_IO, 0.1) / config.concurrency)
@@ -146,7 +171,26 @@ def _predict(config: ScoringConfig, plan: ScoringPlan, files: dict[str, bytes], 
         num_cpus=per_actor,
         num_gpus=1 if config.use_gpu else 0,
     )
-    predicted.write_parquet(staging.path, filesystem=staging.filesystem)
+    try:
+        predicted.write_parquet(staging.path, filesystem=staging.filesystem)
+    except Exception as exc:  # noqa: BLE001 - only a refusal of the input is unwrapped; the rest is re-raised as is
+        refusal = _input_refusal(exc)
+        if refusal is None:
+            raise
+        raise ScoringInputError(str(refusal)) from None
+
+
+def _input_refusal(exc: BaseException) -> ScoringInputError | None:
+    """The actors' refusal of the input (rows without a value), from within Ray's wrapping of it; None if none."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        cause = getattr(seen, "cause", None)
+        if isinstance(seen, ScoringInputError) and not hasattr(seen, "cause"):
+            return seen
+        if isinstance(cause, ScoringInputError):
+            return cause
+        seen = seen.__cause__ or (cause if isinstance(cause, BaseException) else None)
+    return None
 
 
 def _open_record(client: Any, config: ScoringConfig, plan: ScoringPlan) -> str:
@@ -175,9 +219,15 @@ def _open_record(client: Any, config: ScoringConfig, plan: ScoringPlan) -> str:
 
 
 def _close_record(client: Any, run_id: str, rows: int, seconds: float) -> None:
+    """The run's figures, FINISHED. The output is committed by now, and records its rows itself: MLflow being
+    unreachable here costs the run's figures, not the output (warned)."""
     from mlflow.entities import Metric
+    from mlflow.exceptions import MlflowException
 
     now = int(time.time() * 1000)
     figures = {"rows": rows, "seconds": seconds, "rows_per_second": rows / seconds if seconds > 0 else 0.0}
-    client.log_batch(run_id, metrics=[Metric(key, float(value), now, 0) for key, value in figures.items()])
-    tracking.finish_run(client, run_id)
+    try:
+        client.log_batch(run_id, metrics=[Metric(key, float(value), now, 0) for key, value in figures.items()])
+        tracking.finish_run(client, run_id)
+    except (MlflowException, OSError) as exc:
+        logger.warning("the output is written; could not record its %d rows in MLflow run %s: %s", rows, run_id, exc)

@@ -27,16 +27,17 @@ class ResourceRequest:
     gpus: float
 
 
-def storage_shared_with_nodes(storage_path: str, node_count: int, mounts: str) -> None:
-    """Fail when several Ray nodes would each see their own local `storage_path` (checkpoints lost)."""
+def storage_shared_with_nodes(storage_path: str, node_count: int, mounts: str, setting: str = "storage_path") -> None:
+    """Fail when several Ray nodes would each see their own local `storage_path` (checkpoints lost), or the local
+    path of another ``setting`` (a scoring run's input or output)."""
     if node_count <= 1 or is_s3(storage_path):
         return
     fstype = _mount_fstype(storage_path, mounts)
     if fstype and fstype.split(".")[0] in SHARED_FILESYSTEMS:
         return
     raise ClusterError(
-        f"storage_path {storage_path!r} is a local directory ({fstype or 'unknown'} filesystem) but the Ray "
-        f"cluster has {node_count} nodes, and each would write its own copy; set `storage_path` to "
+        f"{setting} {storage_path!r} is a local path ({fstype or 'unknown'} filesystem) but the Ray "
+        f"cluster has {node_count} nodes, and each would see its own copy; set `{setting}` to "
         "s3://bucket/prefix, or to a shared filesystem (NFS, EFS, Lustre, ...) mounted at the same path on every node"
     )
 

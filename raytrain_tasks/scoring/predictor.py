@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from raytrain_tasks.errors import ScoringInputError
 from raytrain_tasks.safe_load import pickle_deserialization_off
 from raytrain_tasks.scoring.columns import FeaturePlan, predictions
 
@@ -47,6 +48,14 @@ class Predictor:
         import torch
 
         inputs = np.stack([batch[name] for name in self.plan.features], axis=1).astype(self.dtype, copy=False)
+        if np.issubdtype(inputs.dtype, np.floating) and np.isnan(inputs).any():
+            missing = np.isnan(inputs)
+            column, row = self.plan.features[int(missing.any(axis=0).argmax())], int(missing.any(axis=1).argmax())
+            raise ScoringInputError(
+                f"input_path: rows without a value in the feature column {column!r} (the first: {self.plan.key} "
+                f"{batch[self.plan.key][row].item()!r}); the model cannot score them, and nothing was written. Fill or drop "
+                "them first"
+            )
         with torch.no_grad():
             outputs = self.module(torch.from_numpy(inputs).to(self.device))
         if isinstance(outputs, tuple | list):  # an exported program returns its outputs as a tuple

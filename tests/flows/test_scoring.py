@@ -34,7 +34,8 @@ LABELLED = {"feature_names": ["b", "d"], "class_labels": ["cat", "dog"]}
 
 def _table(rows: int = ROWS) -> pd.DataFrame:
     rng = np.random.default_rng(1)
-    return pd.DataFrame({"id": np.arange(rows) * 7, **{name: rng.random(rows) for name in "abcd"}})
+    keys = [f"{index * 7:07d}" for index in range(rows)]  # zero-padded: a key is text, copied as it is
+    return pd.DataFrame({"id": keys, **{name: rng.random(rows) for name in "abcd"}})
 
 
 def _expected(store: str, uri: str, table: pd.DataFrame, columns: list[str]) -> np.ndarray:
@@ -150,6 +151,8 @@ def test_the_command_refuses_a_model_that_does_not_exist_before_scoring(scored: 
     assert "no such registered model version" in done.stderr and "check `model`" in done.stderr
     assert done.stderr.count("check `model`") == 1  # said once
     assert "Traceback" not in done.stderr and not output.exists()
+    assert "models:/churn@canary" in done.stderr  # the model named as given
+    assert "run the same command again" not in done.stderr  # a refusal fails the same way again
 
 
 def _command(scored: SimpleNamespace, *flags: str) -> subprocess.CompletedProcess[str]:

@@ -71,7 +71,7 @@ def _parts() -> list[pa.Table]:
 def test_staged_parts_become_one_file_with_its_provenance_in_one_step(tmp_path: Path) -> None:
     output = locate(str(tmp_path / "predictions.parquet"))
     (tmp_path / "predictions.parquet").write_bytes(b"yesterday's")  # what a reader sees until the commit
-    staging = staging_location(output, "abc")
+    staging = staging_location(output, "work", "attempt1")
     assert Path(staging.path).name.startswith("_")  # Parquet readers pass the staging folder over
     _stage(staging, _parts())
     assert commit(staging, output, Provenance("m", "3", "a" * 64, mlflow_run_id="r1")) == 5
@@ -83,6 +83,41 @@ def test_staged_parts_become_one_file_with_its_provenance_in_one_step(tmp_path: 
     assert table["output"].to_pylist()[1] == [2.0, 3.0]
     assert read_provenance(output) == Provenance("m", "3", "a" * 64, rows=5, mlflow_run_id="r1")
     assert sorted(path.name for path in tmp_path.iterdir()) == ["predictions.parquet"]  # no staging, no temp file
+
+
+def _mismatched() -> list[pa.Table]:
+    """Parts whose keys were read as numbers in one file and as text in another: they cannot make one file."""
+    return [pa.table({"id": [1, 2, 3], "prediction": [0.1, 0.2, 0.3]}), pa.table({"id": ["a"], "prediction": [0.4]})]
+
+
+def test_a_commit_that_fails_midway_leaves_the_output_as_it_was(tmp_path: Path) -> None:
+    output = locate(str(tmp_path / "predictions.parquet"))
+    pq.write_table(pa.table({"id": [9]}), tmp_path / "predictions.parquet")  # yesterday's, of other work
+    staging = staging_location(output, "work", "attempt1")
+    _stage(staging, _mismatched())
+    with pytest.raises(pa.ArrowInvalid):
+        commit(staging, output, Provenance("m", "3", "a" * 64))
+    assert pq.read_table(tmp_path / "predictions.parquet")["id"].to_pylist() == [9]
+    assert sorted(path.name for path in tmp_path.iterdir() if not path.name.startswith("_")) == ["predictions.parquet"]
+
+
+def test_a_reruns_commit_clears_what_crashed_attempts_of_the_same_work_left(tmp_path: Path) -> None:
+    from raytrain_driver.scoring_output import clear_attempts
+
+    output = locate(str(tmp_path / "predictions.parquet"))
+    for attempt in ("crashed1", "crashed2"):
+        _stage(staging_location(output, "work", attempt), _parts())
+    _stage(staging_location(output, "other", "running"), _parts())  # another work's: not this rerun's to clear
+    clear_attempts(output, "work")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["_staging-predictions.parquet-other-running"]
+
+
+def test_an_output_path_that_cannot_be_read_is_refused_not_taken_for_replaceable(tmp_path: Path) -> None:
+    from raytrain_tasks.errors import ScoringInputError
+
+    (tmp_path / "predictions.parquet").mkdir()  # something there this run cannot open
+    with pytest.raises(ScoringInputError, match="output_path .* cannot read what is there"):
+        read_provenance(locate(str(tmp_path / "predictions.parquet")))
 
 
 def test_what_an_output_path_holds_is_read_from_its_own_footer(tmp_path: Path) -> None:
@@ -102,11 +137,16 @@ def test_on_s3_the_output_object_appears_once_whole(s3_server: LocalS3) -> None:
     options = StorageOptions(endpoint_url=s3_server.endpoint_url)
     create_bucket_in_region(s3_client(options), "prt-scoring")
     output = locate("s3://prt-scoring/daily/predictions.parquet", options)
-    staging = staging_location(output, "abc")
+    staging = staging_location(output, "work", "attempt1")
     _stage(staging, _parts())
     assert not output.exists()
+    failed = staging_location(output, "work", "attempt0")
+    _stage(failed, _mismatched())
+    with pytest.raises(pa.ArrowInvalid):
+        commit(failed, output, Provenance("m", "3", "a" * 64))
+    assert not output.exists()  # an upload cut short publishes nothing
     assert commit(staging, output, Provenance("m", "3", "a" * 64)) == 5
     assert read_provenance(output) == Provenance("m", "3", "a" * 64, rows=5)
     keys = s3_client(options).list_objects_v2(Bucket="prt-scoring", Prefix="daily/").get("Contents", [])
-    objects = [item["Key"] for item in keys if not item["Key"].endswith("/")]  # folder markers aside
-    assert objects == ["daily/predictions.parquet"]  # the staged parts are gone
+    objects = [item["Key"] for item in keys if not item["Key"].endswith("/") and "attempt0" not in item["Key"]]
+    assert objects == ["daily/predictions.parquet"]  # the committed attempt's parts are gone

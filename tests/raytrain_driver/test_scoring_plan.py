@@ -134,7 +134,7 @@ def test_an_output_of_the_same_work_is_found_written_and_one_of_other_work_is_no
     output = str(tmp_path / "predictions.parquet")
     plan = plan_scoring(config(registry, output_path=output), tmp_path / "m1")
     target = locate(output)
-    staging = staging_location(target, "t")
+    staging = staging_location(target, "work", "t")
     Path(staging.path).mkdir()
     pq.write_table(pa.table({"id": [1, 2], "prediction": [0.1, 0.2]}), f"{staging.path}/part-0.parquet")
     assert commit(staging, target, Provenance(**{**plan.provenance.__dict__, "mlflow_run_id": "r1"})) == 2
@@ -145,3 +145,49 @@ def test_an_output_of_the_same_work_is_found_written_and_one_of_other_work_is_no
         plan_scoring(other, tmp_path / "m3")
     replaced = plan_scoring(other.model_copy(update={"overwrite": True}), tmp_path / "m4")
     assert replaced.action is OutputAction.WRITE and "replaced on request" in replaced.why
+
+
+def test_a_parquet_input_with_missing_feature_values_is_refused_before_scoring(
+    registry: dict[str, Any], tmp_path: Path
+) -> None:
+    table: pd.DataFrame = registry["table"].copy()
+    table.loc[3, "b"] = None
+    table.to_parquet(tmp_path / "gaps.parquet")
+    with pytest.raises(ScoringInputError, match="1 rows without a value in the feature column 'b'"):
+        plan_scoring(config(registry, input_path=str(tmp_path / "gaps.parquet")), tmp_path / "m")
+    # A column the model does not take may have gaps.
+    labelled = config(registry, model="models:/labelled@champion", input_path=str(tmp_path / "gaps.parquet"))
+    table.loc[3, "b"] = 0.5
+    table.loc[4, "a"] = None
+    table.to_parquet(tmp_path / "gaps.parquet")
+    assert plan_scoring(labelled, tmp_path / "m2").action is OutputAction.WRITE
+
+
+def test_a_csv_key_is_read_as_the_text_it_is(registry: dict[str, Any], tmp_path: Path) -> None:
+    """`00123` stays `00123`: a key is copied, not read as a number."""
+    (tmp_path / "padded.csv").write_text("id,a,b,c,d\n00123,1,2,3,4\n00124,1,2,3,4\n")
+    plan = plan_scoring(config(registry, input_path=str(tmp_path / "padded.csv")), tmp_path / "m")
+    assert "id" not in plan.table.numeric and set(plan.table.numeric) == set("abcd")
+
+
+def test_an_input_replaced_after_it_was_hashed_is_found_before_the_output_is_committed(
+    registry: dict[str, Any], tmp_path: Path
+) -> None:
+    from raytrain_driver.scoring_input import check_unchanged
+
+    registry["table"].to_csv(tmp_path / "today.csv", index=False)
+    given = config(registry, input_path=str(tmp_path / "today.csv"))
+    plan = plan_scoring(given, tmp_path / "m")
+    check_unchanged(given, plan.table)  # as it was
+    registry["table"].head(5).to_csv(tmp_path / "today.csv", index=False)
+    with pytest.raises(ScoringInputError, match="changed while it was scored; nothing was written"):
+        check_unchanged(given, plan.table)
+
+
+def test_a_local_path_on_a_cluster_of_several_nodes_is_refused_naming_the_setting() -> None:
+    from raytrain_driver.sizing import storage_shared_with_nodes
+
+    storage_shared_with_nodes("/data/out.parquet", 1, "", "output_path")  # one node: its own disk is fine
+    storage_shared_with_nodes("s3://b/out.parquet", 3, "", "output_path")
+    with pytest.raises(Exception, match="output_path '/data/out.parquet' is a local path .* set `output_path`"):
+        storage_shared_with_nodes("/data/out.parquet", 3, "/dev/sda1 / ext4 rw 0 0", "output_path")

@@ -437,6 +437,9 @@ def test_secrets_are_masked_in_any_text(text: str, expected: str, monkeypatch: p
         ("", "'admin:pw-no-scheme-1@127.0.0.1:8333' is not a URL", "'admin:***@127.0.0.1:8333' is not a URL"),
         ("", "endpoint admin:pw/no-scheme@h:1 refused", "endpoint admin:***@h:1 refused"),
         ("", "http://h:5000/api at 10:30, git@github.com:o/r", "http://h:5000/api at 10:30, git@github.com:o/r"),
+        # MLflow's model URIs name a model and its alias, not a password: an error must say which model.
+        ("", "model models:/digits-classifier@champoin: no such", "model models:/digits-classifier@champoin: no such"),
+        ("", "'models:/churn@champion' and bob:pw-no-scheme@h:1", "'models:/churn@champion' and bob:***@h:1"),
     ],
 )  # fmt: skip
 def test_more_secrets_are_masked(variable: str, text: str, expected: str, monkeypatch: pytest.MonkeyPatch) -> None:

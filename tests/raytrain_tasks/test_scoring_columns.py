@@ -53,3 +53,18 @@ def test_one_output_a_row_is_a_number_a_classs_outputs_are_its_label_and_others_
     unlabelled = predictions("id", keys, logits, ("cat", "dog", "eel"))  # not one label per output: no labels
     assert unlabelled["prediction"].tolist() == logits.tolist() and "output" not in unlabelled
     assert unlabelled["id"] is keys
+
+
+def test_a_batch_with_a_missing_feature_value_is_refused_naming_the_column_and_the_row(tmp_path: object) -> None:
+    """The actor's check (a CSV input's gaps are found only as its rows are read): nothing is predicted for it."""
+    import torch
+
+    from raytrain_tasks.scoring.predictor import Predictor
+
+    predictor = Predictor.__new__(Predictor)  # the model aside: the check comes before it is called
+    predictor.device, predictor.module = torch.device("cpu"), torch.nn.Linear(2, 1)
+    predictor.plan, predictor.dtype, predictor.class_labels = FeaturePlan("id", ("a", "b")), np.dtype("float32"), ()
+    batch = {"id": np.array(["k1", "k2"]), "a": np.array([1.0, 2.0]), "b": np.array([0.5, np.nan])}
+    with pytest.raises(ScoringInputError, match="feature column 'b' \\(the first: id 'k2'\\)"):
+        predictor(batch)
+    assert predictor({**batch, "b": np.array([0.5, 0.25])})["prediction"].shape == (2,)
