@@ -1,5 +1,5 @@
-"""Serve the deployments of deployments/prefect.yaml (training, and moving a champion back) from this one process,
-schedules included.
+"""Serve the deployments of deployments/prefect.yaml (training, scoring with the champion, and moving a champion
+back) from this one process, schedules included.
 
     python -m deployments.serve [--replace] [--prefect-file my-deployments.yaml]   # needs PREFECT_API_URL set
 

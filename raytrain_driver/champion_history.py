@@ -121,6 +121,11 @@ def explains(moves: Sequence[ChampionMove], champion: str) -> bool:
     return bool(moves) and moves[-1].version == champion
 
 
+def was_champion(moves: Sequence[ChampionMove], version: str) -> bool:
+    """Whether a record shows ``champion`` on ``version``: a move to it, or one from it (a rollback that undid it)."""
+    return any(version in (move.version, move.previous) for move in moves)
+
+
 @dataclass(frozen=True)
 class HistoryRow:
     """A line of ``prefect-raytrain champions``."""

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict
 
 from raytrain_driver import register_steps
-from raytrain_driver.champion_history import record_promotion
+from raytrain_driver.champion_history import read_history, record_promotion, was_champion
 from raytrain_driver.evaluation import EVALUATION_ARTIFACT_DIR, scores_as_metrics
 from raytrain_driver.fit_record import FitResult
 from raytrain_driver.hooks import run_logger, stopped_by
@@ -232,10 +232,15 @@ def _decided(
     if action is None or not Promotion(action).is_final:
         return None
     champion_now = client.get_registered_model(name).aliases.get(CHAMPION)
-    if tags.get(APPLIED_TAG) != "true" and str(champion_now) != version:
-        return None  # recorded but never applied (killed in between): nothing moved, decide again
+    applied = tags.get(APPLIED_TAG) == "true"
+    if not applied and str(champion_now) != version:
+        if not Promotion(action).moves_champion or not was_champion(read_history(client, name)[0].moves, version):
+            return None  # recorded but never applied (killed in between): nothing moved, decide again
+        # It moved, and was moved away since (a rollback): deciding again could undo that. Finish it as it is.
+        client.set_model_version_tag(name, version, APPLIED_TAG, "true")
+        applied = True
     recorded_champion = tags.get("promotion.champion_version") or None
-    if tags.get(APPLIED_TAG) != "true":  # champion moved to this version; finish what the kill interrupted
+    if not applied:  # champion moved to this version; finish what the kill interrupted
         lock.check()  # the repair moves an alias: only while the lock is still ours
         if recorded_champion is not None:
             client.set_registered_model_alias(name, PREVIOUS_CHAMPION, recorded_champion)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import socket
 import threading
 import time
@@ -105,9 +106,16 @@ def _take_ticket(client: MlflowClient, queue: str, owner: str) -> str:
     except MlflowException as exc:
         if exc.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
-    holder = f"{owner} on {socket.gethostname()}"
+    holder = ticket_owner(owner, socket.gethostname())
     version = client.create_model_version(queue, source=TICKET_SOURCE, tags={"owner": holder, "heartbeat": "0"})
     return str(version.version)
+
+
+def ticket_owner(owner: str, host: str) -> str:
+    """A ticket's ``owner`` tag: ``owner`` on ``host``, unless it names that host already (``user@host``)."""
+    if re.search(rf"(?<![\w.-]){re.escape(host)}(?![\w.-])", owner):
+        return owner
+    return f"{owner} on {host}"
 
 
 def _wait_for_turn(

@@ -37,10 +37,13 @@ class Target:
     run_key: str = ""
 
 
+NO_REASON = "a rollback needs a reason (`--reason`, or the flow's `reason`): it is recorded with the move"
+
+
 def refusal(target: Target, champion: str | None, reason: str) -> str | None:
     """Why the rollback must not happen; None when it may."""
     if not reason.strip():
-        return "a rollback needs a reason (`--reason`, or the flow's `reason`): it is recorded with the move"
+        return NO_REASON
     if target.version not in target.versions:
         known = ", ".join(sorted(target.versions, key=int)) or "none"
         return f"version {target.version} does not exist (its versions: {known}); check {TO_SETTING}"
@@ -73,6 +76,8 @@ def roll_back(client: MlflowClient, name: str, to_version: str, reason: str, by:
     if not version.isdigit():
         raise RollbackError(f"{name}: {to_version!r} is not a version number; check {TO_SETTING}. Nothing moved")
     version = str(int(version))
+    if not reason.strip():  # before the lock: a refusal known up front makes no lock queue
+        raise RollbackError(f"{name}: refused to roll back {CHAMPION} to version {version}: {NO_REASON}. Nothing moved")
     try:
         client.get_registered_model(name)  # before the lock: a mistyped name makes no lock queue
     except MlflowException as exc:
@@ -82,7 +87,7 @@ def roll_back(client: MlflowClient, name: str, to_version: str, reason: str, by:
             f"no registered model {name!r} in this MLflow registry; check the model name and `mlflow_tracking_uri` "
             "(--mlflow-tracking-uri). Nothing moved"
         ) from exc
-    with model_lock(client, name, owner=f"rollback to version {version} by {by}") as lock:
+    with model_lock(client, name, owner=f"{by}, to version {version}") as lock:
         try:
             champion = client.get_registered_model(name).aliases.get(CHAMPION)
             champion = None if champion is None else str(champion)

@@ -22,6 +22,7 @@ from raytrain_driver.champion_history import (
 from raytrain_driver.promotion import Promotion, PromotionDecision
 from raytrain_driver.register import APPLIED_TAG, _decided, apply_decision
 from raytrain_driver.registry_lock import QUEUE_SUFFIX, model_lock
+from raytrain_driver.rollback import roll_back
 from raytrain_tasks.config import TrainingConfig
 from tests.registered_versions import registered_versions
 
@@ -165,3 +166,25 @@ def test_a_move_a_kill_interrupted_is_recorded_once_by_the_next_attempt(
     history, champion = read_history(client, "repaired")
     assert [(move.version, move.previous) for move in history.moves] == [(v1, None), (v2, v1)]
     assert champion == v2 and str(client.get_registered_model("repaired").aliases["previous_champion"]) == v1
+
+
+@pytest.mark.parametrize("recorded_before_the_kill", [False, True])
+def test_a_retry_does_not_undo_a_rollback_of_the_move_it_made(tmp_path: Path, recorded_before_the_kill: bool) -> None:
+    """A kill after `champion` moved to v2 and before the decision was marked applied, then a rollback to v1: the
+    run's next attempt finishes its decision and moves nothing (deciding again could promote v2 over the rollback)."""
+    uri, client, (v1, v2) = registered_versions(tmp_path, "rolled", 2)
+    _promote(client, "rolled", v1, None)
+    _promote(client, "rolled", v2, v1)
+    client.delete_model_version_tag("rolled", v2, APPLIED_TAG)
+    if not recorded_before_the_kill:  # then only the rollback's record says v2 was champion
+        client.delete_registered_model_tag("rolled", record_key(2))
+    roll_back(client, "rolled", v1, "v2 mislabels returns", by="rollback by ana@host-1")
+    before = client.get_registered_model("rolled")
+    config = TrainingConfig(model_name="rolled", mlflow_tracking_uri=uri)
+    with model_lock(client, "rolled", owner="20261201-000002-aaaaaa") as lock:
+        ref = _decided(client, config, v2, 0.9, "val_accuracy", lock)
+    assert ref is not None and ref.decision == "promote", "the retry decides again, over the rollback"
+    assert ref.aliases == ("previous_champion",)
+    after = client.get_registered_model("rolled")
+    assert (after.aliases, after.tags) == (before.aliases, before.tags)  # nothing moved, nothing recorded
+    assert client.get_model_version("rolled", v2).tags[APPLIED_TAG] == "true"

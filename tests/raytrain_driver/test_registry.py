@@ -17,7 +17,7 @@ from mlflow import MlflowClient
 from raytrain_driver.champion_history import read_history
 from raytrain_driver.fit_record import FitResult
 from raytrain_driver.register import APPLIED_TAG
-from raytrain_driver.registry_lock import QUEUE_SUFFIX
+from raytrain_driver.registry_lock import QUEUE_SUFFIX, ticket_owner
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import PromotionError
 from raytrain_tasks.tracking import runs as tracking
@@ -112,6 +112,20 @@ def test_lock_serialises_pipelines_and_outlives_a_killed_holder(mlflow_server: s
     assert tags["counter"] == "3"  # each decision saw the one before it: no lost update
     assert sorted(tags[f"seen.run-{i}"] for i in range(3)) == ["0", "1", "2"]
     assert client.search_model_versions(f"name = 'locked{QUEUE_SUFFIX}'") == []  # every ticket released
+
+
+@pytest.mark.parametrize(
+    ("owner", "said"),
+    [
+        ("20261201-000009-aaaaaa", "20261201-000009-aaaaaa on vm"),  # a run key: the host is added
+        ("rollback by ana@vm, to version 1", "rollback by ana@vm, to version 1"),  # named already: not twice
+        ("rollback by flow run x on vm, to version 1", "rollback by flow run x on vm, to version 1"),
+        ("rollback by ana@vm2, to version 1", "rollback by ana@vm2, to version 1 on vm"),  # another host
+        ("rollback by ana@vm.lan", "rollback by ana@vm.lan on vm"),
+    ],
+)
+def test_a_tickets_owner_names_its_host_once(owner: str, said: str) -> None:
+    assert ticket_owner(owner, "vm") == said
 
 
 # --- register-model, fed a fit as distributed-fit leaves it ---------------------------------------------------

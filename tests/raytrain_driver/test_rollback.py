@@ -3,6 +3,7 @@ lock, recorded with the reason and who made it, and refusals that move nothing."
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from pathlib import Path
@@ -93,6 +94,16 @@ def test_a_refused_rollback_moves_and_records_nothing(tmp_path: Path, to: str, r
     assert _unchanged(client, "cautious") == before
 
 
+@pytest.mark.parametrize("reason", ["", " \n"])
+def test_a_rollback_without_a_reason_is_refused_before_it_takes_the_lock(tmp_path: Path, reason: str) -> None:
+    uri, client, (v1, _, _) = _with_champion(tmp_path, "hasty")
+    before = _unchanged(client, "hasty")
+    with pytest.raises(RollbackError, match="^hasty: .*needs a reason.*Nothing moved"):
+        roll_back(client, "hasty", v1, reason, by="rollback by ana@host-1")
+    assert _unchanged(client, "hasty") == before
+    assert [m.name for m in client.search_registered_models()] == ["hasty"], "it queued for the lock first"
+
+
 def test_a_rollback_of_a_model_that_does_not_exist_takes_no_lock(tmp_path: Path) -> None:
     uri, client, _ = registered_versions(tmp_path, "exists", 1)
     with pytest.raises(RollbackError, match="no registered model 'exsits'.*--mlflow-tracking-uri"):
@@ -101,16 +112,20 @@ def test_a_rollback_of_a_model_that_does_not_exist_takes_no_lock(tmp_path: Path)
 
 
 def test_a_rollback_waits_for_the_models_lock(tmp_path: Path) -> None:
-    """A register-model deciding on the model holds its lock: the rollback moves nothing until it is released."""
+    """A register-model deciding on the model holds its lock: the rollback moves nothing until it is released.
+    Its ticket says who waits, and where, once."""
     uri, client, (v1, _, v3) = _with_champion(tmp_path, "waits")
     moved: list[Any] = []
+    by = f"rollback by ana@{socket.gethostname()}"
     with model_lock(client, "waits", owner="20261201-000009-aaaaaa"):
-        rolling = threading.Thread(target=lambda: moved.append(roll_back(client, "waits", v1, "bad", by="ana")))
+        rolling = threading.Thread(target=lambda: moved.append(roll_back(client, "waits", v1, "bad", by=by)))
         rolling.start()
         deadline = time.monotonic() + 60
-        while len(client.search_model_versions(f"name = 'waits{QUEUE_SUFFIX}'")) < 2:  # its ticket, behind ours
+        while len(tickets := client.search_model_versions(f"name = 'waits{QUEUE_SUFFIX}'")) < 2:  # its, behind ours
             assert time.monotonic() < deadline, "the rollback never queued for the lock"
             time.sleep(0.1)
         assert str(client.get_registered_model("waits").aliases["champion"]) == v3 and not moved
+        owner = max(tickets, key=lambda ticket: int(ticket.version)).tags["owner"]
+        assert owner == f"{by}, to version {v1}", owner
     rolling.join(timeout=60)
     assert moved and str(client.get_registered_model("waits").aliases["champion"]) == v1
