@@ -11,6 +11,8 @@
     prefect-raytrain score --model models:/NAME@champion --input PATH --output PATH.parquet
                                                      predictions of every input row with the model, one
                                                      Parquet file (local or s3://), recorded in MLflow
+    prefect-raytrain sweep --search JSON --trials N  a hyperparameter search on Ray Tune: each trial the
+                                                     pipeline's fit; the best through the promotion gate
     prefect-raytrain champions NAME                  who was champion when: every move of NAME@champion
     prefect-raytrain rollback NAME --to VERSION --reason TEXT
                                                      move NAME@champion back, recorded with the reason
@@ -63,11 +65,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         from flows.score_command import main as score
 
         return score(rest, prog=f"{PROG} score")
+    if command == "sweep":
+        embedded_prefect_home(DEFAULT_STATE_DIR)
+        from flows.sweep_command import main as sweep
+
+        return sweep(rest, prog=f"{PROG} sweep")
     if command in ("champions", "rollback"):  # the champion's history, and moving it back
         from flows.champions_command import champions, rollback
 
         return champions(rest) if command == "champions" else rollback(rest)
-    known = "train, runs, resume, ui, gc, score, champions, rollback"
+    known = "train, runs, resume, ui, gc, score, sweep, champions, rollback"
     print(f"{PROG}: unknown command {command!r}; one of: {known}", file=sys.stderr)
     return 2
 

@@ -11,6 +11,7 @@ model, so both carry each field's type, title, description, bounds and choices, 
 from __future__ import annotations
 
 import inspect
+import typing
 from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
@@ -35,8 +36,12 @@ def _setting(name: str, model: type[BaseModel] = TrainingConfig) -> inspect.Para
 
 def with_settings_as_parameters(fn: F) -> F:
     """``fn(<its own keyword parameters>, **settings)`` shown to Prefect as one keyword parameter per setting."""
+    # Evaluated, bounds included: the module's annotations are text (``from __future__ import annotations``).
+    hints = typing.get_type_hints(fn, include_extras=True)
     own = [
-        parameter.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+        parameter.replace(
+            kind=inspect.Parameter.KEYWORD_ONLY, annotation=hints.get(parameter.name, parameter.annotation)
+        )
         for parameter in inspect.signature(fn).parameters.values()
         if parameter.kind is not inspect.Parameter.VAR_KEYWORD
     ]

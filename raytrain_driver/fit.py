@@ -20,7 +20,7 @@ from raytrain_driver import evaluation
 from raytrain_driver.cluster import ray_session
 from raytrain_driver.fit_context import FitContext
 from raytrain_driver.fit_record import FitResult, OpenRun, finished_fit, write_fit_record
-from raytrain_driver.hooks import EpochView, progress_page, run_logger, state_dir, stopped_by
+from raytrain_driver.hooks import EpochView, controller_callbacks, progress_page, run_logger, state_dir, stopped_by
 from raytrain_driver.lease import run_lease
 from raytrain_driver.origin import data_loader_of, run_description, run_tags
 from raytrain_driver.preflight import (
@@ -224,6 +224,7 @@ def _train(fit: FitContext, plan: FitPlan, opened: OpenRun) -> ray.train.Result:
     # The stopper first: a checkpoint it refuses is never logged or pinned, so no resume starts from it.
     callbacks += [code_error_stopper(config.train_code, spec.selection.name), epochs, RestartGuard(epochs)]
     callbacks.append(SilentRanks(uri, run_id))  # which rank a hang timeout found silent
+    callbacks += controller_callbacks()  # a sweep's trial reports each epoch to Ray Tune (raytrain_driver.tuning)
     # A TrainSpec's workers commit a checkpoint before a signal stops this driver (raytrain_tasks.stop_requests).
     # Not in a Ray Job: its supervisor kills the driver 3 s after its SIGTERM, before a checkpoint could be pinned,
     # and the fit's orchestrator re-attaches to the job instead of stopping it.

@@ -45,6 +45,10 @@ class RunHooks:
     # Where the orchestrator keeps its state on this machine (Prefect's home, PREFECT_HOME): the pin journals
     # live under it (raytrain_tasks.tracking.pins). None: read from the environment as Prefect reads it.
     state_dir: Path | None = None
+    # More of Ray Train's controller callbacks for the fit (a sweep's trial: the one that reports to Ray Tune).
+    controller_callbacks: tuple[Any, ...] = ()
+    # Whether something outside may end the fit's process at any moment (Ray Tune stopping a sweep's trial).
+    ended_from_outside: bool = False
 
 
 _HOOKS: ContextVar[RunHooks | None] = ContextVar("prefect_raytrain_run_hooks", default=None)
@@ -93,3 +97,14 @@ def stopped_by(exc: BaseException) -> str | None:
     if not isinstance(exc, Exception) and isinstance(signum, int):
         return f"signal {signum}"
     return None
+
+
+def controller_callbacks() -> tuple[Any, ...]:
+    """The fit's extra controller callbacks handed in (``RunHooks.controller_callbacks``); none by default."""
+    hooks = _HOOKS.get()
+    return hooks.controller_callbacks if hooks is not None else ()
+
+
+def ended_from_outside() -> bool:
+    hooks = _HOOKS.get()
+    return hooks.ended_from_outside if hooks is not None else False

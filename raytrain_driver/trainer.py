@@ -19,6 +19,7 @@ from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
 from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 from ray.train.v2.api.callback import RayTrainCallback
 
+from raytrain_driver import hooks
 from raytrain_driver.cluster import WORKER_GROUP_START_TIMEOUT_S
 from raytrain_driver.lease import HeldLease
 from raytrain_driver.preflight import workers_code_dir
@@ -93,12 +94,15 @@ class RunTrainer(TorchTrainer):
     """
 
     _placement_group_record = ""
+    ended_from_outside = False  # Ray Tune may end this fit's process at any moment (hooks.RunHooks.ended_from_outside)
     hang_timeout_s = 0  # the fit's `hang_timeout_s` when set (0: Ray's own health-check timeout, 10 minutes)
 
     def _create_default_callbacks(self) -> list[Any]:
         # mypy resolves ray.train.torch to the V1 classes; V2 (which has this method) is used at runtime.
         callbacks: list[Any] = super()._create_default_callbacks()  # type: ignore[misc]
-        unneeded: tuple[type, ...] = (PlacementGroupCleanerCallback,)
+        # A fit ended from outside at any moment (a sweep's trial that Ray Tune stops) keeps Ray's cleaner: no
+        # driver of ours is left to remove the worker group's placement group, which would hold its CPUs.
+        unneeded: tuple[type, ...] = () if self.ended_from_outside else (PlacementGroupCleanerCallback,)
         if not self.datasets:
             unneeded += (DatasetsCallback,)
         handle, self._placement_group_record = tempfile.mkstemp(prefix="prt-placement-group-")
@@ -236,6 +240,7 @@ def build_trainer(
     )
     # Ray Train also marks a worker dead once its poll has had no answer this long (a frozen process): when set.
     trainer.hang_timeout_s = round(config.hang_timeout_s)
+    trainer.ended_from_outside = hooks.ended_from_outside()
     return trainer
 
 

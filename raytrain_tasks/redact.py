@@ -31,8 +31,8 @@ SECRET_ENV = (
 )
 # The password runs to the next '@' and may hold '/': masking a path that has '@' in it too is the safe mistake.
 _URL_PASSWORD = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@'\"]+:)[^@\s'\"]+@")
-# ``user:password@host`` typed without a scheme (a validation error would echo it); not after a word, '/', ':' or '@', and
-# not a path after a scheme (MLflow's ``models:/NAME@ALIAS`` names a model, not a password).
+# ``user:password@host`` typed without a scheme (a validation error would echo it); not after a word, '/', ':' or
+# '@', and not a path after a scheme (MLflow's ``models:/NAME@ALIAS`` names a model, not a password).
 _BARE_PASSWORD = re.compile(r"(?<![\w.+%:/@-])([A-Za-z0-9._%+-]+:)(?!/)[^@\s'\"]+@(?=[A-Za-z0-9\[])")
 _SECRET_QUERY = re.compile(
     r"(?i)([?&](?:access_token|token|password|passwd|secret|api_key|apikey|key|signature|sig|"

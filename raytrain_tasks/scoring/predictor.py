@@ -51,10 +51,10 @@ class Predictor:
         if np.issubdtype(inputs.dtype, np.floating) and np.isnan(inputs).any():
             missing = np.isnan(inputs)
             column, row = self.plan.features[int(missing.any(axis=0).argmax())], int(missing.any(axis=1).argmax())
+            key = batch[self.plan.key][row].item()
             raise ScoringInputError(
                 f"input_path: rows without a value in the feature column {column!r} (the first: {self.plan.key} "
-                f"{batch[self.plan.key][row].item()!r}); the model cannot score them, and nothing was written. Fill or drop "
-                "them first"
+                f"{key!r}); the model cannot score them, and nothing was written. Fill or drop them first"
             )
         with torch.no_grad():
             outputs = self.module(torch.from_numpy(inputs).to(self.device))

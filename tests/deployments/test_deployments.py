@@ -69,6 +69,22 @@ def test_the_scoring_deployment_has_a_typed_form_that_asks_for_the_table_and_the
             flow.validate_parameters(refused)
 
 
+def test_the_sweep_deployment_has_every_setting_and_the_search_in_its_form() -> None:
+    """The UI's run form of `sweep`: every training setting (the trials' settings), then the search, the trials,
+    ASHA's grace period and the key of a sweep to continue; the deployment's search is one the sweep accepts."""
+    from raytrain_driver.sweep_run import plan_search
+
+    (spec,) = [spec for spec in SPECS if spec["name"] == "sweep"]
+    flow = load_flow_from_entrypoint(f"{REPO_ROOT}/{spec['entrypoint']}")
+    schema = flow.parameters.model_dump()
+    assert list(schema["properties"]) == [*TrainingConfig.model_fields, "search", "trials", "grace_period", "sweep_key"]
+    assert schema["required"] == ["search"] and schema["properties"]["trials"]["minimum"] == 1
+    validated = flow.validate_parameters(spec["parameters"])
+    assert len(plan_search(config_from_parameters(validated), validated["search"])) == 2
+    with pytest.raises(Exception, match="trials"):
+        flow.validate_parameters({**spec["parameters"], "trials": 0})
+
+
 def test_a_nightly_schedule_with_timezone_and_an_unscheduled_ad_hoc_deployment() -> None:
     by_name = {spec["name"]: spec for spec in SPECS}
     (schedule,) = by_name["nightly-retrain"]["schedules"]
@@ -100,7 +116,8 @@ def test_parameter_form_is_typed_and_described() -> None:
 
 def test_serve_builds_the_same_deployments() -> None:
     deployments = {d.name: d for d in build_deployments(SPECS)}
-    assert set(deployments) == {"nightly-retrain", "ad-hoc", "rollback-champion", "score-champion"}
+    assert set(deployments) == {"nightly-retrain", "ad-hoc", "rollback-champion", "score-champion", "sweep"}
+    assert deployments["sweep"].flow_name == "sweep"
     assert deployments["score-champion"].flow_name == "score"
     rollback = deployments["rollback-champion"]
     assert rollback.flow_name == "rollback-champion" and not rollback.schedules

@@ -1,0 +1,106 @@
+"""A sweep's search space and its trials' bookkeeping, as pure functions: what a search may say, what each trial
+trains with, its run key, and which trial is best. The sweep for real: tests/flows/test_sweep.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from raytrain_driver.search_space import Dimension, parse_search
+from raytrain_driver.sweep_run import plan_search
+from raytrain_driver.tuning import SweepPlan, Trial, best_trial, trial_config, trial_run_key
+from raytrain_tasks.config import RUN_KEY_PATTERN, TrainingConfig
+from raytrain_tasks.errors import SettingsError
+
+SETTINGS = frozenset(TrainingConfig.model_fields)
+
+
+@pytest.mark.parametrize(
+    ("search", "dimensions"),
+    [
+        ({"hidden": [32, 64]}, [Dimension("hidden", "choice", (32, 64), in_code=True)]),
+        ('{"learning_rate": {"loguniform": [1e-4, 0.1]}}',
+         [Dimension("learning_rate", "loguniform", (1e-4, 0.1), False)]),
+        ({"batch_size": {"grid": [32, 64]}}, [Dimension("batch_size", "grid", (32, 64), in_code=False)]),
+        ({"seed": {"randint": [0, 10]}, "dropout": {"uniform": [0.0, 0.5]}},
+         [Dimension("seed", "randint", (0, 10), False), Dimension("dropout", "uniform", (0.0, 0.5), True)]),
+    ],
+)  # fmt: skip
+def test_a_search_names_settings_or_code_keys_and_how_each_varies(search: Any, dimensions: list[Dimension]) -> None:
+    assert list(parse_search(search, SETTINGS)) == dimensions
+
+
+@pytest.mark.parametrize(
+    ("search", "says"),
+    [
+        ("{not json", "not valid JSON"),
+        ({}, "a JSON object of settings to vary"),
+        ({"hidden": 64}, "give a list of values"),
+        ({"hidden": {"normal": [0, 1]}}, "give a list of values, or one of choice, grid"),
+        ({"hidden": []}, "takes a non-empty list"),
+        ({"learning_rate": {"uniform": [0.1, 0.01]}}, "low below high"),
+        ({"learning_rate": {"loguniform": [0, 0.1]}}, "bounds above 0"),
+        ({"seed": {"randint": [0, 2.5]}}, "two integers"),
+        ({"model_name": ["a", "b"]}, "the same for every trial of a sweep"),
+    ],
+)
+def test_a_search_that_says_nothing_clear_is_refused_naming_the_key(search: Any, says: str) -> None:
+    with pytest.raises(SettingsError, match=says):
+        parse_search(search, SETTINGS)
+
+
+@pytest.mark.parametrize(
+    ("settings", "search", "says"),
+    [
+        ({}, {"learning_rate": [0.01, -1]}, r"search\['learning_rate'\]: the value -1 is refused"),
+        ({}, {"hiden_sizes": [[32]]}, r"search\['hiden_sizes'\]"),  # not a key of the table classifier's settings
+        ({"checkpoint_every_steps": 50}, {"learning_rate": [0.01]}, "checkpoint_every_steps"),
+        ({}, {"learning_rate": [0.01, 0.1], "hidden_sizes": [[32], [64, 64]]}, None),
+    ],
+)
+def test_every_value_a_trial_could_get_is_checked_before_anything_starts(
+    settings: dict[str, Any], search: dict[str, Any], says: str | None
+) -> None:
+    config = TrainingConfig(**settings)
+    if says is None:
+        assert len(plan_search(config, search)) == 2
+        return
+    with pytest.raises(SettingsError, match=says):
+        plan_search(config, search)
+
+
+def test_a_trial_trains_the_sweeps_settings_with_its_draw_and_never_registers_itself() -> None:
+    base = TrainingConfig(epochs=5, train_config={"dataset": "digits"}, register=True)
+    dimensions = parse_search({"learning_rate": [0.1], "hidden_sizes": [[8]]}, SETTINGS)
+    plan = SweepPlan(base.model_dump(), dimensions, None, "20261206-120000-abcdef", "parent")
+    trial = trial_config(plan, {"learning_rate": 0.1, "hidden_sizes": [8]})
+    assert (trial.learning_rate, trial.epochs, trial.register) == (0.1, 5, False)
+    assert trial.train_config == {"dataset": "digits", "hidden_sizes": [8]}
+
+
+def test_a_trials_run_key_follows_from_the_sweep_and_the_trial() -> None:
+    keys = [trial_run_key("20261206-120000-abcdef", trial) for trial in ("a1_00000", "a1_00001", "a1_00000")]
+    assert all(RUN_KEY_PATTERN.fullmatch(key) for key in keys)
+    assert keys[0] == keys[2] != keys[1] and keys[0].startswith("20261206-120000-")
+
+
+def _trial(score: float | None, finished: bool = True, key: str = "k") -> Trial:
+    return Trial("t", key, {}, 2 if finished else 1, score, finished)
+
+
+@pytest.mark.parametrize(
+    ("trials", "higher", "best"),
+    [
+        ([_trial(0.8, key="a"), _trial(0.9, key="b")], True, "b"),
+        ([_trial(0.8, key="a"), _trial(0.9, key="b")], False, "a"),  # lower is better (a loss)
+        ([_trial(0.99, finished=False, key="a"), _trial(0.9, key="b")], True, "b"),  # stopped early: never best
+        ([_trial(0.9, key="a"), _trial(0.9, key="b")], True, "a"),  # a tie: the first
+        ([_trial(None, key="a"), _trial(0.5, finished=False)], True, None),  # none trained every epoch
+    ],
+)
+def test_the_best_trial_is_the_best_one_that_trained_every_epoch(
+    trials: list[Trial], higher: bool, best: str | None
+) -> None:
+    found = best_trial(trials, higher)
+    assert (found.run_key if found else None) == best
