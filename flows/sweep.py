@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from flows.parameters import with_settings_as_parameters
 from flows.run_settings import check_deployment_pins
 from raytrain_driver.preflight import code_model_name
-from raytrain_driver.sweep_run import SweepOutcome, best_trial_config, close_sweep_run, plan_search
+from raytrain_driver.sweep_run import SweepOutcome, best_trial_config, close_sweep_run, fail_sweep_run, plan_search
 from raytrain_tasks.config import RUN_KEY_PATTERN, config_from_parameters, new_run_key
 from raytrain_tasks.errors import SettingsError
 from raytrain_tasks.redact import install_log_redaction, redacted_errors
@@ -59,17 +59,21 @@ def sweep_pipeline(
         if sweep_key and not RUN_KEY_PATTERN.fullmatch(sweep_key):
             raise SettingsError(f"sweep_key {sweep_key!r} is not a sweep key (YYYYMMDD-HHMMSS-xxxxxx)")
         sweep_key = sweep_key or new_run_key()
-        plan_search(config, search)  # before any data is prepared: a search no trial could train with
+        plan_search(config, search, grace_period)  # before any data is prepared: a search no trial could train with
         get_run_logger().info("sweep key %s (continue it with sweep_key=%s)", sweep_key, sweep_key)
     dataset = prepare_data(config)
     outcome = tune_trials(config, search, dataset, sweep_key, trials, grace_period)
-    if outcome.best_fit is None:
-        close_sweep_run(config, outcome, "nothing: no trial trained every epoch")
-        return SweepResult(outcome=outcome, model=None)
-    best = best_trial_config(config, search, outcome)
-    if not best.register:
-        close_sweep_run(config, outcome, "nothing: register is off")
-        return SweepResult(outcome=outcome, model=None)
-    model = register_model(best, dataset, outcome.best_fit)
+    try:
+        if outcome.best_fit is None:
+            close_sweep_run(config, outcome, "nothing: no trial trained every epoch")
+            return SweepResult(outcome=outcome, model=None)
+        best = best_trial_config(config, search, outcome)
+        if not best.register:
+            close_sweep_run(config, outcome, "nothing: register is off")
+            return SweepResult(outcome=outcome, model=None)
+        model = register_model(best, dataset, outcome.best_fit)
+    except BaseException as exc:
+        fail_sweep_run(config, outcome, exc)  # not left RUNNING
+        raise
     close_sweep_run(config, outcome, f"{model.name} version {model.version}: {model.decision} ({model.reason})")
     return SweepResult(outcome=outcome, model=model)

@@ -68,8 +68,8 @@ def _summary(result: object) -> str:
     outcome, model = result.outcome, result.model  # type: ignore[attr-defined]
     lines = [f"sweep {outcome.sweep_key} (MLflow run {outcome.parent_run_id})"]
     for row in outcome.trials:
-        ended = "finished" if row["finished"] else f"stopped after {row['epochs']} epochs"
-        shown = {k: v for k, v in row.items() if k not in ("run_key", "epochs", "finished")}
+        ended = "finished" if row["finished"] else f"{row.get('ended') or 'stopped'} after {row['epochs']} epochs"
+        shown = {k: v for k, v in row.items() if k not in ("run_key", "epochs", "finished", "ended")}
         settings = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items())
         lines.append(f"  {row['run_key']}  {settings}  {ended}")
     if outcome.best_run_key is None:

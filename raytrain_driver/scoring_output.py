@@ -5,6 +5,7 @@ The file's own metadata says which model version scored which input, so a rerun 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from enum import Enum
@@ -14,6 +15,8 @@ from raytrain_tasks.errors import ScoringInputError
 from raytrain_tasks.redact import redact, redact_uri
 from raytrain_tasks.storage.filesystem import is_s3
 from raytrain_tasks.storage.locations import StorageLocation
+
+logger = logging.getLogger(__name__)
 
 # The key of the output file's Parquet metadata that records what made it.
 METADATA_KEY = b"prefect_raytrain.scoring"
@@ -109,15 +112,27 @@ def clear(location: StorageLocation) -> None:
         location.filesystem.delete_dir(location.path)
 
 
-def clear_attempts(output: StorageLocation, work: str) -> None:
-    """Remove every staging folder of ``work`` beside the output: what crashed attempts left."""
+# A staging folder of the same work with nothing written for this long is a crashed attempt's, not a live one's.
+STALE_AFTER_S = 24 * 3600.0
+
+
+def clear_attempts(output: StorageLocation, work: str, now: float, stale_after_s: float = STALE_AFTER_S) -> list[str]:
+    """Remove the staging folders of ``work`` beside the output that nothing was written to for ``stale_after_s``:
+    what crashed attempts left. A concurrent attempt of the same work keeps its own. The folders removed."""
     import pyarrow.fs as pafs
 
     parent, _, name = output.path.rpartition("/")
     prefix = f"{STAGING_PREFIX}{name}-{work}-"
+    removed = []
     for info in output.filesystem.get_file_info(pafs.FileSelector(parent, allow_not_found=True)):
-        if info.type == pafs.FileType.Directory and info.base_name.startswith(prefix):
+        if info.type != pafs.FileType.Directory or not info.base_name.startswith(prefix):
+            continue
+        inside = output.filesystem.get_file_info(pafs.FileSelector(info.path, recursive=True))
+        newest = max((f.mtime.timestamp() for f in inside if f.mtime is not None), default=0.0)
+        if now - newest >= stale_after_s:
             output.filesystem.delete_dir(info.path)
+            removed.append(info.base_name)
+    return removed
 
 
 def commit(staging: StorageLocation, output: StorageLocation, provenance: Provenance) -> int:
@@ -155,7 +170,10 @@ def commit(staging: StorageLocation, output: StorageLocation, provenance: Proven
         output.filesystem.copy_file(whole, output.path)
     else:
         os.replace(whole, output.path)  # a reader sees the old file or the new one, never a part
-    clear(staging)
+    try:  # the output is in place: what is left to tidy costs nothing if it fails
+        clear(staging)
+    except OSError as exc:
+        logger.warning("the output is written; could not remove its staging folder %s: %s", staging.uri, exc)
     return rows
 
 

@@ -79,7 +79,10 @@ def score(config: ScoringConfig, plan: ScoringPlan) -> ScoringResult:
         else:
             tracking.fail_run(client, run_id, exc)
         raise
-    clear_attempts(output, work)  # what crashed attempts of the same work left
+    try:  # what crashed attempts of the same work left; the output is written whatever this does
+        clear_attempts(output, work, time.time())
+    except OSError as exc:
+        logger.warning("could not remove old staging folders beside %s: %s", redact_uri(config.output_path), exc)
     seconds = time.perf_counter() - started
     _close_record(client, run_id, rows, seconds)
     logger.info(

@@ -19,10 +19,10 @@ from typing import Any
 from raytrain_tasks.errors import SettingsError, UserCodeError
 
 KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
-# Settings a sweep sets itself, or that make no sense to vary across its trials.
-NOT_SEARCHED = frozenset(
-    {"train_code", "train_config", "resume", "register", "model_name", "storage_path", "mlflow_tracking_uri"}
-)
+# The pipeline's settings a search may vary: what a trial trains with. The others are the sweep's: where it
+# stores, tracks and runs (a deployment pins those: a search must not point them elsewhere), how many epochs and
+# workers (ASHA and the trials' share of the cluster follow from them), the gate's rules.
+SEARCHABLE = frozenset({"batch_size", "learning_rate", "seed"})
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,11 @@ class Dimension:
         return self.values
 
 
-def parse_search(search: Mapping[str, Any] | str, settings: frozenset[str]) -> tuple[Dimension, ...]:
-    """The dimensions of ``search`` (its JSON text, or the object); SettingsError naming `search` and the key."""
+def parse_search(
+    search: Mapping[str, Any] | str, settings: frozenset[str], secret_keys: frozenset[str] = frozenset()
+) -> tuple[Dimension, ...]:
+    """The dimensions of ``search`` (its JSON text, or the object); SettingsError naming `search` and the key. A
+    key is one of ``SEARCHABLE``, or a key of the code's train_config that is not one of its ``secret_keys``."""
     if isinstance(search, str):
         try:
             search = json.loads(search)
@@ -51,12 +54,18 @@ def parse_search(search: Mapping[str, Any] | str, settings: frozenset[str]) -> t
             raise SettingsError(f"search is not valid JSON ({exc.msg} at character {exc.pos})") from None
     if not isinstance(search, Mapping) or not search:
         raise SettingsError('search must be a JSON object of settings to vary, e.g. {"learning_rate": [0.01, 0.1]}')
+    for name in search:
+        if name in settings and name not in SEARCHABLE:
+            raise SettingsError(
+                f"search[{name!r}]: {name} is the same for every trial of a sweep; set it on the sweep. A search "
+                f"varies {', '.join(sorted(SEARCHABLE))} and the keys of your code's train_config"
+            )
+        if name in secret_keys:
+            raise SettingsError(f"search[{name!r}]: a secret of your code's settings is not searched")
     return tuple(_dimension(str(name), value, name in settings) for name, value in search.items())
 
 
 def _dimension(name: str, value: Any, is_setting: bool) -> Dimension:
-    if name in NOT_SEARCHED:
-        raise SettingsError(f"search[{name!r}]: {name} is the same for every trial of a sweep; set it on the sweep")
     where = f"search[{name!r}]"
     if isinstance(value, list):
         kind, values = "choice", value

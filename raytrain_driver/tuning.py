@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,9 +48,10 @@ class Trial:
     trial_id: str
     run_key: str
     settings: dict[str, Any]
-    epochs: int  # the epochs it reported to Tune
+    epochs: int  # the epochs it reported to Tune (its fit's record says, once it finished)
     score: float | None  # its best value of the code's metric
     finished: bool  # it trained every epoch (not stopped by ASHA, not failed)
+    ended: str = ""  # as Tune saw it: "completed", "stopped" (by ASHA), or "failed: <the error>"
 
 
 def trial_run_key(sweep_key: str, trial_id: str) -> str:
@@ -81,7 +83,10 @@ def run_trial(tune_config: dict[str, Any], plan: SweepPlan) -> None:
     run_key = trial_run_key(plan.sweep_key, trial_id)
     client = tracking.connect(config.mlflow_tracking_uri, config.s3_endpoint_url)
     experiment = client.get_experiment_by_name(config.experiment_name)
-    if experiment is not None and tracking.find_run(client, experiment.experiment_id, run_key) is not None:
+    earlier = None if experiment is None else tracking.find_run(client, experiment.experiment_id, run_key)
+    if earlier is not None:
+        if earlier.data.tags.get(TRIAL_TAG) != trial_id:
+            raise RuntimeError(f"trial {trial_id}'s run key {run_key} is another trial's: run the sweep again")
         config = config.model_copy(update={"resume": run_key})  # a restored sweep: on from its last checkpoint
     origin = {
         "run_name": f"{plan.sweep_key} trial {trial_id}",
@@ -107,6 +112,9 @@ def run_trials(plan: SweepPlan, trials: int, grace_period: int, metric: str, hig
     from ray.tune.schedulers import ASHAScheduler
 
     config = TrainingConfig.model_validate(plan.config)
+    # Ctrl-C stops the sweep (a KeyboardInterrupt, as anywhere else), not only Tune's loop: with Tune's own
+    # handler, fit() returned normally and the half-run sweep was registered as if complete.
+    os.environ.setdefault("TUNE_DISABLE_SIGINT_HANDLER", "1")
     where = sweeps_location(config)
     # The trial itself holds no CPU: its Ray Train workers take them. (Ray Tune refuses an empty request.)
     trainable = tune.with_resources(tune.with_parameters(run_trial, plan=plan), {"cpu": 0, "memory": 1})
@@ -117,12 +125,11 @@ def run_trials(plan: SweepPlan, trials: int, grace_period: int, metric: str, hig
             path.path, trainable, resume_unfinished=True, resume_errored=True, storage_filesystem=where.filesystem
         )
     else:
-        per_trial = config.num_workers * (config.cpus_per_worker or 1.0)
-        at_once = max(1, int(ray.cluster_resources().get("CPU", 1.0) // per_trial))
+        at_once = _trials_at_once(config, ray.cluster_resources())
         mode = "max" if higher_is_better else "min"
-        # A trial ends itself after its last epoch, with its record written: ASHA's max_t lies beyond it, so ASHA
-        # never ends a trial for reaching it (it would end the process mid-way through the fit's last steps).
-        scheduler = ASHAScheduler(max_t=config.epochs + 1, grace_period=grace_period)
+        # A trial ends itself after its last epoch, its record written: every rung lies before the last epoch, and
+        # a trial that reaches max_t is not stopped (that would end its process mid-way through its last steps).
+        scheduler = ASHAScheduler(max_t=config.epochs, grace_period=grace_period, stop_last_trials=False)
         tuner = tune.Tuner(
             trainable,
             param_space=tune_space(plan.dimensions),
@@ -130,11 +137,25 @@ def run_trials(plan: SweepPlan, trials: int, grace_period: int, metric: str, hig
                 metric=metric, mode=mode, num_samples=trials, max_concurrent_trials=at_once, scheduler=scheduler
             ),
             run_config=tune.RunConfig(
-                name=plan.sweep_key, storage_path=where.path, storage_filesystem=where.filesystem, verbose=0
+                name=plan.sweep_key,
+                storage_path=where.path,
+                storage_filesystem=where.filesystem,
+                verbose=0,
+                # A failed trial is tried again as a nightly fit is (fit_retries), from its last checkpoint.
+                failure_config=tune.FailureConfig(max_failures=config.fit_retries),
             ),
         )
     grid = tuner.fit()
     return [_trial_of(plan, grid[index], metric, higher_is_better, config.epochs) for index in range(len(grid))]
+
+
+def _trials_at_once(config: TrainingConfig, resources: dict[str, float]) -> int:
+    """How many trials the cluster holds at once: each has num_workers workers of cpus_per_worker (and a GPU
+    each, where use_gpu)."""
+    at_once = int(resources.get("CPU", 1.0) // (config.num_workers * (config.cpus_per_worker or 1.0)))
+    if config.use_gpu:
+        at_once = min(at_once, int(resources.get("GPU", 0.0) // config.num_workers))
+    return max(1, at_once)
 
 
 def _trial_of(plan: SweepPlan, result: Any, metric: str, higher_is_better: bool, epochs: int) -> Trial:
@@ -144,6 +165,10 @@ def _trial_of(plan: SweepPlan, result: Any, metric: str, higher_is_better: bool,
     best = (max(scores) if higher_is_better else min(scores)) if scores else None
     settings = {d.name: result.config.get(d.name) for d in plan.dimensions}
     reported = 0 if frame is None else len(frame)
+    if result.error is not None:
+        ended = f"failed: {str(result.error).strip().splitlines()[-1][:300] if str(result.error).strip() else ''}"
+    else:
+        ended = "completed" if reported >= epochs else "stopped"
     return Trial(
         trial_id=trial_id,
         run_key=trial_run_key(plan.sweep_key, trial_id),
@@ -151,6 +176,7 @@ def _trial_of(plan: SweepPlan, result: Any, metric: str, higher_is_better: bool,
         epochs=reported,
         score=best,
         finished=result.error is None and reported >= epochs,
+        ended=ended,
     )
 
 

@@ -65,7 +65,7 @@ def test_cli_runs_the_pipeline_on_embedded_defaults(tmp_path: Path) -> None:
 
 # What a default run printed before the console was quieted, none of it for the user to act on.
 NOISE = (
-    "(TrainController pid=",  # Ray Train's worker-group lines
+    "(KeepResumedController pid=",  # Ray Train's controller (raytrain_driver.retention): its worker-group lines
     "(RayTrainWorker pid=",  # each worker's output, its epoch lines repeating the driver's
     "Token authentication is enabled",
     "Creating initial MLflow database tables",

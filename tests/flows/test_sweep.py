@@ -108,6 +108,10 @@ def test_a_sweep_killed_after_a_finished_trial_continues_without_training_it_aga
         [*command, "--sweep-key", sweep_key], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    kept_key = done.data.tags["prefect_raytrain.run_key"]
+    (line,) = [line for line in again.stdout.splitlines() if line.strip().startswith(kept_key)]
+    assert line.endswith("finished"), again.stdout  # counted as the finished trial it is, its epochs not re-counted
+    assert f"best: {kept_key}" in again.stdout
     runs = _runs(tmp_path)
     assert len(runs["sweep"]) == 1 and len(runs["trials"]) == 2  # the same sweep run, no trial twice
     assert {path.name: path.stat().st_mtime for path in record.iterdir()} == stamp  # not trained again

@@ -102,14 +102,26 @@ def test_a_commit_that_fails_midway_leaves_the_output_as_it_was(tmp_path: Path) 
 
 
 def test_a_reruns_commit_clears_what_crashed_attempts_of_the_same_work_left(tmp_path: Path) -> None:
-    from raytrain_driver.scoring_output import clear_attempts
+    """A staging folder of the same work untouched for a day is a crashed attempt's; a fresh one may be a concurrent
+    attempt's, still writing its parts, and another work's is not this run's to clear."""
+    import os
+    import time
+
+    from raytrain_driver.scoring_output import STALE_AFTER_S, clear_attempts
 
     output = locate(str(tmp_path / "predictions.parquet"))
-    for attempt in ("crashed1", "crashed2"):
+    for attempt in ("crashed", "live"):
         _stage(staging_location(output, "work", attempt), _parts())
-    _stage(staging_location(output, "other", "running"), _parts())  # another work's: not this rerun's to clear
-    clear_attempts(output, "work")
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["_staging-predictions.parquet-other-running"]
+    _stage(staging_location(output, "other", "old"), _parts())
+    day_ago = time.time() - STALE_AFTER_S - 60
+    for folder in ("_staging-predictions.parquet-work-crashed", "_staging-predictions.parquet-other-old"):
+        for part in (tmp_path / folder).iterdir():
+            os.utime(part, (day_ago, day_ago))
+    assert clear_attempts(output, "work", time.time()) == ["_staging-predictions.parquet-work-crashed"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "_staging-predictions.parquet-other-old",
+        "_staging-predictions.parquet-work-live",
+    ]
 
 
 def test_an_output_path_that_cannot_be_read_is_refused_not_taken_for_replaceable(tmp_path: Path) -> None:

@@ -43,6 +43,12 @@ def test_a_search_names_settings_or_code_keys_and_how_each_varies(search: Any, d
         ({"learning_rate": {"loguniform": [0, 0.1]}}, "bounds above 0"),
         ({"seed": {"randint": [0, 2.5]}}, "two integers"),
         ({"model_name": ["a", "b"]}, "the same for every trial of a sweep"),
+        # A deployment pins where a run stores, tracks and runs: a search must not point a trial elsewhere.
+        ({"s3_endpoint_url": ["http://elsewhere:9000"]}, r"search\['s3_endpoint_url'\]: s3_endpoint_url is the same"),
+        ({"mlflow_tracking_uri": ["http://elsewhere"]}, "is the same for every trial"),
+        ({"epochs": [5, 20]}, "is the same for every trial"),  # ASHA's rungs follow from the sweep's epochs
+        ({"checkpoint_every_steps": [50]}, "is the same for every trial"),
+        ({"min_improvement": [0.0, 0.1]}, "is the same for every trial"),  # the gate's rules are the sweep's
     ],
 )
 def test_a_search_that_says_nothing_clear_is_refused_naming_the_key(search: Any, says: str) -> None:
@@ -68,6 +74,49 @@ def test_every_value_a_trial_could_get_is_checked_before_anything_starts(
         return
     with pytest.raises(SettingsError, match=says):
         plan_search(config, search)
+
+
+def test_a_secret_of_the_codes_settings_is_never_searched() -> None:
+    with pytest.raises(SettingsError, match="a secret of your code's settings is not searched"):
+        parse_search({"api_token": ["a", "b"]}, SETTINGS, frozenset({"api_token"}))
+
+
+@pytest.mark.parametrize(
+    ("settings", "grace", "says"),
+    [
+        ({"epochs": 3}, 3, "grace_period 3 must be below epochs 3"),
+        ({"epochs": 2}, 1, None),
+        ({"num_workers": 1, "max_workers": 2}, 1, "fixed number of workers"),
+        ({"resume": "20261206-120000-abcdef"}, 1, "continued with sweep_key"),
+    ],
+)
+def test_a_sweeps_own_settings_that_asha_or_its_trials_cannot_follow_are_refused(
+    settings: dict[str, Any], grace: int, says: str | None
+) -> None:
+    config = TrainingConfig(**settings)
+    if says is None:
+        assert plan_search(config, {"learning_rate": [0.1]}, grace)
+        return
+    with pytest.raises(SettingsError, match=says):
+        plan_search(config, {"learning_rate": [0.1]}, grace)
+
+
+@pytest.mark.parametrize(
+    ("settings", "resources", "at_once"),
+    [
+        ({"num_workers": 2}, {"CPU": 2.0}, 1),
+        ({"num_workers": 2}, {"CPU": 8.0}, 4),
+        ({"num_workers": 2, "cpus_per_worker": 2.0}, {"CPU": 8.0}, 2),
+        ({"num_workers": 2, "use_gpu": True}, {"CPU": 8.0, "GPU": 2.0}, 1),  # a GPU per worker
+        ({"num_workers": 4}, {"CPU": 2.0}, 1),  # never none: the one trial waits for its workers, as a fit does
+    ],
+)
+def test_as_many_trials_run_at_once_as_the_cluster_holds_their_workers(
+    settings: dict[str, Any], resources: dict[str, float], at_once: int
+) -> None:
+    from raytrain_driver.tuning import _trials_at_once
+
+    assert _trials_at_once(TrainingConfig(**settings), resources) == at_once
 
 
 def test_a_trial_trains_the_sweeps_settings_with_its_draw_and_never_registers_itself() -> None:

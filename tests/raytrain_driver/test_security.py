@@ -367,7 +367,7 @@ def test_mlflow_credentials_appear_nowhere_the_product_writes(tmp_path: Path, au
     uri = f"http://admin:{ADMIN_PASSWORD}@{auth_server}"
     code, output = run_cli(tmp_path, ["--mlflow-tracking-uri", uri, "--verbose"], {})
     assert code == 0, output[-4000:]
-    assert "(TrainController pid=" in output
+    assert "(KeepResumedController pid=" in output  # Ray Train's controller (raytrain_driver.retention's door)
     assert "http://admin:***@" in output or f"http://{auth_server}" in output
     # 2. Credentials in the environment, wrong password: a clear error naming the settings, and no password.
     code, refused = run_cli(
