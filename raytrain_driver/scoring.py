@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -148,7 +147,3 @@ def _inputs_of(folder: Path) -> ModelInputs:
 def scratch_folder() -> Any:
     """Where the model's checked copy lives while the run scores (removed after)."""
     return tempfile.TemporaryDirectory(prefix="prt-score-")
-
-
-def elapsed_since(started: float) -> float:
-    return time.perf_counter() - started
