@@ -184,6 +184,7 @@ def test_a_scoring_command_killed_midway_leaves_no_output_and_its_rerun_writes_e
     env.update(PYTHONPATH=str(REPO_ROOT))
     killed = subprocess.Popen(command, cwd=tmp_path, env=env)
     wait_for(lambda: list(tmp_path.glob("_staging-*/*.parquet")), 180, "the first staged part")
+    killed_attempt = {path.name for path in tmp_path.glob("_staging-*")}
     killed.send_signal(signal.SIGKILL)  # its Ray ends with it (Ray's fate-sharing)
     killed.wait(timeout=30)
     time.sleep(1)
@@ -192,4 +193,6 @@ def test_a_scoring_command_killed_midway_leaves_no_output_and_its_rerun_writes_e
     assert again.returncode == 0, again.stderr[-3000:]
     written = pq.read_table(output).to_pandas()
     assert len(written) == len(table) and written["id"].is_unique
-    assert not list(tmp_path.glob("_staging-*"))
+    # The killed attempt's folder stays a day (a live concurrent attempt's looks the same); the rerun's is gone.
+    (left,) = tmp_path.glob("_staging-*")
+    assert left.name in killed_attempt and not (left / "_output.parquet").exists()
