@@ -13,7 +13,7 @@ from typing import Any
 
 from raytrain_tasks.errors import ScoringInputError
 from raytrain_tasks.redact import redact, redact_uri
-from raytrain_tasks.storage.filesystem import is_s3
+from raytrain_tasks.storage.filesystem import is_s3, split_s3
 from raytrain_tasks.storage.locations import StorageLocation
 
 logger = logging.getLogger(__name__)
@@ -167,7 +167,8 @@ def commit(staging: StorageLocation, output: StorageLocation, provenance: Proven
     if written != rows:
         raise RuntimeError(f"{written} predictions written of the {rows} staged under {staging.uri}")
     if is_s3(output.uri):
-        output.filesystem.copy_file(whole, output.path)
+        staged = StorageLocation(f"{staging.uri}/{STAGED_OUTPUT}", staging.filesystem, whole, staging.options)
+        publish_on_s3(staged, output)
     else:
         os.replace(whole, output.path)  # a reader sees the old file or the new one, never a part
     try:  # the output is in place: what is left to tidy costs nothing if it fails
@@ -175,6 +176,62 @@ def commit(staging: StorageLocation, output: StorageLocation, provenance: Proven
     except OSError as exc:
         logger.warning("the output is written; could not remove its staging folder %s: %s", staging.uri, exc)
     return rows
+
+
+# S3 copies at most 5 GiB in one request (CopyObject); a larger output is copied in parts of COPY_PART bytes
+# (UploadPartCopy, at most 10,000 parts), and like a single copy it appears only when the upload completes.
+SINGLE_COPY_LIMIT = 5 * 1024**3
+COPY_PART = 512 * 1024**2
+
+
+def publish_on_s3(staged: StorageLocation, output: StorageLocation) -> None:
+    """Copy the staged output object to the output on the server, whole or not at all."""
+    size = staged.filesystem.get_file_info(staged.path).size or 0
+    if size <= SINGLE_COPY_LIMIT:
+        output.filesystem.copy_file(staged.path, output.path)
+        return
+    from raytrain_tasks.storage.locations import s3_client
+
+    copy_in_parts(s3_client(output.options), staged.uri, output.uri, size, COPY_PART)
+
+
+def copy_in_parts(client: Any, source_uri: str, target_uri: str, size: int, part: int) -> None:
+    """A multipart upload of ``target_uri`` whose parts are server-side copies of ``source_uri``'s byte ranges;
+    any failure aborts it, so nothing is published and no parts are left billed."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    source_bucket, source_key = split_s3(source_uri)
+    bucket, key = split_s3(target_uri)
+    upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+    completed = False
+    try:
+        parts = []
+        for number, start in enumerate(range(0, size, part), start=1):
+            copied = client.upload_part_copy(
+                Bucket=bucket,
+                Key=key,
+                UploadId=upload,
+                PartNumber=number,
+                CopySource={"Bucket": source_bucket, "Key": source_key},
+                CopySourceRange=f"bytes={start}-{min(start + part, size) - 1}",
+            )
+            parts.append({"PartNumber": number, "ETag": copied["CopyPartResult"]["ETag"]})
+        client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=upload, MultipartUpload={"Parts": parts})
+        completed = True
+    except (BotoCoreError, ClientError) as exc:
+        raise OSError(f"output_path: could not copy the predictions to {target_uri}: {redact(str(exc))}") from exc
+    finally:
+        if not completed:  # a failure, or a stop (Ctrl-C, a cancellation) midway
+            _abort(client, bucket, key, upload)
+
+
+def _abort(client: Any, bucket: str, key: str, upload: str) -> None:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload)
+    except (BotoCoreError, ClientError) as exc:  # the bucket's lifecycle rule for incomplete uploads is left
+        logger.warning("could not abort the unfinished copy to s3://%s/%s (%s): %s", bucket, key, upload, exc)
 
 
 def _parts(staging: StorageLocation, parts: list[str]) -> Any:

@@ -162,3 +162,35 @@ def test_on_s3_the_output_object_appears_once_whole(s3_server: LocalS3) -> None:
     keys = s3_client(options).list_objects_v2(Bucket="prt-scoring", Prefix="daily/").get("Contents", [])
     objects = [item["Key"] for item in keys if not item["Key"].endswith("/") and "attempt0" not in item["Key"]]
     assert objects == ["daily/predictions.parquet"]  # the committed attempt's parts are gone
+
+
+def test_an_output_over_s3s_single_copy_limit_is_copied_in_parts_and_appears_whole(
+    s3_server: LocalS3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S3 refuses a single copy over 5 GiB: such an output goes over in parts (here the limit is lowered to 0 and a
+    part is 5 MiB, S3's least), and a copy that fails midway publishes nothing and leaves no upload open."""
+    import raytrain_driver.scoring_output as scoring_output
+    from raytrain_tasks.storage.locations import create_bucket_in_region, s3_client
+
+    options = StorageOptions(endpoint_url=s3_server.endpoint_url)
+    client = s3_client(options)
+    create_bucket_in_region(client, "prt-large")
+    output = locate("s3://prt-large/daily/predictions.parquet", options)
+    staging = staging_location(output, "work", "attempt1")
+    noise = np.random.default_rng(0).random(1_500_000)  # about 12 MiB that Parquet cannot compress
+    _stage(staging, [pa.table({"id": np.arange(len(noise)), "prediction": noise})])
+    monkeypatch.setattr(scoring_output, "SINGLE_COPY_LIMIT", 0)
+    monkeypatch.setattr(scoring_output, "COPY_PART", 5 * 1024**2)
+
+    with pytest.raises(OSError, match="output_path: could not copy the predictions"):
+        scoring_output.copy_in_parts(client, f"{staging.uri}/gone.parquet", output.uri, 12 * 1024**2, 5 * 1024**2)
+    assert not output.exists()
+    assert not client.list_multipart_uploads(Bucket="prt-large").get("Uploads")
+
+    assert commit(staging, output, Provenance("m", "3", "a" * 64)) == len(noise)
+    head = client.head_object(Bucket="prt-large", Key="daily/predictions.parquet")
+    parts = -(-head["ContentLength"] // (5 * 1024**2))
+    assert parts > 1 and head["ETag"].strip('"').endswith(f"-{parts}")  # a multipart upload's ETag counts its parts
+    written = pq.read_table("prt-large/daily/predictions.parquet", filesystem=output.filesystem)
+    assert written["prediction"].to_numpy().tolist() == noise.tolist()
+    assert read_provenance(output) == Provenance("m", "3", "a" * 64, rows=len(noise))
