@@ -13,6 +13,7 @@ QUIET_LOGGERS = (
     "ray._private.authentication.authentication_token_setup",  # "Token authentication is enabled ..."
     "mlflow.store.db.utils",  # "Creating initial MLflow database tables..."
     "alembic.runtime.migration",
+    "ray.tune.tune",  # a sweep's "Wrote the latest version of all result files ..."
 )
 TEMPORARY_SERVER = ("Starting temporary server", "Stopping temporary server")
 

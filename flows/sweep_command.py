@@ -14,7 +14,7 @@ from prefect.states import State
 
 from flows.cli import credentials_to_environment, local_services, parse_args
 from flows.console import quiet_console
-from raytrain_tasks.config import parameters_of
+from raytrain_tasks.config import TrainingConfig, parameters_of
 from raytrain_tasks.errors import ClusterError
 from raytrain_tasks.redact import redact
 
@@ -39,6 +39,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "prefect-raytrain sweep"
     sweep, rest = _sweep_parser(prog).parse_known_args(args)
     config, verbose = parse_args(rest, prog)
     config = credentials_to_environment(config)
+    if problem := _search_problem(config, sweep.search, sweep.grace_period):  # in seconds, before Prefect and Ray
+        print(f"\nsweep failed: {redact(problem)}", file=sys.stderr)
+        return 2
     if not verbose:
         quiet_console()
     parameters = {"search": sweep.search, "trials": sweep.trials, "grace_period": sweep.grace_period}
@@ -62,6 +65,18 @@ def main(argv: Sequence[str] | None = None, prog: str = "prefect-raytrain sweep"
         return 1
     print(_summary(state.result()))
     return 0
+
+
+def _search_problem(config: TrainingConfig, search: str, grace_period: int) -> str:
+    """Why the search (or the sweep's settings, or its code) cannot run; "" if it can. The flow checks it again."""
+    from raytrain_driver.sweep_run import plan_search
+    from raytrain_tasks.errors import SettingsError, UserCodeError
+
+    try:
+        plan_search(config, search, grace_period)
+    except (SettingsError, UserCodeError) as exc:
+        return str(exc)
+    return ""
 
 
 def _summary(result: object) -> str:

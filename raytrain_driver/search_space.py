@@ -10,6 +10,7 @@ Parsing is pure, and every value a trial could get is checked against the settin
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 from collections.abc import Callable, Mapping
@@ -63,6 +64,27 @@ def parse_search(
         if name in secret_keys:
             raise SettingsError(f"search[{name!r}]: a secret of your code's settings is not searched")
     return tuple(_dimension(str(name), value, name in settings) for name, value in search.items())
+
+
+# How close an unknown key must be to a searchable name to be taken for its misspelling.
+MISSPELLING_CUTOFF = 0.8
+
+
+def unknown_key_refusal(name: str, code_keys: tuple[str, ...], code_declares_all: bool) -> str:
+    """Why ``name``, searched as a key of the code's train_config, is refused; "" if it is not. A code whose
+    settings class declares its keys (``code_declares_all``) takes those alone; a code of plain defaults also
+    takes keys it has no default for, but not a misspelling of a searchable name, which would vary nothing."""
+    known = sorted(SEARCHABLE) + [key for key in code_keys if key not in SEARCHABLE]
+    if name in known:
+        return ""
+    near = difflib.get_close_matches(name, known, n=1, cutoff=MISSPELLING_CUTOFF)
+    if not near and not code_declares_all:
+        return ""
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    code = f"the keys of your code's train_config ({', '.join(code_keys)})" if code_keys else "your code's keys"
+    return (
+        f"search[{name!r}]: no setting of that name. A search varies {', '.join(sorted(SEARCHABLE))} and {code}" + hint
+    )
 
 
 def _dimension(name: str, value: Any, is_setting: bool) -> Dimension:

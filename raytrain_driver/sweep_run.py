@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict
 from raytrain_driver.cluster import ray_session
 from raytrain_driver.fit_record import FitResult, finished_fit
 from raytrain_driver.preflight import resolve_code
-from raytrain_driver.search_space import Dimension, check_every_value, parse_search
+from raytrain_driver.search_space import Dimension, check_every_value, parse_search, unknown_key_refusal
 from raytrain_driver.tuning import SWEEP_TAG, SweepPlan, Trial, best_trial, run_trials, trial_config
 from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.errors import SettingsError
@@ -45,12 +45,17 @@ class SweepOutcome(BaseModel):
 def plan_search(config: TrainingConfig, search: dict[str, Any] | str, grace_period: int = 1) -> tuple[Dimension, ...]:
     """The search's dimensions, every value they can take checked against the settings and the code's own; a
     SettingsError naming `search` (or the setting) otherwise, before anything starts."""
-    from raytrain_tasks.code_settings import code_values, secret_keys
+    from raytrain_tasks.code_settings import code_values, secret_keys, setting_names
 
     for refusal in _sweep_refusals(config, grace_period):
         raise SettingsError(refusal)
     spec = resolve_code(config)
     dimensions = parse_search(search, frozenset(TrainingConfig.model_fields), secret_keys(spec.settings))
+    declared = spec.settings  # the code's settings class: it declares every key; plain defaults do not
+    code_keys = tuple(setting_names(declared, declared.__name__) if declared is not None else spec.defaults)
+    for dimension in dimensions:
+        if dimension.in_code and (refusal := unknown_key_refusal(dimension.name, code_keys, declared is not None)):
+            raise SettingsError(refusal)
     base = config.model_dump()
 
     def check(settings: dict[str, Any], code: dict[str, Any]) -> None:

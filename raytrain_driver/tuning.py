@@ -21,6 +21,7 @@ from raytrain_tasks.config import TrainingConfig
 from raytrain_tasks.prepared import RunData
 from raytrain_tasks.storage.locations import RUNS_DIR, StorageLocation, locate
 from raytrain_tasks.tracking import runs as tracking
+from raytrain_tasks.tracking.names import epoch_number
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ def run_trial(tune_config: dict[str, Any], plan: SweepPlan) -> None:
             raise RuntimeError(f"trial {trial_id}'s run key {run_key} is another trial's: run the sweep again")
         config = config.model_copy(update={"resume": run_key})  # a restored sweep: on from its last checkpoint
     origin = {
-        "run_name": f"{plan.sweep_key} trial {trial_id}",
+        "run_name": f"{run_key} ({plan.sweep_key} trial {trial_id})",  # the console and trials.json name run keys
         PARENT_TAG: plan.parent_run_id,
         SWEEP_TAG: plan.sweep_key,
         TRIAL_TAG: trial_id,
@@ -115,6 +116,9 @@ def run_trials(plan: SweepPlan, trials: int, grace_period: int, metric: str, hig
     # Ctrl-C stops the sweep (a KeyboardInterrupt, as anywhere else), not only Tune's loop: with Tune's own
     # handler, fit() returned normally and the half-run sweep was registered as if complete.
     os.environ.setdefault("TUNE_DISABLE_SIGINT_HANDLER", "1")
+    # Tune's newer console output prints its configuration box and a TensorBoard hint even at verbose=0; the older
+    # one prints nothing there. The sweep's progress is trial_lines': one line per trial epoch.
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
     where = sweeps_location(config)
     # The trial itself holds no CPU: its Ray Train workers take them. (Ray Tune refuses an empty request.)
     trainable = tune.with_resources(tune.with_parameters(run_trial, plan=plan), {"cpu": 0, "memory": 1})
@@ -141,12 +145,38 @@ def run_trials(plan: SweepPlan, trials: int, grace_period: int, metric: str, hig
                 storage_path=where.path,
                 storage_filesystem=where.filesystem,
                 verbose=0,
+                callbacks=[trial_lines(plan.sweep_key, metric, config.epochs)],
                 # A failed trial is tried again as a nightly fit is (fit_retries), from its last checkpoint.
                 failure_config=tune.FailureConfig(max_failures=config.fit_retries),
             ),
         )
     grid = tuner.fit()
     return [_trial_of(plan, grid[index], metric, higher_is_better, config.epochs) for index in range(len(grid))]
+
+
+def trial_line(run_key: str, result: dict[str, Any], metric: str, epochs: int) -> str:
+    """A trial's epoch on the console: ``trial <run key> epoch 2/3: val_accuracy=0.9123``."""
+    index = result.get("epoch")  # the 0-based index a fit reports; Tune's own count of reports otherwise
+    epoch = epoch_number(index) if isinstance(index, int | float) else result.get("training_iteration", "?")
+    value = result.get(metric)
+    shown = f"{value:.4g}" if isinstance(value, int | float) else "?"
+    return f"trial {run_key} epoch {epoch}/{epochs}: {metric}={shown}"
+
+
+def trial_lines(sweep_key: str, metric: str, epochs: int) -> Any:
+    """Ray Tune's callback on the sweep's driver: each epoch a trial reports goes to the run's log (the console,
+    Prefect), as a nightly fit's epochs do; Tune itself stays quiet (verbose=0)."""
+    from ray.tune import Callback
+
+    from raytrain_driver.hooks import run_logger
+
+    log = run_logger()
+
+    class TrialLines(Callback):  # type: ignore[misc]
+        def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
+            log.info(trial_line(trial_run_key(sweep_key, trial.trial_id), result, metric, epochs))
+
+    return TrialLines()
 
 
 def _trials_at_once(config: TrainingConfig, resources: dict[str, float]) -> int:

@@ -6,6 +6,7 @@ tests/raytrain_driver/test_search_space.py."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -44,8 +45,15 @@ def _runs(workdir: Path) -> dict[str, list]:
 def swept(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     workdir = tmp_path_factory.mktemp("sweep")
     config = small_config(workdir, epochs=2, model_name="swept")
-    result = sweep_pipeline(**parameters_of(config), search=SEARCH, trials=1, grace_period=1)
-    return SimpleNamespace(workdir=workdir, result=result, config=config, **_runs(workdir))
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("prefect.task_runs").addHandler(handler)  # the sweep task's log: the console, Prefect
+    try:
+        result = sweep_pipeline(**parameters_of(config), search=SEARCH, trials=1, grace_period=1)
+    finally:
+        logging.getLogger("prefect.task_runs").removeHandler(handler)
+    return SimpleNamespace(workdir=workdir, result=result, config=config, lines=lines, **_runs(workdir))
 
 
 def test_each_trial_is_a_nested_mlflow_run_with_its_params_and_curves(swept: SimpleNamespace) -> None:
@@ -66,6 +74,18 @@ def test_asha_stops_the_trial_that_falls_behind_and_says_so(swept: SimpleNamespa
     assert fast.info.status == "FINISHED" and STOPPED_TAG not in fast.data.tags
     rows = {row["learning_rate"]: row for row in swept.result.outcome.trials}
     assert rows[0.0001]["finished"] is False and rows[0.05]["finished"] is True
+
+
+def test_the_log_shows_each_epoch_of_each_trial_once_by_its_run_key(swept: SimpleNamespace) -> None:
+    keys = {r.data.params["learning_rate"]: r.data.tags["prefect_raytrain.run_key"] for r in swept.trials}
+    said = sorted(line.split(":")[0] for line in swept.lines if line.startswith("trial "))
+    assert said == sorted(
+        [f"trial {keys['0.05']} epoch 1/2", f"trial {keys['0.05']} epoch 2/2"]
+        + [
+            f"trial {keys['0.0001']} epoch 1/2"  # then ASHA stopped it
+        ]
+    ), swept.lines
+    assert all(r.info.run_name.startswith(r.data.tags["prefect_raytrain.run_key"]) for r in swept.trials)
 
 
 def test_the_best_trial_is_registered_once_through_the_gate(swept: SimpleNamespace) -> None:

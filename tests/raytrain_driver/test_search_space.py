@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from raytrain_driver.search_space import Dimension, parse_search
+from raytrain_driver.search_space import Dimension, parse_search, unknown_key_refusal
 from raytrain_driver.sweep_run import plan_search
-from raytrain_driver.tuning import SweepPlan, Trial, best_trial, trial_config, trial_run_key
+from raytrain_driver.tuning import SweepPlan, Trial, best_trial, trial_config, trial_line, trial_run_key
 from raytrain_tasks.config import RUN_KEY_PATTERN, TrainingConfig
 from raytrain_tasks.errors import SettingsError
 
@@ -60,7 +60,8 @@ def test_a_search_that_says_nothing_clear_is_refused_naming_the_key(search: Any,
     ("settings", "search", "says"),
     [
         ({}, {"learning_rate": [0.01, -1]}, r"search\['learning_rate'\]: the value -1 is refused"),
-        ({}, {"hiden_sizes": [[32]]}, r"search\['hiden_sizes'\]"),  # not a key of the table classifier's settings
+        ({}, {"hiden_sizes": [[32]]}, r"search\['hiden_sizes'\].*did you mean 'hidden_sizes'"),
+        ({}, {"learning_rat": [0.1]}, r"search\['learning_rat'\]: no setting .*did you mean 'learning_rate'"),
         ({"checkpoint_every_steps": 50}, {"learning_rate": [0.01]}, "checkpoint_every_steps"),
         ({}, {"learning_rate": [0.01, 0.1], "hidden_sizes": [[32], [64, 64]]}, None),
     ],
@@ -74,6 +75,27 @@ def test_every_value_a_trial_could_get_is_checked_before_anything_starts(
         return
     with pytest.raises(SettingsError, match=says):
         plan_search(config, search)
+
+
+@pytest.mark.parametrize(
+    ("name", "code_keys", "declares_all", "says"),
+    [
+        ("learning_rate", (), False, ""),
+        ("hidden", ("hidden", "dropout"), True, ""),
+        ("learning_rat", ("hidden",), False, "did you mean 'learning_rate'"),  # varies nothing: refused anyway
+        ("hiden", ("hidden",), False, "did you mean 'hidden'"),
+        ("width", ("hidden",), False, ""),  # plain defaults: the code may read keys it has no default for
+        ("width", ("hidden", "dropout"), True, "train_config (hidden, dropout)"),  # its settings class has none
+        ("batchsize", ("hidden",), True, "did you mean 'batch_size'"),
+    ],
+)
+def test_a_searched_name_that_is_no_setting_is_refused_with_the_nearest(
+    name: str, code_keys: tuple[str, ...], declares_all: bool, says: str
+) -> None:
+    refusal = unknown_key_refusal(name, code_keys, declares_all)
+    assert (says in refusal and refusal.startswith(f"search[{name!r}]: no setting")) if says else refusal == ""
+    if says:
+        assert "batch_size, learning_rate, seed" in refusal  # what a search varies, whatever the code
 
 
 def test_a_secret_of_the_codes_settings_is_never_searched() -> None:
@@ -153,3 +175,19 @@ def test_the_best_trial_is_the_best_one_that_trained_every_epoch(
 ) -> None:
     found = best_trial(trials, higher)
     assert (found.run_key if found else None) == best
+
+
+@pytest.mark.parametrize(
+    ("result", "metric", "line"),
+    [
+        (
+            {"epoch": 1, "val_accuracy": 0.912345, "training_iteration": 1},
+            "val_accuracy",
+            "epoch 2/3: val_accuracy=0.9123",
+        ),
+        ({"training_iteration": 1, "val_loss": 0.5}, "val_loss", "epoch 1/3: val_loss=0.5"),  # no epoch reported
+        ({"epoch": 0}, "val_loss", "epoch 1/3: val_loss=?"),
+    ],
+)
+def test_a_trials_epoch_is_one_line_counted_from_one(result: dict[str, Any], metric: str, line: str) -> None:
+    assert trial_line("20261206-120000-abcdef", result, metric, 3) == f"trial 20261206-120000-abcdef {line}"
