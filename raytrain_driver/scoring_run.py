@@ -161,7 +161,8 @@ def _predict(config: ScoringConfig, plan: ScoringPlan, files: dict[str, bytes], 
     predicted = dataset.map_batches(
         Predictor,
         fn_constructor_kwargs={
-            # In each actor's creation task: an object-store argument would leave a restarted actor without it.
+            # Ray Data puts them in the object store with the rest of the pool's recipe and holds them until the
+            # run ends: an actor that dies restarts with them (Ray's warning of it, ray#53727, is for other cases).
             "files": files,
             "plan": plan.features,
             "dtype": plan.model.inputs.dtype,
