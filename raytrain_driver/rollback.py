@@ -1,20 +1,20 @@
 """Moving ``champion`` back to an earlier version by hand, through the same registry lock as register-model, and
 recording why (``raytrain_driver.champion_history``).
 
-Fail closed: a version that does not exist, is the champion already, or whose MLflow run is unknown is refused,
-and nothing moves.
+Fail closed: a version that does not exist, is the champion already, was kept out by the gate and never served, or
+whose MLflow run is unknown is refused, and nothing moves.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from raytrain_driver.champion_history import ROLLBACK, ChampionMove, record_move
+from raytrain_driver.champion_history import ROLLBACK, ChampionMove, read_history, record_move, was_champion
 from raytrain_driver.origin import VERSION_RUN_KEY_TAG
-from raytrain_driver.promotion import CHAMPION, PREVIOUS_CHAMPION
+from raytrain_driver.promotion import CHAMPION, PREVIOUS_CHAMPION, Promotion
 from raytrain_driver.registry_lock import model_lock
 from raytrain_tasks.errors import RollbackError, TrackingError
 from raytrain_tasks.settings import MODEL_NAME_PATTERN
@@ -22,6 +22,9 @@ from raytrain_tasks.settings import MODEL_NAME_PATTERN
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
+# The gate's decision on a version it registered, and why (raytrain_driver.register).
+DECISION_TAG = "promotion.decision"
+REASON_TAG = "promotion.reason"
 TO_SETTING = "the version to roll back to (`--to`, or the flow's `to_version`)"
 
 
@@ -35,6 +38,7 @@ class Target:
     run_state: str = ""  # the run's lifecycle stage ("active", "deleted"); empty: MLflow has no such run
     status: str = "READY"
     run_key: str = ""
+    kept_out: str = ""  # the gate's reason, where it kept this version out and no record shows it champion since
 
 
 NO_REASON = "a rollback needs a reason (`--reason`, or the flow's `reason`): it is recorded with the move"
@@ -49,6 +53,11 @@ def refusal(target: Target, champion: str | None, reason: str) -> str | None:
         return f"version {target.version} does not exist (its versions: {known}); check {TO_SETTING}"
     if target.version == champion:
         return f"version {target.version} is the {CHAMPION} already; check {TO_SETTING}"
+    if target.kept_out:
+        return (
+            f"version {target.version} was never {CHAMPION}: the gate kept it out ({target.kept_out}). A rollback "
+            f"returns to a version that served; check {TO_SETTING}"
+        )
     if target.status != "READY":
         return f"version {target.version} is {target.status}, not READY: it cannot serve; check {TO_SETTING}"
     if not target.run_id:
@@ -91,7 +100,7 @@ def roll_back(client: MlflowClient, name: str, to_version: str, reason: str, by:
         try:
             champion = client.get_registered_model(name).aliases.get(CHAMPION)
             champion = None if champion is None else str(champion)
-            target = _target(client, name, version)
+            target = _target(client, name, version, read_history(client, name)[0].moves)
         except MlflowException as exc:
             raise TrackingError(f"could not read {name} version {version}: {exc}. Nothing moved") from exc
         if (why := refusal(target, champion, reason)) is not None:
@@ -116,7 +125,22 @@ def roll_back(client: MlflowClient, name: str, to_version: str, reason: str, by:
             ) from exc
 
 
-def _target(client: MlflowClient, name: str, version: str) -> Target:
+def kept_out(version_tags: Mapping[str, str], moves: Sequence[ChampionMove], version: str) -> str:
+    """The gate's reason where it decided ``version`` (its ``promotion.*`` tags) without making it champion, and
+    no record shows it champion since (moved there outside, the next record says so); "" otherwise, and for a
+    version the gate never decided (registered by hand, or before the gate wrote its decisions)."""
+    decision = version_tags.get(DECISION_TAG)
+    if not decision or was_champion(moves, version):
+        return ""
+    try:
+        if Promotion(decision).moves_champion:
+            return ""
+    except ValueError:  # a decision this release does not know: it cannot tell, so it refuses
+        return f"its recorded decision {decision!r} is unknown to this release"
+    return (version_tags.get(REASON_TAG) or decision)[:300]
+
+
+def _target(client: MlflowClient, name: str, version: str, moves: Sequence[ChampionMove]) -> Target:
     from mlflow.exceptions import MlflowException
 
     versions = {str(found.version) for found in client.search_model_versions(f"name = '{name}'")}
@@ -131,5 +155,6 @@ def _target(client: MlflowClient, name: str, version: str) -> Target:
         except MlflowException as exc:
             if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
                 raise
-    run_key = dict(found.tags).get(VERSION_RUN_KEY_TAG, "")
-    return Target(version, versions, run_id, state, str(found.status), run_key)
+    tags = dict(found.tags)
+    run_key = tags.get(VERSION_RUN_KEY_TAG, "")
+    return Target(version, versions, run_id, state, str(found.status), run_key, kept_out(tags, moves, version))

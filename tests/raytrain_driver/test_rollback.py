@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from raytrain_driver.champion_history import ROLLBACK, read_history
+from raytrain_driver.champion_history import ROLLBACK, ChampionMove, read_history
 from raytrain_driver.registry_lock import QUEUE_SUFFIX, model_lock
-from raytrain_driver.rollback import Target, refusal, roll_back
+from raytrain_driver.rollback import Target, kept_out, refusal, roll_back
 from raytrain_tasks.errors import RollbackError
 from tests.registered_versions import registered_versions
 
@@ -32,6 +32,7 @@ VERSIONS = ("1", "2", "3")
         (Target("1", VERSIONS, "r1", ""), "3", "bad model", "run r1 is unknown to this MLflow store"),
         (Target("1", VERSIONS, "r1", "deleted"), "3", "bad model", "run r1 is deleted"),
         (Target("1", VERSIONS, "r1", "active", "FAILED_REGISTRATION"), "3", "x", "version 1 is FAILED_REGISTRATION"),
+        (Target("1", VERSIONS, "r1", "active", kept_out="worse"), "3", "bad model", "version 1 was never champion"),
     ],
 )
 def test_refusal(target: Target, champion: str | None, reason: str, refused: str | None) -> None:
@@ -41,6 +42,32 @@ def test_refusal(target: Target, champion: str | None, reason: str, refused: str
     else:
         assert said is not None and refused in said, said
         assert "--" in said  # names the setting to change
+
+
+def _move(version: str, previous: str | None) -> ChampionMove:
+    return ChampionMove(version, previous, "r", "k", "promote", "better", "training run")
+
+
+KEPT = {"promotion.decision": "keep_champion", "promotion.reason": "does not beat champion version 1 (0.68 vs 0.94)"}
+
+
+@pytest.mark.parametrize(
+    ("tags", "moves", "says"),
+    [
+        (KEPT, [], "does not beat champion version 1 (0.68 vs 0.94)"),
+        (KEPT, [_move("3", "2")], ""),  # moved to champion outside: the next record's previous shows it served
+        (KEPT, [_move("2", "1")], ""),  # champion after all (a later gate run promoted it)
+        ({"promotion.decision": "undecided"}, [], "undecided"),
+        ({"promotion.decision": "not_requested"}, [], "not_requested"),
+        ({"promotion.decision": "promote"}, [], ""),
+        ({"promotion.decision": "replace_incomparable_champion"}, [], ""),
+        ({}, [], ""),  # registered by hand, or before the gate wrote its decisions: nothing says it did not serve
+        ({"promotion.decision": "demote"}, [], "unknown to this release"),  # cannot tell: refused
+    ],
+)
+def test_kept_out(tags: dict[str, str], moves: list[ChampionMove], says: str) -> None:
+    said = kept_out(tags, moves, "2")
+    assert (says in said and said) if says else said == "", said
 
 
 def _with_champion(tmp_path: Path, name: str) -> tuple[str, Any, list[str]]:
@@ -129,3 +156,13 @@ def test_a_rollback_waits_for_the_models_lock(tmp_path: Path) -> None:
         assert owner == f"{by}, to version {v1}", owner
     rolling.join(timeout=60)
     assert moved and str(client.get_registered_model("waits").aliases["champion"]) == v1
+
+
+def test_a_version_the_gate_kept_out_and_that_never_served_is_refused(tmp_path: Path) -> None:
+    uri, client, (v1, _, _) = _with_champion(tmp_path, "gated")
+    for key, value in KEPT.items():
+        client.set_model_version_tag("gated", v1, key, value)
+    before = _unchanged(client, "gated")
+    with pytest.raises(RollbackError, match=r"version 1 was never champion: the gate kept it out \(does not beat"):
+        roll_back(client, "gated", v1, "try the small one", by="rollback by ana@host-1")
+    assert _unchanged(client, "gated") == before
