@@ -284,7 +284,7 @@ def log_user_summary(
     """The best checkpoint's figures, as its epoch line shows them, then its held-out test scores."""
     shown = [*headline(best, left_off(spec)), *sorted(key for key in best if key.startswith("test_"))]
     logger.info(
-        "best checkpoint: step %d by %s (%s is better): %s",
+        "best checkpoint: epoch %d by %s (%s is better): %s",
         step,
         spec.selection.name,
         "higher" if spec.selection.higher_is_better else "lower",

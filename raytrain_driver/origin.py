@@ -111,7 +111,7 @@ def _description(
         train_config = f"{train_config[:_TRAIN_CONFIG_SHOWN]}... (whole in the run's params)"
     return (
         f"{config.train_code} trained{data} by run {fit.run_key} (train_config {train_config}); "
-        f"best checkpoint: step {fit.best_epoch} by {selected_by}; {scores}."
+        f"best checkpoint: epoch {fit.best_epoch} by {selected_by}; {scores}."
     )
 
 

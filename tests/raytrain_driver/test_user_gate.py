@@ -345,6 +345,7 @@ def test_a_version_description_fits_mlflows_column_however_large_the_train_confi
     assert len(description) <= DESCRIPTION_LIMIT
     assert description.startswith(f"{TRAIN_CODE} trained by run") and '"dropout":0.1' in description
     assert "whole in the run's params" in description and "val_class_0_recall 0.0000" in description
+    assert f"best checkpoint: epoch {fit.best_epoch} by val_mse" in description  # epochs as people count them
 
 
 def test_a_versions_tags_and_description_hold_no_credential_of_the_train_config(tmp_path: Path) -> None:
