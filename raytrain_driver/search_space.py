@@ -66,25 +66,42 @@ def parse_search(
     return tuple(_dimension(str(name), value, name in settings) for name, value in search.items())
 
 
-# How close an unknown key must be to a searchable name to be taken for its misspelling.
+# How close an unknown key must be to a known name to be named as what was meant (a code's settings class).
 MISSPELLING_CUTOFF = 0.8
 
 
 def unknown_key_refusal(name: str, code_keys: tuple[str, ...], code_declares_all: bool) -> str:
     """Why ``name``, searched as a key of the code's train_config, is refused; "" if it is not. A code whose
-    settings class declares its keys (``code_declares_all``) takes those alone; a code of plain defaults also
-    takes keys it has no default for, but not a misspelling of a searchable name, which would vary nothing."""
+    settings class declares its keys (``code_declares_all``) takes those alone. A code of plain defaults also
+    takes keys it has no default for, but not one a typing slip away from a known name (``learning_rat``), which
+    would vary nothing; ``eval_batch_size`` is a key of its own."""
     known = sorted(SEARCHABLE) + [key for key in code_keys if key not in SEARCHABLE]
     if name in known:
         return ""
-    near = difflib.get_close_matches(name, known, n=1, cutoff=MISSPELLING_CUTOFF)
-    if not near and not code_declares_all:
-        return ""
+    if code_declares_all:
+        near = difflib.get_close_matches(name, known, n=1, cutoff=MISSPELLING_CUTOFF)
+    else:
+        slips = sorted((_edits(name, key), key) for key in known)
+        near = [key for edits, key in slips[:1] if edits <= (2 if len(key) >= 6 else 1)]
+        if not near:
+            return ""
     hint = f"; did you mean {near[0]!r}?" if near else ""
+    if not code_declares_all:
+        hint += f" If your code reads {name!r}, give it a default in its TrainFunc or TrainSpec"
     code = f"the keys of your code's train_config ({', '.join(code_keys)})" if code_keys else "your code's keys"
     return (
         f"search[{name!r}]: no setting of that name. A search varies {', '.join(sorted(SEARCHABLE))} and {code}" + hint
     )
+
+
+def _edits(a: str, b: str) -> int:
+    """Levenshtein distance: the insertions, deletions and substitutions that make ``a`` into ``b``."""
+    row = list(range(len(b) + 1))
+    for i, char in enumerate(a, start=1):
+        previous, row[0] = row[0], i
+        for j, other in enumerate(b, start=1):
+            previous, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, previous + (char != other))
+    return row[-1]
 
 
 def _dimension(name: str, value: Any, is_setting: bool) -> Dimension:

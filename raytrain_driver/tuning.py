@@ -168,13 +168,13 @@ def trial_lines(sweep_key: str, metric: str, epochs: int) -> Any:
     Prefect), as a nightly fit's epochs do; Tune itself stays quiet (verbose=0)."""
     from ray.tune import Callback
 
-    from raytrain_driver.hooks import run_logger
-
-    log = run_logger()
-
     class TrialLines(Callback):  # type: ignore[misc]
         def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
-            log.info(trial_line(trial_run_key(sweep_key, trial.trial_id), result, metric, epochs))
+            from raytrain_driver.hooks import run_logger
+
+            # The logger of the task running now: Tune keeps this callback in the sweep's record, and a continued
+            # sweep (Tuner.restore) calls the kept one, so a logger taken when it was made would be the killed run's.
+            run_logger().info(trial_line(trial_run_key(sweep_key, trial.trial_id), result, metric, epochs))
 
     return TrialLines()
 

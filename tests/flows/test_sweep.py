@@ -132,6 +132,8 @@ def test_a_sweep_killed_after_a_finished_trial_continues_without_training_it_aga
     (line,) = [line for line in again.stdout.splitlines() if line.strip().startswith(kept_key)]
     assert line.endswith("finished"), again.stdout  # counted as the finished trial it is, its epochs not re-counted
     assert f"best: {kept_key}" in again.stdout
+    said = (again.stdout + again.stderr).splitlines()
+    assert any(" - trial " in line and " epoch 1/2: val_accuracy=" in line for line in said), said  # its progress
     runs = _runs(tmp_path)
     assert len(runs["sweep"]) == 1 and len(runs["trials"]) == 2  # the same sweep run, no trial twice
     assert {path.name: path.stat().st_mtime for path in record.iterdir()} == stamp  # not trained again

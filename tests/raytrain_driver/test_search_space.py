@@ -87,6 +87,11 @@ def test_every_value_a_trial_could_get_is_checked_before_anything_starts(
         ("width", ("hidden",), False, ""),  # plain defaults: the code may read keys it has no default for
         ("width", ("hidden", "dropout"), True, "train_config (hidden, dropout)"),  # its settings class has none
         ("batchsize", ("hidden",), True, "did you mean 'batch_size'"),
+        ("eval_batch_size", ("hidden",), False, ""),  # a key of its own, not a slip of batch_size
+        ("max_learning_rate", ("hidden",), False, ""),
+        ("learningrate", ("hidden",), False, "did you mean 'learning_rate'? If your code reads 'learningrate'"),
+        ("sed", ("hidden",), False, "did you mean 'seed'"),
+        ("seeds", ("hidden",), False, "did you mean 'seed'"),
     ],
 )
 def test_a_searched_name_that_is_no_setting_is_refused_with_the_nearest(
@@ -191,3 +196,31 @@ def test_the_best_trial_is_the_best_one_that_trained_every_epoch(
 )
 def test_a_trials_epoch_is_one_line_counted_from_one(result: dict[str, Any], metric: str, line: str) -> None:
     assert trial_line("20261206-120000-abcdef", result, metric, 3) == f"trial 20261206-120000-abcdef {line}"
+
+
+def test_a_continued_sweeps_trial_lines_go_to_the_run_continuing_it() -> None:
+    """Tune keeps its callbacks in the sweep's record and a continued sweep calls the kept ones: their lines must
+    reach the logger of the task running now, not that of the killed run that made them."""
+    import logging
+    from types import SimpleNamespace
+
+    from ray import cloudpickle
+
+    from raytrain_driver.hooks import RunHooks, run_hooks
+    from raytrain_driver.tuning import trial_lines
+
+    heard: dict[str, list[str]] = {"killed": [], "continuing": []}
+    loggers = {}
+    for name, lines in heard.items():
+        loggers[name] = logging.getLogger(f"tests.sweep.{name}")
+        handler = logging.Handler()
+        handler.emit = lambda record, lines=lines: lines.append(record.getMessage())  # type: ignore[method-assign]
+        loggers[name].addHandler(handler)
+        loggers[name].setLevel(logging.INFO)
+    with run_hooks(RunHooks(loggers["killed"])):
+        kept = cloudpickle.dumps(trial_lines("20261206-120000-abcdef", "val_accuracy", 2))
+    with run_hooks(RunHooks(loggers["continuing"])):
+        restored = cloudpickle.loads(kept)
+        restored.on_trial_result(1, [], SimpleNamespace(trial_id="t1"), {"epoch": 0, "val_accuracy": 0.5})
+    key = trial_run_key("20261206-120000-abcdef", "t1")
+    assert heard == {"killed": [], "continuing": [f"trial {key} epoch 1/2: val_accuracy=0.5"]}
