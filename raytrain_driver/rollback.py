@@ -8,7 +8,7 @@ whose MLflow run is unknown is refused, and nothing moves.
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 # The gate's decision on a version it registered, and why (raytrain_driver.register).
 DECISION_TAG = "promotion.decision"
 REASON_TAG = "promotion.reason"
+CHAMPION_VERSION_TAG = "promotion.champion_version"  # the champion the gate compared the version with
 TO_SETTING = "the version to roll back to (`--to`, or the flow's `to_version`)"
 
 
@@ -38,7 +39,7 @@ class Target:
     run_state: str = ""  # the run's lifecycle stage ("active", "deleted"); empty: MLflow has no such run
     status: str = "READY"
     run_key: str = ""
-    kept_out: str = ""  # the gate's reason, where it kept this version out and no record shows it champion since
+    kept_out: str = ""  # why nothing shows it served though the gate decided it: kept_out's answer
 
 
 NO_REASON = "a rollback needs a reason (`--reason`, or the flow's `reason`): it is recorded with the move"
@@ -55,8 +56,8 @@ def refusal(target: Target, champion: str | None, reason: str) -> str | None:
         return f"version {target.version} is the {CHAMPION} already; check {TO_SETTING}"
     if target.kept_out:
         return (
-            f"version {target.version} was never {CHAMPION}: the gate kept it out ({target.kept_out}). A rollback "
-            f"returns to a version that served; check {TO_SETTING}"
+            f"version {target.version} {target.kept_out}. A rollback returns to a version that served; check "
+            f"{TO_SETTING}. If it did serve, move {CHAMPION} to it in the MLflow UI: the next recorded move notes it"
         )
     if target.status != "READY":
         return f"version {target.version} is {target.status}, not READY: it cannot serve; check {TO_SETTING}"
@@ -98,9 +99,9 @@ def roll_back(client: MlflowClient, name: str, to_version: str, reason: str, by:
         ) from exc
     with model_lock(client, name, owner=f"{by}, to version {version}") as lock:
         try:
-            champion = client.get_registered_model(name).aliases.get(CHAMPION)
-            champion = None if champion is None else str(champion)
-            target = _target(client, name, version, read_history(client, name)[0].moves)
+            aliases = {alias: str(held) for alias, held in client.get_registered_model(name).aliases.items()}
+            champion = aliases.get(CHAMPION)
+            target = _target(client, name, version, read_history(client, name)[0].moves, aliases)
         except MlflowException as exc:
             raise TrackingError(f"could not read {name} version {version}: {exc}. Nothing moved") from exc
         if (why := refusal(target, champion, reason)) is not None:
@@ -125,25 +126,37 @@ def roll_back(client: MlflowClient, name: str, to_version: str, reason: str, by:
             ) from exc
 
 
-def kept_out(version_tags: Mapping[str, str], moves: Sequence[ChampionMove], version: str) -> str:
-    """The gate's reason where it decided ``version`` (its ``promotion.*`` tags) without making it champion, and
-    no record shows it champion since (moved there outside, the next record says so); "" otherwise, and for a
-    version the gate never decided (registered by hand, or before the gate wrote its decisions)."""
+def served(version: str, moves: Sequence[ChampionMove], previous_champion: str | None, replaced: Set[str]) -> bool:
+    """Whether anything shows ``version`` was champion: a recorded move to or from it, the ``previous_champion``
+    alias on it, or a gate decision that compared a candidate with it as champion (``replaced``: every version's
+    ``promotion.champion_version``; the gate wrote those before the history was recorded)."""
+    return was_champion(moves, version) or version == previous_champion or version in replaced
+
+
+def kept_out(version_tags: Mapping[str, str], has_served: bool) -> str:
+    """What refuses a rollback to a version the gate decided without making it champion, where nothing shows it
+    served since (a move in the MLflow UI leaves no record until the next one); "" otherwise, and for a version
+    the gate never decided (registered by hand)."""
     decision = version_tags.get(DECISION_TAG)
-    if not decision or was_champion(moves, version):
+    if not decision or has_served:
         return ""
     try:
         if Promotion(decision).moves_champion:
             return ""
     except ValueError:  # a decision this release does not know: it cannot tell, so it refuses
-        return f"its recorded decision {decision!r} is unknown to this release"
-    return (version_tags.get(REASON_TAG) or decision)[:300]
+        return f"has a promotion decision this release does not know ({decision!r}), and nothing shows it served"
+    reason = (version_tags.get(REASON_TAG) or decision)[:300]
+    return f"was never {CHAMPION} that anything shows: the gate kept it out ({reason})"
 
 
-def _target(client: MlflowClient, name: str, version: str, moves: Sequence[ChampionMove]) -> Target:
+def _target(
+    client: MlflowClient, name: str, version: str, moves: Sequence[ChampionMove], aliases: Mapping[str, str]
+) -> Target:
     from mlflow.exceptions import MlflowException
 
-    versions = {str(found.version) for found in client.search_model_versions(f"name = '{name}'")}
+    every = client.search_model_versions(f"name = '{name}'")
+    versions = {str(found.version) for found in every}
+    replaced = {str(dict(found.tags).get(CHAMPION_VERSION_TAG)) for found in every}
     if version not in versions:
         return Target(version, versions)
     found = client.get_model_version(name, version)
@@ -157,4 +170,5 @@ def _target(client: MlflowClient, name: str, version: str, moves: Sequence[Champ
                 raise
     tags = dict(found.tags)
     run_key = tags.get(VERSION_RUN_KEY_TAG, "")
-    return Target(version, versions, run_id, state, str(found.status), run_key, kept_out(tags, moves, version))
+    has_served = served(version, moves, aliases.get(PREVIOUS_CHAMPION), replaced)
+    return Target(version, versions, run_id, state, str(found.status), run_key, kept_out(tags, has_served))

@@ -13,7 +13,7 @@ import pytest
 
 from raytrain_driver.champion_history import ROLLBACK, ChampionMove, read_history
 from raytrain_driver.registry_lock import QUEUE_SUFFIX, model_lock
-from raytrain_driver.rollback import Target, kept_out, refusal, roll_back
+from raytrain_driver.rollback import Target, kept_out, refusal, roll_back, served
 from raytrain_tasks.errors import RollbackError
 from tests.registered_versions import registered_versions
 
@@ -32,7 +32,7 @@ VERSIONS = ("1", "2", "3")
         (Target("1", VERSIONS, "r1", ""), "3", "bad model", "run r1 is unknown to this MLflow store"),
         (Target("1", VERSIONS, "r1", "deleted"), "3", "bad model", "run r1 is deleted"),
         (Target("1", VERSIONS, "r1", "active", "FAILED_REGISTRATION"), "3", "x", "version 1 is FAILED_REGISTRATION"),
-        (Target("1", VERSIONS, "r1", "active", kept_out="worse"), "3", "bad model", "version 1 was never champion"),
+        (Target("1", VERSIONS, "r1", "active", kept_out="was never champion (x)"), "3", "bad", "version 1 was never"),
     ],
 )
 def test_refusal(target: Target, champion: str | None, reason: str, refused: str | None) -> None:
@@ -48,25 +48,39 @@ def _move(version: str, previous: str | None) -> ChampionMove:
     return ChampionMove(version, previous, "r", "k", "promote", "better", "training run")
 
 
+@pytest.mark.parametrize(
+    ("moves", "previous", "replaced", "has_served"),
+    [
+        ([], None, set(), False),
+        ([_move("3", "2")], None, set(), True),  # replaced by a recorded move: it was champion (moved there outside)
+        ([_move("2", "1")], None, set(), True),  # a recorded move to it
+        ([], "2", set(), True),  # previous_champion: an older release's gate, or a person, put it there
+        ([], None, {"2"}, True),  # a later version was compared with it as champion
+        ([_move("3", "1")], "1", {"1"}, False),
+    ],
+)
+def test_served(moves: list[ChampionMove], previous: str | None, replaced: set[str], has_served: bool) -> None:
+    assert served("2", moves, previous, replaced) is has_served
+
+
 KEPT = {"promotion.decision": "keep_champion", "promotion.reason": "does not beat champion version 1 (0.68 vs 0.94)"}
 
 
 @pytest.mark.parametrize(
-    ("tags", "moves", "says"),
+    ("tags", "has_served", "says"),
     [
-        (KEPT, [], "does not beat champion version 1 (0.68 vs 0.94)"),
-        (KEPT, [_move("3", "2")], ""),  # moved to champion outside: the next record's previous shows it served
-        (KEPT, [_move("2", "1")], ""),  # champion after all (a later gate run promoted it)
-        ({"promotion.decision": "undecided"}, [], "undecided"),
-        ({"promotion.decision": "not_requested"}, [], "not_requested"),
-        ({"promotion.decision": "promote"}, [], ""),
-        ({"promotion.decision": "replace_incomparable_champion"}, [], ""),
-        ({}, [], ""),  # registered by hand, or before the gate wrote its decisions: nothing says it did not serve
-        ({"promotion.decision": "demote"}, [], "unknown to this release"),  # cannot tell: refused
+        (KEPT, False, "was never champion that anything shows: the gate kept it out (does not beat champion version"),
+        (KEPT, True, ""),
+        ({"promotion.decision": "undecided"}, False, "kept it out (undecided)"),
+        ({"promotion.decision": "not_requested"}, False, "kept it out (not_requested)"),
+        ({"promotion.decision": "promote"}, False, ""),
+        ({"promotion.decision": "replace_incomparable_champion"}, False, ""),
+        ({}, False, ""),  # registered by hand: nothing says it did not serve
+        ({"promotion.decision": "demote"}, False, "a promotion decision this release does not know ('demote')"),
     ],
 )
-def test_kept_out(tags: dict[str, str], moves: list[ChampionMove], says: str) -> None:
-    said = kept_out(tags, moves, "2")
+def test_kept_out(tags: dict[str, str], has_served: bool, says: str) -> None:
+    said = kept_out(tags, has_served)
     assert (says in said and said) if says else said == "", said
 
 
@@ -163,6 +177,15 @@ def test_a_version_the_gate_kept_out_and_that_never_served_is_refused(tmp_path: 
     for key, value in KEPT.items():
         client.set_model_version_tag("gated", v1, key, value)
     before = _unchanged(client, "gated")
-    with pytest.raises(RollbackError, match=r"version 1 was never champion: the gate kept it out \(does not beat"):
+    with pytest.raises(RollbackError, match=r"version 1 was never champion that anything shows: the gate kept it"):
         roll_back(client, "gated", v1, "try the small one", by="rollback by ana@host-1")
     assert _unchanged(client, "gated") == before
+
+
+def test_a_version_the_gate_kept_out_that_served_later_may_be_rolled_back_to(tmp_path: Path) -> None:
+    """An older release's history has no record: the previous_champion alias shows the version served."""
+    uri, client, (_, v2, v3) = _with_champion(tmp_path, "served")
+    for key, value in KEPT.items():
+        client.set_model_version_tag("served", v2, key, value)
+    move = roll_back(client, "served", v2, "v3 drifts", by="rollback by ana@host-1")
+    assert (move.version, move.previous) == (v2, v3)
