@@ -178,10 +178,14 @@ def commit(staging: StorageLocation, output: StorageLocation, provenance: Proven
     return rows
 
 
-# S3 copies at most 5 GiB in one request (CopyObject); a larger output is copied in parts of COPY_PART bytes
-# (UploadPartCopy, at most 10,000 parts), and like a single copy it appears only when the upload completes.
+# S3 copies at most 5 GiB in one request (CopyObject); a larger output is copied in parts of at least COPY_PART
+# bytes (UploadPartCopy, at most MAX_PARTS), and like a single copy it appears only when the upload completes.
 SINGLE_COPY_LIMIT = 5 * 1024**3
 COPY_PART = 512 * 1024**2
+MAX_PARTS = 10_000
+# A server may answer a part's copy only once it is done: the wait for one part's answer (boto3's default, and
+# this project's for other requests, is a few seconds).
+COPY_READ_TIMEOUT_S = 600
 
 
 def publish_on_s3(staged: StorageLocation, output: StorageLocation) -> None:
@@ -192,7 +196,9 @@ def publish_on_s3(staged: StorageLocation, output: StorageLocation) -> None:
         return
     from raytrain_tasks.storage.locations import s3_client
 
-    copy_in_parts(s3_client(output.options), staged.uri, output.uri, size, COPY_PART)
+    part = max(COPY_PART, -(-size // MAX_PARTS))
+    client = s3_client(output.options, read_timeout=COPY_READ_TIMEOUT_S)
+    copy_in_parts(client, staged.uri, output.uri, size, part)
 
 
 def copy_in_parts(client: Any, source_uri: str, target_uri: str, size: int, part: int) -> None:
@@ -202,9 +208,9 @@ def copy_in_parts(client: Any, source_uri: str, target_uri: str, size: int, part
 
     source_bucket, source_key = split_s3(source_uri)
     bucket, key = split_s3(target_uri)
-    upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
-    completed = False
+    upload = None
     try:
+        upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
         parts = []
         for number, start in enumerate(range(0, size, part), start=1):
             copied = client.upload_part_copy(
@@ -217,11 +223,12 @@ def copy_in_parts(client: Any, source_uri: str, target_uri: str, size: int, part
             )
             parts.append({"PartNumber": number, "ETag": copied["CopyPartResult"]["ETag"]})
         client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=upload, MultipartUpload={"Parts": parts})
-        completed = True
+        upload = None
     except (BotoCoreError, ClientError) as exc:
-        raise OSError(f"output_path: could not copy the predictions to {target_uri}: {redact(str(exc))}") from exc
+        where = redact_uri(target_uri)
+        raise OSError(f"output_path: could not copy the predictions to {where}: {redact(str(exc))}") from exc
     finally:
-        if not completed:  # a failure, or a stop (Ctrl-C, a cancellation) midway
+        if upload is not None:  # begun, not completed: a failure, or a stop (Ctrl-C, a cancellation) midway
             _abort(client, bucket, key, upload)
 
 
@@ -231,7 +238,7 @@ def _abort(client: Any, bucket: str, key: str, upload: str) -> None:
     try:
         client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload)
     except (BotoCoreError, ClientError) as exc:  # the bucket's lifecycle rule for incomplete uploads is left
-        logger.warning("could not abort the unfinished copy to s3://%s/%s (%s): %s", bucket, key, upload, exc)
+        logger.warning("could not abort the unfinished copy to s3://%s/%s: %s", bucket, key, redact(str(exc)))
 
 
 def _parts(staging: StorageLocation, parts: list[str]) -> Any:

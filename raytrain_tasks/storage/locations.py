@@ -214,10 +214,10 @@ def check_writable(location: StorageLocation, *, create_bucket: bool = False) ->
         ) from exc
 
 
-def s3_client(options: StorageOptions, max_attempts: int | None = None) -> Any:
+def s3_client(options: StorageOptions, max_attempts: int | None = None, read_timeout: int = 10) -> Any:
     """A boto3 S3 client trying each request ``options.max_attempts`` times (``s3_max_attempts``) with AWS's
     standard backoff, or ``max_attempts`` where the caller retries on its own schedule or must answer in
-    seconds (the pre-flight check, the run lease)."""
+    seconds (the pre-flight check, the run lease); ``read_timeout``: seconds to wait for an answer."""
     import boto3
     from botocore.config import Config
 
@@ -229,7 +229,7 @@ def s3_client(options: StorageOptions, max_attempts: int | None = None) -> Any:
         region_name=options.region or None,
         config=Config(
             connect_timeout=3,
-            read_timeout=10,
+            read_timeout=read_timeout,
             retries={"total_max_attempts": max_attempts or options.max_attempts, "mode": "standard"},
         ),
     )

@@ -186,6 +186,10 @@ def test_an_output_over_s3s_single_copy_limit_is_copied_in_parts_and_appears_who
         scoring_output.copy_in_parts(client, f"{staging.uri}/gone.parquet", output.uri, 12 * 1024**2, 5 * 1024**2)
     assert not output.exists()
     assert not client.list_multipart_uploads(Bucket="prt-large").get("Uploads")
+    with pytest.raises(OSError, match="output_path: could not copy the predictions to s3://prt-no-such-bucket/"):
+        scoring_output.copy_in_parts(
+            client, staging.uri, "s3://prt-no-such-bucket/p.parquet", 12 * 1024**2, 5 * 1024**2
+        )
 
     assert commit(staging, output, Provenance("m", "3", "a" * 64)) == len(noise)
     head = client.head_object(Bucket="prt-large", Key="daily/predictions.parquet")
