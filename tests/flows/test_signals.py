@@ -224,7 +224,9 @@ def test_a_run_killed_before_its_first_checkpoint_continues_from_epoch_one_in_th
     # Nothing it started outlives it: Ray's GCS and raylet share its fate, the temporary API ends with it. Ray's
     # dashboard and runtime-env agents (started by the raylet) outlive a SIGKILLed driver: Ray's own behaviour
     # (seen with Ray 2.60 before this project put anything in a group of its own); they are ended here by PID.
-    left = [line for line in command.left_behind() if "Agent" not in line and "agent" not in line]
+    # A Ray worker of the killed raylet ends by itself once it notices; on the chaos tier's loaded 2 cores one
+    # took over 10 s. One that never ends fails here.
+    left = [line for line in command.left_behind(grace=45.0) if "Agent" not in line and "agent" not in line]
     assert left == []
     output = command.output()
     assert "epoch 1/4 committed" not in output, "the kill came too late for this test"
