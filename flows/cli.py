@@ -212,12 +212,12 @@ def _exit_at_the_latest_after_a_signal(config: TrainingConfig) -> None:
 def _train_code_problem(config: TrainingConfig) -> str:
     """Why ``train_code`` cannot run (it does not import, names nothing, or cannot register as asked); "" if it can.
     The flow checks it again where it runs (prepare-data, and the fit's pre-flight on the cluster)."""
-    from raytrain_driver.preflight import code_model_name, resolve_code
+    from raytrain_driver.preflight import check_long_run_settings, code_model_name, resolve_code
     from raytrain_tasks.errors import SettingsError, UserCodeError
 
     try:
-        resolve_code(config)
         code_model_name(config)
+        check_long_run_settings(config, resolve_code(config), ray_data=False)  # Ray Datasets: the fit checks them
     except (SettingsError, UserCodeError) as exc:
         return str(exc)
     return ""

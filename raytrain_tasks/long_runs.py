@@ -125,21 +125,21 @@ def step_checkpoint_refusal(checkpoints: StepCheckpoints, spec_loop: bool, ray_d
     if not checkpoints.on:
         return None
     asked = (
-        f"checkpoint_every_steps={checkpoints.every_steps}"
+        f"checkpoint_every_steps={checkpoints.every_steps} (--checkpoint-every-steps)"
         if checkpoints.every_steps
-        else f"checkpoint_every_minutes={checkpoints.every_minutes:g}"
+        else f"checkpoint_every_minutes={checkpoints.every_minutes:g} (--checkpoint-every-minutes)"
     )
     if not spec_loop:
         return (
             f"{asked} applies to a TrainSpec, whose loop the pipeline runs. A TrainFunc's train_func checkpoints "
             "where it calls ray.train.report(..., checkpoint=...): report within the epoch there, with each rank's "
-            "loader position in the checkpoint (docs/long-runs.md), and set the setting back to 0"
+            "loader position in the checkpoint (docs/long-runs.md), and set it back to 0"
         )
     if ray_data:
         return (
             f"{asked}: this TrainSpec's data are Ray Datasets, and Ray Data's iterator cannot start again where it "
             "stopped (ray-project/ray#37633), so a resume could not continue from that step exactly. Give torch "
-            "Datasets, or set the setting back to 0 (checkpoints at epoch ends)"
+            "Datasets, or set it back to 0 (checkpoints at epoch ends)"
         )
     return None
 

@@ -108,7 +108,14 @@ def test_train_code_that_cannot_run_is_named_before_prefect_or_ray_start(tmp_pat
     )  # fmt: skip
     assert typo.returncode == 2, typo.stderr[-3000:]
     assert "train_config sets 'chanels'" in typo.stderr and "did you mean 'channels'" in typo.stderr, typo.stderr
-    assert "Traceback" not in misspelled.stderr + unregistrable.stderr + typo.stderr
+    # Checkpoints within an epoch for a train_func, whose own loop checkpoints: refused naming the flag.
+    within = _run_cli(
+        tmp_path, "--train-code", "examples.long_epochs.train:training", "--checkpoint-every-minutes", "1",
+        timeout=120,
+    )  # fmt: skip
+    assert within.returncode == 2, within.stderr[-3000:]
+    assert within.stderr.count("checkpoint_every_minutes=1 (--checkpoint-every-minutes) applies to a TrainSpec") == 1
+    assert "Traceback" not in misspelled.stderr + unregistrable.stderr + typo.stderr + within.stderr
     pipeline = tmp_path / ".pipeline"
     assert not (pipeline / "storage").exists() and not (pipeline / "mlflow.db").exists()
     assert not list((pipeline / "prefect").glob("*.db")), list((pipeline / "prefect").iterdir())

@@ -72,8 +72,18 @@ def test_no_checkpoint_within_an_epoch_at_its_last_step(
         (StepCheckpoints(), False, True, None),  # not asked: nothing to refuse
         (StepCheckpoints(50), True, False, None),  # a TrainSpec on torch Datasets
         (StepCheckpoints(0, 5), True, False, None),
-        (StepCheckpoints(50), False, False, "checkpoint_every_steps=50 applies to a TrainSpec"),
-        (StepCheckpoints(0, 5), False, False, "checkpoint_every_minutes=5 applies to a TrainSpec"),
+        (
+            StepCheckpoints(50),
+            False,
+            False,
+            "checkpoint_every_steps=50 (--checkpoint-every-steps) applies to a TrainSpec",
+        ),
+        (
+            StepCheckpoints(0, 5),
+            False,
+            False,
+            "checkpoint_every_minutes=5 (--checkpoint-every-minutes) applies to a TrainSpec",
+        ),
         (StepCheckpoints(50), True, True, "ray-project/ray#37633"),
     ],
 )
