@@ -12,7 +12,7 @@ from collections.abc import Collection, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from raytrain_driver.champion_history import ROLLBACK, ChampionMove, read_history, record_move, was_champion
+from raytrain_driver.champion_history import ROLLBACK, ChampionMove, parse_history, record_move, was_champion
 from raytrain_driver.origin import VERSION_RUN_KEY_TAG
 from raytrain_driver.promotion import CHAMPION, PREVIOUS_CHAMPION, Promotion
 from raytrain_driver.registry_lock import model_lock
@@ -99,9 +99,10 @@ def roll_back(client: MlflowClient, name: str, to_version: str, reason: str, by:
         ) from exc
     with model_lock(client, name, owner=f"{by}, to version {version}") as lock:
         try:
-            aliases = {alias: str(held) for alias, held in client.get_registered_model(name).aliases.items()}
+            model = client.get_registered_model(name)  # its aliases and, in its tags, the champion history
+            aliases = {alias: str(held) for alias, held in model.aliases.items()}
             champion = aliases.get(CHAMPION)
-            target = _target(client, name, version, read_history(client, name)[0].moves, aliases)
+            target = _target(client, name, version, parse_history(dict(model.tags)).moves, aliases)
         except MlflowException as exc:
             raise TrackingError(f"could not read {name} version {version}: {exc}. Nothing moved") from exc
         if (why := refusal(target, champion, reason)) is not None:
